@@ -1,0 +1,93 @@
+"""Small shared utilities: base directory, device and dtype choice, distributed info, logging, atomic writes."""
+
+import os
+import json
+import tempfile
+import torch
+import torch.distributed as dist
+
+
+def get_base_dir():
+    # everything the project writes (data, tokenizer, runs) lives under one directory
+    base = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+def get_dist_info():
+    """(is_ddp, rank, local_rank, world_size) from the torchrun environment."""
+    if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    return False, 0, 0, 1
+
+
+def print0(*args, **kwargs):
+    if get_dist_info()[1] == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def autodetect_device_type():
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def compute_dtype_for(device_type):
+    # bf16 matmuls where the hardware does them natively (SM80+), fp32 everywhere else
+    if device_type == "cuda" and torch.cuda.get_device_capability()[0] >= 8:
+        return torch.bfloat16
+    return torch.float32
+
+
+class UserError(Exception):
+    """A problem with the user's input: reported as one line, without a traceback."""
+
+
+def atomic_write_bytes(path, data):
+    # temp file in the same directory + rename: a crash never leaves a half-written file
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-" + os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def atomic_write_json(path, obj):
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def atomic_torch_save(obj, path):
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-" + os.path.basename(path))
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def dist_init(device_type):
+    """Initialise torch.distributed under torchrun (nccl on cuda, gloo elsewhere). Returns (is_ddp, rank, local_rank, world_size, device)."""
+    is_ddp, rank, local_rank, world_size = get_dist_info()
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device(device_type)
+    if is_ddp and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return is_ddp, rank, local_rank, world_size, device
