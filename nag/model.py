@@ -1,0 +1,221 @@
+"""
+The NAG model (DESIGN.md §3): the baseline's attention and MLP, with the additive
+residual stream replaced by a direction R̄ (RMS 1) and a carried log-norm s (fp32).
+
+Each sub-layer output x = f(R̄) rotates R̄ towards N_out(x) by angle arctan(g), with
+g = α · warmup(t) · m(R̄), and adds ½·log1p(g²) to s. Decoding reads the cosine
+between R̄ and each centred, RMS-normalised lm_head row, scaled by exp(s): the
+carried norm acts as an inverse temperature.
+"""
+
+import math
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanochat.gpt import GPT, Linear
+from nag.functional import nag_branch, modulator
+
+BETA_RAW_INIT = 0.5413  # softplus⁻¹(1): the modulator starts linear in u
+DEAD_GAIN = 1e-3  # a branch whose mean |g| falls below this counts as dead in telemetry
+
+
+@dataclass
+class NAGConfig:
+    directions: int = 32  # C, preferred directions of the modulator
+    alpha_init_power: float = 0.5  # α_l = l^(−p)
+    mod_floor: float = 1e-6  # 0 reproduces failure 1 (NaN from u^(β−1) at u = 0)
+    renorm: str = "measured"  # or "predicted" (paper eq. 17)
+    alpha_warmup_tokens: int = 314_572_800  # 0 disables the warm-up
+
+
+def add_nag_args(parser):
+    g = parser.add_argument_group("NAG (used with --arch nag)")
+    g.add_argument("--nag-gate-lr", type=float, default=1e-3, help="AdamW LR of α, β, coef, m_down (× batch LR scale)")
+    g.add_argument("--nag-temp-gain-lr", type=float, default=0.005, help="AdamW LR of log G_encode (× batch LR scale)")
+    g.add_argument("--nag-alpha-warmup-tokens", type=int, default=NAGConfig.alpha_warmup_tokens, help="0 disables the α warm-up")
+    g.add_argument("--nag-mod-floor", type=float, default=NAGConfig.mod_floor, help="floor of u before the power; 0 reproduces failure 1")
+    g.add_argument("--nag-renorm", type=str, default=NAGConfig.renorm, choices=["measured", "predicted"])
+    g.add_argument("--nag-directions", type=int, default=NAGConfig.directions)
+    g.add_argument("--nag-alpha-init-power", type=float, default=NAGConfig.alpha_init_power)
+    g.add_argument("--nag-gate-log-every", type=int, default=100, help="gate telemetry every N steps (0 = never)")
+    g.add_argument("--nag-impl", type=str, default="", choices=["", "reference", "compiled", "fused"],
+                   help="branch implementation (default: fused on cuda, reference elsewhere)")
+
+
+def nag_config_from_args(args, device_type=None):
+    from nanochat.common import UserError
+    if args.nag_mod_floor < 0:
+        raise UserError(f"--nag-mod-floor must be >= 0 (got {args.nag_mod_floor})")
+    if args.nag_directions < 1:
+        raise UserError(f"--nag-directions must be >= 1 (got {args.nag_directions})")
+    if args.nag_alpha_warmup_tokens < 0:
+        raise UserError(f"--nag-alpha-warmup-tokens must be >= 0 (got {args.nag_alpha_warmup_tokens})")
+    return NAGConfig(directions=args.nag_directions, alpha_init_power=args.nag_alpha_init_power, mod_floor=args.nag_mod_floor,
+                     renorm=args.nag_renorm, alpha_warmup_tokens=args.nag_alpha_warmup_tokens)
+
+
+def nag_optimizer_kwargs(args):
+    return {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr}
+
+
+def branch_function(impl):
+    """The NAG update implementation: all three give the same results (tests check it)."""
+    if impl == "reference":
+        return nag_branch
+    if impl == "compiled":
+        return torch.compile(nag_branch, dynamic=False)
+    if impl == "fused":
+        from nag.kernels import fused_nag_branch
+        return fused_nag_branch
+    raise ValueError(f"unknown NAG impl {impl!r} (reference, compiled, fused)")
+
+
+def default_impl(device_type):
+    return "fused" if device_type == "cuda" else "reference"
+
+
+class NAGBranch(nn.Module):
+    """The gate of one sub-layer: m_down (d → C, with bias), coef (C), beta_raw, alpha."""
+
+    def __init__(self, dim, directions, device=None):
+        super().__init__()
+        self.m_down = Linear(dim, directions, bias=True, device=device)
+        self.coef = nn.Parameter(torch.empty(directions, device=device))
+        self.beta_raw = nn.Parameter(torch.empty(1, device=device))
+        self.alpha = nn.Parameter(torch.empty(1, device=device))
+
+
+class NAGBlockGates(nn.Module):
+    def __init__(self, dim, directions, device=None):
+        super().__init__()
+        self.attn_branch = NAGBranch(dim, directions, device)
+        self.mlp_branch = NAGBranch(dim, directions, device)
+
+
+class NAGGPT(GPT):
+    arch = "nag"
+
+    def __init__(self, config, nag=None, impl=None, device=None):
+        super().__init__(config, device=device)
+        self.nag = nag or NAGConfig()
+        self.gates = nn.ModuleList([NAGBlockGates(config.n_embd, self.nag.directions, device) for _ in range(config.n_layer)])
+        self.log_gain_encode = nn.Parameter(torch.empty(1, device=device))  # log G_encode
+        self.register_buffer("alpha_warmup", torch.ones(1, device=device), persistent=False)
+        self.impl = impl
+        self.branch_fn = None  # chosen on first forward, once the device is known
+        self.record_telemetry = False
+        self.telemetry_rows = []
+
+    @classmethod
+    def extra_init_kwargs(cls, meta):
+        return {"nag": NAGConfig(**meta["nag_config"])}
+
+    def extra_meta(self):
+        return {"nag_config": asdict(self.nag)}
+
+    def branches(self):
+        """(update index l, branch module) in residual-update order: attn of block 0 is l = 1, its MLP l = 2, ..."""
+        out = []
+        for i, g in enumerate(self.gates):
+            out += [(2 * i + 1, g.attn_branch), (2 * i + 2, g.mlp_branch)]
+        return out
+
+    @torch.no_grad()
+    def init_weights(self):
+        super().init_weights()
+        d = self.config.n_embd
+        bound = math.sqrt(3) * d ** -0.5
+        for l, br in self.branches():
+            nn.init.uniform_(br.m_down.weight, -bound, bound)
+            nn.init.zeros_(br.m_down.bias)
+            nn.init.zeros_(br.coef)
+            br.beta_raw.fill_(BETA_RAW_INIT)
+            br.alpha.fill_(l ** -self.nag.alpha_init_power)
+        self.log_gain_encode.zero_()
+        self.alpha_warmup.fill_(1.0)
+        self.after_optimizer_step()
+
+    @torch.no_grad()
+    def after_optimizer_step(self):
+        # embedding rows centred; lm_head rows centred and RMS-normalised
+        self.wte.weight.sub_(self.wte.weight.mean(dim=1, keepdim=True))
+        w = self.lm_head.weight
+        w.sub_(w.mean(dim=1, keepdim=True))
+        w.mul_(torch.rsqrt(w.square().mean(dim=1, keepdim=True).clamp_min(1e-30)))
+
+    def set_tokens_seen(self, tokens):
+        warm = self.nag.alpha_warmup_tokens
+        self.alpha_warmup.fill_(1.0 if warm <= 0 else min(1.0, tokens / warm))
+
+    def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr=1e-3, temp_gain_lr=0.005):
+        groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale)
+        groups.append(dict(kind="adamw", name="nag_gates", params=list(self.gates.parameters()), lr=gate_lr * lr_scale, betas=(0.8, 0.95)))
+        groups.append(dict(kind="adamw", name="nag_temp_gain", params=[self.log_gain_encode], lr=temp_gain_lr * lr_scale, betas=(0.8, 0.95)))
+        return groups
+
+    def forward(self, idx, targets=None, loss_reduction="mean"):
+        if self.branch_fn is None:
+            self.branch_fn = branch_function(self.impl or default_impl(self.wte.weight.device.type))
+        T = idx.size(1)
+        cos_sin = self.rotary(T)
+        e = self.wte(idx)  # fp32 rows, centred
+        rho = e.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)  # ρ₀ = ‖e‖/√d
+        res_dir = (e / rho).to(self.compute_dtype)
+        log_norm = torch.log(rho) + self.log_gain_encode  # (B, T, 1) fp32
+        self.telemetry_rows = []
+        for block, gates, window in zip(self.blocks, self.gates, self.windows):
+            res_dir, log_norm = self.update(res_dir, log_norm, block.attn(res_dir, cos_sin, window), gates.attn_branch)
+            res_dir, log_norm = self.update(res_dir, log_norm, block.mlp(res_dir), gates.mlp_branch)
+        # cosine with each unit-RMS lm_head row, times the carried norm; no soft-cap
+        logits = self.lm_head(res_dir).float() / self.config.n_embd * log_norm.exp()
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
+
+    def update(self, res_dir, log_norm, branch_out, br):
+        mod_logits = br.m_down(res_dir)
+        alpha = br.alpha * self.alpha_warmup
+        if self.record_telemetry:
+            self.record_branch(mod_logits, br, alpha)
+        return self.branch_fn(res_dir, log_norm, branch_out, mod_logits, br.coef, br.beta_raw, alpha,
+                              self.nag.mod_floor, self.nag.renorm)
+
+    # ----- telemetry -----
+
+    @torch.no_grad()
+    def record_branch(self, mod_logits, br, alpha):
+        floor = self.nag.mod_floor
+        w = torch.softmax(br.coef.float(), dim=-1)
+        u = (torch.sigmoid(mod_logits.float()) * w).sum(dim=-1)
+        m = modulator(mod_logits.detach(), br.coef.detach(), br.beta_raw.detach(), floor).float()
+        gain = (alpha.detach().float() * m).abs()
+        self.telemetry_rows.append(torch.stack([m.mean(), (u <= floor).float().mean(), gain.mean(), alpha.detach().float().squeeze()]))
+
+    def collect_telemetry(self):
+        """Gate statistics of the last recorded forward, as plain numbers for metrics.jsonl."""
+        rows = torch.stack(self.telemetry_rows).cpu().tolist()
+        self.telemetry_rows = []
+        names = [f"{i}.{kind}" for i in range(self.config.n_layer) for kind in ("attn", "mlp")]
+        gains = [r[2] for r in rows]
+        alphas = [r[3] for r in rows]
+        n = len(rows)
+        quartiles = [sum(gains[q * n // 4:(q + 1) * n // 4]) / max(1, len(gains[q * n // 4:(q + 1) * n // 4])) for q in range(4)]
+        return {
+            "branches": [{"name": nm, "mod_mean": r[0], "floor_frac": r[1], "gain_abs_mean": r[2], "alpha": r[3]} for nm, r in zip(names, rows)],
+            "dead_branches": sum(g < DEAD_GAIN for g in gains),
+            "dead_threshold": DEAD_GAIN,
+            "num_branches": n,
+            "gain_by_depth_quartile": quartiles,
+            "alpha_min": min(alphas),
+            "alpha_max": max(alphas),
+            "floor_frac_mean": sum(r[1] for r in rows) / n,
+        }
+
+    @staticmethod
+    def format_telemetry(t):
+        q = " ".join(f"{v:.3f}" for v in t["gain_by_depth_quartile"])
+        return (f"  gates | dead {t['dead_branches']}/{t['num_branches']} (mean |g| < {t['dead_threshold']:g}) | "
+                f"|g| by depth quartile {q} | α {t['alpha_min']:.3f}..{t['alpha_max']:.3f} | at floor {100 * t['floor_frac_mean']:.2f}%")

@@ -1,0 +1,118 @@
+"""
+Pretraining batches by BOS-aligned best-fit packing.
+
+Every document is tokenized with <|bos|> in front, and every row of T+1 tokens
+starts at the beginning of a document. A row is filled by repeatedly taking the
+largest buffered document that still fits the space left; when none fits, the
+shortest buffered document is cropped to fill the row exactly, and the rest of it
+is dropped. That is the only cropping, so little text is thrown away while no row
+ever starts mid-document.
+
+The stream is deterministic: rank r reads row groups r, r+W, r+2W, ... of the
+split, cycling over epochs forever. The state yielded with each batch names the
+buffered documents by their position in the stream, so a loader resumed from it
+re-reads them and yields exactly the batches the uninterrupted one would have.
+"""
+
+from bisect import bisect_left, insort
+from collections import defaultdict
+
+import torch
+
+from nanochat.common import UserError
+from nanochat.dataset import list_row_groups, read_row_group, row_group_sizes
+
+STATE_VERSION = 1
+
+
+def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resume_state=None, buffer_size=1000, tokenizer_threads=4):
+    """Yield (inputs, targets, state) forever: int64 (B, T) tensors on device, targets shifted by one; state resumes the stream."""
+    if B < 1 or T < 1:
+        raise UserError(f"batch size and sequence length must be positive, got B={B}, T={T}")
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
+    row_groups = list_row_groups(split, start=rank, step=world_size)
+    if not row_groups:
+        total = len(list_row_groups(split))
+        raise UserError(f"the {split} split has {total} row groups, fewer than the {world_size} ranks; use fewer GPUs or more data")
+    docs_per_epoch = sum(row_group_sizes(row_groups))
+    if docs_per_epoch == 0:
+        raise UserError(f"the {split} split has no documents for rank {rank}; re-create the data")
+    # a small split is buffered once, not many times over
+    buffer_target = max(1, min(buffer_size, docs_per_epoch))
+    bos = tokenizer.get_bos_token_id()
+    device = torch.device(device)
+    row_len = T + 1
+
+    # buffer: keys (num_tokens, epoch, row_group_pos, doc_index) kept sorted, so best fit is a bisect
+    keys = []
+    tokens = {}  # (epoch, row_group_pos, doc_index) -> token ids, BOS first
+
+    def add_docs(epoch, pos, doc_indices=None):
+        texts = read_row_group(*row_groups[pos])
+        if doc_indices is None:
+            doc_indices = range(len(texts))
+        ids = tokenizer([texts[d] for d in doc_indices], prepend=bos, num_threads=tokenizer_threads)
+        for d, doc in zip(doc_indices, ids):
+            tokens[(epoch, pos, d)] = doc
+            insort(keys, (len(doc), epoch, pos, d))
+
+    if resume_state is None:
+        epoch, next_pos = 0, 0
+    else:
+        epoch, next_pos = _check_state(resume_state, split, rank, world_size, len(row_groups))
+        wanted = defaultdict(list)
+        for doc_epoch, pos, d in resume_state["buffer"]:
+            wanted[(doc_epoch, pos)].append(d)
+        for (doc_epoch, pos), doc_indices in sorted(wanted.items()):
+            try:
+                add_docs(doc_epoch, pos, sorted(doc_indices))
+            except IndexError:
+                raise UserError(f"the data changed since this loader state was saved (row group {row_groups[pos]} lacks a document); resume with the same data") from None
+
+    while True:
+        rows = []
+        for _ in range(B):
+            row = []
+            while len(row) < row_len:
+                # keep the buffer full so the best fit has many documents to choose from
+                while len(keys) < buffer_target:
+                    add_docs(epoch, next_pos)
+                    next_pos += 1
+                    if next_pos == len(row_groups):
+                        if rank == 0:
+                            print(f"dataloader: finished reading epoch {epoch} of the {split} split, starting epoch {epoch + 1}", flush=True)
+                        epoch, next_pos = epoch + 1, 0
+                remaining = row_len - len(row)
+                i = bisect_left(keys, (remaining + 1,)) - 1  # largest document with at most `remaining` tokens
+                if i >= 0:
+                    row.extend(tokens.pop(keys.pop(i)[1:]))
+                else:
+                    row.extend(tokens.pop(keys.pop(0)[1:])[:remaining])  # crop the shortest
+            rows.append(row)
+        batch = torch.tensor(rows, dtype=torch.long)
+        if device.type == "cuda":
+            batch = batch.pin_memory().to(device, non_blocking=True)
+        else:
+            batch = batch.to(device)
+        state = {
+            "version": STATE_VERSION, "split": split, "rank": rank, "world_size": world_size,
+            "num_row_groups": len(row_groups), "epoch": epoch, "next_pos": next_pos,
+            "buffer": [k[1:] for k in keys],
+        }
+        yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), state
+
+
+def _check_state(state, split, rank, world_size, num_row_groups):
+    try:
+        ok = state["version"] == STATE_VERSION
+        saved = (state["split"], state["rank"], state["world_size"])
+    except (KeyError, TypeError):
+        raise UserError("the dataloader resume state is not one this loader wrote; start without it") from None
+    if not ok:
+        raise UserError(f"dataloader resume state version {state['version']} is not {STATE_VERSION}; start without it")
+    if saved != (split, rank, world_size):
+        raise UserError(f"dataloader resume state is for split/rank/world_size {saved}, not {(split, rank, world_size)}; resume with the same setup")
+    if state["num_row_groups"] != num_row_groups:
+        raise UserError(f"the {split} data changed since the checkpoint ({state['num_row_groups']} row groups for this rank then, {num_row_groups} now); resume with the same shards")
+    return state["epoch"], state["next_pos"]

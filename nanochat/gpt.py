@@ -1,0 +1,267 @@
+"""
+The clean GPT baseline (DESIGN.md §2).
+
+Pre-norm transformer with parameter-free RMSNorm, rotary embeddings, QK-norm,
+ReLU² MLP, no biases, untied embedding / lm_head, zero-initialised output
+projections and a logit soft-cap. Weights are fp32 masters; every matmul runs in
+the model's compute dtype by casting the weight inside the Linear forward.
+"""
+
+import math
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 2048
+    vocab_size: int = 32768
+    n_layer: int = 12
+    n_head: int = 6
+    n_kv_head: int = 6
+    n_embd: int = 768
+    window_pattern: str = "L"  # per layer, cycled: L = full context, S = half context; the last layer is always L
+
+    def to_dict(self):
+        return asdict(self)
+
+
+ROTARY_BASE = 100_000
+QK_SCALE = 1.2
+SOFTCAP = 15.0
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class Linear(nn.Linear):
+    """Bias-free linear layer whose fp32 master weight is cast to the input's dtype."""
+
+    def __init__(self, in_features, out_features, bias=False, device=None):
+        super().__init__(in_features, out_features, bias=bias, device=device)
+
+    def forward(self, x):
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+def apply_rotary(x, cos, sin):
+    # x: (B, T, H, D); rotate the two halves of each head as complex pairs
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def layer_windows(config):
+    """Attention window (in tokens) of each layer from the cycled pattern."""
+    pattern = config.window_pattern.upper()
+    if not pattern or any(c not in "LS" for c in pattern):
+        raise ValueError(f"window pattern must be made of L and S, got {config.window_pattern!r}")
+    long_w, short_w = config.sequence_len, config.sequence_len // 2
+    windows = [long_w if pattern[i % len(pattern)] == "L" else short_w for i in range(config.n_layer)]
+    windows[-1] = long_w
+    return windows
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, device=None):
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        assert config.n_embd % config.n_head == 0 and config.n_head % config.n_kv_head == 0
+        d, hd = config.n_embd, self.head_dim
+        self.c_q = Linear(d, self.n_head * hd, device=device)
+        self.c_k = Linear(d, self.n_kv_head * hd, device=device)
+        self.c_v = Linear(d, self.n_kv_head * hd, device=device)
+        self.c_proj = Linear(d, d, device=device)
+
+    def forward(self, x, cos_sin, window):
+        B, T, _ = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        cos, sin = cos_sin
+        q = norm(apply_rotary(q, cos, sin)) * QK_SCALE
+        k = norm(apply_rotary(k, cos, sin)) * QK_SCALE
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        gqa = self.n_kv_head != self.n_head
+        if window >= T:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            i = torch.arange(T, device=x.device)
+            delta = i[:, None] - i[None, :]
+            mask = (delta >= 0) & (delta < window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config, device=None):
+        super().__init__()
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, device=device)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, device=device)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config, device=None):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, device=device)
+        self.mlp = MLP(config, device=device)
+
+    def forward(self, x, cos_sin, window):
+        x = x + self.attn(norm(x), cos_sin, window)
+        x = x + self.mlp(norm(x))
+        return x
+
+
+class GPT(nn.Module):
+    arch = "gpt"
+
+    def __init__(self, config, device=None):
+        """Build on device="meta" for free, then `to_empty(device=...)` and `init_weights()`."""
+        super().__init__()
+        self.config = config
+        self.windows = layer_windows(config)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd, device=device)
+        self.blocks = nn.ModuleList([Block(config, device=device) for _ in range(config.n_layer)])
+        self.lm_head = Linear(config.n_embd, config.vocab_size, device=device)
+        # rotary tables are derived state, rebuilt by init_weights (not saved in checkpoints)
+        self.rotary_len = config.sequence_len * 4
+        head_dim = config.n_embd // config.n_head
+        self.register_buffer("cos", torch.empty(1, self.rotary_len, 1, head_dim // 2, device=device), persistent=False)
+        self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2, device=device), persistent=False)
+        self.compute_dtype = torch.float32
+
+    @classmethod
+    def extra_init_kwargs(cls, meta):
+        """Constructor arguments beyond the GPTConfig, read back from a checkpoint's meta."""
+        return {}
+
+    def extra_meta(self):
+        """What a checkpoint must record to rebuild this model, beyond arch and GPTConfig."""
+        return {}
+
+    # ----- init -----
+
+    @torch.no_grad()
+    def init_weights(self):
+        d = self.config.n_embd
+        bound = math.sqrt(3) * d ** -0.5
+        nn.init.normal_(self.wte.weight, std=0.8)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v):
+                nn.init.uniform_(lin.weight, -bound, bound)
+            nn.init.uniform_(block.mlp.c_fc.weight, -0.4 * bound, 0.4 * bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+        self.init_rotary()
+
+    @torch.no_grad()
+    def init_rotary(self):
+        head_dim = self.config.n_embd // self.config.n_head
+        device = self.cos.device
+        inv_freq = ROTARY_BASE ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        t = torch.arange(self.rotary_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)[None, :, None, :]
+        self.cos.copy_(freqs.cos())
+        self.sin.copy_(freqs.sin())
+
+    def set_compute_dtype(self, dtype):
+        self.compute_dtype = dtype
+
+    # ----- accounting -----
+
+    def matmul_params(self):
+        """Every 2-D weight used in a matmul (the embedding is a lookup, not a matmul)."""
+        return [p for n, p in self.named_parameters() if p.ndim == 2 and n != "wte.weight"]
+
+    def num_scaling_params(self):
+        return sum(p.numel() for p in self.matmul_params())
+
+    def estimate_flops(self):
+        """Training FLOPs per token: 6 × matmul params + 12·h·q·T_eff attention per layer."""
+        h, q = self.config.n_head, self.config.n_embd // self.config.n_head
+        t = self.config.sequence_len
+        attn = sum(12 * h * q * min(w, t) for w in self.windows)
+        return 6 * self.num_scaling_params() + attn
+
+    # ----- optimizer -----
+
+    def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale):
+        """AdamW groups for embedding / lm_head, Muon for the block matrices. AdamW LRs scale with (d/768)^-½."""
+        dim_scale = (self.config.n_embd / 768) ** -0.5
+        block_matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
+        return [
+            dict(kind="adamw", name="wte", params=[self.wte.weight], lr=embedding_lr * dim_scale * lr_scale, betas=(0.8, 0.995)),
+            dict(kind="adamw", name="lm_head", params=[self.lm_head.weight], lr=unembedding_lr * dim_scale * lr_scale, betas=(0.8, 0.95)),
+            dict(kind="muon", name="matrices", params=block_matrices, lr=matrix_lr * lr_scale, weight_decay=weight_decay),
+        ]
+
+    def setup_optimizer(self, embedding_lr=0.3, unembedding_lr=0.004, matrix_lr=0.02, weight_decay=0.2, lr_scale=1.0, **extra):
+        from nanochat.optim import MuonAdamW
+        groups = self.optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, **extra)
+        # every parameter in exactly one group
+        seen = [id(p) for g in groups for p in g["params"]]
+        assert len(seen) == len(set(seen)), "a parameter is in two optimizer groups"
+        missing = [n for n, p in self.named_parameters() if id(p) not in set(seen)]
+        assert not missing, f"parameters in no optimizer group: {missing}"
+        return MuonAdamW(groups)
+
+    # ----- training hooks (no-ops for the baseline) -----
+
+    def set_tokens_seen(self, tokens):
+        """Called before every training step with the number of tokens trained on so far."""
+
+    def after_optimizer_step(self):
+        """Constraints re-imposed after every optimizer step."""
+
+    # ----- forward -----
+
+    def rotary(self, T):
+        assert T <= self.rotary_len, f"sequence of {T} tokens exceeds the rotary table ({self.rotary_len})"
+        dt = self.compute_dtype
+        return self.cos[:, :T].to(dt), self.sin[:, :T].to(dt)
+
+    def logits_from_hidden(self, x):
+        logits = self.lm_head(norm(x)).float()
+        return SOFTCAP * torch.tanh(logits / SOFTCAP)
+
+    def forward(self, idx, targets=None, loss_reduction="mean"):
+        T = idx.size(1)
+        cos_sin = self.rotary(T)
+        x = norm(self.wte(idx).to(self.compute_dtype))
+        for block, window in zip(self.blocks, self.windows):
+            x = block(x, cos_sin, window)
+        logits = self.logits_from_hidden(x)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
+
+    @torch.inference_mode()
+    def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
+        """Yield up to max_tokens sampled ids after the prompt `tokens` (list of ids). temperature 0 = greedy."""
+        device = self.cos.device
+        rng = torch.Generator(device=device).manual_seed(seed)
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        for _ in range(max_tokens):
+            logits = self(ids[:, -self.config.sequence_len:])[:, -1, :]
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
+                probs = F.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=rng)
+            ids = torch.cat([ids, nxt], dim=1)
+            yield nxt.item()

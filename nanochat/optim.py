@@ -1,0 +1,142 @@
+"""
+Muon + AdamW in one optimizer, chosen per parameter group by its "kind".
+
+The update math lives in two plain functions (`adamw_update`, `muon_update`)
+that act on tensors, so a distributed version can hand each rank its own slice
+of the state (Muon parameters are stacked by shape: a rank owns a range of the
+stack) without touching the math.
+"""
+
+import torch
+
+# Polar Express coefficients (Amsel et al., 2025) for the 5-iteration odd polynomial
+# approximation of the matrix sign function, with the safety factor 1.02 on the norm.
+POLAR_EXPRESS_COEFFS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def orthogonalize(G, dtype):
+    """Approximate U·Vᵀ of G = U·S·Vᵀ for a stack of matrices (n, r, c)."""
+    X = G.to(dtype)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    tall = X.size(-2) > X.size(-1)
+    if tall:  # iterate on the smaller Gram matrix
+        X = X.mT
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.mT if tall else X
+
+
+@torch.no_grad()
+def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_decay, beta2=0.95, ortho_dtype=torch.float32):
+    """One Muon step on a stack of same-shape matrices, in place. params/grads/momentum_buf: (n, r, c)."""
+    # Nesterov momentum
+    momentum_buf.lerp_(grads, 1 - momentum)
+    g = grads.lerp(momentum_buf, momentum)
+    g = orthogonalize(g, ortho_dtype).float()
+    # NorMuon: normalise each row (or column) by a running second moment, keeping the update's total norm
+    red_dim = -1 if g.size(-2) >= g.size(-1) else -2
+    v_mean = g.square().mean(dim=red_dim, keepdim=True)
+    n_red = g.size(red_dim)
+    norm_before = (v_mean.sum(dim=(-2, -1), keepdim=True) * n_red).sqrt()
+    variance_buf.lerp_(v_mean, 1 - beta2)
+    step_size = variance_buf.clamp_min(1e-10).rsqrt()
+    norm_after = ((v_mean * n_red) * step_size.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    g = g * step_size * (norm_before / norm_after.clamp_min(1e-10))
+    lr = lr * max(1.0, params.size(-2) / params.size(-1)) ** 0.5
+    # cautious weight decay: only where the update and the weight agree in sign
+    if weight_decay:
+        mask = (g * params) >= 0
+        params.sub_(lr * weight_decay * params * mask)
+    params.sub_(lr * g.to(params.dtype))
+
+
+@torch.no_grad()
+def adamw_update(p, g, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    """One AdamW step, math in fp32, in place."""
+    g = g.float()
+    if weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.lerp_(g.square(), 1 - beta2)
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
+    denom = (exp_avg_sq / bias2).sqrt_().add_(eps)
+    p.add_((exp_avg / bias1 / denom).to(p.dtype), alpha=-lr)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """
+    groups: dicts with kind="adamw" (lr, betas, eps, weight_decay) or kind="muon"
+    (lr, momentum, weight_decay). Muon groups are split by parameter shape so each
+    sub-group's matrices are updated as one stack. Each group keeps its
+    "initial_lr" / "initial_weight_decay" so schedules can scale them.
+    """
+
+    def __init__(self, groups):
+        flat = []
+        for g in groups:
+            g = dict(g)
+            if g["kind"] == "muon":
+                by_shape = {}
+                for p in g.pop("params"):
+                    by_shape.setdefault(tuple(p.shape), []).append(p)
+                for shape, ps in by_shape.items():
+                    flat.append(dict(g, params=ps, name=f"{g.get('name', 'muon')}{list(shape)}"))
+            else:
+                flat.append(g)
+        for g in flat:
+            g.setdefault("weight_decay", 0.0)
+            g.setdefault("betas", (0.8, 0.95))
+            g.setdefault("eps", 1e-10)
+            g.setdefault("momentum", 0.95)
+            g["initial_lr"] = g["lr"]
+            g["initial_weight_decay"] = g["weight_decay"]
+        super().__init__(flat, defaults={})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                self.step_adamw(group)
+            elif group["kind"] == "muon":
+                self.step_muon(group)
+            else:
+                raise ValueError(f"unknown optimizer group kind {group['kind']!r}")
+
+    def step_adamw(self, group):
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+            adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
+                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+
+    def step_muon(self, group):
+        params = group["params"]
+        if any(p.grad is None for p in params):
+            return
+        stacked_p = torch.stack(params)
+        stacked_g = torch.stack([p.grad for p in params]).float()
+        state = self.state[params[0]]
+        if not state:
+            r, c = stacked_p.shape[-2:]
+            var_shape = (len(params), r, 1) if r >= c else (len(params), 1, c)
+            state["momentum_buffer"] = torch.zeros_like(stacked_g)
+            state["variance_buffer"] = torch.zeros(var_shape, dtype=torch.float32, device=stacked_g.device)
+        ortho_dtype = torch.bfloat16 if stacked_p.is_cuda else torch.float32
+        muon_update(stacked_p, stacked_g, state["momentum_buffer"], state["variance_buffer"],
+                    group["lr"], group["momentum"], group["weight_decay"], ortho_dtype=ortho_dtype)
+        torch._foreach_copy_(params, list(stacked_p.unbind(0)))

@@ -1,0 +1,59 @@
+"""
+Train the BPE tokenizer on the train split and save it to <base_dir>/tokenizer/.
+
+    python -m scripts.tok_train --vocab-size 32768 --max-chars 2000000000
+"""
+
+import argparse
+import sys
+import time
+
+from nanochat.common import UserError
+from nanochat.dataset import parquets_iter_batched
+from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
+
+
+def text_iterator(max_chars, doc_cap):
+    """Train documents, each cut to doc_cap characters, until max_chars characters in total."""
+    seen = 0
+    for texts in parquets_iter_batched("train"):
+        for text in texts:
+            text = text[:doc_cap]
+            if seen + len(text) > max_chars:
+                text = text[:max_chars - seen]
+            seen += len(text)
+            yield text
+            if seen >= max_chars:
+                return
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Train the BPE tokenizer.")
+    parser.add_argument("--max-chars", type=int, default=2_000_000_000, help="train on at most this many characters")
+    parser.add_argument("--doc-cap", type=int, default=10_000, help="use at most this many characters of each document")
+    parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size, special tokens included")
+    args = parser.parse_args(argv)
+    try:
+        if args.max_chars < 1 or args.doc_cap < 1:
+            raise UserError("--max-chars and --doc-cap must be positive")
+        t0 = time.time()
+        tokenizer = Tokenizer.train_from_iterator(text_iterator(args.max_chars, args.doc_cap), args.vocab_size)
+        train_time = time.time() - t0
+        out_dir = get_tokenizer_dir()
+        tokenizer.save(out_dir)
+        print(f"trained a {tokenizer.get_vocab_size():,}-token vocabulary in {train_time:.1f}s, saved to {out_dir}")
+
+        # sanity: the round trip is exact, and compression is that of a BPE (well above 1 byte per token)
+        sample = "The quick brown fox jumps over the lazy dog. Numbers: 12345, unicode: café, 東京, 🙂.\n"
+        assert tokenizer.decode(tokenizer.encode(sample)) == sample, "tokenizer round trip failed"
+        val_texts = next(parquets_iter_batched("val"))
+        num_bytes = sum(len(t.encode("utf-8")) for t in val_texts)
+        num_tokens = sum(len(ids) for ids in tokenizer.encode(val_texts))
+        print(f"compression on {num_bytes:,} bytes of validation text: {num_bytes / max(num_tokens, 1):.2f} bytes/token")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
