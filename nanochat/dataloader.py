@@ -31,10 +31,10 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
         raise UserError(f"batch size and sequence length must be positive, got B={B}, T={T}")
     if not 0 <= rank < world_size:
         raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
-    row_groups = list_row_groups(split, start=rank, step=world_size)
-    if not row_groups:
-        total = len(list_row_groups(split))
-        raise UserError(f"the {split} split has {total} row groups, fewer than the {world_size} ranks; use fewer GPUs or more data")
+    all_row_groups = list_row_groups(split)
+    if len(all_row_groups) < world_size:  # checked on every rank, so all of them stop, not just the idle ones
+        raise UserError(f"the {split} split has {len(all_row_groups)} row groups, fewer than the {world_size} ranks; use fewer GPUs or more data")
+    row_groups = all_row_groups[rank::world_size]
     docs_per_epoch = sum(row_group_sizes(row_groups))
     if docs_per_epoch == 0:
         raise UserError(f"the {split} split has no documents for rank {rank}; re-create the data")

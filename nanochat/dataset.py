@@ -233,8 +233,8 @@ def _check_reachable(url):
     parts = urllib.parse.urlparse(url)
     if parts.scheme not in ("http", "https"):
         return
-    try:
-        socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    try:  # DNS lookup and a TCP connect, with a short timeout for firewalls that drop packets silently
+        socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=15).close()
     except OSError:
         raise _offline_error(url) from None
 
@@ -382,9 +382,11 @@ def split_long_text(text, max_chars):
 
 
 def _parquet_bytes(texts, docs_per_row_group):
+    # at least 8 row groups per shard where possible, so 8 ranks can share even the single validation shard
+    rows_per_group = max(1, min(docs_per_row_group, len(texts) // 8))
     table = pa.table({"text": pa.array(texts, type=pa.string())})
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, row_group_size=docs_per_row_group, compression="zstd")
+    pq.write_table(table, sink, row_group_size=rows_per_group, compression="zstd")
     return sink.getvalue().to_pybytes()
 
 

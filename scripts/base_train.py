@@ -28,6 +28,7 @@ from nanochat import checkpoint_manager as ckpt
 REFERENCE_BATCH = 2 ** 19  # tokens; the d12 reference of the muP-style batch rules
 REFERENCE_DEPTH = 12
 BATCH_EXPONENT = 0.383
+MAX_DECAY_PER_STEP = 0.01
 
 
 def build_parser():
@@ -132,6 +133,13 @@ def plan_horizon(args, model, world_tokens_per_fwdbwd):
     tokens = steps * batch
     lr_scale = math.sqrt(batch / REFERENCE_BATCH)
     weight_decay = args.weight_decay * lr_scale * (ref_tokens / tokens)
+    # far below the reference budget the rule explodes (D_ref/D ~ 1e5 on a CPU demo): never shrink
+    # the matrices by more than MAX_DECAY_PER_STEP in one step
+    max_wd = MAX_DECAY_PER_STEP / (args.matrix_lr * lr_scale)
+    if weight_decay > max_wd:
+        print0(f"note: the weight-decay rule gives {weight_decay:.3g} at this small budget; capped to {max_wd:.3g} "
+               f"(lr × wd ≤ {MAX_DECAY_PER_STEP} per step)")
+        weight_decay = max_wd
     return batch, steps, lr_scale, weight_decay
 
 
@@ -223,6 +231,12 @@ def prepare_run_dir(run_dir, args, config_record, is_master):
         if not os.path.exists(ckpt.model_path(run_dir, args.resume_from_step)):
             have = ckpt.saved_steps(run_dir) if os.path.isdir(run_dir) else []
             raise UserError(f"no checkpoint for step {args.resume_from_step} in {run_dir} (saved steps: {have or 'none'})")
+        meta_path = os.path.join(run_dir, f"meta_{args.resume_from_step:06d}.json")
+        if os.path.exists(meta_path):
+            v_ckpt, v_tok = json.load(open(meta_path))["model_config"]["vocab_size"], config_record["model_config"]["vocab_size"]
+            if v_ckpt != v_tok:
+                raise UserError(f"checkpoint vocab {v_ckpt} does not match the tokenizer's {v_tok}; "
+                                "resume with the tokenizer the run was trained with (NANOCHAT_BASE_DIR)")
         if os.path.exists(cfg_path):
             old = json.load(open(cfg_path))
             for key in ("arch", "model_config", "total_batch_size"):

@@ -1,0 +1,536 @@
+"""
+CORE evaluation, keeping the DCLM protocol (arXiv:2406.11794) as nanochat runs it.
+
+Three kinds of in-context task, each item scored with BOS + k few-shot examples + the item:
+- multiple_choice: one context, several continuations; pick the lowest mean loss over the continuation.
+- schema: several contexts, one continuation; pick the lowest mean loss over that continuation.
+- language_modeling: correct iff greedy decoding reproduces every continuation token.
+CORE = mean over the 22 tasks of the centred accuracy (acc - b) / (1 - b), b the random baseline.
+
+Two ways to score, with the same verdicts example for example:
+- one at a time (evaluate_example, the reference): one forward per example over its own
+  sequences, right-padded to the longest of them (this is what upstream nanochat does);
+- batched (the default): the sequences of many examples sorted by length, right-padded, one
+  forward per group. Floating point results depend a little on batch shape, so an example whose
+  verdict is close to a tie (decisive gap below `margin`) is re-scored exactly as the reference
+  does it. "Identical" therefore means: same (correct, pred) for every example, as long as the
+  batch-shape noise stays below margin/2 (fp32 on CPU: ~1e-6 against a default margin of 1e-4).
+"""
+
+import os
+import sys
+import csv
+import json
+import math
+import time
+import fcntl
+import random
+import shutil
+import zipfile
+import tempfile
+import urllib.error
+import urllib.request
+
+import torch
+import torch.distributed as dist
+
+from nanochat.common import UserError, get_base_dir
+
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+NUM_CORE_TASKS = 22
+TASK_FIELDS = {
+    "multiple_choice": ("query", "choices", "gold"),
+    "schema": ("context_options", "continuation", "gold"),
+    "language_modeling": ("context", "continuation"),
+}
+
+# -----------------------------------------------------------------------------
+# The eval bundle: core.yaml, eval_meta_data.csv, eval_data/<category>/<task>.jsonl
+
+
+def ensure_eval_bundle(bundle_dir=None, url=None):
+    """Path of a usable eval bundle: bundle_dir if given, else <base_dir>/eval_bundle (downloaded once)."""
+    if bundle_dir is not None:
+        if not os.path.isfile(os.path.join(bundle_dir, "core.yaml")):
+            raise UserError(f"eval bundle {bundle_dir} has no core.yaml")
+        return os.path.abspath(bundle_dir)
+    base = get_base_dir()
+    target = os.path.join(base, "eval_bundle")
+    if not os.path.isfile(os.path.join(target, "core.yaml")):
+        # one process downloads; the others wait on the lock, then find the bundle in place
+        with open(os.path.join(base, "eval_bundle.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if not os.path.isfile(os.path.join(target, "core.yaml")):
+                    _install_bundle(url or EVAL_BUNDLE_URL, base, target)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    return target
+
+
+def _install_bundle(url, base, target):
+    if os.path.exists(target):
+        raise UserError(f"{target} exists but has no core.yaml; remove it and retry")
+    zip_path = os.path.join(base, "eval_bundle.zip")
+    if not os.path.exists(zip_path):  # only a complete download is ever renamed to this name
+        fd, tmp = tempfile.mkstemp(dir=base, prefix=".eval_bundle-", suffix=".zip.tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                _download(url, out)
+            os.replace(tmp, zip_path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    unzip_dir = tempfile.mkdtemp(dir=base, prefix=".eval_bundle-unzip-")
+    try:
+        try:
+            with zipfile.ZipFile(zip_path) as z:
+                z.extractall(unzip_dir)
+        except zipfile.BadZipFile:
+            os.remove(zip_path)  # corrupt: fetch again next time
+            raise UserError(f"{url} did not give a valid zip file") from None
+        # the archive holds an eval_bundle/ folder; accept the files at its top level too
+        src = os.path.join(unzip_dir, "eval_bundle")
+        src = src if os.path.isdir(src) else unzip_dir
+        if not os.path.isfile(os.path.join(src, "core.yaml")):
+            raise UserError(f"the archive from {url} has no core.yaml")
+        os.rename(src, target)
+    finally:
+        shutil.rmtree(unzip_dir, ignore_errors=True)
+    os.remove(zip_path)
+
+
+def _download(url, out):
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            total = int(r.headers.get("Content-Length") or 0)
+            done, shown = 0, 0.0
+            while chunk := r.read(1 << 20):
+                out.write(chunk)
+                done += len(chunk)
+                if time.time() - shown > 0.5 or done == total:
+                    shown = time.time()
+                    size = f"{done / 2**20:.1f}/{total / 2**20:.1f} MB ({100 * done / total:.0f}%)" if total else f"{done / 2**20:.1f} MB"
+                    print(f"\rdownloading eval bundle: {size}", end="", file=sys.stderr, flush=True)
+            print(file=sys.stderr, flush=True)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = " ".join(str(getattr(e, "reason", e)).split())
+        raise UserError(f"cannot download the CORE eval bundle from {url} ({reason}); pass --eval-bundle DIR with a local copy") from None
+
+
+def _yaml_scalar(text, where):
+    """A scalar or flow list in the small YAML subset core.yaml uses."""
+    if text[:1] in ("'", '"'):
+        quote, i = text[0], 1
+        while i < len(text):  # find the closing quote: \" escapes it in "...", '' in '...'
+            if quote == '"' and text[i] == "\\":
+                i += 2
+            elif text[i] == quote and quote == "'" and text[i + 1:i + 2] == "'":
+                i += 2
+            elif text[i] == quote:
+                break
+            else:
+                i += 1
+        rest = text[i + 1:].strip()
+        if i >= len(text) or (rest and not rest.startswith("#")):
+            raise UserError(f"{where}: cannot parse the quoted value {text}")
+        if quote == "'":
+            return text[1:i].replace("''", "'")
+        try:
+            return json.loads(text[:i + 1])  # the escapes core.yaml uses (\n, \t, \", \\, \u) are JSON's too
+        except json.JSONDecodeError:
+            raise UserError(f"{where}: cannot parse the quoted value {text}") from None
+    text = text.split(" #", 1)[0].strip()
+    if text.startswith("[") and text.endswith("]"):
+        return [_yaml_scalar(x.strip(), where) for x in text[1:-1].split(",") if x.strip()]
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "null": None, "~": None}.get(text, text)
+
+
+def parse_core_yaml(text, name="core.yaml"):
+    """Tasks listed under `icl_tasks:`, each a '-' item of `key: value` lines. Only this YAML subset is read."""
+    tasks, section, item = [], None, None
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{name} line {lineno}"
+        if not raw[0].isspace() and not line.startswith("-"):  # a top-level key opens a section
+            section, item = line.split(":", 1)[0].strip(), None
+            continue
+        if section != "icl_tasks":
+            continue
+        if line.startswith("-"):
+            item = {}
+            tasks.append(item)
+            line = line[1:].strip()
+            if not line:
+                continue
+        key, colon, value = line.partition(":")
+        if item is None or not colon or not value.strip():
+            raise UserError(f"{where}: expected `key: value` inside a task, got {line!r}")
+        item[key.strip()] = _yaml_scalar(value.strip(), where)
+    return tasks
+
+
+def load_core_tasks(bundle_dir):
+    """The task list of core.yaml, each with its random baseline (percent) from eval_meta_data.csv."""
+    yaml_path = os.path.join(bundle_dir, "core.yaml")
+    meta_path = os.path.join(bundle_dir, "eval_meta_data.csv")
+    for path in (yaml_path, meta_path):
+        if not os.path.isfile(path):
+            raise UserError(f"eval bundle file missing: {path}")
+    with open(yaml_path, encoding="utf-8") as f:
+        raw_tasks = parse_core_yaml(f.read(), yaml_path)
+    with open(meta_path, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    try:
+        baselines = {row["Eval Task"].strip(): float(row["Random baseline"]) for row in rows}
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{meta_path}: expected numeric 'Random baseline' values in an 'Eval Task' table") from None
+    tasks = []
+    for t in raw_tasks:
+        label = t.get("label")
+        missing = [k for k in ("label", "dataset_uri", "num_fewshot", "icl_task_type") if k not in t]
+        if missing:
+            raise UserError(f"{yaml_path}: task {label or len(tasks)} lacks {', '.join(missing)}")
+        if t["icl_task_type"] not in TASK_FIELDS:
+            raise UserError(f"{yaml_path}: task {label} has unknown task type {t['icl_task_type']!r} (known: {', '.join(TASK_FIELDS)})")
+        if label not in baselines:
+            raise UserError(f"{meta_path} has no random baseline for task {label}")
+        shots = t["num_fewshot"]
+        shots = shots[0] if isinstance(shots, list) and shots else shots  # DCLM lists the shot counts; CORE uses the first
+        if not isinstance(shots, int) or shots < 0:
+            raise UserError(f"{yaml_path}: task {label} has an invalid num_fewshot {t['num_fewshot']!r}")
+        tasks.append({
+            "label": label,
+            "dataset_uri": t["dataset_uri"],
+            "task_type": t["icl_task_type"],
+            "num_fewshot": shots,
+            "continuation_delimiter": t.get("continuation_delimiter", " "),
+            "random_baseline": baselines[label],
+        })
+    return tasks
+
+
+def _item_problem(item, task_type):
+    if not isinstance(item, dict):
+        return "expected a JSON object"
+    missing = [k for k in TASK_FIELDS[task_type] if k not in item]
+    if missing:
+        return f"missing field {', '.join(missing)} for a {task_type} item"
+    options = item.get("choices", item.get("context_options"))
+    if options is not None and (not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options)):
+        return "choices/context_options must be a non-empty list of strings"
+    if "gold" in TASK_FIELDS[task_type]:
+        gold = item["gold"]
+        if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(options):
+            return f"gold must be an index into the {len(options)} options, got {gold!r}"
+    texts = [item[k] for k in ("query", "context", "continuation") if k in TASK_FIELDS[task_type]]
+    if not all(isinstance(t, str) for t in texts):
+        return "query/context/continuation must be strings"
+    return None
+
+
+def load_task_data(path, task_type):
+    """Items of one task's jsonl file; a bad line is a UserError naming the file and the line."""
+    if task_type not in TASK_FIELDS:
+        raise UserError(f"unknown task type {task_type!r} (known: {', '.join(TASK_FIELDS)})")
+    items = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                raise UserError(f"{path} line {lineno}: malformed JSON ({reason})") from None
+            problem = _item_problem(item, task_type)
+            if problem:
+                raise UserError(f"{path} line {lineno}: {problem}")
+            items.append(item)
+    return items
+
+# -----------------------------------------------------------------------------
+# Prompts: few-shot blocks end with a blank line; the item follows; BOS is prepended at tokenization
+
+
+def fewshot_indices(idx, n, num_fewshot):
+    """random.Random(1234 + idx).sample of the other n - 1 items (same draw as sampling the list itself)."""
+    if num_fewshot <= 0:
+        return []
+    if num_fewshot > n - 1:
+        raise UserError(f"{num_fewshot}-shot needs at least {num_fewshot + 1} items, the task has {n}")
+    # sample() picks positions from the length alone, so sampling range(n - 1) and skipping idx
+    # gives the same items as sampling [i for i in range(n) if i != idx], without building that list
+    return [j + (j >= idx) for j in random.Random(1234 + idx).sample(range(n - 1), num_fewshot)]
+
+
+def render_prompts_mc(item, delimiter, fewshot=()):
+    shots = "".join(f"{ex['query']}{delimiter}{ex['choices'][ex['gold']]}\n\n" for ex in fewshot)
+    return [f"{shots}{item['query']}{delimiter}{choice}" for choice in item["choices"]]
+
+
+def render_prompts_schema(item, delimiter, fewshot=()):
+    shots = "".join(f"{ex['context_options'][ex['gold']]}{delimiter}{ex['continuation']}\n\n" for ex in fewshot)
+    return [f"{shots}{context}{delimiter}{item['continuation']}" for context in item["context_options"]]
+
+
+def render_prompts_lm(item, delimiter, fewshot=()):
+    """[prompt without the continuation, prompt with it]. Contexts are stripped (some carry trailing
+    whitespace), and so is the whole prompt without, so that its tokens are a clean prefix of the other's."""
+    shots = "".join(f"{ex['context'].strip()}{delimiter}{ex['continuation']}\n\n" for ex in fewshot)
+    prompt = f"{shots}{item['context'].strip()}{delimiter}"
+    return [prompt.strip(), prompt + item["continuation"]]
+
+
+RENDER = {"multiple_choice": render_prompts_mc, "schema": render_prompts_schema, "language_modeling": render_prompts_lm}
+
+# -----------------------------------------------------------------------------
+# Token sequences and the span of each that is scored
+
+
+def common_length(seqs, direction):
+    """Length of the prefix ('left') or suffix ('right') shared by all sequences."""
+    n = min(len(s) for s in seqs)
+    positions = range(n) if direction == "left" else range(-1, -n - 1, -1)
+    for i, p in enumerate(positions):
+        if any(s[p] != seqs[0][p] for s in seqs):
+            return i
+    return n
+
+
+def crop_to_context(seq, start, end, max_len):
+    """Keep the last max_len tokens and shift the span [start, end). A span too long for the window
+    (rare: only with tiny contexts) keeps its head: the window then starts one token before it."""
+    if max_len is None or len(seq) <= max_len:
+        return seq, start, end
+    cut = len(seq) - max_len
+    if start - cut < 1:  # position start - 1 predicts the first scored token, so it must stay
+        cut = start - 1
+        return seq[cut:cut + max_len], 1, min(end - cut, max_len)
+    return seq[cut:], start - cut, end - cut
+
+
+def model_context_len(model):
+    """Longest input the model takes: model.config.sequence_len (or model.max_seq_len), else unlimited."""
+    model = getattr(model, "module", model)  # DDP wrapper
+    n = getattr(getattr(model, "config", None), "sequence_len", None) or getattr(model, "max_seq_len", None)
+    return int(n) if n else None
+
+
+def prepare_examples(indices, data, tokenizer, task_meta, max_len=None):
+    """For each idx: its token sequences (BOS first, cropped to max_len) and the scored span of each."""
+    task_type = task_meta["task_type"]
+    if task_type not in RENDER:
+        raise UserError(f"unknown task type {task_type!r} (known: {', '.join(RENDER)})")
+    delimiter = task_meta.get("continuation_delimiter", " ")
+    prompts, counts = [], []
+    for idx in indices:
+        shots = [data[j] for j in fewshot_indices(idx, len(data), task_meta["num_fewshot"])]
+        p = RENDER[task_type](data[idx], delimiter, shots)
+        prompts += p
+        counts.append(len(p))
+    tokens = tokenizer(prompts, prepend=tokenizer.get_bos_token_id()) if prompts else []  # one call: batched encode
+    examples, at = [], 0
+    for idx, k in zip(indices, counts):
+        seqs, at = [list(t) for t in tokens[at:at + k]], at + k
+        if task_type == "multiple_choice":  # shared context: score where the choices start to differ
+            start = common_length(seqs, "left")
+            spans = [(start, len(s)) for s in seqs]
+        elif task_type == "schema":  # shared continuation: score the common suffix
+            n = common_length(seqs, "right")
+            spans = [(len(s) - n, len(s)) for s in seqs]
+        else:
+            without, seqs = seqs[0], seqs[1:]
+            if not (len(without) < len(seqs[0]) and seqs[0][:len(without)] == without):
+                raise UserError(f"item {idx}: the context's tokens are not a prefix of context + continuation")
+            spans = [(len(without), len(seqs[0]))]
+        spans = [(max(s, 1), e) for s, e in spans]  # BOS is never scored
+        cropped = [crop_to_context(seq, s, e, max_len) for seq, (s, e) in zip(seqs, spans)]
+        examples.append({
+            "idx": idx,
+            "gold": data[idx].get("gold"),
+            "seqs": [c[0] for c in cropped],
+            "spans": [(c[1], c[2]) for c in cropped],
+        })
+    return examples
+
+# -----------------------------------------------------------------------------
+# Scoring
+
+
+@torch.no_grad()
+def forward_scores(model, seqs, spans, pad_id, device):
+    """One forward over right-padded seqs (a causal model: padding cannot reach earlier positions).
+    For each sequence, over its span: per-token losses (float64), the gap between the target's logit
+    and the best other logit (> 0: greedy picks the target), and whether argmax == target."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    rows, cols = [], []
+    for i, (seq, (s, e)) in enumerate(zip(seqs, spans)):
+        ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        rows += [i] * (e - s)
+        cols += range(s - 1, e - 1)  # logits at t predict token t + 1
+    ids = ids.to(device)
+    logits = model(ids)
+    rows = torch.tensor(rows, dtype=torch.long, device=ids.device)
+    cols = torch.tensor(cols, dtype=torch.long, device=ids.device)
+    z = logits[rows, cols].double()
+    target = ids[rows, cols + 1]
+    z_target = z.gather(1, target[:, None])[:, 0]
+    loss = torch.logsumexp(z, dim=-1) - z_target
+    top = z.topk(2, dim=-1)
+    best_other = torch.where(top.indices[:, 0] == target, top.values[:, 1], top.values[:, 0])
+    match = z.argmax(dim=-1) == target
+    loss, gap, match = loss.tolist(), (z_target - best_other).tolist(), match.tolist()
+    out, at = [], 0
+    for s, e in spans:
+        out.append((loss[at:at + e - s], gap[at:at + e - s], match[at:at + e - s]))
+        at += e - s
+    return out
+
+
+def decide(task_type, gold, scores, margin):
+    """(correct, pred, robust) from the per-sequence scores of one example. robust: the verdict cannot
+    change under logit noise below margin/2 (pred is None for language modelling)."""
+    if task_type == "language_modeling":
+        _, gaps, match = scores[0]
+        correct = all(match)
+        robust = any(g <= -margin for g in gaps) or all(g >= margin for g in gaps)
+        return correct, None, robust
+    # fsum: an exactly rounded sum, the same whatever order the losses came in
+    means = [math.fsum(losses) / len(losses) if losses else math.nan for losses, _, _ in scores]
+    pred = means.index(min(means))  # first of equal minima, as upstream
+    ordered = sorted(means)
+    robust = all(math.isfinite(m) for m in means) and (len(means) < 2 or ordered[1] - ordered[0] >= margin)
+    return pred == gold, pred, robust
+
+
+def default_margin(model, device):
+    # fp32 on CPU: batch-shape noise is ~1e-6; bf16/fp16 matmuls or GPU kernels: far larger
+    dtype = getattr(getattr(model, "module", model), "compute_dtype", torch.float32)
+    fp32_cpu = torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64)
+    return 1e-4 if fp32_cpu else 0.1
+
+
+def _score_alone(model, ex, task_type, pad_id, device):
+    # the reference computation: this example's own sequences in one forward
+    return decide(task_type, ex["gold"], forward_scores(model, ex["seqs"], ex["spans"], pad_id, device), 0.0)
+
+
+def evaluate_example(idx, model, tokenizer, data, device, task_meta):
+    """The one-at-a-time reference path: {"idx", "correct", "pred"} for data[idx]."""
+    ex = prepare_examples([idx], data, tokenizer, task_meta, model_context_len(model))[0]
+    correct, pred, _ = _score_alone(model, ex, task_meta["task_type"], tokenizer.get_bos_token_id(), device)
+    return {"idx": idx, "correct": correct, "pred": pred, "rescored": False}
+
+
+def score_examples(model, tokenizer, data, device, task_meta, indices=None, batched=True,
+                   batch_size=32, max_tokens=16384, margin=None):
+    """Verdicts {"idx", "correct", "pred", "rescored"} for data[indices] (default: all).
+    Batched: sequences sorted by length, grouped into forwards of at most batch_size sequences and
+    about max_tokens padded tokens; near-tie examples are re-scored by the reference path."""
+    indices = list(range(len(data)) if indices is None else indices)
+    if not batched:
+        return [evaluate_example(i, model, tokenizer, data, device, task_meta) for i in indices]
+    task_type = task_meta["task_type"]
+    pad_id = tokenizer.get_bos_token_id()
+    margin = default_margin(model, device) if margin is None else margin
+    examples = prepare_examples(indices, data, tokenizer, task_meta, model_context_len(model))
+    # longest first: the first forward is the biggest, so running out of memory shows at once
+    flat = [(k, j) for k, ex in enumerate(examples) for j in range(len(ex["seqs"]))]
+    flat.sort(key=lambda kj: -len(examples[kj[0]]["seqs"][kj[1]]))
+    scores = [[None] * len(ex["seqs"]) for ex in examples]
+    at = 0
+    while at < len(flat):
+        longest = len(examples[flat[at][0]]["seqs"][flat[at][1]])
+        group = flat[at:at + max(1, min(batch_size, max_tokens // longest))]
+        at += len(group)
+        seqs = [examples[k]["seqs"][j] for k, j in group]
+        spans = [examples[k]["spans"][j] for k, j in group]
+        for (k, j), s in zip(group, forward_scores(model, seqs, spans, pad_id, device)):
+            scores[k][j] = s
+    verdicts = []
+    for ex, sc in zip(examples, scores):
+        correct, pred, robust = decide(task_type, ex["gold"], sc, margin)
+        if not robust:
+            correct, pred, _ = _score_alone(model, ex, task_type, pad_id, device)
+        verdicts.append({"idx": ex["idx"], "correct": correct, "pred": pred, "rescored": not robust})
+    return verdicts
+
+
+def evaluate_task(model, tokenizer, data, device, task_meta, batched=True, batch_size=32, max_tokens=16384, margin=None):
+    """Accuracy on data. Under torchrun each rank takes every world_size-th example; counts are summed."""
+    if not data:
+        raise UserError("no examples to evaluate")
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    verdicts = score_examples(model, tokenizer, data, device, task_meta, range(rank, len(data), world),
+                              batched=batched, batch_size=batch_size, max_tokens=max_tokens, margin=margin)
+    correct = sum(v["correct"] for v in verdicts)
+    if world > 1:
+        t = torch.tensor([correct], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        correct = int(t.item())
+    return correct / len(data)
+
+# -----------------------------------------------------------------------------
+# The CORE metric
+
+
+def centered_accuracy(accuracy, random_baseline_percent):
+    b = random_baseline_percent / 100
+    return (accuracy - b) / (1 - b)
+
+
+def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_size=32, log=print,
+                  batched=True, max_tokens=16384, margin=None):
+    """Every task of core.yaml; missing task files are skipped and listed. Fewer than 22 tasks scored
+    gives core_metric None and a partial CORE under its own label."""
+    bundle_dir = ensure_eval_bundle(bundle_dir)
+    tasks = load_core_tasks(bundle_dir)
+    results, missing = {}, []
+    for task in tasks:
+        label = task["label"]
+        path = os.path.join(bundle_dir, "eval_data", task["dataset_uri"])
+        if not os.path.isfile(path):
+            missing.append(label)
+            log(f"{label:<34} missing ({task['dataset_uri']}), skipped")
+            continue
+        t0 = time.time()
+        data = load_task_data(path, task["task_type"])
+        random.Random(1337).shuffle(data)  # before truncation, so --max-per-task takes a fixed random subset
+        if max_per_task > 0:
+            data = data[:max_per_task]
+        task_meta = {k: task[k] for k in ("task_type", "num_fewshot", "continuation_delimiter")}
+        accuracy = evaluate_task(model, tokenizer, data, device, task_meta, batched=batched,
+                                 batch_size=batch_size, max_tokens=max_tokens, margin=margin)
+        centered = centered_accuracy(accuracy, task["random_baseline"])
+        seconds = time.time() - t0
+        results[label] = {"accuracy": accuracy, "centered": centered, "num_examples": len(data), "seconds": seconds}
+        log(f"{label:<34} {task['num_fewshot']:>2}-shot {task['task_type']:<17} n={len(data):<6} "
+            f"accuracy {accuracy:.4f}  centered {centered:+.4f}  {seconds:6.1f}s")
+    n = len(results)
+    partial = sum(r["centered"] for r in results.values()) / n if n else None
+    complete = n == NUM_CORE_TASKS and not missing
+    out = {
+        "tasks": results,
+        "missing_tasks": missing,
+        "num_tasks_scored": n,
+        "core_metric": partial if complete else None,
+        "partial_core": partial,
+        "partial_label": f"partial CORE ({n}/{NUM_CORE_TASKS})",
+        "max_per_task": max_per_task,
+    }
+    if complete:
+        log(f"CORE metric: {partial:.4f}")
+    elif partial is not None:
+        log(f"{out['partial_label']}: {partial:.4f} (not CORE; missing: {', '.join(missing) or 'none'})")
+    return out

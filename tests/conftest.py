@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny offline corpus and tokenizer, built once per test session."""
+
+import os
+import random
+
+import pytest
+import torch
+
+torch.set_num_threads(2)  # the test machine has 2 cores, shared
+
+WORDS = (
+    "the of and to in is was that for on with as by at from it an be this which or are have not but had "
+    "model data token train loss layer weight gradient norm residual attention head vector matrix batch "
+    "python module function class value return string number list file error default object method "
+    "café naïve résumé über straße 東京 данные 🙂"
+).split()
+
+
+def tiny_documents(num_docs=300, seed=0):
+    """Deterministic pseudo-English documents of varied length, a few long enough to need cropping."""
+    rng = random.Random(seed)
+    docs = []
+    for i in range(num_docs):
+        num_sentences = rng.choice([1, 2, 3, 5, 8, 13]) if i % 25 else 60
+        sentences = []
+        for _ in range(num_sentences):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(3, 14))]
+            if rng.random() < 0.2:
+                words.append(str(rng.randint(0, 99999)))
+            sentences.append(" ".join(words).capitalize() + rng.choice([".", ".", "?", "!"]))
+        docs.append(f"Document {i}.\n" + " ".join(sentences) + "\n")
+    return docs
+
+
+@pytest.fixture(scope="session")
+def tiny_base_dir(tmp_path_factory):
+    """A NANOCHAT_BASE_DIR with an offline corpus (~300 docs: 4 train shards + 1 val shard) and a vocab-512 tokenizer."""
+    from nanochat.dataset import build_offline_corpus, parquets_iter_batched
+    from nanochat.tokenizer import Tokenizer
+
+    base = tmp_path_factory.mktemp("nanochat_base")
+    txt_dir = base / "txt"
+    txt_dir.mkdir()
+    for i, doc in enumerate(tiny_documents()):
+        (txt_dir / f"doc_{i:04d}.txt").write_text(doc, encoding="utf-8")
+    data_dir = os.path.join(base, "base_data")
+    build_offline_corpus(data_dir=data_dir, txt_dir=str(txt_dir), num_train_shards=4, docs_per_row_group=8)
+    train_texts = (t for batch in parquets_iter_batched("train", data_dir=data_dir) for t in batch)
+    Tokenizer.train_from_iterator(train_texts, 512).save(os.path.join(base, "tokenizer"))
+    return str(base)

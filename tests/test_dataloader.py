@@ -1,0 +1,142 @@
+import io
+import itertools
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nanochat.common import UserError
+from nanochat.dataloader import data_loader
+from nanochat.tokenizer import get_tokenizer
+
+
+@pytest.fixture
+def tok(tiny_base_dir, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", tiny_base_dir)
+    return get_tokenizer()
+
+
+def take(loader, n):
+    return list(itertools.islice(loader, n))
+
+
+def segments(row, bos):
+    """Split a row of token ids at BOS positions: one list per (piece of a) document."""
+    starts = [i for i, t in enumerate(row) if t == bos]
+    return [row[a:b] for a, b in zip(starts, starts[1:] + [len(row)])]
+
+
+def all_docs(tok, split):
+    from nanochat.dataset import parquets_iter_batched
+    texts = [t for batch in parquets_iter_batched(split) for t in batch]
+    return {tuple(ids) for ids in tok(texts, prepend=tok.get_bos_token_id())}
+
+
+def test_batch_shapes_and_packing_invariants(tok):
+    B, T = 4, 64
+    bos = tok.get_bos_token_id()
+    full_docs = all_docs(tok, "train")
+    for inputs, targets, state in take(data_loader(tok, B, T, "train", buffer_size=64), 20):
+        assert inputs.shape == targets.shape == (B, T)
+        assert inputs.dtype == targets.dtype == torch.int64
+        assert inputs.is_contiguous() and targets.is_contiguous()
+        assert (inputs[:, 0] == bos).all()  # every row starts a document
+        assert int(inputs.max()) < tok.get_vocab_size() and int(targets.max()) < tok.get_vocab_size()
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are inputs shifted by one
+        for r in range(B):
+            row = inputs[r].tolist() + [targets[r, -1].item()]
+            pieces = segments(row, bos)
+            # only the last document of a row may be cropped
+            assert all(tuple(p) in full_docs for p in pieces[:-1])
+            assert any(d[:len(pieces[-1])] == tuple(pieces[-1]) for d in full_docs)
+
+
+class CharTokenizer:
+    """Token id = character code, BOS = 0: makes packing decisions readable."""
+
+    def get_bos_token_id(self):
+        return 0
+
+    def __call__(self, texts, prepend=None, num_threads=1):
+        return [[prepend] + [ord(c) for c in t] for t in texts]
+
+
+def test_best_fit_fills_rows_and_crops_only_the_shortest(tmp_path, monkeypatch):
+    data = tmp_path / "base_data"
+    data.mkdir()
+    # documents of 6, 4, 3 and 9 tokens (BOS included), rows of 10 tokens
+    pq.write_table(pa.table({"text": ["AAAAA", "BBB", "CC", "DDDDDDDD"]}), str(data / "shard_00000.parquet"))
+    pq.write_table(pa.table({"text": ["val"]}), str(data / "shard_00001.parquet"))
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    rows = [x[0].tolist() + [y[0, -1].item()] for x, y, _ in take(data_loader(CharTokenizer(), 1, 9, "train"), 3)]
+    A, B, D = [ord("A")] * 5, [ord("B")] * 3, [ord("D")] * 8
+    assert rows[0] == [0] + D + [0]  # D fits best; nothing fits the last slot, so the shortest (CC) is cropped to its BOS
+    assert rows[1] == [0] + D + [0]  # the next epoch's D, and C cropped again
+    assert rows[2] == [0] + A + [0] + B  # A, then B fills the remaining 4 exactly (C would leave a gap)
+
+
+def test_deterministic(tok):
+    a = take(data_loader(tok, 2, 32, "train", buffer_size=40), 10)
+    b = take(data_loader(tok, 2, 32, "train", buffer_size=40), 10)
+    for (xa, ya, sa), (xb, yb, sb) in zip(a, b):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb) and sa == sb
+
+
+@pytest.mark.parametrize("k", [1, 9, 75])
+def test_exact_resume(tok, k):
+    B, T = 4, 128
+    uninterrupted = take(data_loader(tok, B, T, "train", buffer_size=50), k + 5)
+    state = uninterrupted[k - 1][2]
+    # the state goes through a checkpoint
+    buf = io.BytesIO()
+    torch.save({"loader": state}, buf)
+    buf.seek(0)
+    state = torch.load(buf)["loader"]
+    resumed = take(data_loader(tok, B, T, "train", buffer_size=50, resume_state=state), 5)
+    for (x1, y1, s1), (x2, y2, s2) in zip(uninterrupted[k:], resumed):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2) and s1 == s2
+    if k == 75:
+        assert state["epoch"] >= 1  # the resume point lies past an epoch boundary
+
+
+def test_train_and_val_cycle_forever(tok, capsys):
+    *_, (_, _, state) = take(data_loader(tok, 4, 128, "val", buffer_size=16), 40)
+    assert state["epoch"] >= 2
+    assert "finished reading epoch 0 of the val split" in capsys.readouterr().out
+
+
+def test_ranks_see_different_documents(tok):
+    bos = tok.get_bos_token_id()
+
+    def complete_docs(rank):
+        docs = set()
+        for x, y, _ in take(data_loader(tok, 2, 64, "train", rank=rank, world_size=2, buffer_size=20), 10):
+            for r in range(x.shape[0]):
+                docs.update(tuple(p) for p in segments(x[r].tolist() + [y[r, -1].item()], bos)[:-1])
+        return docs
+
+    d0, d1 = complete_docs(0), complete_docs(1)
+    assert d0 and d1 and not d0 & d1
+
+
+def test_bad_arguments_and_state(tok):
+    with pytest.raises(UserError, match="fewer than the 1000 ranks"):
+        next(data_loader(tok, 1, 8, "val", rank=0, world_size=1000))
+    with pytest.raises(UserError, match="rank 2"):
+        next(data_loader(tok, 1, 8, "train", rank=2, world_size=2))
+    with pytest.raises(UserError, match="positive"):
+        next(data_loader(tok, 0, 8, "train"))
+    _, _, state = next(data_loader(tok, 1, 8, "train"))
+    with pytest.raises(UserError, match="same setup"):
+        next(data_loader(tok, 1, 8, "val", resume_state=state))
+    with pytest.raises(UserError, match="not one this loader wrote"):
+        next(data_loader(tok, 1, 8, "train", resume_state={"foo": 1}))
+    with pytest.raises(UserError, match="data changed"):
+        next(data_loader(tok, 1, 8, "train", resume_state=dict(state, num_row_groups=state["num_row_groups"] + 1)))
+
+
+def test_missing_data_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    with pytest.raises(UserError, match="--offline"):
+        next(data_loader(CharTokenizer(), 1, 8, "train"))

@@ -1,0 +1,208 @@
+"""
+Tests of the fused NAG Triton kernels (nag/kernels.py) against the reference
+math in nag/functional.py.
+
+Without a GPU, nag.kernels selects Triton's interpreter (TRITON_INTERPRET=1),
+which runs the kernels on CPU tensors, slowly: shapes stay small. On a CUDA
+machine the CPU variants are skipped (compiled kernels need CUDA tensors) and
+the CUDA variants run instead.
+"""
+
+import os
+
+import pytest
+import torch
+
+from nag.functional import nag_branch
+from nag.kernels import fused_nag_branch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_inputs(lead, dim, channels=32, dtype=torch.float32, device="cpu", alpha=0.7, beta_raw=0.3, seed=0):
+    """The seven tensor inputs of nag_branch, leaf tensors requiring grad."""
+    gen = torch.Generator().manual_seed(seed)
+    res_dir = torch.randn(*lead, dim, generator=gen)
+    res_dir = res_dir * torch.rsqrt(res_dir.pow(2).mean(-1, keepdim=True))
+    inputs = [
+        res_dir.to(dtype),
+        torch.randn(*lead, 1, generator=gen),  # log_norm stays fp32
+        (2 * torch.randn(*lead, dim, generator=gen) + 0.3).to(dtype),
+        (2 * torch.randn(*lead, channels, generator=gen)).to(dtype),
+        torch.randn(channels, generator=gen),
+        torch.tensor([beta_raw]),
+        torch.tensor([alpha]),
+    ]
+    return [t.to(device).requires_grad_() for t in inputs]
+
+
+def run(fn, inputs, floor, renorm, seed=1):
+    """Outputs and the gradients of all seven inputs under a random upstream gradient."""
+    new_dir, new_log_norm = fn(*inputs, floor, renorm)
+    gen = torch.Generator().manual_seed(seed)
+    up_dir = torch.randn(new_dir.shape, generator=gen).to(new_dir.device)
+    up_log_norm = torch.randn(new_log_norm.shape, generator=gen).to(new_dir.device)
+    loss = (new_dir.float() * up_dir).sum() + (new_log_norm * up_log_norm).sum()
+    grads = torch.autograd.grad(loss, inputs)
+    return [new_dir, new_log_norm], list(grads)
+
+
+def fresh(inputs):
+    return [t.detach().clone().requires_grad_() for t in inputs]
+
+
+def assert_matches(actual, expected, tol):
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        a, e = a.detach().double(), e.detach().double()
+        scale = e.abs().max().item() if e.numel() else 0.0
+        torch.testing.assert_close(a, e, rtol=tol, atol=tol * max(scale, 1e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("renorm", ["measured", "predicted"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("rows, dim, channels", [(7, 96, 5), (13, 640, 32), (7, 768, 32)])
+def test_matches_reference(device, renorm, dtype, tol, rows, dim, channels):
+    inputs = make_inputs((rows,), dim, channels, dtype=dtype, device=device)
+    fused_out, fused_grads = run(fused_nag_branch, inputs, 1e-6, renorm)
+    ref_out, ref_grads = run(nag_branch, fresh(inputs), 1e-6, renorm)
+    assert_matches(fused_out, ref_out, tol)
+    assert_matches(fused_grads, ref_grads, tol)
+    # the update really moved the state, so the comparison is not vacuous
+    assert (ref_out[0].float() - inputs[0].float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_leading_dims_and_dtypes(device):
+    inputs = make_inputs((2, 3), 96, 32, dtype=torch.bfloat16, device=device)
+    (new_dir, new_log_norm), grads = run(fused_nag_branch, inputs, 1e-6, "measured")
+    assert new_dir.shape == (2, 3, 96) and new_dir.dtype == torch.bfloat16
+    assert new_log_norm.shape == (2, 3, 1) and new_log_norm.dtype == torch.float32
+    for grad, tensor in zip(grads, inputs):
+        assert grad.shape == tensor.shape and grad.dtype == tensor.dtype
+    ref_out, ref_grads = run(nag_branch, fresh(inputs), 1e-6, "measured")
+    assert_matches([new_dir, new_log_norm], ref_out, 3e-2)
+    assert_matches(grads, ref_grads, 3e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("renorm", ["measured", "predicted"])
+def test_zero_gain(device, renorm):
+    inputs = make_inputs((7,), 96, 32, device=device, alpha=0.0)
+    fused_out, fused_grads = run(fused_nag_branch, inputs, 1e-6, renorm)
+    ref_out, ref_grads = run(nag_branch, fresh(inputs), 1e-6, renorm)
+    torch.testing.assert_close(fused_out[0], inputs[0].detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(fused_out[1], inputs[1].detach(), rtol=0, atol=0)
+    assert_matches(fused_grads, ref_grads, 2e-5)
+    assert fused_grads[6].abs().item() > 0  # α still learns from a closed gate
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy sees the inf/nan
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("floor", [0.0, 1e-6])
+def test_floor_and_failure1(device, dtype, floor):
+    # all logits very negative: u == 0; β = softplus(−1) < 1
+    inputs = make_inputs((7,), 96, 32, dtype=dtype, device=device, beta_raw=-1.0)
+    with torch.no_grad():
+        inputs[3].fill_(-200.0)
+    fused_out, fused_grads = run(fused_nag_branch, inputs, floor, "measured")
+    ref_out, ref_grads = run(nag_branch, fresh(inputs), floor, "measured")
+    for fused, ref in zip(fused_grads, ref_grads):
+        assert torch.equal(torch.isfinite(fused), torch.isfinite(ref))
+    logits_grad = fused_grads[3]
+    if floor == 0.0:
+        assert not torch.isfinite(logits_grad).any()
+    else:
+        assert all(torch.isfinite(g).all() for g in fused_grads)
+        assert_matches(fused_grads, ref_grads, 2e-5 if dtype == torch.float32 else 3e-2)
+    assert_matches(fused_out, ref_out, 2e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("used", [0, 1])
+def test_one_output_unused(device, used):
+    # the backward must cope with a missing upstream gradient for either output
+    inputs = make_inputs((5,), 96, 32, device=device)
+    ref_inputs = fresh(inputs)
+    fused = torch.autograd.grad(fused_nag_branch(*inputs, 1e-6)[used].float().sum(), inputs, materialize_grads=True)
+    ref = torch.autograd.grad(nag_branch(*ref_inputs, 1e-6)[used].float().sum(), ref_inputs, materialize_grads=True)
+    assert_matches(fused, ref, 2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameter_grads_deterministic(device):
+    inputs = make_inputs((13,), 96, 32, device=device)
+    _, first = run(fused_nag_branch, inputs, 1e-6, "measured")
+    _, second = run(fused_nag_branch, inputs, 1e-6, "measured")
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_unknown_renorm_rejected():
+    inputs = make_inputs((3,), 96, 32)
+    with pytest.raises(ValueError):
+        fused_nag_branch(*inputs, 1e-6, "exact")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_custom_op_registration(device):
+    # schema, fake (meta) kernel, autograd registration and AOT dispatch
+    inputs = [t.detach() for t in make_inputs((3,), 96, 8, device=device)]
+    inputs[1].requires_grad_()
+    inputs[2].requires_grad_()
+    torch.library.opcheck(torch.ops.nag.fused_branch.default, (*inputs, 1e-6, "measured"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_without_graph_break(device):
+    def step(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha):
+        new_dir, new_log_norm = fused_nag_branch(
+            res_dir * 1.0, log_norm, branch_out * 2.0, mod_logits, coef, beta_raw, alpha, 1e-6)
+        return (new_dir.float().sin().sum() + new_log_norm.sum())
+
+    inputs = make_inputs((2, 3), 96, 32, device=device)
+    explanation = torch._dynamo.explain(step)(*inputs)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0
+    torch._dynamo.reset()
+    # aot_eager runs dynamo, fake tensors and AOT autograd, like Inductor, without compiling C++
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    loss = compiled(*inputs)
+    grads = torch.autograd.grad(loss, inputs)
+    ref_inputs = fresh(inputs)
+    ref_loss = step(*ref_inputs)
+    ref_grads = torch.autograd.grad(ref_loss, ref_inputs)
+    torch.testing.assert_close(loss, ref_loss)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+@requires_cuda
+@pytest.mark.parametrize("renorm", ["measured", "predicted"])
+def test_matches_reference_cuda_large(renorm):
+    inputs = make_inputs((4, 1024), 640, 32, dtype=torch.bfloat16, device="cuda")
+    fused_out, fused_grads = run(fused_nag_branch, inputs, 1e-6, renorm)
+    ref_out, ref_grads = run(nag_branch, fresh(inputs), 1e-6, renorm)
+    assert_matches(fused_out, ref_out, 3e-2)
+    assert_matches(fused_grads, ref_grads, 3e-2)
+
+
+@requires_cuda
+def test_inductor_compile_cuda():
+    def step(*inputs):
+        new_dir, new_log_norm = fused_nag_branch(*inputs, 1e-6)
+        return new_dir.float().square().mean() + new_log_norm.mean()
+
+    inputs = make_inputs((2, 64), 768, 32, dtype=torch.bfloat16, device="cuda")
+    compiled = torch.compile(step, fullgraph=True)
+    grads = torch.autograd.grad(compiled(*inputs), inputs)
+    ref_inputs = fresh(inputs)
+    ref_grads = torch.autograd.grad(step(*ref_inputs), ref_inputs)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)

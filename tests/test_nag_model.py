@@ -1,0 +1,158 @@
+"""The NAG model: init, constraints, optimizer groups, FLOP-matched horizon, telemetry, checkpoints."""
+
+import math
+
+import pytest
+import torch
+
+from nanochat.gpt import GPT, GPTConfig
+from nanochat.common import UserError
+from nanochat import checkpoint_manager as ckpt
+from nag.model import NAGGPT, NAGConfig
+from scripts.base_train import build_parser, plan_horizon, model_config_from_args, meta_model
+
+CFG = dict(sequence_len=32, vocab_size=128, n_layer=3, n_head=2, n_kv_head=2, n_embd=32)
+
+
+def tiny_nag(seed=0, **nag):
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = NAGGPT(GPTConfig(**CFG), nag=NAGConfig(**nag))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+def published_args(arch):
+    return build_parser().parse_args(["--arch", arch, "--depth", "64", "--model-dim", "640", "--head-dim", "128",
+                                      "--max-seq-len", "2048", "--window-pattern", "L", "--target-flops", "3e19",
+                                      "--total-batch-size", str(2 ** 20), "--device-batch-size", "16"])
+
+
+@pytest.mark.parametrize("arch,steps", [("gpt", 9474), ("nag", 9425)])
+def test_published_flop_matched_step_counts(arch, steps):
+    args = published_args(arch)
+    config = model_config_from_args(args, 32768)
+    cls = NAGGPT if arch == "nag" else GPT
+    model = meta_model(cls, config)
+    batch, n, lr_scale, _ = plan_horizon(args, model, 16 * 2048)
+    assert (batch, n) == (2 ** 20, steps)
+    assert lr_scale == pytest.approx(math.sqrt(2))
+
+
+def test_gate_params_are_counted_as_matmuls():
+    gpt = meta_model(GPT, GPTConfig(**CFG))
+    nag = meta_model(NAGGPT, GPTConfig(**CFG))
+    extra = nag.num_scaling_params() - gpt.num_scaling_params()
+    assert extra == 2 * 3 * 32 * 32  # 2 branches × 3 blocks × (d=32 → C=32)
+    assert nag.estimate_flops() - gpt.estimate_flops() == 6 * extra
+
+
+def test_init_values():
+    model = tiny_nag(alpha_init_power=0.5)
+    alphas = [br.alpha.item() for _, br in model.branches()]
+    assert alphas == pytest.approx([l ** -0.5 for l in range(1, 7)])
+    for _, br in model.branches():
+        assert br.beta_raw.item() == pytest.approx(0.5413)
+        assert torch.nn.functional.softplus(br.beta_raw).item() == pytest.approx(1.0, abs=1e-4)
+        assert br.coef.abs().sum() == 0 and br.m_down.bias.abs().sum() == 0
+        assert br.m_down.weight.abs().max() <= math.sqrt(3) * 32 ** -0.5
+    assert model.log_gain_encode.item() == 0
+    assert model.wte.weight.mean(dim=1).abs().max() < 1e-6
+    w = model.lm_head.weight
+    assert w.mean(dim=1).abs().max() < 1e-6
+    assert torch.allclose(w.square().mean(dim=1), torch.ones(128), atol=1e-5)
+
+
+def test_alpha_warmup_schedule():
+    model = tiny_nag(alpha_warmup_tokens=1000)
+    for tokens, want in [(0, 0.0), (250, 0.25), (1000, 1.0), (5000, 1.0)]:
+        model.set_tokens_seen(tokens)
+        assert model.alpha_warmup.item() == pytest.approx(want)
+    off = tiny_nag(alpha_warmup_tokens=0)
+    off.set_tokens_seen(0)
+    assert off.alpha_warmup.item() == 1.0
+
+
+def test_loss_at_init_and_training_falls():
+    model = tiny_nag(alpha_warmup_tokens=0)
+    x = torch.randint(0, 128, (4, 32))
+    y = torch.roll(x, -1, 1)
+    first = model(x, y).item()
+    assert math.isfinite(first) and abs(first - math.log(128)) < 0.1
+    opt = model.setup_optimizer()
+    for _ in range(15):
+        model(x, y).backward()
+        opt.step()
+        model.after_optimizer_step()
+        model.zero_grad(set_to_none=True)
+    assert model(x, y).item() < first - 1.0
+    # constraints survive the optimizer
+    assert model.wte.weight.mean(dim=1).abs().max() < 1e-5
+    assert torch.allclose(model.lm_head.weight.square().mean(dim=1), torch.ones(128), atol=1e-4)
+
+
+def test_optimizer_groups_cover_every_param_once():
+    model = tiny_nag()
+    opt = model.setup_optimizer(gate_lr=1e-3, temp_gain_lr=5e-3, lr_scale=2.0)
+    by_name = {}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            assert id(p) not in by_name
+            by_name[id(p)] = g
+    names = dict((id(p), n) for n, p in model.named_parameters())
+    assert set(by_name) == set(names)
+    for pid, g in by_name.items():
+        n = names[pid]
+        if n.startswith("gates."):
+            assert g["kind"] == "adamw" and g["lr"] == pytest.approx(2e-3)
+        elif n == "log_gain_encode":
+            assert g["lr"] == pytest.approx(1e-2)
+        elif n.startswith("blocks."):
+            assert g["kind"] == "muon"
+
+
+def test_telemetry_fields():
+    model = tiny_nag(alpha_warmup_tokens=0)
+    model.record_telemetry = True
+    model(torch.randint(0, 128, (2, 32)))
+    t = model.collect_telemetry()
+    assert t["num_branches"] == 6 and len(t["branches"]) == 6
+    assert t["branches"][3]["name"] == "1.mlp"
+    assert t["alpha_max"] == pytest.approx(1.0) and t["alpha_min"] == pytest.approx(6 ** -0.5)
+    assert len(t["gain_by_depth_quartile"]) == 4
+    assert t["dead_branches"] == 0
+    # a branch with α = 0 counts as dead
+    with torch.no_grad():
+        model.gates[2].mlp_branch.alpha.zero_()
+    model(torch.randint(0, 128, (2, 32)))
+    assert model.collect_telemetry()["dead_branches"] == 1
+
+
+@pytest.mark.parametrize("arch", ["gpt", "nag"])
+def test_checkpoint_round_trip(tmp_path, arch):
+    torch.manual_seed(0)
+    cls = NAGGPT if arch == "nag" else GPT
+    kwargs = {"nag": NAGConfig(mod_floor=0.0, renorm="predicted", directions=8)} if arch == "nag" else {}
+    with torch.device("meta"):
+        model = cls(GPTConfig(**CFG), **kwargs)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    meta = {"arch": arch, "model_config": model.config.to_dict(), **model.extra_meta()}
+    ckpt.save_checkpoint(str(tmp_path), 5, model, meta, {"x": 1})
+    loaded, meta2 = ckpt.load_model(str(tmp_path))
+    assert type(loaded) is cls and meta2["arch"] == arch
+    if arch == "nag":
+        assert loaded.nag == kwargs["nag"]
+    x = torch.randint(0, 128, (2, 16))
+    assert torch.equal(model(x), loaded(x))
+    # loading into the wrong class is a clear error
+    other = NAGGPT if arch == "gpt" else GPT
+    with torch.device("meta"):
+        wrong = other(GPTConfig(**CFG))
+    wrong.to_empty(device="cpu")
+    with pytest.raises(UserError, match="holds a"):
+        ckpt.load_weights(wrong, ckpt.load_model_file(str(tmp_path), 5))
