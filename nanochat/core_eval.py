@@ -413,6 +413,11 @@ def decide(task_type, gold, scores, margin):
     return pred == gold, pred, robust
 
 
+def default_max_tokens(device):
+    # CPU: past ~2k tokens a forward gets slower per token (caches); accelerators want big batches
+    return 2048 if torch.device(device).type == "cpu" else 16384
+
+
 def default_margin(model, device):
     # fp32 on CPU: batch-shape noise is ~1e-6; bf16/fp16 matmuls or GPU kernels: far larger
     dtype = getattr(getattr(model, "module", model), "compute_dtype", torch.float32)
@@ -433,16 +438,17 @@ def evaluate_example(idx, model, tokenizer, data, device, task_meta):
 
 
 def score_examples(model, tokenizer, data, device, task_meta, indices=None, batched=True,
-                   batch_size=32, max_tokens=16384, margin=None):
+                   batch_size=32, max_tokens=None, margin=None):
     """Verdicts {"idx", "correct", "pred", "rescored"} for data[indices] (default: all).
     Batched: sequences sorted by length, grouped into forwards of at most batch_size sequences and
-    about max_tokens padded tokens; near-tie examples are re-scored by the reference path."""
+    about max_tokens padded tokens (default by device); near-tie examples are re-scored by the reference path."""
     indices = list(range(len(data)) if indices is None else indices)
     if not batched:
         return [evaluate_example(i, model, tokenizer, data, device, task_meta) for i in indices]
     task_type = task_meta["task_type"]
     pad_id = tokenizer.get_bos_token_id()
     margin = default_margin(model, device) if margin is None else margin
+    max_tokens = default_max_tokens(device) if max_tokens is None else max_tokens
     examples = prepare_examples(indices, data, tokenizer, task_meta, model_context_len(model))
     # longest first: the first forward is the biggest, so running out of memory shows at once
     flat = [(k, j) for k, ex in enumerate(examples) for j in range(len(ex["seqs"]))]
@@ -466,7 +472,7 @@ def score_examples(model, tokenizer, data, device, task_meta, indices=None, batc
     return verdicts
 
 
-def evaluate_task(model, tokenizer, data, device, task_meta, batched=True, batch_size=32, max_tokens=16384, margin=None):
+def evaluate_task(model, tokenizer, data, device, task_meta, batched=True, batch_size=32, max_tokens=None, margin=None):
     """Accuracy on data. Under torchrun each rank takes every world_size-th example; counts are summed."""
     if not data:
         raise UserError("no examples to evaluate")
@@ -491,7 +497,7 @@ def centered_accuracy(accuracy, random_baseline_percent):
 
 
 def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_size=32, log=print,
-                  batched=True, max_tokens=16384, margin=None):
+                  batched=True, max_tokens=None, margin=None):
     """Every task of core.yaml; missing task files are skipped and listed. Fewer than 22 tasks scored
     gives core_metric None and a partial CORE under its own label."""
     bundle_dir = ensure_eval_bundle(bundle_dir)
@@ -509,6 +515,9 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_s
         random.Random(1337).shuffle(data)  # before truncation, so --max-per-task takes a fixed random subset
         if max_per_task > 0:
             data = data[:max_per_task]
+        if len(data) <= task["num_fewshot"]:
+            raise UserError(f"{label}: {task['num_fewshot']}-shot prompts need more than {task['num_fewshot']} items, "
+                            f"got {len(data)} (max_per_task {max_per_task})")
         task_meta = {k: task[k] for k in ("task_type", "num_fewshot", "continuation_delimiter")}
         accuracy = evaluate_task(model, tokenizer, data, device, task_meta, batched=batched,
                                  batch_size=batch_size, max_tokens=max_tokens, margin=margin)

@@ -390,7 +390,7 @@ def _parquet_bytes(texts, docs_per_row_group):
     return sink.getvalue().to_pybytes()
 
 
-def build_offline_corpus(data_dir=None, txt_dir=None, num_train_shards=8, docs_per_row_group=32, max_doc_chars=8_000, max_docs=None, seed=42):
+def build_offline_corpus(data_dir=None, txt_dir=None, num_train_shards=8, docs_per_row_group=32, max_doc_chars=1_000, max_docs=None, seed=42):
     """Write an offline corpus as parquet shards: num_train_shards train shards plus one validation shard (the last index).
 
     Source: the standard library's docstrings and docs by default, or every .txt file under txt_dir.

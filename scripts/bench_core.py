@@ -58,11 +58,14 @@ def main():
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512, help="model context; longer prompts are left-cropped")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=16384, help="padded tokens per batched forward")
+    parser.add_argument("--max-tokens", type=int, default=None, help="padded tokens per batched forward (default: by device)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared machine; 0: torch default)")
     parser.add_argument("--device-type", default="", help="cuda|cpu|mps (empty = autodetect)")
     args = parser.parse_args()
 
     device = torch.device(args.device_type or autodetect_device_type())
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if args.tokenizer == "byte":
         tokenizer = ByteTokenizer()
     else:
@@ -71,7 +74,7 @@ def main():
     model = tiny_random_gpt(tokenizer.get_vocab_size(), args.depth, args.dim, args.seq_len, device)
     tasks = {t["label"]: t for t in load_core_tasks(args.eval_bundle)}
     print(f"device {device}, torch threads {torch.get_num_threads()}, tokenizer {args.tokenizer}, "
-          f"GPT depth {args.depth} dim {args.dim} seq_len {args.seq_len}, batch {args.batch_size} / {args.max_tokens} tokens")
+          f"GPT depth {args.depth} dim {args.dim} seq_len {args.seq_len}, batch {args.batch_size} seqs / {args.max_tokens or 'default'} tokens")
 
     # warm-up: first calls pay for allocations and kernel choice
     score_examples(model, tokenizer, [{"query": "warm up", "choices": ["a", "b"], "gold": 0}], device,

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The whole pipeline at toy scale on a CPU, in minutes, with no network needed:
+# environment → corpus → tokenizer → a FLOP-matched GPT / NAG pair → CORE + bpb → comparison report.
+#
+#   bash runs/runcpu.sh                 # everything under ~/.cache/nanochat (or $NANOCHAT_BASE_DIR)
+#   EVAL_BUNDLE=/path/to/eval_bundle bash runs/runcpu.sh
+#
+# Re-running skips what is already done (data, tokenizer, finished runs, evaluations).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
+BASE="$NANOCHAT_BASE_DIR"
+TARGET_FLOPS="${TARGET_FLOPS:-1e13}"   # per run; ~90 steps of 4096 tokens for the d4 model below
+MAX_PER_TASK="${MAX_PER_TASK:-50}"
+stage() { echo; echo "=== $* ==="; }
+
+stage "data ($BASE/base_data)"
+if ls "$BASE"/base_data/shard_*.parquet >/dev/null 2>&1; then
+    echo "shards already present: $(ls "$BASE"/base_data/shard_*.parquet | wc -l)"
+elif ! python -m nanochat.dataset -n 2; then
+    echo "no network for ClimbMix: building the offline corpus from the Python standard library's docs"
+    python -m nanochat.dataset --offline
+fi
+
+stage "tokenizer"
+if [ -f "$BASE/tokenizer/tokenizer.pkl" ]; then
+    echo "tokenizer already trained: $BASE/tokenizer"
+else
+    python -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
+fi
+python -m scripts.tok_eval --max-chars 1000000
+
+# A depth-4 model (dim 256, 4 heads of 64), 256-token context, 4096 tokens per step.
+# At this tiny batch the muP rule scales every LR by sqrt(4096 / 2^19) ≈ 0.09, so the base LRs are raised.
+# The NAG alpha warm-up is shortened to 10 steps' worth of tokens (the published run used ~300 steps).
+MODEL=(--depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 --total-batch-size 4096
+       --target-flops "$TARGET_FLOPS" --warmup-steps 5 --matrix-lr 0.2 --embedding-lr 2.0 --unembedding-lr 0.1
+       --eval-every 30 --eval-tokens 16384 --save-every 30 --nag-alpha-warmup-tokens 40960 --nag-gate-log-every 10)
+
+train_pair_member() {  # $1 = arch
+    local run="cpu-$1" dir="$BASE/runs/cpu-$1"
+    if ls "$dir"/model_*.pt >/dev/null 2>&1 && [ -f "$dir/.done" ]; then
+        echo "$run already trained: $dir"
+        return
+    fi
+    local last
+    last=$(ls "$dir"/model_*.pt 2>/dev/null | sed 's/.*model_0*\([0-9]*\)\.pt/\1/' | sort -n | tail -1 || true)
+    if [ -n "$last" ]; then
+        echo "resuming $run from step $last"
+        python -m scripts.base_train --arch "$1" --run "$run" "${MODEL[@]}" --resume-from-step "$last"
+    else
+        rm -rf "$dir"  # a run that never reached its first checkpoint: start it again
+        python -m scripts.base_train --arch "$1" --run "$run" "${MODEL[@]}"
+    fi
+    touch "$dir/.done"
+}
+
+stage "train the GPT baseline"
+train_pair_member gpt
+stage "train NAG on the same FLOP budget and data order"
+train_pair_member nag
+
+stage "evaluate (CORE on up to $MAX_PER_TASK items per task, bpb, samples)"
+BUNDLE_ARGS=()
+if [ -n "${EVAL_BUNDLE:-}" ]; then
+    BUNDLE_ARGS=(--eval-bundle "$EVAL_BUNDLE")
+elif [ -d "$(pwd)/../shared/eval_bundle" ]; then
+    BUNDLE_ARGS=(--eval-bundle "$(pwd)/../shared/eval_bundle")
+fi
+for arch in gpt nag; do
+    if [ -f "$BASE/runs/cpu-$arch/eval.json" ]; then
+        echo "cpu-$arch already evaluated"
+    else
+        python -m scripts.base_eval --run "cpu-$arch" --eval core,bpb,sample --max-per-task "$MAX_PER_TASK" \
+            --split-tokens 65536 --device-batch-size 16 "${BUNDLE_ARGS[@]}"
+    fi
+done
+
+stage "comparison report"
+python -m scripts.compare cpu-gpt cpu-nag

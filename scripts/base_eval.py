@@ -1,0 +1,231 @@
+"""
+Evaluate a base model checkpoint of either arch: bits per byte on the val and train splits,
+the CORE score (DCLM protocol, nanochat/core_eval.py) and a few fixed-prompt samples.
+
+    python -m scripts.base_eval --run gpt-d20
+    python -m scripts.base_eval --run nag-d20 --step 5000 --eval core --max-per-task 500
+    torchrun --nproc_per_node=8 -m scripts.base_eval --run gpt-d20
+
+Writes into the run directory: eval.json (all results) and core_tasks.csv (one row per CORE task).
+Sections not run this time (say `--eval sample`) keep their results from an earlier eval.json
+of the same checkpoint step; an eval.json of another step is replaced whole.
+"""
+
+import os
+import io
+import csv
+import sys
+import json
+import argparse
+
+import torch.distributed as dist
+
+from nanochat.common import UserError, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes
+from nanochat.tokenizer import get_tokenizer, get_token_bytes
+from nanochat.dataloader import data_loader
+from nanochat.loss_eval import evaluate_bpb
+from nanochat.core_eval import ensure_eval_bundle, evaluate_core
+from nanochat import checkpoint_manager as ckpt
+
+EVALS = ("core", "bpb", "sample")
+PROMPTS = [
+    "The capital of France is",
+    "The chemical symbol of gold is",
+    "If yesterday was Friday, then tomorrow will be",
+    "The opposite of hot is",
+    "The planets of the solar system are:",
+]
+SAMPLE_TEMPERATURE = 0.8
+SAMPLE_SEED = 42
+
+# every field eval.json has, grouped by the --eval section that fills it
+SECTION_FIELDS = {
+    "bpb": {"val_bpb": None, "train_bpb": None, "split_tokens": None},
+    "core": {"tasks": {}, "core_metric": None, "partial_core": None, "partial_label": None, "num_tasks_scored": 0,
+             "missing_tasks": None, "max_per_task": None, "eval_bundle": None, "core_error": None},
+    "sample": {"samples": [], "sample_tokens": None, "sample_temperature": None, "sample_seed": None},
+}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Evaluate a base model checkpoint: bpb, CORE, samples.")
+    p.add_argument("--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
+    p.add_argument("--step", type=int, default=-1, help="checkpoint step (default: the latest)")
+    p.add_argument("--eval", type=str, default="core,bpb,sample", help="comma-separated subset of core,bpb,sample")
+    p.add_argument("--max-per-task", type=int, default=-1, help="CORE examples per task after the fixed shuffle (-1: all)")
+    p.add_argument("--split-tokens", type=int, default=20 * 2 ** 19, help="tokens of each split (val, train) for bpb")
+    p.add_argument("--device-batch-size", type=int, default=32, help="rows per forward for bpb; sequences per forward for CORE")
+    p.add_argument("--eval-bundle", type=str, default="", help="CORE eval bundle dir (default: <base_dir>/eval_bundle, downloaded once)")
+    p.add_argument("--sample-tokens", type=int, default=16, help="tokens generated per sample")
+    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
+    return p
+
+
+def parse_evals(text):
+    evals = [e.strip() for e in text.split(",") if e.strip()]
+    unknown = [e for e in evals if e not in EVALS]
+    if unknown or not evals:
+        raise UserError(f"--eval takes a comma-separated subset of {','.join(EVALS)}, got {text!r}")
+    return set(evals)
+
+
+def resolve_run_dir(run):
+    # a name is looked up under the base dir; anything with a path separator is taken as a directory
+    return os.path.abspath(run) if os.sep in run else ckpt.get_run_dir(run)
+
+
+# ---------------------------------------------------------------------------
+# the three evaluations
+
+
+def eval_bpb(model, tokenizer, token_bytes, args, device, rank, world_size):
+    B, T = args.device_batch_size, model.config.sequence_len
+    steps = max(1, args.split_tokens // (B * T * world_size))
+    out = {"split_tokens": steps * B * T * world_size}
+    for split in ("val", "train"):
+        batches = data_loader(tokenizer, B, T, split, device=device, rank=rank, world_size=world_size)
+        out[f"{split}_bpb"] = evaluate_bpb(model, batches, steps, token_bytes)
+        print0(f"{split} bpb: {out[f'{split}_bpb']:.4f} ({out['split_tokens']:,} tokens)")
+    return out
+
+
+def complete(model, tokenizer, prompt, max_tokens, temperature, seed):
+    bos = tokenizer.get_bos_token_id()
+    out = []
+    for tok in model.generate(tokenizer.encode(prompt, prepend=bos), max_tokens, temperature=temperature, seed=seed):
+        if tok == bos:  # the model started a new document: the completion is over
+            break
+        out.append(tok)
+    return tokenizer.decode(out)
+
+
+def eval_samples(model, tokenizer, max_tokens):
+    samples = []
+    for prompt in PROMPTS:
+        greedy = complete(model, tokenizer, prompt, max_tokens, 0.0, SAMPLE_SEED)
+        sampled = complete(model, tokenizer, prompt, max_tokens, SAMPLE_TEMPERATURE, SAMPLE_SEED)
+        samples.append({"prompt": prompt, "greedy": greedy, "sampled": sampled})
+        print0(f"{prompt!r}\n  greedy : {greedy!r}\n  sampled: {sampled!r}")
+    return {"samples": samples, "sample_tokens": max_tokens, "sample_temperature": SAMPLE_TEMPERATURE, "sample_seed": SAMPLE_SEED}
+
+
+def find_bundle(eval_bundle):
+    """(bundle dir, None), or (None, reason) when the default bundle cannot be had (offline, no copy).
+    An explicit --eval-bundle that is not a bundle is the user's mistake, so it stays an error."""
+    if eval_bundle:
+        return ensure_eval_bundle(eval_bundle), None
+    try:
+        return ensure_eval_bundle(None), None
+    except UserError as e:
+        return None, str(e)
+
+
+def eval_core(model, tokenizer, device, bundle, args):
+    core = evaluate_core(model, tokenizer, device, bundle, max_per_task=args.max_per_task, batch_size=args.device_batch_size, log=print0)
+    fields = ("tasks", "core_metric", "partial_core", "partial_label", "num_tasks_scored", "missing_tasks")
+    return {**{k: core[k] for k in fields}, "max_per_task": args.max_per_task, "eval_bundle": bundle, "core_error": None}
+
+
+# ---------------------------------------------------------------------------
+# output
+
+
+def core_csv(tasks):
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["task", "accuracy", "centered", "num_examples"])
+    for label, r in tasks.items():
+        w.writerow([label, r["accuracy"], r["centered"], r["num_examples"]])
+    return buf.getvalue()
+
+
+def previous_results(path, step):
+    """The earlier eval.json of this same step (its sections not re-run are kept), else {}."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        old = json.load(open(path))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}  # unreadable: it is rewritten from scratch
+    return old if isinstance(old, dict) and old.get("step") == step else {}
+
+
+def print_table(record):
+    lines = []
+    if record["tasks"]:
+        lines.append(f"{'task':<34} {'accuracy':>9} {'centred':>9}")
+        for label, r in record["tasks"].items():
+            lines.append(f"{label:<34} {r['accuracy']:>9.4f} {r['centered']:>+9.4f}")
+        for label in record["missing_tasks"] or []:
+            lines.append(f"{label:<34} {'missing':>9} {'':>9}")
+        if record["core_metric"] is not None:
+            lines.append(f"{'CORE':<34} {'':>9} {record['core_metric']:>9.4f}")
+        else:  # fewer than 22 tasks: never call it CORE
+            lines.append(f"{record['partial_label']:<34} {'':>9} {record['partial_core']:>9.4f}")
+    elif record["core_error"]:
+        lines.append(f"CORE not evaluated: {record['core_error']}")
+    for key in ("val_bpb", "train_bpb"):
+        if record[key] is not None:
+            lines.append(f"{key.replace('_', ' '):<34} {record[key]:>9.4f}")
+    print0("\n".join(lines))
+
+
+def evaluate(args):
+    evals = parse_evals(args.eval)
+    if args.device_batch_size < 1 or args.split_tokens < 1 or args.sample_tokens < 1:
+        raise UserError("--device-batch-size, --split-tokens and --sample-tokens must be positive")
+    device_type = args.device_type or autodetect_device_type()
+    is_ddp, rank, _, world_size, device = dist_init(device_type)
+    run_dir = resolve_run_dir(args.run)
+
+    tokenizer = get_tokenizer()
+    model, meta = ckpt.load_model(run_dir, None if args.step < 0 else args.step, device)
+    ckpt.check_vocab(meta, tokenizer)
+    model.set_compute_dtype(compute_dtype_for(device_type))
+    if "tokens" in meta:  # NAG's alpha warm-up is a function of tokens seen: evaluate the model as it was trained
+        model.set_tokens_seen(meta["tokens"])
+    step = meta["step"]
+    print0(f"evaluating {run_dir} step {step} ({meta['arch']}) on {device_type} × {world_size}: {', '.join(e for e in EVALS if e in evals)}")
+
+    bundle, core_error = find_bundle(args.eval_bundle) if "core" in evals else (None, None)
+    if core_error:
+        print0(f"CORE skipped: {core_error}")
+
+    results = {}
+    if "bpb" in evals:
+        results.update(eval_bpb(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size))
+    if bundle is not None:
+        results.update(eval_core(model, tokenizer, device, bundle, args))
+    elif core_error:
+        results["core_error"] = core_error
+    if "sample" in evals and rank == 0:
+        results.update(eval_samples(model, tokenizer, args.sample_tokens))
+
+    eval_path = os.path.join(run_dir, "eval.json")
+    record = {"run": os.path.basename(os.path.normpath(run_dir)), "step": step, "arch": meta["arch"], "tokens": meta.get("tokens")}
+    old = previous_results(eval_path, step)
+    for fields in SECTION_FIELDS.values():
+        record.update({k: old.get(k, default) for k, default in fields.items()})
+    record.update(results)
+    if rank == 0:
+        atomic_write_json(eval_path, record)
+        if bundle is not None:
+            atomic_write_bytes(os.path.join(run_dir, "core_tasks.csv"), core_csv(record["tasks"]).encode())
+        print_table(record)
+        print0(f"wrote {eval_path}")
+    if is_ddp:
+        dist.destroy_process_group()
+    return record
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return evaluate(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

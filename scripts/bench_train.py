@@ -1,0 +1,134 @@
+"""
+Training throughput and peak memory, GPT vs NAG, eager vs compiled, on random tokens.
+
+    python -m scripts.bench_train --depth 4 --arch gpt,nag --compile both
+    python -m scripts.bench_train --depth 20 --device-batch-size 32 --max-seq-len 2048   # on a GPU: also MFU
+
+Each variant runs in its own process so peak memory is its own (CUDA: max allocated;
+CPU: peak resident set size). Ratios to the first variant are measured in the same
+invocation, which is what to compare on a noisy machine.
+"""
+
+import os
+import sys
+import json
+import time
+import argparse
+import resource
+import subprocess
+
+import torch
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=str, default="gpt,nag", help="comma list of gpt,nag")
+    p.add_argument("--compile", type=str, default="off", choices=["off", "on", "both"])
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--aspect-ratio", type=int, default=64)
+    p.add_argument("--model-dim", type=int, default=-1)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--device-batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--nag-impl", type=str, default="", help="reference|compiled|fused (default per device)")
+    p.add_argument("--device-type", type=str, default="")
+    p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def run_variant(args, arch, compiled):
+    from nanochat.common import autodetect_device_type, compute_dtype_for
+    from nanochat.checkpoint_manager import model_class
+    from scripts.base_train import build_parser, model_config_from_args, PEAK_FLOPS
+    device_type = args.device_type or autodetect_device_type()
+    device = torch.device(device_type)
+    train_args = build_parser().parse_args(["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio),
+                                            "--model-dim", str(args.model_dim), "--head-dim", str(args.head_dim),
+                                            "--max-seq-len", str(args.max_seq_len)])
+    config = model_config_from_args(train_args, args.vocab_size)
+    cls = model_class(arch)
+    kwargs = {"impl": args.nag_impl or None} if arch == "nag" else {}
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = cls(config, **kwargs)
+    model.to_empty(device=device)
+    model.init_weights()
+    model.set_compute_dtype(compute_dtype_for(device_type))
+    optimizer = model.setup_optimizer()
+    fwd = torch.compile(model, dynamic=False) if compiled else model
+    B, T = args.device_batch_size, args.max_seq_len
+    x = torch.randint(0, args.vocab_size, (B, T), device=device)
+    y = torch.randint(0, args.vocab_size, (B, T), device=device)
+
+    def step():
+        loss = fwd(x, y)
+        loss.backward()
+        optimizer.step()
+        model.after_optimizer_step()
+        model.zero_grad(set_to_none=True)
+        return loss.item()  # syncs
+
+    for _ in range(args.warmup):
+        step()
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.time()
+    for _ in range(args.steps):
+        step()
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    dt = (time.time() - t0) / args.steps
+    tok_per_sec = B * T / dt
+    result = {"arch": arch, "compiled": compiled, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
+              "params": sum(p.numel() for p in model.parameters()), "flops_per_token": model.estimate_flops(),
+              "device": device_type, "dim": config.n_embd}
+    if device_type == "cuda":
+        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
+        if peak:
+            result["mfu"] = model.estimate_flops() * tok_per_sec / peak
+    else:
+        result["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB → GiB
+    return result
+
+
+def main():
+    args = parse()
+    if args.worker:
+        arch, compiled = args.worker.split(":")
+        print("RESULT " + json.dumps(run_variant(args, arch, compiled == "1")), flush=True)
+        return
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    bad = [a for a in archs if a not in ("gpt", "nag")]
+    if bad:
+        sys.exit(f"error: unknown arch {bad} (gpt, nag)")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    results = []
+    for compiled in modes:
+        for arch in archs:
+            cmd = [sys.executable, "-m", "scripts.bench_train", "--worker", f"{arch}:{int(compiled)}"] + \
+                  [a for a in sys.argv[1:]]
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{arch} compiled={compiled}: failed\n{out.stderr[-2000:]}")
+                continue
+            r = json.loads(line[len("RESULT "):])
+            results.append(r)
+            print(f"{arch:4s} {'compiled' if compiled else 'eager   '} | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
+                  f"peak {r['peak_mem_gib']:.2f} GiB" + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""), flush=True)
+    print(f"\nconfig: depth {args.depth}, dim {results[0]['dim'] if results else '?'}, batch {args.device_batch_size}×{args.max_seq_len}, "
+          f"device {results[0]['device'] if results else '?'}")
+    for compiled in modes:
+        by_arch = {r["arch"]: r for r in results if r["compiled"] == compiled}
+        if "gpt" in by_arch and "nag" in by_arch:
+            g, n = by_arch["gpt"], by_arch["nag"]
+            print(f"NAG / GPT ({'compiled' if compiled else 'eager'}): step time {n['step_ms'] / g['step_ms']:.3f}×, "
+                  f"peak memory {n['peak_mem_gib'] / g['peak_mem_gib']:.3f}×")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""base_eval on tiny trained runs of both archs, with a small fake CORE bundle written here."""
+
+import os
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from scripts import base_train, base_eval
+from nanochat import core_eval
+
+TINY = ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
+        "--total-batch-size", "256", "--eval-tokens", "512", "--warmup-steps", "2", "--nag-alpha-warmup-tokens", "1024",
+        "--matrix-lr", "0.5", "--embedding-lr", "2.0", "--unembedding-lr", "0.1",
+        "--num-iterations", "6", "--eval-every", "3", "--save-every", "3", "--nag-gate-log-every", "2"]
+EVAL = ["--split-tokens", "512", "--device-batch-size", "4", "--sample-tokens", "4", "--max-per-task", "4"]
+
+# label, task type, shots, random baseline (%), items
+MC_ITEMS = [{"query": f"Document {i}. The model", "choices": ["is the data.", "of weight gradient", "and"], "gold": i % 3} for i in range(6)]
+SCHEMA_ITEMS = [{"context_options": [f"The layer {i} was", f"The head {i} is"], "continuation": "the attention.", "gold": i % 2} for i in range(6)]
+LM_ITEMS = [{"context": f"Document {i}. The", "continuation": " model"} for i in range(6)]
+FAKE_TASKS = [
+    ("tiny_mc", "multiple_choice", 1, 33.3, MC_ITEMS),
+    ("tiny_schema", "schema", 0, 50.0, SCHEMA_ITEMS),
+    ("tiny_lm", "language_modeling", 2, 0.0, LM_ITEMS),
+]
+
+
+def write_fake_bundle(root):
+    """core.yaml listing the three tasks above plus one whose file is absent (`absent_task`)."""
+    yaml = ["icl_tasks:"]
+    meta = ["Eval Task,Task Category,Random baseline"]
+    for label, kind, shots, baseline, items in FAKE_TASKS + [("absent_task", "multiple_choice", 0, 25.0, None)]:
+        yaml += ["-", f"  label: {label}", f"  dataset_uri: tiny/{label}.jsonl", f"  num_fewshot: [{shots}]", f"  icl_task_type: {kind}"]
+        meta.append(f"{label},tiny,{baseline}")
+        if items is not None:
+            os.makedirs(os.path.join(root, "eval_data", "tiny"), exist_ok=True)
+            with open(os.path.join(root, "eval_data", "tiny", f"{label}.jsonl"), "w") as f:
+                f.writelines(json.dumps(it) + "\n" for it in items)
+    with open(os.path.join(root, "core.yaml"), "w") as f:
+        f.write("\n".join(yaml) + "\n")
+    with open(os.path.join(root, "eval_meta_data.csv"), "w") as f:
+        f.write("\n".join(meta) + "\n")
+    return str(root)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # models this small gain nothing from a second thread, and lose ~100x when the 2 cores are contended
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_base_dir, tmp_path_factory):
+    """A base dir sharing the session corpus and tokenizer, with a 6-step gpt run and nag run, and a fake bundle."""
+    base = tmp_path_factory.mktemp("eval_base")
+    for name in ("base_data", "tokenizer"):
+        os.symlink(os.path.join(tiny_base_dir, name), base / name)
+    bundle = write_fake_bundle(tmp_path_factory.mktemp("bundle"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(base))
+        runs = {arch: base_train.main(TINY + ["--arch", arch, "--run", arch]) for arch in ("gpt", "nag")}
+        yield {"base": base, "bundle": bundle, "runs": runs}
+
+
+def run_error(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        base_eval.main(list(args))
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("arch", ["gpt", "nag"])
+def test_eval_writes_results_of_either_arch(pair, capsys, arch):
+    run_dir = pair["runs"][arch]
+    record = base_eval.main(["--run", arch, "--eval-bundle", pair["bundle"]] + EVAL)
+    out = capsys.readouterr().out
+    saved = json.load(open(os.path.join(run_dir, "eval.json")))
+    assert saved == json.loads(json.dumps(record))
+    assert saved["run"] == arch and saved["arch"] == arch and saved["step"] == 6 and saved["tokens"] == 6 * 256
+    for key in ("val_bpb", "train_bpb"):
+        assert math.isfinite(saved[key]) and 0 < saved[key] < 10
+    assert saved["val_bpb"] != saved["train_bpb"]
+    assert saved["split_tokens"] == 512
+
+    # CORE: three tasks scored on 4 items each, one listed missing, reported as partial only
+    assert set(saved["tasks"]) == {"tiny_mc", "tiny_schema", "tiny_lm"}
+    for label, _, _, baseline, _ in FAKE_TASKS:
+        t = saved["tasks"][label]
+        assert t["num_examples"] == 4 and 0 <= t["accuracy"] <= 1
+        assert t["centered"] == pytest.approx((t["accuracy"] - baseline / 100) / (1 - baseline / 100))
+    assert saved["missing_tasks"] == ["absent_task"] and saved["num_tasks_scored"] == 3
+    assert saved["core_metric"] is None and saved["partial_label"] == "partial CORE (3/22)"
+    assert saved["partial_core"] == pytest.approx(sum(t["centered"] for t in saved["tasks"].values()) / 3)
+    assert saved["max_per_task"] == 4 and saved["eval_bundle"] == pair["bundle"] and saved["core_error"] is None
+
+    # per-task CSV mirrors eval.json
+    rows = list(csv.DictReader(open(os.path.join(run_dir, "core_tasks.csv"))))
+    assert [r["task"] for r in rows] == ["tiny_mc", "tiny_schema", "tiny_lm"]
+    for r in rows:
+        t = saved["tasks"][r["task"]]
+        assert float(r["accuracy"]) == pytest.approx(t["accuracy"]) and float(r["centered"]) == pytest.approx(t["centered"])
+        assert int(r["num_examples"]) == 4
+
+    # samples: every prompt, greedy and sampled, the greedy one reproducible
+    assert [s["prompt"] for s in saved["samples"]] == base_eval.PROMPTS
+    assert all(isinstance(s["greedy"], str) and isinstance(s["sampled"], str) for s in saved["samples"])
+    again = base_eval.main(["--run", arch, "--eval", "sample"] + EVAL)
+    assert again["samples"] == saved["samples"]
+    assert again["tasks"] == saved["tasks"] and again["val_bpb"] == saved["val_bpb"]  # same step: other sections kept
+
+    # progress lines with time, and the final table never calls a partial score CORE
+    assert any(line.startswith("tiny_lm") and line.rstrip().endswith("s") for line in out.splitlines())
+    lines = out.splitlines()
+    table = lines[max(i for i, line in enumerate(lines) if line.startswith("task") and "centred" in line):]
+    assert any(line.startswith("partial CORE (3/22)") for line in table) and not any(line.startswith("CORE") for line in table)
+    assert any(line.startswith("absent_task") and "missing" in line for line in table)
+
+
+def test_earlier_step_and_eval_subset(pair, capsys):
+    record = base_eval.main(["--run", pair["runs"]["gpt"], "--step", "3", "--eval", "bpb"] + EVAL)
+    assert record["step"] == 3 and record["tokens"] == 3 * 256 and record["val_bpb"] > 0
+    assert record["tasks"] == {} and record["samples"] == [] and record["core_metric"] is None  # another step: nothing kept
+
+
+def test_offline_without_bundle_still_gives_bpb(pair, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(core_eval, "EVAL_BUNDLE_URL", (tmp_path / "nowhere" / "eval_bundle.zip").as_uri())
+    record = base_eval.main(["--run", "nag", "--step", "3", "--eval", "core,bpb"] + EVAL)
+    out = capsys.readouterr().out
+    skipped = [line for line in out.splitlines() if line.startswith("CORE skipped:")]
+    assert len(skipped) == 1 and "--eval-bundle" in skipped[0]
+    assert record["val_bpb"] > 0 and record["tasks"] == {} and record["core_metric"] is None
+    assert "cannot download" in record["core_error"]
+
+
+def test_bad_inputs(pair, capsys, tmp_path):
+    assert "no checkpoint in" in run_error(capsys, "--run", str(tmp_path))
+    assert "does not exist" in run_error(capsys, "--run", "never-trained")
+    assert "no checkpoint for step 5" in run_error(capsys, "--run", "gpt", "--step", "5")
+    assert "--eval takes" in run_error(capsys, "--run", "gpt", "--eval", "bpb,mmlu")
+    assert "no core.yaml" in run_error(capsys, "--run", "gpt", "--eval-bundle", str(tmp_path))
+    from nanochat.tokenizer import Tokenizer
+    real_vocab = Tokenizer.get_vocab_size
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Tokenizer, "get_vocab_size", lambda self: real_vocab(self) + 1)
+        assert "does not match the tokenizer" in run_error(capsys, "--run", "nag")
