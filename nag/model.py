@@ -194,8 +194,17 @@ class NAGGPT(GPT):
         gain = (alpha.detach().float() * m).abs()
         self.telemetry_rows.append(torch.stack([m.mean(), (u <= floor).float().mean(), gain.mean(), alpha.detach().float().squeeze()]))
 
+    @torch.no_grad()
+    def gate_telemetry(self, idx):
+        """Gate statistics of a forward pass over idx (no grad), as plain numbers for metrics.jsonl."""
+        self.record_telemetry = True
+        try:
+            self(idx)
+        finally:
+            self.record_telemetry = False
+        return self.collect_telemetry()
+
     def collect_telemetry(self):
-        """Gate statistics of the last recorded forward, as plain numbers for metrics.jsonl."""
         rows = torch.stack(self.telemetry_rows).cpu().tolist()
         self.telemetry_rows = []
         names = [f"{i}.{kind}" for i in range(self.config.n_layer) for kind in ("attn", "mlp")]

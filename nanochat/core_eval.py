@@ -414,8 +414,9 @@ def decide(task_type, gold, scores, margin):
 
 
 def default_max_tokens(device):
-    # CPU: past ~2k tokens a forward gets slower per token (caches); accelerators want big batches
-    return 2048 if torch.device(device).type == "cpu" else 16384
+    # CPU: compute-bound already at a few hundred tokens, and slower per token once activations
+    # outgrow the caches; accelerators need big batches to be busy
+    return 1024 if torch.device(device).type == "cpu" else 16384
 
 
 def default_margin(model, device):
@@ -431,7 +432,7 @@ def _score_alone(model, ex, task_type, pad_id, device):
 
 
 def evaluate_example(idx, model, tokenizer, data, device, task_meta):
-    """The one-at-a-time reference path: {"idx", "correct", "pred"} for data[idx]."""
+    """The one-at-a-time reference path: {"idx", "correct", "pred", "rescored": False} for data[idx]."""
     ex = prepare_examples([idx], data, tokenizer, task_meta, model_context_len(model))[0]
     correct, pred, _ = _score_alone(model, ex, task_meta["task_type"], tokenizer.get_bos_token_id(), device)
     return {"idx": idx, "correct": correct, "pred": pred, "rescored": False}

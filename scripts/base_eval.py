@@ -144,7 +144,8 @@ def previous_results(path, step):
     if not os.path.exists(path):
         return {}
     try:
-        old = json.load(open(path))
+        with open(path) as f:
+            old = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}  # unreadable: it is rewritten from scratch
     return old if isinstance(old, dict) and old.get("step") == step else {}
@@ -209,8 +210,8 @@ def evaluate(args):
     record.update(results)
     if rank == 0:
         atomic_write_json(eval_path, record)
-        if bundle is not None:
-            atomic_write_bytes(os.path.join(run_dir, "core_tasks.csv"), core_csv(record["tasks"]).encode())
+        # rewritten every time, so it always matches eval.json (a header alone when CORE has no results)
+        atomic_write_bytes(os.path.join(run_dir, "core_tasks.csv"), core_csv(record["tasks"]).encode())
         print_table(record)
         print0(f"wrote {eval_path}")
     if is_ddp:

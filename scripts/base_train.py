@@ -13,6 +13,7 @@ import json
 import math
 import time
 import argparse
+import contextlib
 import subprocess
 
 import torch
@@ -210,14 +211,6 @@ def check_finite(model, loss, step):
                          f"(loss {loss.item():.4g}); non-finite gradients in: {shown or 'none'}")
 
 
-def allreduce_grads(model, world_size):
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size
-    torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
-
-
 # ---------------------------------------------------------------------------
 
 
@@ -297,18 +290,20 @@ def train(args):
         "seed": args.seed, "git_commit": git_commit(), "torch_version": torch.__version__, "command": " ".join(sys.argv),
     }
     prepare_run_dir(run_dir, args, config_record, is_master)
+    if is_ddp:
+        dist.barrier()  # every rank checks the run dir before rank 0 writes into it
 
     optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                                       matrix_lr=args.matrix_lr, weight_decay=weight_decay, lr_scale=lr_scale,
                                       **(nag_optimizer_kwargs(args) if args.arch == "nag" else {}))
 
-    start_step, loader_state, elapsed = 0, None, 0.0
+    start_step, loader_states, elapsed = 0, None, 0.0
     if args.resume_from_step >= 0:
         start_step = args.resume_from_step
         ckpt.load_weights(model, ckpt.load_model_file(run_dir, start_step, device))
         state = ckpt.load_train_state(run_dir, start_step, rank, device)
         optimizer.load_state_dict(state["optimizer"])
-        loader_state, elapsed = state["dataloader"], state.get("elapsed", 0.0)
+        loader_states, elapsed = state["dataloader"], state.get("elapsed", 0.0)
         torch.set_rng_state(state["rng"]["cpu"])
         if device_type == "cuda" and state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"])
@@ -324,7 +319,11 @@ def train(args):
             os.remove(metrics_path)
 
     use_compile = args.compile if args.compile is not None else device_type == "cuda"
-    fwd = torch.compile(model, dynamic=False) if use_compile else model
+    compiled = torch.compile(model, dynamic=False) if use_compile else model
+    fwd = compiled
+    if is_ddp:  # gradients averaged across ranks, overlapped with the backward
+        from torch.nn.parallel import DistributedDataParallel
+        fwd = DistributedDataParallel(fwd, device_ids=[local_rank] if device_type == "cuda" else None)
 
     print0(f"run {run} → {run_dir}")
     print0(f"arch {args.arch} | {config_record['num_params']:,} params ({config_record['num_scaling_params']:,} matmul) | "
@@ -332,15 +331,21 @@ def train(args):
     print0(f"horizon: {num_iterations:,} steps × {total_batch:,} tokens = {num_iterations * total_batch:,} tokens | "
            f"{flops_per_token:,} FLOPs/token | {config_record['total_flops']:.3e} FLOPs | grad accum {grad_accum}")
 
-    train_batches = data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
-                                rank=rank, world_size=world_size, resume_state=loader_state)
+    # The train data is cut into world_size × grad_accum shards and micro-step m of rank r reads shard
+    # r·grad_accum + m: every split of the same total batch over processes sees the same data per step.
+    num_shards = world_size * grad_accum
+    train_loaders = [data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
+                                 rank=rank * grad_accum + m, world_size=num_shards,
+                                 resume_state=loader_states[m] if loader_states else None) for m in range(grad_accum)]
+    loader_states = [None] * grad_accum
     eval_steps = max(1, args.eval_tokens // world_tokens_per_fwdbwd)
     peak = peak_flops(device_type)
 
-    def run_eval():
+    def run_eval(step):
         model.eval()
+        model.set_tokens_seen(step * total_batch)  # NAG: the α warm-up factor the checkpoint of this step carries
         val = data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "val", device=device, rank=rank, world_size=world_size)
-        bpb = evaluate_bpb(fwd, val, eval_steps, token_bytes)
+        bpb = evaluate_bpb(compiled, val, eval_steps, token_bytes)
         model.train()
         return bpb
 
@@ -350,7 +355,7 @@ def train(args):
                 f.write(json.dumps(row) + "\n")
 
     if start_step == 0:
-        bpb = run_eval()
+        bpb = run_eval(0)
         print0(f"step 0 | val bpb {bpb:.4f}")
         write_row({"step": 0, "tokens": 0, "flops": 0, "train_loss": None, "lr_mult": lr_multiplier(0, num_iterations, args.warmup_steps, args.warmdown_ratio, args.final_lr_frac),
                    "tok_per_sec": None, "val_bpb": bpb})
@@ -360,18 +365,15 @@ def train(args):
     while step < num_iterations:
         t0 = time.time()
         model.set_tokens_seen(step * total_batch)
-        telemetry_step = args.arch == "nag" and args.nag_gate_log_every > 0 and (step + 1) % args.nag_gate_log_every == 0
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
-            x, y, loader_state = next(train_batches)
-            record = telemetry_step and micro == 0
-            if args.arch == "nag":
-                model.record_telemetry = record
-            loss = (model if record else fwd)(x, y)  # telemetry steps run eager: the recording is Python-side
-            loss_sum += loss.detach()
-            (loss / grad_accum).backward()
+            x, y, loader_states[micro] = next(train_loaders[micro])
+            sync = micro == grad_accum - 1 or not is_ddp
+            with (contextlib.nullcontext() if sync else fwd.no_sync()):
+                loss = fwd(x, y)
+                loss_sum += loss.detach()
+                (loss / grad_accum).backward()
         if is_ddp:
-            allreduce_grads(model, world_size)
             dist.all_reduce(loss_sum)
             loss_sum /= world_size
         train_loss = loss_sum / grad_accum
@@ -404,17 +406,17 @@ def train(args):
                 f"lrm {lrm:.3f} | {tok_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") +
                 f" | {dt * 1000:.0f} ms | elapsed {fmt_time(elapsed)} | eta {fmt_time(eta)}")
         print0(line)
-        if telemetry_step:
-            row["gate"] = model.collect_telemetry()
+        if args.arch == "nag" and args.nag_gate_log_every > 0 and step % args.nag_gate_log_every == 0:
+            row["gate"] = model.gate_telemetry(x)  # one extra no-grad forward on the last micro-batch
             print0(model.format_telemetry(row["gate"]))
 
         last = step == num_iterations
         if last or (args.eval_every > 0 and step % args.eval_every == 0):
-            row["val_bpb"] = run_eval()
+            row["val_bpb"] = run_eval(step)
             print0(f"step {step:05d} | val bpb {row['val_bpb']:.4f}")
         write_row(row)
         if last or (args.save_every > 0 and step % args.save_every == 0):
-            train_state = {"optimizer": optimizer.state_dict(), "dataloader": loader_state, "step": step, "elapsed": elapsed,
+            train_state = {"optimizer": optimizer.state_dict(), "dataloader": loader_states, "step": step, "elapsed": elapsed,
                            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
             ckpt.save_checkpoint(run_dir, step, model, dict(meta, step=step, tokens=step * total_batch), train_state, rank)
             print0(f"saved checkpoint at step {step} in {run_dir}")

@@ -93,7 +93,7 @@ def ema(values, beta):
 
 
 def loss_curve(run):
-    rows = [r for r in run["metrics"] if r.get("train_loss") is not None]
+    rows = [r for r in run["metrics"] if r.get("train_loss") is not None and r.get("flops") is not None]
     return [r["flops"] for r in rows], [r["train_loss"] for r in rows]
 
 
@@ -250,8 +250,9 @@ def notes(runs, figures):
     for r in runs:
         name, ev = r["name"], r["eval"]
         if ev is None:
+            where = name if os.path.normpath(get_run_dir(name)) == r["dir"] else r["dir"]
             lines.append(f"`{name}` has no eval.json: its CORE and base_eval bpb are not shown "
-                         f"(run `python -m scripts.base_eval --run {name}`).")
+                         f"(run `python -m scripts.base_eval --run {where}`).")
             continue
         if ev.get("tasks") and ev.get("core_metric") is None:
             missing = ", ".join(ev.get("missing_tasks") or []) or "none"
@@ -306,7 +307,7 @@ def make_figures(runs, out_dir, beta):
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for r, c in zip(runs, colors):
-        pts = [(row["flops"], row["val_bpb"]) for row in r["metrics"] if row.get("val_bpb") is not None]
+        pts = [(row["flops"], row["val_bpb"]) for row in r["metrics"] if row.get("val_bpb") is not None and row.get("flops") is not None]
         if pts:
             ax.plot(*zip(*pts), color=c, marker="o", markersize=3, label=r["name"])
     ax.set(xlabel="training FLOPs", ylabel="val bits per byte", title="Validation bpb vs training FLOPs")

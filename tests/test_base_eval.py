@@ -88,6 +88,9 @@ def test_eval_writes_results_of_either_arch(pair, capsys, arch):
     for key in ("val_bpb", "train_bpb"):
         assert math.isfinite(saved[key]) and 0 < saved[key] < 10
     assert saved["val_bpb"] != saved["train_bpb"]
+    # same tokens and batch shape as the training-time eval: the same number (past NAG's alpha warm-up)
+    logged = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][-1]
+    assert saved["val_bpb"] == pytest.approx(logged["val_bpb"], rel=1e-5)
     assert saved["split_tokens"] == 512
 
     # CORE: three tasks scored on 4 items each, one listed missing, reported as partial only
@@ -124,10 +127,18 @@ def test_eval_writes_results_of_either_arch(pair, capsys, arch):
     assert any(line.startswith("absent_task") and "missing" in line for line in table)
 
 
-def test_earlier_step_and_eval_subset(pair, capsys):
+def test_earlier_step_and_eval_subset(pair, capsys, monkeypatch):
     record = base_eval.main(["--run", pair["runs"]["gpt"], "--step", "3", "--eval", "bpb"] + EVAL)
     assert record["step"] == 3 and record["tokens"] == 3 * 256 and record["val_bpb"] > 0
     assert record["tasks"] == {} and record["samples"] == [] and record["core_metric"] is None  # another step: nothing kept
+    assert open(os.path.join(pair["runs"]["gpt"], "core_tasks.csv")).read() == "task,accuracy,centered,num_examples\n"
+
+    # a NAG checkpoint inside the alpha warm-up (768 of 1024 tokens) is evaluated with its warm-up factor
+    seen = []
+    real = base_eval.evaluate_bpb
+    monkeypatch.setattr(base_eval, "evaluate_bpb", lambda model, *a: seen.append(model.alpha_warmup.item()) or real(model, *a))
+    base_eval.main(["--run", "nag", "--step", "3", "--eval", "bpb"] + EVAL)
+    assert seen == [0.75, 0.75]
 
 
 def test_offline_without_bundle_still_gives_bpb(pair, capsys, monkeypatch, tmp_path):

@@ -18,11 +18,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def write_bundle(root):
     """Two scored tasks (multiple choice, schema) and one listed in core.yaml without its file."""
-    tasks = {
-        "mc_task": ("multiple_choice", 25.0, [{"query": f"Document {i}. The", "choices": ["model is", "of and", "to"], "gold": i % 3} for i in range(5)]),
-        "schema_task": ("schema", 50.0, [{"context_options": [f"The head {i}", f"The layer {i}"], "continuation": "is data.", "gold": i % 2} for i in range(5)]),
-        "gone_task": ("multiple_choice", 25.0, None),
-    }
+    mc = [{"query": f"Document {i}. The", "choices": ["model is", "of and", "to"], "gold": i % 3} for i in range(5)]
+    schema = [{"context_options": [f"The head {i}", f"The layer {i}"], "continuation": "is data.", "gold": i % 2} for i in range(5)]
+    tasks = {"mc_task": ("multiple_choice", 25.0, mc), "schema_task": ("schema", 50.0, schema), "gone_task": ("multiple_choice", 25.0, None)}
     yaml, meta = ["icl_tasks:"], ["Eval Task,Random baseline"]
     os.makedirs(os.path.join(root, "eval_data", "t"))
     for label, (kind, baseline, items) in tasks.items():
@@ -120,7 +118,7 @@ def test_run_without_eval_gets_training_parts(pair, tmp_path, capsys):
     assert path == str(tmp_path / "out" / "report.md")
     assert table_row(report, "eval step (base_eval)") == ["6", "no eval.json"]
     assert table_row(report, "mc_task")[1:] == ["—", "—"]
-    assert "`nag` has no eval.json" in report and "scripts.base_eval --run nag" in report
+    assert "`nag` has no eval.json" in report and f"scripts.base_eval --run {bare}`" in report
     assert os.path.getsize(tmp_path / "out" / "gate_dead_branches.png") > 0
 
     # a single gpt run: no gate figures, nothing to diff

@@ -114,9 +114,7 @@ def test_optimizer_groups_cover_every_param_once():
 
 def test_telemetry_fields():
     model = tiny_nag(alpha_warmup_tokens=0)
-    model.record_telemetry = True
-    model(torch.randint(0, 128, (2, 32)))
-    t = model.collect_telemetry()
+    t = model.gate_telemetry(torch.randint(0, 128, (2, 32)))
     assert t["num_branches"] == 6 and len(t["branches"]) == 6
     assert t["branches"][3]["name"] == "1.mlp"
     assert t["alpha_max"] == pytest.approx(1.0) and t["alpha_min"] == pytest.approx(6 ** -0.5)
@@ -125,8 +123,7 @@ def test_telemetry_fields():
     # a branch with α = 0 counts as dead
     with torch.no_grad():
         model.gates[2].mlp_branch.alpha.zero_()
-    model(torch.randint(0, 128, (2, 32)))
-    assert model.collect_telemetry()["dead_branches"] == 1
+    assert model.gate_telemetry(torch.randint(0, 128, (2, 32)))["dead_branches"] == 1
 
 
 @pytest.mark.parametrize("arch", ["gpt", "nag"])

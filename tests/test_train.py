@@ -50,7 +50,7 @@ def test_tiny_run_learns_and_records(base, arch):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(25))
     losses = [r["train_loss"] for r in rows[1:]]
-    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3
     bpbs = [r["val_bpb"] for r in rows if "val_bpb" in r]
     assert len(bpbs) == 3 and bpbs[-1] < bpbs[0]
     for r in rows[1:]:
