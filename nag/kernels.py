@@ -21,15 +21,10 @@ Shapes follow nag.functional: rows (..., D), log_norm (..., 1), mod_logits
 """
 
 import math
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    # Without a GPU, Triton can only run kernels in its interpreter (numpy on
-    # the CPU). The flag is read when a kernel is decorated, so set it first.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# nag/__init__.py has set TRITON_INTERPRET=1 on machines without a GPU (before triton was imported)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 

@@ -67,6 +67,9 @@ def build_parser():
     p.add_argument("--eval-tokens", type=int, default=10 * 2 ** 19)
     p.add_argument("--save-every", type=int, default=-1, help="save every N steps (the last step is always saved)")
     p.add_argument("--resume-from-step", type=int, default=-1)
+    p.add_argument("--dry-run", type=int, default=0, metavar="NPROC",
+                   help="print the plan for NPROC processes (params, FLOPs, steps, tokens, time, disk) and exit; needs no data or GPU")
+    p.add_argument("--dry-run-vocab", type=int, default=32768, help="vocab size assumed by --dry-run (0 = the trained tokenizer's)")
     from nag.model import add_nag_args
     add_nag_args(p)
     return p
@@ -247,7 +250,35 @@ def truncate_metrics(path, last_step):
     atomic_write_bytes(path, "".join(keep).encode())
 
 
+def dry_run(args):
+    """The plan of a run, computed on the meta device: nothing is allocated, no data is read."""
+    vocab_size = args.dry_run_vocab or get_tokenizer().get_vocab_size()
+    from nag.model import nag_config_from_args
+    config = model_config_from_args(args, vocab_size)
+    cls = ckpt.model_class(args.arch)
+    model = meta_model(cls, config, **({"nag": nag_config_from_args(args)} if args.arch == "nag" else {}))
+    nproc = args.dry_run
+    world_tokens = args.device_batch_size * args.max_seq_len * nproc
+    batch, steps, lr_scale, weight_decay = plan_horizon(args, model, world_tokens)
+    fpt = model.estimate_flops()
+    params = sum(p.numel() for p in model.parameters())
+    plan = {"run": args.run or f"{args.arch}-d{args.depth}", "arch": args.arch, "vocab_size": vocab_size, "depth": config.n_layer,
+            "model_dim": config.n_embd, "n_head": config.n_head, "seq_len": config.sequence_len, "num_params": params,
+            "num_scaling_params": model.num_scaling_params(), "flops_per_token": fpt, "num_iterations": steps,
+            "total_batch_size": batch, "grad_accum_steps": batch // world_tokens, "nproc": nproc,
+            "total_tokens": steps * batch, "total_flops": fpt * steps * batch, "lr_scale": lr_scale,
+            # fp32 weights + optimizer state (AdamW: 2 fp32 moments; Muon: 1 momentum + small variance) ≈ 12-16 bytes/param
+            "checkpoint_gib": params * 16 / 2 ** 30}
+    print(f"PLAN {json.dumps(plan)}")
+    print(f"{plan['run']}: {args.arch} d{config.n_layer} dim {config.n_embd} | {params:,} params | {fpt:,} FLOPs/token | "
+          f"{steps:,} steps × {batch:,} tokens = {steps * batch:,} tokens | {plan['total_flops']:.4g} FLOPs | "
+          f"grad accum {plan['grad_accum_steps']} on {nproc} process(es)")
+    return plan
+
+
 def train(args):
+    if args.dry_run:
+        return dry_run(args)
     device_type = args.device_type or autodetect_device_type()
     is_ddp, rank, local_rank, world_size, device = dist_init(device_type)
     is_master = rank == 0

@@ -20,9 +20,9 @@ import subprocess
 import torch
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", type=str, default="gpt,nag", help="comma list of gpt,nag")
+    p.add_argument("--arch", type=str, default="gpt,nag", help="comma list of gpt, nag, or nag:IMPL (reference|compiled|fused)")
     p.add_argument("--compile", type=str, default="off", choices=["off", "on", "both"])
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--aspect-ratio", type=int, default=64)
@@ -33,13 +33,12 @@ def parse():
     p.add_argument("--device-batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument("--nag-impl", type=str, default="", help="reference|compiled|fused (default per device)")
     p.add_argument("--device-type", type=str, default="")
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def run_variant(args, arch, compiled):
+def run_variant(args, variant, compiled):
     from nanochat.common import autodetect_device_type, compute_dtype_for
     from nanochat.checkpoint_manager import model_class
     from scripts.base_train import build_parser, model_config_from_args, PEAK_FLOPS
@@ -49,8 +48,9 @@ def run_variant(args, arch, compiled):
                                             "--model-dim", str(args.model_dim), "--head-dim", str(args.head_dim),
                                             "--max-seq-len", str(args.max_seq_len)])
     config = model_config_from_args(train_args, args.vocab_size)
+    arch, _, impl = variant.partition(":")
     cls = model_class(arch)
-    kwargs = {"impl": args.nag_impl or None} if arch == "nag" else {}
+    kwargs = {"impl": impl or None} if arch == "nag" else {}
     torch.manual_seed(0)
     with torch.device("meta"):
         model = cls(config, **kwargs)
@@ -82,7 +82,7 @@ def run_variant(args, arch, compiled):
         torch.cuda.synchronize()
     dt = (time.time() - t0) / args.steps
     tok_per_sec = B * T / dt
-    result = {"arch": arch, "compiled": compiled, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
+    result = {"arch": variant, "compiled": compiled, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
               "params": sum(p.numel() for p in model.parameters()), "flops_per_token": model.estimate_flops(),
               "device": device_type, "dim": config.n_embd}
     if device_type == "cuda":
@@ -98,19 +98,26 @@ def run_variant(args, arch, compiled):
 def main():
     args = parse()
     if args.worker:
-        arch, compiled = args.worker.split(":")
-        print("RESULT " + json.dumps(run_variant(args, arch, compiled == "1")), flush=True)
+        variant, compiled = args.worker.rsplit("@", 1)
+        print("RESULT " + json.dumps(run_variant(args, variant, compiled == "1")), flush=True)
         return
-    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
-    bad = [a for a in archs if a not in ("gpt", "nag")]
+    results = benchmark(args, [a.strip() for a in args.arch.split(",") if a.strip()], sys.argv[1:])
+    print_ratios(results)
+
+
+VARIANTS = ("gpt", "nag", "nag:reference", "nag:compiled", "nag:fused")
+
+
+def benchmark(args, archs, argv):
+    """Run every (variant, compiled) pair in its own process; print a line each; return the results."""
+    bad = [a for a in archs if a not in VARIANTS]
     if bad:
-        sys.exit(f"error: unknown arch {bad} (gpt, nag)")
+        sys.exit(f"error: unknown arch {bad} (choose from {', '.join(VARIANTS)})")
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     results = []
     for compiled in modes:
         for arch in archs:
-            cmd = [sys.executable, "-m", "scripts.bench_train", "--worker", f"{arch}:{int(compiled)}"] + \
-                  [a for a in sys.argv[1:]]
+            cmd = [sys.executable, "-m", "scripts.bench_train", "--worker", f"{arch}@{int(compiled)}"] + list(argv)
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
             if line is None:
@@ -118,16 +125,21 @@ def main():
                 continue
             r = json.loads(line[len("RESULT "):])
             results.append(r)
-            print(f"{arch:4s} {'compiled' if compiled else 'eager   '} | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
+            print(f"{arch:13s} {'compiled' if compiled else 'eager   '} | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
                   f"peak {r['peak_mem_gib']:.2f} GiB" + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""), flush=True)
-    print(f"\nconfig: depth {args.depth}, dim {results[0]['dim'] if results else '?'}, batch {args.device_batch_size}×{args.max_seq_len}, "
-          f"device {results[0]['device'] if results else '?'}")
-    for compiled in modes:
-        by_arch = {r["arch"]: r for r in results if r["compiled"] == compiled}
-        if "gpt" in by_arch and "nag" in by_arch:
-            g, n = by_arch["gpt"], by_arch["nag"]
-            print(f"NAG / GPT ({'compiled' if compiled else 'eager'}): step time {n['step_ms'] / g['step_ms']:.3f}×, "
-                  f"peak memory {n['peak_mem_gib'] / g['peak_mem_gib']:.3f}×")
+    if results:
+        print(f"config: depth {args.depth}, dim {results[0]['dim']}, batch {args.device_batch_size}×{args.max_seq_len}, device {results[0]['device']}")
+    return results
+
+
+def print_ratios(results):
+    """Every variant against the GPT baseline compiled the same way."""
+    for compiled in (False, True):
+        gpt = next((r for r in results if r["arch"] == "gpt" and r["compiled"] == compiled), None)
+        for r in results:
+            if gpt and r is not gpt and r["compiled"] == compiled:
+                print(f"{r['arch']} / gpt ({'compiled' if compiled else 'eager'}): step time {r['step_ms'] / gpt['step_ms']:.3f}×, "
+                      f"peak memory {r['peak_mem_gib'] / gpt['peak_mem_gib']:.3f}×")
 
 
 if __name__ == "__main__":

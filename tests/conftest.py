@@ -6,6 +6,8 @@ import random
 import pytest
 import torch
 
+import nag  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
+
 torch.set_num_threads(2)  # the test machine has 2 cores, shared
 
 WORDS = (

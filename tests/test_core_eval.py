@@ -62,7 +62,7 @@ class TinyCausalLM(nn.Module):
 
 
 class ShapeNoise(nn.Module):
-    """Wraps a model and perturbs logits by 1e-6 depending on batch size and row: a stand-in for the
+    """Wraps a model and perturbs logits by up to 1e-5 depending on batch size and row: a stand-in for the
     floating-point differences that real kernels show between batch shapes."""
 
     def __init__(self, inner):
@@ -74,7 +74,7 @@ class ShapeNoise(nn.Module):
         logits = self.inner(ids)
         B, _, V = logits.shape
         flip = torch.tensor([(i + B) % 2 for i in range(B)], dtype=logits.dtype)[:, None, None]
-        return logits + 1e-6 * flip * torch.linspace(0, 1, V)
+        return logits + 1e-5 * flip * torch.linspace(0, 1, V)
 
 
 def words(rng, lo, hi):

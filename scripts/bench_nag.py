@@ -1,0 +1,127 @@
+"""
+What NAG costs over the GPT baseline, per implementation of the branch update.
+
+1. Whole training steps (via scripts.bench_train, one process per variant): GPT vs
+   NAG-reference vs NAG-compiled vs NAG-fused, step time and peak memory as ratios to GPT,
+   at a small shape and (on CUDA) the published one: 64 blocks, dim 640, seq 2048, batch 16.
+2. The branch op alone: time of forward and forward+backward, and the achieved bytes/s
+   against the device's measured copy bandwidth (the roofline of a memory-bound op).
+
+    python -m scripts.bench_nag                 # CPU: reference and compiled, small shape
+    python -m scripts.bench_nag --shapes small,published --impls reference,compiled,fused   # GPU
+"""
+
+import sys
+import time
+import argparse
+
+import torch
+
+SHAPES = {
+    # name: (depth, model dim, head dim, seq len, device batch)
+    "small": (4, 256, 64, 256, 8),
+    "published": (64, 640, 128, 2048, 16),
+}
+
+
+def parse():
+    on_cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", type=str, default="small,published" if on_cuda else "small")
+    p.add_argument("--impls", type=str, default="reference,compiled,fused" if on_cuda else "reference,compiled")
+    p.add_argument("--steps", type=int, default=10 if on_cuda else 3)
+    p.add_argument("--warmup", type=int, default=3 if on_cuda else 1)
+    p.add_argument("--vocab-size", type=int, default=32768 if on_cuda else 4096)
+    p.add_argument("--skip-model", action="store_true", help="only the branch-op benchmark")
+    p.add_argument("--skip-op", action="store_true", help="only the whole-step benchmark")
+    p.add_argument("--op-rows", type=int, default=16 * 2048 if on_cuda else 2048)
+    p.add_argument("--op-dim", type=int, default=640)
+    return p.parse_args()
+
+
+def timed(fn, iters, device_type):
+    fn()
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def copy_bandwidth(device, device_type, nbytes):
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    dt = timed(lambda: dst.copy_(src), 10 if device_type == "cuda" else 3, device_type)
+    return 2 * nbytes / dt  # read + write
+
+
+def bench_op(args, impls):
+    from nag.model import branch_function
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_type)
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    N, D, C = args.op_rows, args.op_dim, 32
+    esize = torch.finfo(dtype).bits // 8
+    torch.manual_seed(0)
+    res = torch.randn(N, D, device=device)
+    res = (res * torch.rsqrt(res.square().mean(-1, keepdim=True))).to(dtype).requires_grad_()
+    log_norm = torch.zeros(N, 1, device=device).requires_grad_()
+    out = torch.randn(N, D, device=device, dtype=dtype).requires_grad_()
+    logits = torch.randn(N, C, device=device, dtype=dtype).requires_grad_()
+    coef = torch.zeros(C, device=device).requires_grad_()
+    beta = torch.full((1,), 0.5413, device=device).requires_grad_()
+    alpha = torch.full((1,), 0.3, device=device).requires_grad_()
+    g_dir = torch.randn(N, D, device=device, dtype=dtype)
+    g_ln = torch.randn(N, 1, device=device)
+    # minimum traffic: forward reads res, out, logits, log_norm and writes new_dir, new_log_norm;
+    # backward reads those inputs + both output grads and writes the four input grads
+    fwd_bytes = N * (3 * D * esize + C * esize + 2 * 4)
+    bwd_bytes = N * (3 * D * esize + C * esize + 4) + N * (3 * D * esize + C * esize + 2 * 4)
+    bw = copy_bandwidth(device, device_type, 2 ** 30 if device_type == "cuda" else 2 ** 26)
+    print(f"\nbranch op: {N:,} rows × D={D}, C={C}, {str(dtype).replace('torch.', '')} on {device_type}; "
+          f"measured copy bandwidth {bw / 1e9:,.1f} GB/s")
+    iters = 20 if device_type == "cuda" else 3
+    for impl in impls:
+        if impl == "fused" and device_type != "cuda":
+            print("  fused: skipped on CPU (Triton runs in its interpreter here; correctness is what the tests check)")
+            continue
+        fn = branch_function(impl)
+        args_ = (res, log_norm, out, logits, coef, beta, alpha, 1e-6, "measured")
+        with torch.no_grad():
+            t_fwd = timed(lambda: fn(*args_), iters, device_type)
+
+        def fwd_bwd():
+            d, s = fn(*args_)
+            torch.autograd.backward((d, s), (g_dir, g_ln))
+        t_all = timed(fwd_bwd, iters, device_type)
+        t_bwd = max(t_all - t_fwd, 1e-9)
+        print(f"  {impl:9s} forward {1e3 * t_fwd:8.3f} ms ({fwd_bytes / t_fwd / 1e9:8.1f} GB/s, {100 * fwd_bytes / t_fwd / bw:5.1f}% of copy) | "
+              f"backward {1e3 * t_bwd:8.3f} ms ({bwd_bytes / t_bwd / 1e9:8.1f} GB/s, {100 * bwd_bytes / t_bwd / bw:5.1f}% of copy)")
+
+
+def main():
+    args = parse()
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    if not args.skip_model:
+        from scripts import bench_train
+        for shape in args.shapes.split(","):
+            if shape not in SHAPES:
+                sys.exit(f"error: unknown shape {shape!r} (choose from {', '.join(SHAPES)})")
+            depth, dim, head_dim, seq, batch = SHAPES[shape]
+            argv = ["--depth", str(depth), "--model-dim", str(dim), "--head-dim", str(head_dim), "--max-seq-len", str(seq),
+                    "--device-batch-size", str(batch), "--vocab-size", str(args.vocab_size), "--steps", str(args.steps),
+                    "--warmup", str(args.warmup)]
+            print(f"\n=== {shape}: {depth} blocks × dim {dim}, seq {seq}, batch {batch} ===", flush=True)
+            # the "compiled" NAG impl compiles the branch only, so its model runs eager; everything else is eager
+            variants = ["gpt"] + [f"nag:{i}" for i in impls]
+            results = bench_train.benchmark(bench_train.parse(argv), variants, argv)
+            bench_train.print_ratios(results)
+    if not args.skip_op:
+        bench_op(args, impls)
+
+
+if __name__ == "__main__":
+    main()
