@@ -159,17 +159,22 @@ echo "speedrun: preset $PRESET | arch ${RUN_ARCHS[*]} | $GPUS process(es) | base
 # ---------------------------------------------------------------- plan (every mode: bad budgets fail here, before any GPU time)
 stage "plan (base_train --dry-run $GPUS)"
 [ -f "$BASE/tokenizer/tokenizer.pkl" ] && PLAN_VOCAB=0 || PLAN_VOCAB=$VOCAB  # 0 = the trained tokenizer's vocab
-PLANS=()
-for a in "${RUN_ARCHS[@]}"; do
+TMP=$(mktemp -d)
+PIDS=() PLANS=()
+for a in "${RUN_ARCHS[@]}"; do  # both archs at once: each is mostly the torch import
     set_args "$a"
-    out=$("$PY" -m scripts.base_train "${ARGS[@]}" --dry-run "$GPUS" --dry-run-vocab "$PLAN_VOCAB" 2>&1) \
-        || die "planning $(run_name "$a"): $(echo "$out" | grep . | tail -1 | sed 's/^error: //')"
-    PLANS+=("$(echo "$out" | sed -n 's/^PLAN //p')")
-    echo "$out" | grep -v '^PLAN '
+    "$PY" -m scripts.base_train "${ARGS[@]}" --dry-run "$GPUS" --dry-run-vocab "$PLAN_VOCAB" >"$TMP/$a" 2>&1 &
+    PIDS+=($!)
+done
+for i in "${!RUN_ARCHS[@]}"; do
+    a=${RUN_ARCHS[i]}
+    wait "${PIDS[i]}" || die "planning $(run_name "$a"): $(grep . "$TMP/$a" | tail -1 | sed 's/^error: //')"
+    PLANS+=("$(sed -n 's/^PLAN //p' "$TMP/$a")")
+    grep -v '^PLAN ' "$TMP/$a" || true
 done
 
 # Totals, disk and time from the PLAN lines; writes shell variables (SHARDS, STEPS_*, CKPT_MB_*) to $PLAN_ENV.
-PLAN_ENV=$(mktemp)
+PLAN_ENV=$TMP/plan.env
 GPUS=$GPUS SHARDS=$SHARDS OFFLINE=$OFFLINE SAVE_EVERY=$SAVE_EVERY MFU=$MFU PEAK_FLOPS=$PEAK_FLOPS PRESET=$PRESET \
 TOKENS_PER_SHARD=$TOKENS_PER_SHARD SHARD_MB=$SHARD_MB DATA_MARGIN=$DATA_MARGIN TOK_SHARDS=$TOK_SHARDS \
 "$PY" - "$PLAN_ENV" "${PLANS[@]}" <<'PY'
@@ -183,8 +188,9 @@ env, total_s, total_ckpt = [], 0.0, 0.0
 for p in plans:
     steps = p["num_iterations"]
     saves = steps // save_every + (steps % save_every > 0) if save_every > 0 else 1
-    # checkpoint_gib = model + one optimizer state; each further DDP rank saves its own optimizer state (~3/4 of that)
-    per_save = p["checkpoint_gib"] * (1 + 0.75 * (p["nproc"] - 1))
+    # checkpoint_gib = model + one optimizer state; each further DDP rank writes its own optimizer file,
+    # ~6 bytes/param (fp32 Muon momentum, AdamW moments of the embeddings): 6/16 of checkpoint_gib
+    per_save = p["checkpoint_gib"] * (1 + 6 / 16 * (p["nproc"] - 1))
     secs = p["total_flops"] / (gpus * peak * mfu)
     total_s += secs
     total_ckpt += saves * per_save
@@ -210,7 +216,7 @@ if E["PRESET"] != "tiny":
 open(sys.argv[1], "w").write("\n".join(env) + "\n")
 PY
 source "$PLAN_ENV"
-rm -f "$PLAN_ENV"
+rm -rf "$TMP"
 
 # ---------------------------------------------------------------- what is done already
 shard_file() { printf '%s/base_data/shard_%05d.parquet' "$BASE" "$1"; }
