@@ -90,7 +90,6 @@ done
 [[ "$WANDB" == on || "$WANDB" == off ]] || die "--wandb must be on or off, got '$WANDB'"
 [[ -z "$TAG" || "$TAG" =~ ^[A-Za-z0-9._-]+$ ]] || die "--tag may hold only letters, digits, '.', '_' and '-', got '$TAG'"
 [[ "$BASE" == /* ]] || BASE="$PWD/$BASE"
-if [ "$DRY" = 0 ]; then mkdir -p "$BASE" 2>/dev/null || die "cannot create the base dir $BASE"; fi  # a dry run writes nothing
 export NANOCHAT_BASE_DIR="$BASE" NANOCHAT_WANDB="$WANDB"
 
 # ---------------------------------------------------------------- presets
@@ -143,7 +142,8 @@ if [ -z "$GPUS" ]; then
 fi
 
 # ---------------------------------------------------------------- environment
-if [ "$DRY" = 0 ]; then
+if [ "$DRY" = 0 ]; then  # (a dry run writes nothing)
+    mkdir -p "$BASE" 2>/dev/null || die "cannot create the base dir $BASE"
     exec > >(tee -a "$BASE/speedrun.log") 2>&1
     stage "environment (runs/setup_env.sh)"
     source runs/setup_env.sh
@@ -166,9 +166,11 @@ for a in "${RUN_ARCHS[@]}"; do  # both archs at once: each is mostly the torch i
     "$PY" -m scripts.base_train "${ARGS[@]}" --dry-run "$GPUS" --dry-run-vocab "$PLAN_VOCAB" >"$TMP/$a" 2>&1 &
     PIDS+=($!)
 done
+RCS=()
+for pid in "${PIDS[@]}"; do wait "$pid" && RCS+=(0) || RCS+=(1); done
 for i in "${!RUN_ARCHS[@]}"; do
     a=${RUN_ARCHS[i]}
-    wait "${PIDS[i]}" || die "planning $(run_name "$a"): $(grep . "$TMP/$a" | tail -1 | sed 's/^error: //')"
+    [ "${RCS[i]}" = 0 ] || die "planning $(run_name "$a"): $(grep . "$TMP/$a" | tail -1 | sed 's/^error: //')"
     PLANS+=("$(sed -n 's/^PLAN //p' "$TMP/$a")")
     grep -v '^PLAN ' "$TMP/$a" || true
 done

@@ -46,7 +46,7 @@ def tiny_base_dir(tmp_path_factory):
     for i, doc in enumerate(tiny_documents()):
         (txt_dir / f"doc_{i:04d}.txt").write_text(doc, encoding="utf-8")
     data_dir = os.path.join(base, "base_data")
-    build_offline_corpus(data_dir=data_dir, txt_dir=str(txt_dir), num_train_shards=4, docs_per_row_group=8)
+    build_offline_corpus(data_dir=data_dir, txt_dir=str(txt_dir), num_train_shards=4, docs_per_row_group=8, max_doc_chars=8000)
     train_texts = (t for batch in parquets_iter_batched("train", data_dir=data_dir) for t in batch)
     Tokenizer.train_from_iterator(train_texts, 512).save(os.path.join(base, "tokenizer"))
     return str(base)
