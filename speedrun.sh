@@ -45,6 +45,12 @@ PEAK_FLOPS=989e12
 
 die() { echo "error: $*" >&2; exit 1; }
 stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
+TMP="" DL_PID=""
+cleanup() {  # on any exit: our temp dir, and the background download if it is still going
+    if [ -n "$TMP" ]; then rm -rf "$TMP"; fi
+    if [ -n "$DL_PID" ] && kill -0 "$DL_PID" 2>/dev/null; then echo "stopping the background download"; kill "$DL_PID"; fi
+}
+trap cleanup EXIT
 
 # ---------------------------------------------------------------- flags
 PRESET=published ARCHS=gpt,nag FLOPS="" GPUS="" TAG="" SHARDS="" EVAL_BUNDLE="" WANDB=off DRY=0
@@ -78,7 +84,7 @@ done
 case "$PRESET" in published|d20|tiny) ;; *) die "unknown preset '$PRESET' (expected published, d20 or tiny)" ;; esac
 RUN_ARCHS=()
 for a in gpt nag; do  # GPT first, whatever the order given
-    [[ ",$ARCHS," == *",$a,"* ]] && RUN_ARCHS+=("$a")
+    if [[ ",$ARCHS," == *",$a,"* ]]; then RUN_ARCHS+=("$a"); fi
 done
 for a in ${ARCHS//,/ }; do
     [[ "$a" == gpt || "$a" == nag ]] || die "unknown arch '$a' in --arch $ARCHS (expected gpt, nag or gpt,nag)"
@@ -86,7 +92,8 @@ done
 [ ${#RUN_ARCHS[@]} -gt 0 ] || die "--arch is empty (expected gpt, nag or gpt,nag)"
 [ -z "$GPUS" ] || [[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || die "--gpus must be a positive integer, got '$GPUS'"
 [ -z "$SHARDS" ] || [[ "$SHARDS" =~ ^[1-9][0-9]*$ ]] || die "--shards must be a positive integer, got '$SHARDS'"
-[ -z "$FLOPS" ] || [[ "$FLOPS" =~ ^[0-9]+(\.[0-9]*)?([eE][+]?[0-9]+)?$ ]] || die "--flops must be a positive number like 3e19, got '$FLOPS'"
+[ -z "$FLOPS" ] || { [[ "$FLOPS" =~ ^[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?$ ]] && awk "BEGIN { exit !($FLOPS > 0) }"; } \
+    || die "--flops must be a positive number like 3e19, got '$FLOPS'"
 [[ "$WANDB" == on || "$WANDB" == off ]] || die "--wandb must be on or off, got '$WANDB'"
 [[ -z "$TAG" || "$TAG" =~ ^[A-Za-z0-9._-]+$ ]] || die "--tag may hold only letters, digits, '.', '_' and '-', got '$TAG'"
 [[ "$BASE" == /* ]] || BASE="$PWD/$BASE"
@@ -190,9 +197,8 @@ env, total_s, total_ckpt = [], 0.0, 0.0
 for p in plans:
     steps = p["num_iterations"]
     saves = steps // save_every + (steps % save_every > 0) if save_every > 0 else 1
-    # checkpoint_gib = model + one optimizer state; each further DDP rank writes its own optimizer file,
-    # ~6 bytes/param (fp32 Muon momentum, AdamW moments of the embeddings): 6/16 of checkpoint_gib
-    per_save = p["checkpoint_gib"] * (1 + 6 / 16 * (p["nproc"] - 1))
+    # checkpoint_gib = model + optimizer state; the optimizer is replicated, so rank 0 alone saves it
+    per_save = p["checkpoint_gib"]
     secs = p["total_flops"] / (gpus * peak * mfu)
     total_s += secs
     total_ckpt += saves * per_save
@@ -211,14 +217,13 @@ else:
 env += [f"SHARDS={shards}"]
 print(f"data: {data}")
 print(f"checkpoints: {total_ckpt:.1f} GiB in all (a save every {save_every} steps + the last one; "
-      f"each rank keeps its own optimizer state)")
+      f"optimizer state saved once by rank 0)")
 if E["PRESET"] != "tiny":
     print(f"training time: ≈ {hms(total_s)} on {gpus} × H100 at {mfu:.0%} MFU of 989 TFLOP/s "
           f"(+ evaluation; unfused NAG runs ~40% slower per step, DESIGN §4)")
 open(sys.argv[1], "w").write("\n".join(env) + "\n")
 PY
 source "$PLAN_ENV"
-rm -rf "$TMP"
 
 # ---------------------------------------------------------------- what is done already
 shard_file() { printf '%s/base_data/shard_%05d.parquet' "$BASE" "$1"; }
@@ -235,6 +240,10 @@ run_done() { [ -f "$(final_ckpt "$1")" ]; }
 eval_done() { local e="$BASE/runs/$(run_name "$1")/eval.json"; [ -f "$e" ] && [ "$e" -nt "$(final_ckpt "$1")" ]; }
 last_step() {  # the newest complete checkpoint (meta_*.json is written last)
     ls "$BASE/runs/$1"/meta_*.json 2>/dev/null | sed 's/.*meta_0*\([0-9][0-9]*\)\.json$/\1/' | sort -n | tail -1 || true
+}
+report_done() {
+    local r="$BASE/reports/${GPT_RUN}_vs_${NAG_RUN}/report.md" g="$BASE/runs/$GPT_RUN/eval.json" n="$BASE/runs/$NAG_RUN/eval.json"
+    [ -f "$r" ] && [ "$r" -nt "$g" ] && [ "$r" -nt "$n" ]
 }
 status() { if "$@"; then echo "done, skip"; else echo "to do"; fi; }
 
@@ -259,7 +268,7 @@ else line data "ClimbMix: $TOK_SHARDS shards, then up to $SHARDS in the backgrou
 line tokenizer "vocab $VOCAB on up to $TOK_CHARS characters" "[$(status tok_done)]"
 for a in "${RUN_ARCHS[@]}"; do line train "$(run_name "$a"): $(steps_of "$a") steps" "[$(status run_done "$a")]"; done
 for a in "${RUN_ARCHS[@]}"; do line evaluate "$(run_name "$a"): CORE, bpb, samples" "[$(status eval_done "$a")]"; done
-line compare "$GPT_RUN vs $NAG_RUN (once both are evaluated)" ""
+line compare "$GPT_RUN vs $NAG_RUN (once both are evaluated)" "[$(status report_done)]"
 
 if [ "$DRY" = 1 ]; then
     echo; echo "dry run: nothing was started"
@@ -277,10 +286,6 @@ launch() {  # $1 = module, the rest its arguments; torchrun for more than one pr
 }
 
 # ---------------------------------------------------------------- data + tokenizer
-DL_PID=""
-stop_download() { if [ -n "$DL_PID" ] && kill -0 "$DL_PID" 2>/dev/null; then echo "stopping the background download"; kill "$DL_PID"; fi; }
-trap stop_download EXIT
-
 stage "data ($BASE/base_data)"
 if data_done; then
     echo "data already present, skipping"
@@ -341,7 +346,9 @@ for a in "${RUN_ARCHS[@]}"; do
 done
 
 stage "compare $GPT_RUN vs $NAG_RUN"
-if [ -f "$BASE/runs/$GPT_RUN/eval.json" ] && [ -f "$BASE/runs/$NAG_RUN/eval.json" ]; then
+if report_done; then
+    echo "report already up to date ($BASE/reports/${GPT_RUN}_vs_${NAG_RUN}), skipping"
+elif [ -f "$BASE/runs/$GPT_RUN/eval.json" ] && [ -f "$BASE/runs/$NAG_RUN/eval.json" ]; then
     python -m scripts.compare "$GPT_RUN" "$NAG_RUN"
 else
     echo "skipped: needs eval.json of both $GPT_RUN and $NAG_RUN"

@@ -2,7 +2,8 @@
 Checkpoints in a run directory, written atomically (temp file + rename):
 
     model_{step:06d}.pt              {"model": state_dict, "meta": meta}   (written once, by rank 0)
-    optim_{step:06d}_rank{r}.pt      optimizer, dataloader and RNG state   (one per rank)
+    optim_{step:06d}_rank{r}.pt      dataloader and RNG state, one per rank; rank 0's also holds the
+                                     optimizer state (replicated across ranks, so saved once)
     meta_{step:06d}.json             the meta dict, human readable
 
 meta records the arch, the model config and (for NAG) every NAG setting, so the

@@ -59,6 +59,7 @@ def build_parser():
     p.add_argument("--unembedding-lr", type=float, default=0.004)
     p.add_argument("--matrix-lr", type=float, default=0.02)
     p.add_argument("--weight-decay", type=float, default=0.2)
+    p.add_argument("--muon-momentum", type=float, default=-1.0, help="constant Muon momentum (default: 0.85→0.97 ramp, 0.90 in warm-down)")
     p.add_argument("--warmup-steps", type=int, default=40)
     p.add_argument("--warmdown-ratio", type=float, default=0.65)
     p.add_argument("--final-lr-frac", type=float, default=0.05)
@@ -333,7 +334,8 @@ def train(args):
         start_step = args.resume_from_step
         ckpt.load_weights(model, ckpt.load_model_file(run_dir, start_step, device))
         state = ckpt.load_train_state(run_dir, start_step, rank, device)
-        optimizer.load_state_dict(state["optimizer"])
+        # the optimizer state is replicated across ranks, so only rank 0 saved it
+        optimizer.load_state_dict(state["optimizer"] if rank == 0 else ckpt.load_train_state(run_dir, start_step, 0, device)["optimizer"])
         loader_states, elapsed = state["dataloader"], state.get("elapsed", 0.0)
         torch.set_rng_state(state["rng"]["cpu"])
         if device_type == "cuda" and state["rng"].get("cuda") is not None:
@@ -413,7 +415,7 @@ def train(args):
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
             if group["kind"] == "muon":
-                group["momentum"] = muon_momentum(step, num_iterations, args.warmdown_ratio)
+                group["momentum"] = args.muon_momentum if args.muon_momentum > 0 else muon_momentum(step, num_iterations, args.warmdown_ratio)
                 group["weight_decay"] = group["initial_weight_decay"] * 0.5 * (1 + math.cos(math.pi * step / num_iterations))
         optimizer.step()
         model.after_optimizer_step()
@@ -447,7 +449,7 @@ def train(args):
             print0(f"step {step:05d} | val bpb {row['val_bpb']:.4f}")
         write_row(row)
         if last or (args.save_every > 0 and step % args.save_every == 0):
-            train_state = {"optimizer": optimizer.state_dict(), "dataloader": loader_states, "step": step, "elapsed": elapsed,
+            train_state = {"optimizer": optimizer.state_dict() if is_master else None, "dataloader": loader_states, "step": step, "elapsed": elapsed,
                            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
             ckpt.save_checkpoint(run_dir, step, model, dict(meta, step=step, tokens=step * total_batch), train_state, rank)
             print0(f"saved checkpoint at step {step} in {run_dir}")

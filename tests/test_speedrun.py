@@ -1,0 +1,127 @@
+"""speedrun.sh: the dry-run plan of the published pair, bad input caught before any work, and a tiny CPU
+pipeline run three times: everything, then nothing (every stage skipped), then a resume from a checkpoint."""
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEEDRUN = os.path.join(REPO, "speedrun.sh")
+needs_venv = pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv", "bin", "python")),
+                                reason="a real (non-dry) speedrun sources runs/setup_env.sh, which would install .venv")
+
+
+def speedrun(base, *args):
+    env = {k: v for k, v in os.environ.items() if k != "NANOCHAT_OFFLINE"}
+    env.update(NANOCHAT_BASE_DIR=str(base), OMP_NUM_THREADS="1")  # the tiny models gain nothing from threads
+    return subprocess.run(["bash", SPEEDRUN, *args], capture_output=True, text=True, env=env, timeout=150)
+
+
+def one_line_error(result):
+    assert result.returncode == 1, result.stdout + result.stderr
+    err = result.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), result.stderr
+    return err[0]
+
+
+def test_dry_run_published_plan(tmp_path):
+    base = tmp_path / "never_created"
+    r = speedrun(base, "--dry-run", "--gpus", "8", "--base-dir", str(base))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {m[0]: m[1:] for m in re.findall(r"^(\w+-published)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+(\S+)", r.stdout, re.M)}
+    num = lambda s: int(s.replace(",", ""))
+    gpt, nag = rows["gpt-published"], rows["nag-published"]
+    assert num(gpt[2]) == 9474 and num(nag[2]) == 9425
+    assert num(gpt[3]) == 9474 * 2 ** 20 == 9_934_209_024 and num(nag[3]) == 9425 * 2 ** 20
+    for row in (gpt, nag):
+        assert num(row[0]) > 350e6 and abs(float(row[4]) / 3e19 - 1) < 1e-3
+        assert num(row[1]) * num(row[3]) == pytest.approx(float(row[4]), rel=1e-4)
+    assert re.search(r"^data: \d+ ClimbMix train shards", r.stdout, re.M)
+    for line in ("checkpoints:", "training time:", "disk: need", "dry run: nothing was started"):
+        assert line in r.stdout
+    assert "40% MFU" in r.stdout and "[to do]" in r.stdout
+    assert not base.exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+    (["--arch", "gpt,bert"], "unknown arch 'bert'"),
+    (["--gpus", "3"], "not a multiple"),  # 2^20 tokens per step do not split over 3 × 16 × 2048
+    (["--flops", "1e12", "--arch", "gpt"], "0 steps"),  # below one step of 2^20 tokens
+])
+def test_bad_input_is_one_line_error(tmp_path, args, message):
+    assert message in one_line_error(speedrun(tmp_path, "--dry-run", *args))
+
+
+@needs_venv
+def test_disk_is_checked_before_any_download(tmp_path):
+    # the published pair needs ~200 GiB for checkpoints: here either the disk check or the GPU check
+    # stops it, with one line, before any data is fetched
+    r = speedrun(tmp_path, "--gpus", "8", "--arch", "gpt", "--base-dir", str(tmp_path))
+    assert r.returncode == 1
+    assert re.search(r"^error: (not enough disk|asked for 8 GPU)", r.stdout + r.stderr, re.M), r.stdout + r.stderr
+    assert not (tmp_path / "base_data").exists() and not (tmp_path / "tokenizer").exists()
+
+
+def write_bundle(root):
+    """A one-task CORE bundle, so base_eval never reaches for the network."""
+    (root / "eval_data").mkdir(parents=True)
+    (root / "core.yaml").write_text("icl_tasks:\n-\n  label: tiny_lm\n  dataset_uri: tiny_lm.jsonl\n"
+                                    "  num_fewshot: [0]\n  icl_task_type: language_modeling\n")
+    (root / "eval_meta_data.csv").write_text("Eval Task,Task Category,Random baseline\ntiny_lm,tiny,0.0\n")
+    (root / "eval_data" / "tiny_lm.jsonl").write_text("".join(
+        json.dumps({"context": f"Document {i}. The", "continuation": " model"}) + "\n" for i in range(4)))
+    return str(root)
+
+
+def mtimes(run_dir):
+    return {f: os.stat(os.path.join(run_dir, f)).st_mtime_ns for f in os.listdir(run_dir)}
+
+
+@needs_venv
+def test_tiny_pipeline_skips_finished_stages_and_resumes(tiny_base_dir, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("base_data", "tokenizer"):  # the session's offline corpus and vocab-512 tokenizer
+        os.symlink(os.path.join(tiny_base_dir, name), base / name)
+    # 13 steps per run, checkpoints at 5, 10 and 13
+    args = ["--preset", "tiny", "--base-dir", str(base), "--eval-bundle", write_bundle(tmp_path / "bundle"),
+            "--flops", "3e9", "--", "--save-every", "5"]
+    runs = {arch: base / "runs" / f"{arch}-tiny" for arch in ("gpt", "nag")}
+
+    first = speedrun(base, *args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr
+    for run_dir in runs.values():
+        assert {"model_000005.pt", "model_000010.pt", "model_000013.pt", "eval.json"} <= set(os.listdir(run_dir))
+    assert (base / "reports" / "gpt-tiny_vs_nag-tiny" / "report.md").exists()
+    assert "=== " in (base / "speedrun.log").read_text()
+    before = {arch: mtimes(d) for arch, d in runs.items()}
+
+    second = speedrun(base, *args)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr
+    out = second.stdout
+    for line in ("data already present, skipping", "tokenizer already trained",
+                 "gpt-tiny already trained (13 steps), skipping", "nag-tiny already trained (13 steps), skipping",
+                 "gpt-tiny already evaluated, skipping", "nag-tiny already evaluated, skipping",
+                 "report already up to date"):
+        assert line in out
+    assert "step 00001" not in out and "evaluating" not in out
+    assert {arch: mtimes(d) for arch, d in runs.items()} == before  # nothing retrained, nothing re-evaluated
+
+    # an interruption between the checkpoints at 10 and 13: the run resumes from 10 and is evaluated again
+    for f in ("model_000013.pt", "meta_000013.json", "optim_000013_rank0.pt"):
+        os.remove(runs["gpt"] / f)
+    third = speedrun(base, *args[:-3], "--arch", "gpt", *args[-3:])
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr
+    assert "resuming gpt-tiny from step 10 of 13" in third.stdout and "step 00011/00013" in third.stdout
+    assert "step 00001/" not in third.stdout
+    after = mtimes(runs["gpt"])
+    assert after["model_000010.pt"] == before["gpt"]["model_000010.pt"] and "model_000013.pt" in after
+    assert after["eval.json"] != before["gpt"]["eval.json"]
+    assert mtimes(runs["nag"]) == before["nag"]
+    assert "report already up to date" not in third.stdout  # gpt's new eval.json: the report is redone
+    steps = [json.loads(line)["step"] for line in open(runs["gpt"] / "metrics.jsonl")]
+    assert steps == list(range(14))
