@@ -45,7 +45,7 @@ def add_nag_args(parser):
                    help="branch implementation (default: fused on cuda, reference elsewhere)")
 
 
-def nag_config_from_args(args, device_type=None):
+def nag_config_from_args(args):
     from nanochat.common import UserError
     if args.nag_mod_floor < 0:
         raise UserError(f"--nag-mod-floor must be >= 0 (got {args.nag_mod_floor})")

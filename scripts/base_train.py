@@ -296,7 +296,7 @@ def train(args):
 
     from nag.model import nag_config_from_args, nag_optimizer_kwargs
     cls = ckpt.model_class(args.arch)
-    model_kwargs = {"nag": nag_config_from_args(args, device_type)} if args.arch == "nag" else {}
+    model_kwargs = {"nag": nag_config_from_args(args), "impl": args.nag_impl or None} if args.arch == "nag" else {}
 
     # build for free on the meta device, then materialise and initialise
     model = meta_model(cls, config, **model_kwargs)

@@ -124,3 +124,18 @@ def test_missing_tokenizer_says_how_to_make_one(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     err = run_error(capsys, "--run", "a", "--num-iterations", "2")
     assert "tok_train" in err
+
+
+def test_nag_impl_flag_reaches_the_model(base, monkeypatch):
+    import nag.model
+    from nag.functional import nag_branch
+    asked = []
+
+    def spy(impl):
+        asked.append(impl)
+        return nag_branch  # the real fused kernel is tested in test_nag_kernels / test_nag_model
+    monkeypatch.setattr(nag.model, "branch_function", spy)
+    train("--arch", "nag", "--run", "impl", "--num-iterations", "1", "--eval-every", "100", "--nag-impl", "fused")
+    assert set(asked) == {"fused"}
+    cfg = json.load(open(os.path.join(base, "runs", "impl", "config.json")))
+    assert cfg["args"]["nag_impl"] == "fused"
