@@ -45,11 +45,21 @@ class UserError(Exception):
     """A problem with the user's input: reported as one line, without a traceback."""
 
 
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # what open() would give; mkstemp's own 0600 would hide results from collaborators
+
+
 def atomic_write_bytes(path, data):
     # temp file in the same directory + rename: a crash never leaves a half-written file
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-" + os.path.basename(path))
+    os.chmod(tmp, FILE_MODE)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -71,6 +81,7 @@ def atomic_torch_save(obj, path):
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-" + os.path.basename(path))
     os.close(fd)
+    os.chmod(tmp, FILE_MODE)
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
