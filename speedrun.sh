@@ -107,7 +107,7 @@ case "$PRESET" in
         MODEL=(--depth 64 --model-dim 640 --head-dim 128 --max-seq-len 2048 --window-pattern L
                --target-flops 3e19 --total-batch-size 1048576 --device-batch-size 16
                --warmup-steps 40 --warmdown-ratio 0.65 --final-lr-frac 0.05
-               --matrix-lr 0.012 --embedding-lr 0.18 --unembedding-lr 0.006)
+               --matrix-lr 0.012 --muon-momentum 0.95 --embedding-lr 0.18 --unembedding-lr 0.006)
         NAG=(--nag-gate-lr 1e-3 --nag-temp-gain-lr 0.005)
         SAVE_EVERY=2000 VOCAB=32768 TOK_CHARS=2000000000 ;;
     d20)  # nanochat-d20-like: dim 1280, 10 heads × 128, batch and horizon from the 10.5 tokens/param rule

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.gpt import GPT, Linear
-from nag.functional import nag_branch, modulator
+from nag.functional import nag_branch
 
 BETA_RAW_INIT = 0.5413  # softplus⁻¹(1): the modulator starts linear in u
 DEAD_GAIN = 1e-3  # a branch whose mean |g| falls below this counts as dead in telemetry
@@ -105,7 +105,7 @@ class NAGGPT(GPT):
         self.log_gain_encode = nn.Parameter(torch.empty(1, device=device))  # log G_encode
         self.register_buffer("alpha_warmup", torch.ones(1, device=device), persistent=False)
         self.impl = impl
-        self.branch_fn = None  # chosen on first forward, once the device is known
+        self.branch_fn = None  # chosen by init_weights, once the device is known (before any torch.compile)
         self.record_telemetry = False
         self.telemetry_rows = []
 
@@ -137,6 +137,7 @@ class NAGGPT(GPT):
         self.log_gain_encode.zero_()
         self.alpha_warmup.fill_(1.0)
         self.after_optimizer_step()
+        self.branch_fn = branch_function(self.impl or default_impl(self.wte.weight.device.type))
 
     @torch.no_grad()
     def after_optimizer_step(self):
@@ -157,15 +158,12 @@ class NAGGPT(GPT):
         return groups
 
     def forward(self, idx, targets=None, loss_reduction="mean"):
-        if self.branch_fn is None:
-            self.branch_fn = branch_function(self.impl or default_impl(self.wte.weight.device.type))
         T = idx.size(1)
         cos_sin = self.rotary(T)
         e = self.wte(idx)  # fp32 rows, centred
         rho = e.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)  # ρ₀ = ‖e‖/√d
         res_dir = (e / rho).to(self.compute_dtype)
         log_norm = torch.log(rho) + self.log_gain_encode  # (B, T, 1) fp32
-        self.telemetry_rows = []
         for block, gates, window in zip(self.blocks, self.gates, self.windows):
             res_dir, log_norm = self.update(res_dir, log_norm, block.attn(res_dir, cos_sin, window), gates.attn_branch)
             res_dir, log_norm = self.update(res_dir, log_norm, block.mlp(res_dir), gates.mlp_branch)
@@ -190,14 +188,15 @@ class NAGGPT(GPT):
         floor = self.nag.mod_floor
         w = torch.softmax(br.coef.float(), dim=-1)
         u = (torch.sigmoid(mod_logits.float()) * w).sum(dim=-1)
-        m = modulator(mod_logits.detach(), br.coef.detach(), br.beta_raw.detach(), floor).float()
-        gain = (alpha.detach().float() * m).abs()
-        self.telemetry_rows.append(torch.stack([m.mean(), (u <= floor).float().mean(), gain.mean(), alpha.detach().float().squeeze()]))
+        m = u.clamp(min=floor) ** F.softplus(br.beta_raw.float())
+        gain = (alpha.float() * m).abs()
+        self.telemetry_rows.append(torch.stack([u.mean(), (u <= floor).float().mean(), gain.mean(), alpha.float().squeeze()]))
 
     @torch.no_grad()
     def gate_telemetry(self, idx):
         """Gate statistics of a forward pass over idx (no grad), as plain numbers for metrics.jsonl."""
         self.record_telemetry = True
+        self.telemetry_rows = []
         try:
             self(idx)
         finally:
@@ -213,7 +212,7 @@ class NAGGPT(GPT):
         n = len(rows)
         quartiles = [sum(gains[q * n // 4:(q + 1) * n // 4]) / max(1, len(gains[q * n // 4:(q + 1) * n // 4])) for q in range(4)]
         return {
-            "branches": [{"name": nm, "mod_mean": r[0], "floor_frac": r[1], "gain_abs_mean": r[2], "alpha": r[3]} for nm, r in zip(names, rows)],
+            "branches": [{"name": nm, "u_mean": r[0], "floor_frac": r[1], "gain_abs_mean": r[2], "alpha": r[3]} for nm, r in zip(names, rows)],
             "dead_branches": sum(g < DEAD_GAIN for g in gains),
             "dead_threshold": DEAD_GAIN,
             "num_branches": n,

@@ -13,8 +13,10 @@ right model class can be rebuilt from the checkpoint alone.
 import os
 import re
 import glob
+import json
 
 import torch
+import torch.distributed as dist
 
 from nanochat.common import UserError, atomic_torch_save, atomic_write_json
 from nanochat.gpt import GPT, GPTConfig
@@ -50,12 +52,13 @@ def latest_step(run_dir):
 
 
 def save_checkpoint(run_dir, step, model, meta, train_state, rank=0):
-    """Model once (rank 0), optimizer/dataloader/RNG state per rank. The model file is written last-but-one
-    and the meta json last, so a crash mid-save leaves the previous checkpoint as the latest complete one."""
+    """Per-rank train state first; once every rank has written its own, rank 0 writes the model file and
+    then the meta json. A crash mid-save leaves the previous checkpoint as the latest complete one."""
     atomic_torch_save(train_state, optim_path(run_dir, step, rank))
+    if dist.is_initialized():
+        dist.barrier()
     if rank == 0:
-        state = {k: v for k, v in model.state_dict().items()}
-        atomic_torch_save({"model": state, "meta": meta}, model_path(run_dir, step))
+        atomic_torch_save({"model": model.state_dict(), "meta": meta}, model_path(run_dir, step))
         atomic_write_json(os.path.join(run_dir, f"meta_{step:06d}.json"), meta)
 
 
@@ -65,6 +68,20 @@ def load_model_file(run_dir, step, device="cpu"):
         have = saved_steps(run_dir)
         raise UserError(f"no checkpoint for step {step} in {run_dir} (saved steps: {have or 'none'})")
     return torch.load(path, map_location=device, weights_only=False)
+
+
+def load_meta(run_dir, step):
+    path = os.path.join(run_dir, f"meta_{step:06d}.json")
+    if not os.path.exists(path):
+        have = saved_steps(run_dir) if os.path.isdir(run_dir) else []
+        raise UserError(f"no checkpoint for step {step} in {run_dir} (saved steps: {have or 'none'})")
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve_run_dir(run):
+    """A run name is looked up under $NANOCHAT_BASE_DIR/runs; anything with a path separator is a directory."""
+    return os.path.normpath(os.path.abspath(run)) if os.sep in run else get_run_dir(run)
 
 
 def load_train_state(run_dir, step, rank=0, device="cpu"):

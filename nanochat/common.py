@@ -54,15 +54,16 @@ def _umask():
 FILE_MODE = 0o666 & ~_umask()  # what open() would give; mkstemp's own 0600 would hide results from collaborators
 
 
-def atomic_write_bytes(path, data):
-    # temp file in the same directory + rename: a crash never leaves a half-written file
+def atomic_write(path, write):
+    """Call write(file) on a temp file in the same directory, fsync, then rename over path:
+    a crash never leaves a half-written file, only the old one or the new one."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-" + os.path.basename(path))
     os.chmod(tmp, FILE_MODE)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -72,23 +73,16 @@ def atomic_write_bytes(path, data):
         raise
 
 
+def atomic_write_bytes(path, data):
+    atomic_write(path, lambda f: f.write(data))
+
+
 def atomic_write_json(path, obj):
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def atomic_torch_save(obj, path):
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-" + os.path.basename(path))
-    os.close(fd)
-    os.chmod(tmp, FILE_MODE)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def dist_init(device_type):

@@ -58,17 +58,20 @@ def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_
 
 
 @torch.no_grad()
-def adamw_update(p, g, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
-    """One AdamW step, math in fp32, in place."""
-    g = g.float()
+def adamw_update(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay):
+    """One AdamW step on lists of fp32 tensors that share a step count, in place, with
+    foreach kernels (a NAG model has hundreds of small gate tensors: one launch each would add up)."""
     if weight_decay:
-        p.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.lerp_(g.square(), 1 - beta2)
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
     bias1 = 1 - beta1 ** step
     bias2 = 1 - beta2 ** step
-    denom = (exp_avg_sq / bias2).sqrt_().add_(eps)
-    p.add_((exp_avg / bias1 / denom).to(p.dtype), alpha=-lr)
+    denom = torch._foreach_div(exp_avg_sqs, bias2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -112,17 +115,21 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def step_adamw(self, group):
         beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        for p in params:
             state = self.state[p]
             if not state:
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
-            adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
-                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+        steps = {self.state[p]["step"] for p in params}
+        assert len(steps) == 1, "AdamW parameters of one group must share a step count"
+        adamw_update(params, [p.grad.float() for p in params], [self.state[p]["exp_avg"] for p in params],
+                     [self.state[p]["exp_avg_sq"] for p in params], steps.pop(),
+                     group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
 
     def step_muon(self, group):
         params = group["params"]

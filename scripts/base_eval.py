@@ -69,10 +69,6 @@ def parse_evals(text):
     return set(evals)
 
 
-def resolve_run_dir(run):
-    # a name is looked up under the base dir; anything with a path separator is taken as a directory
-    return os.path.abspath(run) if os.sep in run else ckpt.get_run_dir(run)
-
 
 # ---------------------------------------------------------------------------
 # the three evaluations
@@ -177,7 +173,7 @@ def evaluate(args):
         raise UserError("--device-batch-size, --split-tokens and --sample-tokens must be positive")
     device_type = args.device_type or autodetect_device_type()
     is_ddp, rank, _, world_size, device = dist_init(device_type)
-    run_dir = resolve_run_dir(args.run)
+    run_dir = ckpt.resolve_run_dir(args.run)
 
     tokenizer = get_tokenizer()
     model, meta = ckpt.load_model(run_dir, None if args.step < 0 else args.step, device)

@@ -113,7 +113,7 @@ def reference_tokens(config, ratio):
 def plan_horizon(args, model, world_tokens_per_fwdbwd):
     """(total_batch_size, num_iterations, lr_scale, weight_decay) from the muP-style rules of DESIGN §2."""
     flops_per_token = model.estimate_flops()
-    ratio = args.target_param_data_ratio if args.target_param_data_ratio > 0 else 10.5
+    ratio = args.target_param_data_ratio if args.target_param_data_ratio > 0 else build_parser().get_default("target_param_data_ratio")
     if args.target_flops > 0:
         data_tokens = args.target_flops / flops_per_token
     else:
@@ -122,7 +122,8 @@ def plan_horizon(args, model, world_tokens_per_fwdbwd):
     batch = args.total_batch_size
     if batch <= 0:
         ideal = REFERENCE_BATCH * (data_tokens / ref_tokens) ** BATCH_EXPONENT
-        batch = max(2 ** round(math.log2(ideal)), world_tokens_per_fwdbwd)
+        batch = 2 ** round(math.log2(ideal))
+        batch = max(1, round(batch / world_tokens_per_fwdbwd)) * world_tokens_per_fwdbwd  # whole micro-batches on every process
     if batch % world_tokens_per_fwdbwd:
         raise UserError(f"--total-batch-size {batch} is not a multiple of device batch × seq len × processes = {world_tokens_per_fwdbwd}")
     if args.num_iterations > 0:
@@ -206,8 +207,8 @@ class NonFiniteError(Exception):
 def check_finite(model, loss, step):
     """Stop on a non-finite loss or gradient, naming the step and the offending parameters."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.stack(torch._foreach_norm(grads)).sum() if grads else torch.zeros(())
-    if torch.isfinite(loss) and torch.isfinite(total):
+    total = torch.stack(torch._foreach_norm(grads)).sum() if grads else torch.zeros((), device=loss.device)
+    if (torch.isfinite(loss) & torch.isfinite(total)).item():  # one host sync
         return
     bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     shown = ", ".join(bad[:12]) + (f" (+{len(bad) - 12} more)" if len(bad) > 12 else "")
@@ -218,25 +219,18 @@ def check_finite(model, loss, step):
 # ---------------------------------------------------------------------------
 
 
-def prepare_run_dir(run_dir, args, config_record, is_master):
-    """Refuse to overwrite another run; on resume, refuse a different model."""
+def prepare_run_dir(run_dir, args, config_record, tokenizer, is_master):
+    """Refuse to overwrite another run; on resume, refuse a different model, tokenizer or batch layout."""
     cfg_path = os.path.join(run_dir, "config.json")
     if args.resume_from_step < 0:
         if os.path.exists(cfg_path) or ckpt.saved_steps(run_dir):
             raise UserError(f"{run_dir} already holds a run; pick another --run or continue it with --resume-from-step N")
     else:
-        if not os.path.exists(ckpt.model_path(run_dir, args.resume_from_step)):
-            have = ckpt.saved_steps(run_dir) if os.path.isdir(run_dir) else []
-            raise UserError(f"no checkpoint for step {args.resume_from_step} in {run_dir} (saved steps: {have or 'none'})")
-        meta_path = os.path.join(run_dir, f"meta_{args.resume_from_step:06d}.json")
-        if os.path.exists(meta_path):
-            v_ckpt, v_tok = json.load(open(meta_path))["model_config"]["vocab_size"], config_record["model_config"]["vocab_size"]
-            if v_ckpt != v_tok:
-                raise UserError(f"checkpoint vocab {v_ckpt} does not match the tokenizer's {v_tok}; "
-                                "resume with the tokenizer the run was trained with (NANOCHAT_BASE_DIR)")
+        ckpt.check_vocab(ckpt.load_meta(run_dir, args.resume_from_step), tokenizer)
         if os.path.exists(cfg_path):
             old = json.load(open(cfg_path))
-            for key in ("arch", "model_config", "total_batch_size"):
+            # the data shards are laid out per (process, micro-step): both must match for an exact resume
+            for key in ("arch", "model_config", "total_batch_size", "world_size", "grad_accum_steps"):
                 if old.get(key) != config_record.get(key):
                     raise UserError(f"cannot resume {run_dir}: its {key} was {old.get(key)} but this command gives {config_record.get(key)}")
     if is_master:
@@ -321,7 +315,7 @@ def train(args):
         "world_size": world_size, "device_type": device_type, "compute_dtype": str(compute_dtype).replace("torch.", ""),
         "seed": args.seed, "git_commit": git_commit(), "torch_version": torch.__version__, "command": " ".join(sys.argv),
     }
-    prepare_run_dir(run_dir, args, config_record, is_master)
+    prepare_run_dir(run_dir, args, config_record, tokenizer, is_master)
     if is_ddp:
         dist.barrier()  # every rank checks the run dir before rank 0 writes into it
 
@@ -333,9 +327,9 @@ def train(args):
     if args.resume_from_step >= 0:
         start_step = args.resume_from_step
         ckpt.load_weights(model, ckpt.load_model_file(run_dir, start_step, device))
-        state = ckpt.load_train_state(run_dir, start_step, rank, device)
-        # the optimizer state is replicated across ranks, so only rank 0 saved it
-        optimizer.load_state_dict(state["optimizer"] if rank == 0 else ckpt.load_train_state(run_dir, start_step, 0, device)["optimizer"])
+        state = ckpt.load_train_state(run_dir, start_step, rank)  # on the CPU: RNG states must stay there
+        # the optimizer state is replicated across ranks, so only rank 0 saved it (load_state_dict moves it to the params' device)
+        optimizer.load_state_dict(state["optimizer"] if rank == 0 else ckpt.load_train_state(run_dir, start_step, 0)["optimizer"])
         loader_states, elapsed = state["dataloader"], state.get("elapsed", 0.0)
         torch.set_rng_state(state["rng"]["cpu"])
         if device_type == "cuda" and state["rng"].get("cuda") is not None:
@@ -352,11 +346,12 @@ def train(args):
             os.remove(metrics_path)
 
     use_compile = args.compile if args.compile is not None else device_type == "cuda"
-    compiled = torch.compile(model, dynamic=False) if use_compile else model
-    fwd = compiled
-    if is_ddp:  # gradients averaged across ranks, overlapped with the backward
+    ddp = None
+    if is_ddp:  # gradients averaged across ranks, bucketed and overlapped with the backward
         from torch.nn.parallel import DistributedDataParallel
-        fwd = DistributedDataParallel(fwd, device_ids=[local_rank] if device_type == "cuda" else None)
+        ddp = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None)
+    # compile outside DDP, so the compiled graph is split at DDP's bucket boundaries and the all-reduce overlaps
+    fwd = torch.compile(ddp or model, dynamic=False) if use_compile else (ddp or model)
 
     print0(f"run {run} → {run_dir}")
     print0(f"arch {args.arch} | {config_record['num_params']:,} params ({config_record['num_scaling_params']:,} matmul) | "
@@ -378,7 +373,7 @@ def train(args):
         model.eval()
         model.set_tokens_seen(step * total_batch)  # NAG: the α warm-up factor the checkpoint of this step carries
         val = data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "val", device=device, rank=rank, world_size=world_size)
-        bpb = evaluate_bpb(compiled, val, eval_steps, token_bytes)
+        bpb = evaluate_bpb(fwd, val, eval_steps, token_bytes)
         model.train()
         return bpb
 
@@ -402,7 +397,7 @@ def train(args):
         for micro in range(grad_accum):
             x, y, loader_states[micro] = next(train_loaders[micro])
             sync = micro == grad_accum - 1 or not is_ddp
-            with (contextlib.nullcontext() if sync else fwd.no_sync()):
+            with (contextlib.nullcontext() if sync else ddp.no_sync()):
                 loss = fwd(x, y)
                 loss_sum += loss.detach()
                 (loss / grad_accum).backward()
@@ -439,7 +434,7 @@ def train(args):
                 f"lrm {lrm:.3f} | {tok_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") +
                 f" | {dt * 1000:.0f} ms | elapsed {fmt_time(elapsed)} | eta {fmt_time(eta)}")
         print0(line)
-        if args.arch == "nag" and args.nag_gate_log_every > 0 and step % args.nag_gate_log_every == 0:
+        if args.arch == "nag" and is_master and args.nag_gate_log_every > 0 and step % args.nag_gate_log_every == 0:
             row["gate"] = model.gate_telemetry(x)  # one extra no-grad forward on the last micro-batch
             print0(model.format_telemetry(row["gate"]))
 
@@ -449,7 +444,7 @@ def train(args):
             print0(f"step {step:05d} | val bpb {row['val_bpb']:.4f}")
         write_row(row)
         if last or (args.save_every > 0 and step % args.save_every == 0):
-            train_state = {"optimizer": optimizer.state_dict() if is_master else None, "dataloader": loader_states, "step": step, "elapsed": elapsed,
+            train_state = {"optimizer": optimizer.state_dict() if is_master else None, "dataloader": loader_states, "elapsed": elapsed,
                            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
             ckpt.save_checkpoint(run_dir, step, model, dict(meta, step=step, tokens=step * total_batch), train_state, rank)
             print0(f"saved checkpoint at step {step} in {run_dir}")

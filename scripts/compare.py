@@ -16,9 +16,9 @@ import json
 import argparse
 
 from nanochat.common import UserError, get_base_dir, atomic_write_bytes
-from nanochat.checkpoint_manager import get_run_dir
+from nanochat.checkpoint_manager import resolve_run_dir, get_run_dir
+from nanochat.core_eval import NUM_CORE_TASKS
 
-NUM_CORE_TASKS = 22
 SKIP_ARGS = {"run"}  # differs by construction; the report's columns already name the runs
 
 
@@ -26,9 +26,8 @@ SKIP_ARGS = {"run"}  # differs by construction; the report's columns already nam
 # reading runs
 
 
-def resolve_run_dir(run):
-    # a name is looked up under the base dir; anything with a path separator is taken as a directory
-    path = os.path.abspath(run) if os.sep in run else get_run_dir(run)
+def existing_run_dir(run):
+    path = resolve_run_dir(run)
     if not os.path.isdir(path):
         raise UserError(f"no run directory {path}; give a run name under {os.path.join(get_base_dir(), 'runs')} or a path")
     return os.path.normpath(path)
@@ -64,7 +63,7 @@ def read_metrics(path):
 
 
 def load_run(arg):
-    run_dir = resolve_run_dir(arg)
+    run_dir = existing_run_dir(arg)
     cfg_path = os.path.join(run_dir, "config.json")
     if not os.path.exists(cfg_path):
         raise UserError(f"{cfg_path} is missing; is {run_dir} a run directory written by scripts.base_train?")

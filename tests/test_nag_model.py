@@ -120,10 +120,21 @@ def test_telemetry_fields():
     assert t["alpha_max"] == pytest.approx(1.0) and t["alpha_min"] == pytest.approx(6 ** -0.5)
     assert len(t["gain_by_depth_quartile"]) == 4
     assert t["dead_branches"] == 0
+    # with m_down = 0 and bias b, u = σ(b) exactly, and the floor catches u below it
+    with torch.no_grad():
+        br = model.gates[1].attn_branch
+        br.m_down.weight.zero_()
+        br.m_down.bias.fill_(-1.0)
+        model.gates[0].mlp_branch.m_down.weight.zero_()
+        model.gates[0].mlp_branch.m_down.bias.fill_(-30.0)  # u ≈ 9e-14, below the 1e-6 floor
+    t = model.gate_telemetry(torch.randint(0, 128, (2, 32)))
+    assert t["branches"][2]["u_mean"] == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-5)
+    assert t["branches"][2]["gain_abs_mean"] == pytest.approx(3 ** -0.5 * torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-4)
+    assert t["branches"][1]["floor_frac"] == 1.0 and t["branches"][2]["floor_frac"] == 0.0
     # a branch with α = 0 counts as dead
     with torch.no_grad():
         model.gates[2].mlp_branch.alpha.zero_()
-    assert model.gate_telemetry(torch.randint(0, 128, (2, 32)))["dead_branches"] == 1
+    assert model.gate_telemetry(torch.randint(0, 128, (2, 32)))["dead_branches"] == 2  # α = 0, and u at the floor
 
 
 @pytest.mark.parametrize("arch", ["gpt", "nag"])

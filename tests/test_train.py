@@ -112,6 +112,9 @@ def test_bad_inputs_one_line_and_nothing_overwritten(base, capsys):
     assert "already holds a run" in run_error(capsys, "--run", "taken", "--num-iterations", "2")
     assert "cannot resume" in run_error(capsys, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2",
                                         "--model-dim", "96")
+    # the same total batch in more micro-steps would read other data shards: refused, not silently different
+    assert "grad_accum_steps" in run_error(capsys, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2",
+                                           "--device-batch-size", "2")
     from nanochat.tokenizer import Tokenizer
     real_vocab = Tokenizer.get_vocab_size
     with pytest.MonkeyPatch.context() as mp:
