@@ -285,6 +285,15 @@ launch() {  # $1 = module, the rest its arguments; torchrun for more than one pr
     else python -m "$mod" "$@"; fi
 }
 
+# ---------------------------------------------------------------- preflight
+# The NAG run defaults to the fused Triton kernel on CUDA: check it against the reference on this GPU
+# (seconds) before hours of GPT training, rather than discover a problem when the NAG run starts.
+if [ "$PRESET" != tiny ] && [[ " ${RUN_ARCHS[*]} " == *" nag "* ]] && [[ " ${EXTRA[*]} " != *"--nag-impl"* ]]; then
+    stage "preflight: fused NAG kernel vs reference on this GPU"
+    python -m pytest -q -x tests/test_nag_kernels.py -k cuda \
+        || die "the fused NAG kernel failed its CUDA check (above); run with '-- --nag-impl compiled' (or reference) to train NAG without it"
+fi
+
 # ---------------------------------------------------------------- data + tokenizer
 stage "data ($BASE/base_data)"
 if data_done; then
