@@ -369,11 +369,15 @@ def train(args):
     eval_steps = max(1, args.eval_tokens // world_tokens_per_fwdbwd)
     peak = peak_flops(device_type)
 
+    val_batches = []  # the same val batches at every evaluation: read and tokenized once
+
     def run_eval(step):
         model.eval()
         model.set_tokens_seen(step * total_batch)  # NAG: the α warm-up factor the checkpoint of this step carries
-        val = data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "val", device=device, rank=rank, world_size=world_size)
-        bpb = evaluate_bpb(fwd, val, eval_steps, token_bytes)
+        if not val_batches:
+            val = data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "val", device=device, rank=rank, world_size=world_size)
+            val_batches.extend(next(val)[:2] for _ in range(eval_steps))
+        bpb = evaluate_bpb(fwd, iter(val_batches), eval_steps, token_bytes)
         model.train()
         return bpb
 
