@@ -50,13 +50,17 @@ def modulator(mod_logits, coef, beta_raw, floor):
     return torch.clamp(u, min=floor) ** beta
 
 
+def check_renorm(renorm):
+    if renorm not in RENORM_MODES:
+        raise ValueError(f"unknown renorm {renorm!r}, expected one of {RENORM_MODES}")
+
+
 def residual_update(res_dir, log_norm, branch_out, gain, renorm="measured"):
     """Rotate the direction R̄ towards the normalised branch output by angle arctan(g).
 
     Returns (new_dir in res_dir's dtype, new_log_norm in log_norm's dtype).
     """
-    if renorm not in RENORM_MODES:
-        raise ValueError(f"unknown renorm {renorm!r}, expected one of {RENORM_MODES}")
+    check_renorm(renorm)
     dim = res_dir.size(-1)
     work = _work_dtype(res_dir.dtype)
     r = res_dir.to(work)

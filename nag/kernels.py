@@ -28,7 +28,7 @@ import torch
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from nag.functional import ORTHO_EPS, RENORM_MODES, RMS_EPS  # noqa: E402
+from nag.functional import ORTHO_EPS, RMS_EPS, check_renorm  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Row math shared by the forward and backward kernels
@@ -187,11 +187,6 @@ def _gate_params(coef, beta_raw, alpha):
     return weights, beta, alpha.float().reshape(1).contiguous()
 
 
-def _check_renorm(renorm):
-    if renorm not in RENORM_MODES:
-        raise ValueError(f"unknown renorm {renorm!r}, expected one of {RENORM_MODES}")
-
-
 # -----------------------------------------------------------------------------
 # Custom ops
 
@@ -201,7 +196,7 @@ def _fused_branch(
     res_dir: torch.Tensor, log_norm: torch.Tensor, branch_out: torch.Tensor, mod_logits: torch.Tensor,
     coef: torch.Tensor, beta_raw: torch.Tensor, alpha: torch.Tensor, floor: float, renorm: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_renorm(renorm)
+    check_renorm(renorm)
     dim, channels = res_dir.size(-1), mod_logits.size(-1)
     res = _rows(res_dir, dim)
     rows = res.size(0)
@@ -235,7 +230,7 @@ def _fused_branch_backward(
     coef: torch.Tensor, beta_raw: torch.Tensor, alpha: torch.Tensor, floor: float, renorm: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the gradients of (res_dir, branch_out, mod_logits, coef, beta_raw, alpha)."""
-    _check_renorm(renorm)
+    check_renorm(renorm)
     dim, channels = res_dir.size(-1), mod_logits.size(-1)
     res = _rows(res_dir, dim)
     rows = res.size(0)
@@ -306,5 +301,5 @@ _fused_branch.register_autograd(_backward, setup_context=_setup_context)
 
 def fused_nag_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm="measured"):
     """Fused nag.functional.nag_branch: returns (new_dir, new_log_norm), log_norm shaped (..., 1)."""
-    _check_renorm(renorm)  # raise here, not deep inside a compiled graph
+    check_renorm(renorm)  # raise here, not deep inside a compiled graph
     return _fused_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, float(floor), renorm)

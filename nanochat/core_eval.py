@@ -388,7 +388,7 @@ def forward_scores(model, seqs, spans, pad_id, device):
     loss = torch.logsumexp(z, dim=-1) - z_target
     top = z.topk(2, dim=-1)
     best_other = torch.where(top.indices[:, 0] == target, top.values[:, 1], top.values[:, 0])
-    match = z.argmax(dim=-1) == target
+    match = z.argmax(dim=-1) == target  # argmax, as upstream: its tie-break is the first index
     loss, gap, match = loss.tolist(), (z_target - best_other).tolist(), match.tolist()
     out, at = [], 0
     for s, e in spans:
