@@ -190,7 +190,7 @@ class NAGGPT(GPT):
         u = (torch.sigmoid(mod_logits.float()) * w).sum(dim=-1)
         m = u.clamp(min=floor) ** F.softplus(br.beta_raw.float())
         gain = (alpha.float() * m).abs()
-        self.telemetry_rows.append(torch.stack([u.mean(), (u <= floor).float().mean(), gain.mean(), alpha.float().squeeze()]))
+        self.telemetry_rows.append(torch.stack([u.mean(), m.mean(), (u <= floor).float().mean(), gain.mean(), alpha.float().squeeze()]))
 
     @torch.no_grad()
     def gate_telemetry(self, idx):
@@ -207,19 +207,21 @@ class NAGGPT(GPT):
         rows = torch.stack(self.telemetry_rows).cpu().tolist()
         self.telemetry_rows = []
         names = [f"{i}.{kind}" for i in range(self.config.n_layer) for kind in ("attn", "mlp")]
-        gains = [r[2] for r in rows]
-        alphas = [r[3] for r in rows]
+        gains = [r[3] for r in rows]
+        alphas = [r[4] for r in rows]
         n = len(rows)
         quartiles = [sum(gains[q * n // 4:(q + 1) * n // 4]) / max(1, len(gains[q * n // 4:(q + 1) * n // 4])) for q in range(4)]
         return {
-            "branches": [{"name": nm, "u_mean": r[0], "floor_frac": r[1], "gain_abs_mean": r[2], "alpha": r[3]} for nm, r in zip(names, rows)],
+            # u: the mixed sigmoid; m = max(u, floor)^β: the modulator; g = α·warmup·m: the realised gain
+            "branches": [{"name": nm, "u_mean": r[0], "m_mean": r[1], "floor_frac": r[2], "gain_abs_mean": r[3], "alpha": r[4]}
+                         for nm, r in zip(names, rows)],
             "dead_branches": sum(g < DEAD_GAIN for g in gains),
             "dead_threshold": DEAD_GAIN,
             "num_branches": n,
             "gain_by_depth_quartile": quartiles,
             "alpha_min": min(alphas),
             "alpha_max": max(alphas),
-            "floor_frac_mean": sum(r[1] for r in rows) / n,
+            "floor_frac_mean": sum(r[2] for r in rows) / n,
         }
 
     @staticmethod
