@@ -380,7 +380,8 @@ def compare(run_args, out_dir=None, beta=0.95):
         parts.append(note)
     report = os.path.join(out_dir, "report.md")
     atomic_write_bytes(report, ("\n\n".join(p.rstrip("\n") for p in parts) + "\n").encode())
-    print(report)
+    print(parts[2])  # the side-by-side summary (steps, tokens, FLOPs, loss, bpb, CORE), then where the rest is
+    print(f"\nreport with figures: {report}")
     return report
 
 

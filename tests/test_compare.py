@@ -79,7 +79,9 @@ def error(capsys, *args):
 def test_report_of_a_pair(pair, capsys):
     path = compare.main(["gpt", "nag"])
     assert path == os.path.join(pair["base"], "reports", "gpt_vs_nag", "report.md")
-    assert capsys.readouterr().out.strip().splitlines()[-1] == path
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].endswith(path)
+    assert "| steps |" in out and "| final val bpb (training log) |" in out  # the side-by-side table on stdout
     report = open(path).read()
     metrics = {a: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] for a, d in pair["runs"].items()}
     evals = {a: json.load(open(os.path.join(d, "eval.json"))) for a, d in pair["runs"].items()}
