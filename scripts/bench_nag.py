@@ -29,6 +29,8 @@ def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=str, default="small,published" if on_cuda else "small")
     p.add_argument("--impls", type=str, default="reference,compiled,fused" if on_cuda else "reference,compiled")
+    p.add_argument("--compile", type=str, default="on" if on_cuda else "off", choices=["off", "on", "both"],
+                   help="torch.compile the whole model in the step benchmark (the targets are for compiled models)")
     p.add_argument("--steps", type=int, default=10 if on_cuda else 3)
     p.add_argument("--warmup", type=int, default=3 if on_cuda else 1)
     p.add_argument("--vocab-size", type=int, default=32768 if on_cuda else 4096)
@@ -113,9 +115,8 @@ def main():
             depth, dim, head_dim, seq, batch = SHAPES[shape]
             argv = ["--depth", str(depth), "--model-dim", str(dim), "--head-dim", str(head_dim), "--max-seq-len", str(seq),
                     "--device-batch-size", str(batch), "--vocab-size", str(args.vocab_size), "--steps", str(args.steps),
-                    "--warmup", str(args.warmup)]
+                    "--warmup", str(args.warmup), "--compile", args.compile]
             print(f"\n=== {shape}: {depth} blocks × dim {dim}, seq {seq}, batch {batch} ===", flush=True)
-            # the "compiled" NAG impl compiles the branch only, so its model runs eager; everything else is eager
             variants = ["gpt"] + [f"nag:{i}" for i in impls]
             results = bench_train.benchmark(bench_train.parse(argv), variants, argv)
             bench_train.print_ratios(results)
