@@ -9,6 +9,7 @@
 #  2. the branch op alone at the published rows (16 × 2048 × 640, bf16): GB/s vs measured copy bandwidth
 #  3. whole steps at the published shape, compiled: GPT vs NAG-fused (step time, peak memory, MFU)
 #  4. GPT depth 20 compiled: MFU (nanochat reports ~40-46% on H100 in bf16)
+#  5. (with EVAL_BUNDLE set) CORE batched vs one-at-a-time scoring on the GPU
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-gpu_checks}"
@@ -31,3 +32,11 @@ echo "=== 3. published shape, compiled: GPT vs NAG-fused ==="
 echo "=== 4. GPT depth 20, compiled: MFU ==="
 "$PY" -m scripts.bench_train --depth 20 --head-dim 128 --max-seq-len 2048 --device-batch-size 32 \
     --vocab-size 32768 --arch gpt --compile on --steps 10 --warmup 3 2>&1 | tee "$OUT/d20_mfu.log"
+
+# 5. CORE scoring batched vs one at a time on the GPU (speed-up, share of near-tie examples re-scored).
+#    Needs an eval bundle: from a developer checkout, `cp -r ../shared/eval_bundle .eval_bundle`, add
+#    /.eval_bundle/ to .git/info/exclude, carry .eval_bundle, and set EVAL_BUNDLE=.eval_bundle.
+if [ -n "${EVAL_BUNDLE:-}" ] && [ -d "$EVAL_BUNDLE" ]; then
+    echo "=== 5. CORE batched vs one at a time ==="
+    "$PY" -m scripts.bench_core --eval-bundle "$EVAL_BUNDLE" --depth 12 --dim 768 --seq-len 2048 --threads 0 2>&1 | tee "$OUT/core_batching.log"
+fi
