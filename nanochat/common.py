@@ -1,8 +1,10 @@
 """Small shared utilities: base directory, device and dtype choice, distributed info, logging, atomic writes."""
 
 import os
+import sys
 import json
 import tempfile
+import contextlib
 import torch
 import torch.distributed as dist
 
@@ -43,6 +45,16 @@ def compute_dtype_for(device_type):
 
 class UserError(Exception):
     """A problem with the user's input: reported as one line, without a traceback."""
+
+
+@contextlib.contextmanager
+def exit_on_user_error(*also):
+    """Wrap a script's body: a UserError (or one of `also`) becomes one `error: ...` line on stderr, exit status 1."""
+    try:
+        yield
+    except (UserError, *also) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _umask():

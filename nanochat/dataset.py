@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.common import UserError, atomic_write_bytes, atomic_write_json, get_base_dir, print0
+from nanochat.common import UserError, exit_on_user_error, atomic_write_bytes, atomic_write_json, get_base_dir, print0
 
 BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
 MAX_SHARD = 6542  # index of the last upstream shard (6543 shards in total); it is the validation shard
@@ -442,7 +442,7 @@ def main(argv=None):
     parser.add_argument("--txt-dir", default=None, help="with --offline: use every .txt file under this directory instead of the stdlib docs")
     parser.add_argument("--offline-train-shards", type=int, default=8, help="with --offline: number of train shards")
     args = parser.parse_args(argv)
-    try:
+    with exit_on_user_error():
         if args.offline:
             t0 = time.time()
             paths = build_offline_corpus(txt_dir=args.txt_dir, num_train_shards=args.offline_train_shards)
@@ -453,9 +453,6 @@ def main(argv=None):
             download_shards(climbmix_indices(args.num_train_shards), workers=args.workers)
         else:
             raise UserError("give -n NUM_TRAIN_SHARDS to download ClimbMix, or --offline to build a corpus without network")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ of the same checkpoint step; an eval.json of another step is replaced whole.
 import os
 import io
 import csv
-import sys
 import json
 import argparse
 
 import torch.distributed as dist
 
-from nanochat.common import UserError, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes
+from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import evaluate_bpb
@@ -217,11 +216,8 @@ def evaluate(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    try:
+    with exit_on_user_error():
         return evaluate(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import subprocess
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, print0, dist_init, autodetect_device_type, compute_dtype_for, get_base_dir, atomic_write_bytes
+from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_bytes
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
@@ -463,11 +463,8 @@ def train(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    try:
+    with exit_on_user_error(NonFiniteError):
         return train(args)
-    except (UserError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ figures into --out (default $NANOCHAT_BASE_DIR/reports/<run1>_vs_<run2>).
 
 import io
 import os
-import sys
 import json
 import argparse
 
-from nanochat.common import UserError, get_base_dir, atomic_write_bytes
+from nanochat.common import UserError, exit_on_user_error, get_base_dir, atomic_write_bytes
 from nanochat.checkpoint_manager import resolve_run_dir, get_run_dir
 from nanochat.core_eval import NUM_CORE_TASKS
 
@@ -275,10 +274,15 @@ def notes(runs, figures):
 # figures
 
 
-def save_figure(fig, path):
+def save_figure(fig, ax, out_dir, name, caption, figures):
+    """Grid, write the PNG atomically, record its caption in figures, close."""
+    ax.grid(alpha=0.3)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(os.path.join(out_dir, name), buf.getvalue())
+    figures[name] = caption
+    import matplotlib.pyplot as plt  # imported by make_figures after choosing the Agg backend
+    plt.close(fig)
 
 
 def make_figures(runs, out_dir, beta):
@@ -298,11 +302,8 @@ def make_figures(runs, out_dir, beta):
             ax.plot(x, y, color=c, alpha=0.2, linewidth=0.8)
             ax.plot(x, ema(y, beta), color=c, linewidth=1.8, label=f"{r['name']} (EMA β={beta:g})")
     ax.set(xlabel="training FLOPs", ylabel="train loss (nats/token)", title="Train loss vs training FLOPs (faint: raw)")
-    ax.grid(alpha=0.3)
     ax.legend()
-    save_figure(fig, os.path.join(out_dir, "train_loss_vs_flops.png"))
-    figures["train_loss_vs_flops.png"] = "Train loss vs training FLOPs"
-    plt.close(fig)
+    save_figure(fig, ax, out_dir, "train_loss_vs_flops.png", "Train loss vs training FLOPs", figures)
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for r, c in zip(runs, colors):
@@ -310,11 +311,8 @@ def make_figures(runs, out_dir, beta):
         if pts:
             ax.plot(*zip(*pts), color=c, marker="o", markersize=3, label=r["name"])
     ax.set(xlabel="training FLOPs", ylabel="val bits per byte", title="Validation bpb vs training FLOPs")
-    ax.grid(alpha=0.3)
     ax.legend()
-    save_figure(fig, os.path.join(out_dir, "val_bpb_vs_flops.png"))
-    figures["val_bpb_vs_flops.png"] = "Validation bpb vs training FLOPs"
-    plt.close(fig)
+    save_figure(fig, ax, out_dir, "val_bpb_vs_flops.png", "Validation bpb vs training FLOPs", figures)
 
     gated = [(r, [row for row in r["metrics"] if isinstance(row.get("gate"), dict)]) for r in runs]
     gated = [(r, rows) for r, rows in gated if rows]
@@ -328,11 +326,8 @@ def make_figures(runs, out_dir, beta):
                 ax.plot(steps, vals, color=plt.cm.viridis(q / max(1, len(quartiles) - 1)), linestyle=styles[k % 4],
                         label=f"{r['name']} depth quartile {q + 1}")
         ax.set(xlabel="step", ylabel="mean realised gain |g|", title="NAG realised gain by depth quartile (1 = shallowest)")
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        save_figure(fig, os.path.join(out_dir, "gate_gain_by_depth.png"))
-        figures["gate_gain_by_depth.png"] = "NAG realised gain by depth quartile"
-        plt.close(fig)
+        save_figure(fig, ax, out_dir, "gate_gain_by_depth.png", "NAG realised gain by depth quartile", figures)
 
         fig, ax = plt.subplots(figsize=(8, 5))
         for k, (r, rows) in enumerate(gated):
@@ -343,11 +338,8 @@ def make_figures(runs, out_dir, beta):
         most = max(row["gate"]["dead_branches"] for _, rows in gated for row in rows)
         ax.set_ylim(-0.2, most + 1)  # counts: integer ticks, and a line at 0 stays visible above the axis
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
         ax.legend()
-        save_figure(fig, os.path.join(out_dir, "gate_dead_branches.png"))
-        figures["gate_dead_branches.png"] = "NAG dead-branch count"
-        plt.close(fig)
+        save_figure(fig, ax, out_dir, "gate_dead_branches.png", "NAG dead-branch count", figures)
     return figures
 
 
@@ -391,11 +383,8 @@ def main(argv=None):
     p.add_argument("--out", type=str, default=None, help="output directory (default: $NANOCHAT_BASE_DIR/reports/<run1>_vs_<run2>)")
     p.add_argument("--ema", type=float, default=0.95, help="EMA factor that smooths the train loss curve")
     args = p.parse_args(argv)
-    try:
+    with exit_on_user_error():
         return compare(args.runs, args.out, args.ema)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

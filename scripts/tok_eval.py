@@ -5,9 +5,8 @@ Report the tokenizer's compression: bytes per token on validation text and on a 
 """
 
 import argparse
-import sys
 
-from nanochat.common import UserError
+from nanochat.common import exit_on_user_error
 from nanochat.dataset import parquets_iter_batched
 from nanochat.tokenizer import get_tokenizer
 
@@ -34,15 +33,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Tokenizer compression on the data.")
     parser.add_argument("--max-chars", type=int, default=10_000_000, help="characters of text to encode per split")
     args = parser.parse_args(argv)
-    try:
+    with exit_on_user_error():
         tokenizer = get_tokenizer()
         print(f"vocab size: {tokenizer.get_vocab_size():,}")
         for name, split in (("val shard", "val"), ("train sample", "train")):
             num_bytes, num_tokens = compression(tokenizer, take_texts(split, args.max_chars))
             print(f"{name:>12}: {num_bytes:>14,} bytes  {num_tokens:>12,} tokens  {num_bytes / max(num_tokens, 1):.3f} bytes/token")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,9 @@ Train the BPE tokenizer on the train split and save it to <base_dir>/tokenizer/.
 """
 
 import argparse
-import sys
 import time
 
-from nanochat.common import UserError
+from nanochat.common import UserError, exit_on_user_error
 from nanochat.dataset import parquets_iter_batched
 from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
 
@@ -33,7 +32,7 @@ def main(argv=None):
     parser.add_argument("--doc-cap", type=int, default=10_000, help="use at most this many characters of each document")
     parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size, special tokens included")
     args = parser.parse_args(argv)
-    try:
+    with exit_on_user_error():
         if args.max_chars < 1 or args.doc_cap < 1:
             raise UserError("--max-chars and --doc-cap must be positive")
         t0 = time.time()
@@ -50,9 +49,6 @@ def main(argv=None):
         num_bytes = sum(len(t.encode("utf-8")) for t in val_texts)
         num_tokens = sum(len(ids) for ids in tokenizer.encode(val_texts))
         print(f"compression on {num_bytes:,} bytes of validation text: {num_bytes / max(num_tokens, 1):.2f} bytes/token")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":
