@@ -157,16 +157,19 @@ class NAGGPT(GPT):
         groups.append(dict(kind="adamw", name="nag_temp_gain", params=[self.log_gain_encode], lr=temp_gain_lr * lr_scale, betas=(0.8, 0.95)))
         return groups
 
-    def forward(self, idx, targets=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None):
         T = idx.size(1)
-        cos_sin = self.rotary(T)
+        cos_sin = self.rotary(T, positions)
+        masks = self.attention_masks(T, idx.device, positions, allowed)
         e = self.wte(idx)  # fp32 rows, centred
         rho = e.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)  # ρ₀ = ‖e‖/√d
         res_dir = (e / rho).to(self.compute_dtype)
         log_norm = torch.log(rho) + self.log_gain_encode  # (B, T, 1) fp32
-        for block, gates, window in zip(self.blocks, self.gates, self.windows):
-            res_dir, log_norm = self.update(res_dir, log_norm, block.attn(res_dir, cos_sin, window), gates.attn_branch)
+        for block, gates, mask in zip(self.blocks, self.gates, masks):
+            res_dir, log_norm = self.update(res_dir, log_norm, block.attn(res_dir, cos_sin, mask), gates.attn_branch)
             res_dir, log_norm = self.update(res_dir, log_norm, block.mlp(res_dir), gates.mlp_branch)
+        if logits_at is not None:
+            res_dir, log_norm = res_dir[logits_at], log_norm[logits_at]
         # cosine with each unit-RMS lm_head row, times the carried norm; no soft-cap
         logits = self.lm_head(res_dir).float() / self.config.n_embd * log_norm.exp()
         if targets is None:

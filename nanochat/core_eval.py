@@ -10,10 +10,12 @@ CORE = mean over the 22 tasks of the centred accuracy (acc - b) / (1 - b), b the
 Two ways to score, with the same verdicts example for example:
 - one at a time (evaluate_example, the reference): one forward per example over its own
   sequences, right-padded to the longest of them (this is what upstream nanochat does);
-- batched (the default): the sequences of many examples sorted by length, right-padded, one
-  forward per group. Floating point results depend a little on batch shape, so an example whose
-  verdict is close to a tie (decisive gap below `margin`) is re-scored exactly as the reference
-  does it. "Identical" therefore means: same (correct, pred) for every example, as long as the
+- batched (the default): rows of many examples sorted by length, right-padded, one forward per
+  group. With our models (GPT, NAG) each example whose sequences share a long prefix (few-shot
+  blocks, the question) becomes one packed row that holds the prefix once, and logits are computed
+  only where tokens are scored; other models get a row per sequence. Floating point results depend
+  a little on batch shape and packing, so an example whose verdict is close to a tie (decisive gap
+  below `margin`) is re-scored exactly as the reference does it. "Identical" therefore means: same (correct, pred) for every example, as long as the
   batch-shape noise stays below margin/2 (fp32 on CPU: ~1e-6 against a default margin of 1e-4).
 """
 
@@ -298,12 +300,9 @@ RENDER = {"multiple_choice": render_prompts_mc, "schema": render_prompts_schema,
 
 def common_length(seqs, direction):
     """Length of the prefix ('left') or suffix ('right') shared by all sequences."""
-    n = min(len(s) for s in seqs)
-    positions = range(n) if direction == "left" else range(-1, -n - 1, -1)
-    for i, p in enumerate(positions):
-        if any(s[p] != seqs[0][p] for s in seqs):
-            return i
-    return n
+    if direction == "right":
+        seqs = [s[::-1] for s in seqs]
+    return len(os.path.commonprefix(seqs))  # works on any sequences, lists of ids included
 
 
 def crop_to_context(seq, start, end, max_len):
@@ -366,11 +365,31 @@ def prepare_examples(indices, data, tokenizer, task_meta, max_len=None):
 # Scoring
 
 
+def token_scores(z, target):
+    """Per scored token, from its logits z (N, V) and the target ids (N,): the loss (float64), the gap
+    between the target's logit and the best other logit (> 0: greedy picks the target), argmax == target."""
+    z = z.double()
+    z_target = z.gather(1, target[:, None])[:, 0]
+    loss = torch.logsumexp(z, dim=-1) - z_target
+    top = z.topk(2, dim=-1)
+    best_other = torch.where(top.indices[:, 0] == target, top.values[:, 1], top.values[:, 0])
+    match = z.argmax(dim=-1) == target  # argmax, as upstream: its tie-break is the first index
+    return loss.tolist(), (z_target - best_other).tolist(), match.tolist()
+
+
+def split_by_span(scores, spans):
+    loss, gap, match = scores
+    out, at = [], 0
+    for s, e in spans:
+        out.append((loss[at:at + e - s], gap[at:at + e - s], match[at:at + e - s]))
+        at += e - s
+    return out
+
+
 @torch.no_grad()
 def forward_scores(model, seqs, spans, pad_id, device):
-    """One forward over right-padded seqs (a causal model: padding cannot reach earlier positions).
-    For each sequence, over its span: per-token losses (float64), the gap between the target's logit
-    and the best other logit (> 0: greedy picks the target), and whether argmax == target."""
+    """The reference computation: one forward over right-padded seqs (a causal model: padding cannot
+    reach earlier positions), full logits; token_scores over each sequence's span."""
     T = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     rows, cols = [], []
@@ -379,21 +398,74 @@ def forward_scores(model, seqs, spans, pad_id, device):
         rows += [i] * (e - s)
         cols += range(s - 1, e - 1)  # logits at t predict token t + 1
     ids = ids.to(device)
-    logits = model(ids)
     rows = torch.tensor(rows, dtype=torch.long, device=ids.device)
     cols = torch.tensor(cols, dtype=torch.long, device=ids.device)
-    z = logits[rows, cols].double()
-    target = ids[rows, cols + 1]
-    z_target = z.gather(1, target[:, None])[:, 0]
-    loss = torch.logsumexp(z, dim=-1) - z_target
-    top = z.topk(2, dim=-1)
-    best_other = torch.where(top.indices[:, 0] == target, top.values[:, 1], top.values[:, 0])
-    match = z.argmax(dim=-1) == target  # argmax, as upstream: its tie-break is the first index
-    loss, gap, match = loss.tolist(), (z_target - best_other).tolist(), match.tolist()
-    out, at = [], 0
-    for s, e in spans:
-        out.append((loss[at:at + e - s], gap[at:at + e - s], match[at:at + e - s]))
-        at += e - s
+    return split_by_span(token_scores(model(ids)[rows, cols], ids[rows, cols + 1]), spans)
+
+
+def packed_row(seqs, spans):
+    """One row for sequences that share their first n tokens: those once, then the rest of each sequence.
+    Returns the row's tokens, positions, branch ids (0: the shared prefix, j + 1: the rest of sequence j;
+    a token sees the prefix and its own branch) and, per sequence, the row columns whose logits predict
+    its scored tokens with those tokens. A single sequence packs to itself."""
+    n = common_length(seqs, "left")
+    tokens, positions, branch, needs = list(seqs[0][:n]), list(range(n)), [0] * n, []
+    for j, (seq, (s, e)) in enumerate(zip(seqs, spans)):
+        shift = len(tokens) - n  # where position p >= n of this sequence lands in the row
+        tokens += seq[n:]
+        positions += range(n, len(seq))
+        branch += [j + 1] * (len(seq) - n)
+        needs.append(([p if p < n else p + shift for p in range(s - 1, e - 1)], seq[s:e]))
+    return tokens, positions, branch, needs
+
+
+def worth_packing(seqs):
+    """Pack when the shared prefix removes at least a third of the tokens: a packed row needs a full
+    attention mask, which costs more per token pair than plain causal attention."""
+    return len(seqs) > 1 and common_length(seqs, "left") * (len(seqs) - 1) * 3 >= sum(len(s) for s in seqs)
+
+
+def takes_packed_rows(model):
+    """Our models (GPT, NAGGPT) take packed rows and logits_at; any other ids -> logits callable gets plain rows."""
+    from nanochat.gpt import GPT
+    inner = getattr(model, "module", model)  # DDP
+    return isinstance(getattr(inner, "_orig_mod", inner), GPT)  # torch.compile
+
+
+@torch.no_grad()
+def packed_scores(model, rows, pad_id, device, packed):
+    """One forward over right-padded rows (packed, or all plain: one sequence each); token_scores for every
+    sequence of every row. A model that takes packed rows computes logits at the scored columns only."""
+    T = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(rows), T), dtype=torch.long)
+    branch = torch.full((len(rows), T), -1, dtype=torch.long)  # padding: a branch of its own
+    at_rows, at_cols, targets = [], [], []
+    for i, (tokens, pos, br, needs) in enumerate(rows):
+        ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        positions[i, :len(pos)] = torch.tensor(pos, dtype=torch.long)
+        branch[i, :len(br)] = torch.tensor(br, dtype=torch.long)
+        for cols, tgt in needs:
+            at_rows += [i] * len(cols)
+            at_cols += cols
+            targets += tgt
+    ids, positions, branch = ids.to(device), positions.to(device), branch.to(device)
+    at = (torch.tensor(at_rows, dtype=torch.long, device=device), torch.tensor(at_cols, dtype=torch.long, device=device))
+    if packed and branch.max() > 0:
+        q, k = branch[:, :, None], branch[:, None, :]
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        allowed = causal & ((q == k) | ((k == 0) & (q > 0)))
+        z = model(ids, positions=positions, allowed=allowed, logits_at=at)
+    elif packed:  # plain causal rows: no mask needed
+        z = model(ids, logits_at=at)
+    else:
+        z = model(ids)[at]
+    scores = token_scores(z, torch.tensor(targets, dtype=torch.long, device=z.device))
+    out, start = [], 0
+    for _, _, _, needs in rows:
+        n = sum(len(c) for c, _ in needs)
+        out.append(split_by_span(tuple(x[start:start + n] for x in scores), [(0, len(c)) for c, _ in needs]))
+        start += n
     return out
 
 
@@ -441,8 +513,9 @@ def evaluate_example(idx, model, tokenizer, data, device, task_meta):
 def score_examples(model, tokenizer, data, device, task_meta, indices=None, batched=True,
                    batch_size=32, max_tokens=None, margin=None):
     """Verdicts {"idx", "correct", "pred", "rescored"} for data[indices] (default: all).
-    Batched: sequences sorted by length, grouped into forwards of at most batch_size sequences and
-    about max_tokens padded tokens (default by device); near-tie examples are re-scored by the reference path."""
+    Batched: each example packed into one row (its shared prefix once: see packed_row), rows sorted by
+    length and grouped into forwards of at most batch_size rows and about max_tokens padded tokens
+    (default by device); near-tie examples are re-scored by the reference path."""
     indices = list(range(len(data)) if indices is None else indices)
     if not batched:
         return [evaluate_example(i, model, tokenizer, data, device, task_meta) for i in indices]
@@ -450,20 +523,24 @@ def score_examples(model, tokenizer, data, device, task_meta, indices=None, batc
     pad_id = tokenizer.get_bos_token_id()
     margin = default_margin(model, device) if margin is None else margin
     max_tokens = default_max_tokens(device) if max_tokens is None else max_tokens
+    packed = takes_packed_rows(model)
     examples = prepare_examples(indices, data, tokenizer, task_meta, model_context_len(model))
-    # longest first: the first forward is the biggest, so running out of memory shows at once
-    flat = [(k, j) for k, ex in enumerate(examples) for j in range(len(ex["seqs"]))]
-    flat.sort(key=lambda kj: -len(examples[kj[0]]["seqs"][kj[1]]))
+    # rows: (example k, its sequences js, the row): one packed row per example where that pays, else a row per sequence
+    rows = []
+    for k, ex in enumerate(examples):
+        groups = [range(len(ex["seqs"]))] if packed and worth_packing(ex["seqs"]) else [[j] for j in range(len(ex["seqs"]))]
+        rows += [(k, js, packed_row([ex["seqs"][j] for j in js], [ex["spans"][j] for j in js])) for js in groups]
+    # packed rows and plain rows go to separate forwards; longest first, so running out of memory shows at once
+    rows.sort(key=lambda r: (max(r[2][2]) > 0, -len(r[2][0])))
     scores = [[None] * len(ex["seqs"]) for ex in examples]
     at = 0
-    while at < len(flat):
-        longest = len(examples[flat[at][0]]["seqs"][flat[at][1]])
-        group = flat[at:at + max(1, min(batch_size, max_tokens // longest))]
+    while at < len(rows):
+        group = rows[at:at + max(1, min(batch_size, max_tokens // len(rows[at][2][0])))]
+        group = [r for r in group if (max(r[2][2]) > 0) == (max(group[0][2][2]) > 0)]
         at += len(group)
-        seqs = [examples[k]["seqs"][j] for k, j in group]
-        spans = [examples[k]["spans"][j] for k, j in group]
-        for (k, j), s in zip(group, forward_scores(model, seqs, spans, pad_id, device)):
-            scores[k][j] = s
+        for (k, js, _), row_scores in zip(group, packed_scores(model, [r[2] for r in group], pad_id, device, packed)):
+            for j, s in zip(js, row_scores):
+                scores[k][j] = s
     verdicts = []
     for ex, sc in zip(examples, scores):
         correct, pred, robust = decide(task_type, ex["gold"], sc, margin)

@@ -80,7 +80,8 @@ class CausalSelfAttention(nn.Module):
         self.c_v = Linear(d, self.n_kv_head * hd, device=device)
         self.c_proj = Linear(d, d, device=device)
 
-    def forward(self, x, cos_sin, window):
+    def forward(self, x, cos_sin, mask):
+        """mask: None for plain causal attention, else a bool mask of the keys each query sees."""
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
@@ -90,12 +91,9 @@ class CausalSelfAttention(nn.Module):
         k = norm(apply_rotary(k, cos, sin)) * QK_SCALE
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         gqa = self.n_kv_head != self.n_head
-        if window >= T:
+        if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            i = torch.arange(T, device=x.device)
-            delta = i[:, None] - i[None, :]
-            mask = (delta >= 0) & (delta < window)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.c_proj(y)
@@ -117,8 +115,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, device=device)
         self.mlp = MLP(config, device=device)
 
-    def forward(self, x, cos_sin, window):
-        x = x + self.attn(norm(x), cos_sin, window)
+    def forward(self, x, cos_sin, mask):
+        x = x + self.attn(norm(x), cos_sin, mask)
         x = x + self.mlp(norm(x))
         return x
 
@@ -227,22 +225,46 @@ class GPT(nn.Module):
 
     # ----- forward -----
 
-    def rotary(self, T):
+    def rotary(self, T, positions=None):
+        """cos, sin for positions 0..T-1, or for the given (B, T) positions of packed rows."""
         assert T <= self.rotary_len, f"sequence of {T} tokens exceeds the rotary table ({self.rotary_len})"
         dt = self.compute_dtype
-        return self.cos[:, :T].to(dt), self.sin[:, :T].to(dt)
+        if positions is None:
+            return self.cos[:, :T].to(dt), self.sin[:, :T].to(dt)
+        return self.cos[0, positions].to(dt), self.sin[0, positions].to(dt)
+
+    def attention_masks(self, T, device, positions=None, allowed=None):
+        """Per layer, the keys each query sees: None for plain causal attention, else a bool mask.
+        Packed rows (evaluation) give their positions (B, T) and allowed (B, T, T): which tokens each token may
+        attend to. Sliding windows count in positions, not in offsets along the row."""
+        assert (positions is None) == (allowed is None), "packed rows need both positions and allowed"
+        if allowed is None and all(w >= T for w in self.windows):
+            return [None] * len(self.windows)
+        if allowed is None:
+            positions = torch.arange(T, device=device)[None]
+        delta = positions[:, :, None] - positions[:, None, :]
+        masks = {}
+        for w in set(self.windows):
+            if w >= T and allowed is None:
+                masks[w] = None
+            else:  # (B, 1, T, T): the same for every head
+                masks[w] = ((delta >= 0 if allowed is None else allowed) & (delta < w))[:, None]
+        return [masks[w] for w in self.windows]
 
     def logits_from_hidden(self, x):
         logits = self.lm_head(norm(x)).float()
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
-    def forward(self, idx, targets=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None):
+        """Logits (B, T, V), or the loss against targets. Evaluation may pack rows (positions, allowed: see
+        attention_masks) and ask for the logits at some (rows, cols) only: (N, V)."""
         T = idx.size(1)
-        cos_sin = self.rotary(T)
+        cos_sin = self.rotary(T, positions)
+        masks = self.attention_masks(T, idx.device, positions, allowed)
         x = norm(self.wte(idx).to(self.compute_dtype))
-        for block, window in zip(self.blocks, self.windows):
-            x = block(x, cos_sin, window)
-        logits = self.logits_from_hidden(x)
+        for block, mask in zip(self.blocks, masks):
+            x = block(x, cos_sin, mask)
+        logits = self.logits_from_hidden(x if logits_at is None else x[logits_at])
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)

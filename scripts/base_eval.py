@@ -53,7 +53,7 @@ def build_parser():
     p.add_argument("--eval", type=str, default="core,bpb,sample", help="comma-separated subset of core,bpb,sample")
     p.add_argument("--max-per-task", type=int, default=-1, help="CORE examples per task after the fixed shuffle (-1: all)")
     p.add_argument("--split-tokens", type=int, default=20 * 2 ** 19, help="tokens of each split (val, train) for bpb")
-    p.add_argument("--device-batch-size", type=int, default=32, help="rows per forward for bpb; sequences per forward for CORE")
+    p.add_argument("--device-batch-size", type=int, default=32, help="rows per forward (bpb and CORE)")
     p.add_argument("--eval-bundle", type=str, default="", help="CORE eval bundle dir (default: <base_dir>/eval_bundle, downloaded once)")
     p.add_argument("--sample-tokens", type=int, default=16, help="tokens generated per sample")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")

@@ -302,6 +302,40 @@ def test_batched_equals_one_at_a_time_on_the_gpt():
         assert [(v["correct"], v["pred"]) for v in a] == [(v["correct"], v["pred"]) for v in b]
 
 
+def test_packed_row_layout():
+    seqs = [[9, 1, 2, 3, 4], [9, 1, 2, 5], [9, 1, 2]]  # share [9, 1, 2]; the last is all prefix
+    spans = [(3, 5), (3, 4), (2, 3)]
+    tokens, positions, branch, needs = core_eval.packed_row(seqs, spans)
+    assert tokens == [9, 1, 2, 3, 4, 5]
+    assert positions == [0, 1, 2, 3, 4, 3]
+    assert branch == [0, 0, 0, 1, 1, 2]
+    # logits at column c predict the next token of that sequence: [3, 4] from columns 2, 3; [5] from 2
+    assert needs == [([2, 3], [3, 4]), ([2], [5]), ([1], [2])]
+    assert core_eval.packed_row([[7, 8, 9]], [(1, 3)]) == ([7, 8, 9], [0, 1, 2], [0, 0, 0], [([0, 1], [8, 9])])
+
+
+def test_packed_scores_equal_the_reference_scores_on_the_gpt():
+    gpt = pytest.importorskip("nanochat.gpt")
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig(sequence_len=256, vocab_size=257, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL"))
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert core_eval.takes_packed_rows(model) and not core_eval.takes_packed_rows(TinyCausalLM())
+    data = mixed_items("multiple_choice", 12, seed=4)
+    examples = prepare_examples(range(12), data, ByteTokenizer(), dict(MC, num_fewshot=2), max_len=256)
+    assert all(core_eval.worth_packing(ex["seqs"]) for ex in examples)  # 2-shot: long shared prefixes
+    rows = [core_eval.packed_row(ex["seqs"], ex["spans"]) for ex in examples]
+    assert all(len(r[0]) < sum(len(s) for s in ex["seqs"]) for r, ex in zip(rows, examples))
+    got = core_eval.packed_scores(model, rows, 256, "cpu", packed=True)
+    for ex, g in zip(examples, got):
+        ref = core_eval.forward_scores(model, ex["seqs"], ex["spans"], 256, "cpu")
+        for (gl, gg, gm), (rl, rg, rm) in zip(g, ref):
+            assert len(gl) == len(rl) > 0 and gm == rm
+            assert max(abs(x - y) for x, y in zip(gl + gg, rl + rg)) < 1e-4
+
+
 def test_unknown_task_type_is_a_user_error():
     with pytest.raises(UserError, match="unknown task type"):
         evaluate_task(TinyCausalLM(), ByteTokenizer(), [{"query": "q"}], "cpu", dict(MC, task_type="generation"))

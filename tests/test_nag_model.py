@@ -190,3 +190,36 @@ def test_fused_and_reference_train_alike():
             losses[impl].append(loss.item())
     assert losses["reference"][-1] < losses["reference"][0]
     assert losses["fused"] == pytest.approx(losses["reference"], abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "nag"])
+def test_packed_rows_give_each_sequence_its_own_logits(arch):
+    # two sequences sharing a 20-token prefix, packed as prefix + rest of A + rest of B, against each
+    # sequence alone; window pattern "SL" makes layer 0 a 16-token sliding window, counted in positions
+    torch.manual_seed(1)
+    cfg = dict(CFG, window_pattern="SL")
+    with torch.device("meta"):
+        model = NAGGPT(GPTConfig(**cfg), nag=NAGConfig()) if arch == "nag" else GPT(GPTConfig(**cfg))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    with torch.no_grad():  # zero-initialised projections: perturb so that every layer mixes tokens
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    prefix = torch.randint(0, 128, (20,))
+    a = torch.cat([prefix, torch.randint(0, 128, (9,))])
+    b = torch.cat([prefix, torch.randint(0, 128, (5,))])
+    row = torch.cat([a, b[20:]])[None]
+    positions = torch.tensor(list(range(29)) + list(range(20, 25)))[None]
+    branch = [0] * 20 + [1] * 9 + [2] * 5
+    allowed = torch.tensor([[k <= q and (branch[k] in (0, branch[q])) for k in range(34)] for q in range(34)])[None]
+    packed = model(row, positions=positions, allowed=allowed)
+    alone_a, alone_b = model(a[None])[0], model(b[None])[0]
+    assert torch.allclose(packed[0, :29], alone_a, atol=1e-5)
+    assert torch.allclose(packed[0, 29:], alone_b[20:], atol=1e-5)
+    # without the positions and mask, B's tokens would see A's: the packing is what keeps them apart
+    assert not torch.allclose(model(row)[0, 29:], alone_b[20:], atol=1e-3)
+    # logits at chosen (row, col) pairs only
+    at = (torch.tensor([0, 0, 0]), torch.tensor([3, 28, 33]))
+    picked = model(row, positions=positions, allowed=allowed, logits_at=at)
+    assert picked.shape == (3, 128) and torch.allclose(picked, packed[at], atol=1e-6)
+    assert torch.allclose(model(a[None], logits_at=(torch.tensor([0]), torch.tensor([7]))), alone_a[7:8], atol=1e-6)
