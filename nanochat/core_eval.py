@@ -366,15 +366,17 @@ def prepare_examples(indices, data, tokenizer, task_meta, max_len=None):
 
 
 def token_scores(z, target):
-    """Per scored token, from its logits z (N, V) and the target ids (N,): the loss (float64), the gap
-    between the target's logit and the best other logit (> 0: greedy picks the target), argmax == target."""
-    z = z.double()
+    """Per scored token, from its logits z (N, V) and the target ids (N,): the loss, the gap between the
+    target's logit and the best other logit (> 0: greedy picks the target), and whether argmax == target.
+    The reductions stay in fp32 (a float64 copy of z costs more than the forward on small models); only
+    the final differences are taken in float64."""
+    z = z.float()
     z_target = z.gather(1, target[:, None])[:, 0]
-    loss = torch.logsumexp(z, dim=-1) - z_target
+    loss = torch.logsumexp(z, dim=-1).double() - z_target.double()
     top = z.topk(2, dim=-1)
     best_other = torch.where(top.indices[:, 0] == target, top.values[:, 1], top.values[:, 0])
     match = z.argmax(dim=-1) == target  # argmax, as upstream: its tie-break is the first index
-    return loss.tolist(), (z_target - best_other).tolist(), match.tolist()
+    return loss.tolist(), (z_target.double() - best_other.double()).tolist(), match.tolist()
 
 
 def split_by_span(scores, spans):

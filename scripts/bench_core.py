@@ -4,6 +4,11 @@ per-example verdict (correct, predicted choice) is the same both ways.
 
 python -m scripts.bench_core
 python -m scripts.bench_core --eval-bundle ../shared/eval_bundle --tasks copa,piqa,winograd,lambada_openai --max-per-task 100 --tokenizer byte
+python -m scripts.bench_core --tokenizer trained   # the base dir's BPE tokenizer: real sequence lengths and vocab
+
+On a CPU the forward is compute-bound, so the batched path gains mostly by doing less work: shared
+prefixes packed once, logits only at scored tokens. Its gain therefore grows with the vocab (lm_head
+work saved) and with few-shot prompts, and shrinks as the model body grows.
 """
 
 import os
@@ -57,7 +62,7 @@ def main():
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512, help="model context; longer prompts are left-cropped")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help="rows per batched forward")
     parser.add_argument("--max-tokens", type=int, default=None, help="padded tokens per batched forward (default: by device)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared machine; 0: torch default)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each path; the best is reported")
@@ -75,7 +80,7 @@ def main():
     model = tiny_random_gpt(tokenizer.get_vocab_size(), args.depth, args.dim, args.seq_len, device)
     tasks = {t["label"]: t for t in load_core_tasks(args.eval_bundle)}
     print(f"device {device}, torch threads {torch.get_num_threads()}, tokenizer {args.tokenizer}, "
-          f"GPT depth {args.depth} dim {args.dim} seq_len {args.seq_len}, batch {args.batch_size} seqs / {args.max_tokens or 'default'} tokens")
+          f"GPT depth {args.depth} dim {args.dim} seq_len {args.seq_len}, batch {args.batch_size} rows / {args.max_tokens or 'default'} tokens")
 
     # warm-up: first calls pay for allocations and kernel choice
     score_examples(model, tokenizer, [{"query": "warm up", "choices": ["a", "b"], "gold": 0}], device,
