@@ -15,8 +15,9 @@ Two ways to score, with the same verdicts example for example:
   blocks, the question) becomes one packed row that holds the prefix once, and logits are computed
   only where tokens are scored; other models get a row per sequence. Floating point results depend
   a little on batch shape and packing, so an example whose verdict is close to a tie (decisive gap
-  below `margin`) is re-scored exactly as the reference does it. "Identical" therefore means: same (correct, pred) for every example, as long as the
-  batch-shape noise stays below margin/2 (fp32 on CPU: ~1e-6 against a default margin of 1e-4).
+  below `margin`) is re-scored exactly as the reference does it. "Identical" therefore means:
+  same (correct, pred) for every example, as long as the batch-shape noise stays below margin/2
+  (fp32 on CPU: ~1e-6 against a default margin of 1e-4).
 """
 
 import os
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import UserError, get_base_dir
+from nanochat.gpt import GPT
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 NUM_CORE_TASKS = 22
@@ -429,7 +431,6 @@ def worth_packing(seqs):
 
 def takes_packed_rows(model):
     """Our models (GPT, NAGGPT) take packed rows and logits_at; any other ids -> logits callable gets plain rows."""
-    from nanochat.gpt import GPT
     inner = getattr(model, "module", model)  # DDP
     return isinstance(getattr(inner, "_orig_mod", inner), GPT)  # torch.compile
 
@@ -532,13 +533,14 @@ def score_examples(model, tokenizer, data, device, task_meta, indices=None, batc
     for k, ex in enumerate(examples):
         groups = [range(len(ex["seqs"]))] if packed and worth_packing(ex["seqs"]) else [[j] for j in range(len(ex["seqs"]))]
         rows += [(k, js, packed_row([ex["seqs"][j] for j in js], [ex["spans"][j] for j in js])) for js in groups]
-    # packed rows and plain rows go to separate forwards; longest first, so running out of memory shows at once
-    rows.sort(key=lambda r: (max(r[2][2]) > 0, -len(r[2][0])))
+    # rows holding several sequences need a mask, so they go to forwards of their own; longest first,
+    # so that running out of memory shows at once
+    rows.sort(key=lambda r: (len(r[1]) > 1, -len(r[2][0])))
     scores = [[None] * len(ex["seqs"]) for ex in examples]
     at = 0
     while at < len(rows):
         group = rows[at:at + max(1, min(batch_size, max_tokens // len(rows[at][2][0])))]
-        group = [r for r in group if (max(r[2][2]) > 0) == (max(group[0][2][2]) > 0)]
+        group = [r for r in group if (len(r[1]) > 1) == (len(group[0][1]) > 1)]
         at += len(group)
         for (k, js, _), row_scores in zip(group, packed_scores(model, [r[2] for r in group], pad_id, device, packed)):
             for j, s in zip(js, row_scores):

@@ -238,17 +238,16 @@ class GPT(nn.Module):
         Packed rows (evaluation) give their positions (B, T) and allowed (B, T, T): which tokens each token may
         attend to. Sliding windows count in positions, not in offsets along the row."""
         assert (positions is None) == (allowed is None), "packed rows need both positions and allowed"
-        if allowed is None and all(w >= T for w in self.windows):
+        plain = allowed is None
+        if plain and all(w >= T for w in self.windows):
             return [None] * len(self.windows)
-        if allowed is None:
+        if plain:
             positions = torch.arange(T, device=device)[None]
         delta = positions[:, :, None] - positions[:, None, :]
-        masks = {}
-        for w in set(self.windows):
-            if w >= T and allowed is None:
-                masks[w] = None
-            else:  # (B, 1, T, T): the same for every head
-                masks[w] = ((delta >= 0 if allowed is None else allowed) & (delta < w))[:, None]
+        if plain:
+            allowed = delta >= 0
+        # (B, 1, T, T): the same for every head; built once per distinct window
+        masks = {w: None if plain and w >= T else (allowed & (delta < w))[:, None] for w in set(self.windows)}
         return [masks[w] for w in self.windows]
 
     def logits_from_hidden(self, x):

@@ -50,3 +50,16 @@ def tiny_base_dir(tmp_path_factory):
     train_texts = (t for batch in parquets_iter_batched("train", data_dir=data_dir) for t in batch)
     Tokenizer.train_from_iterator(train_texts, 512).save(os.path.join(base, "tokenizer"))
     return str(base)
+
+
+@pytest.fixture
+def script_error(capsys):
+    """script_error(main, *argv): main(argv) must exit 1 with one `error: ...` line on stderr; returns that line."""
+    def run(main, *argv):
+        with pytest.raises(SystemExit) as e:
+            main(list(argv))
+        assert e.value.code == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        return err[0]
+    return run

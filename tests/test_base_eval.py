@@ -68,15 +68,6 @@ def pair(tiny_base_dir, tmp_path_factory):
         yield {"base": base, "bundle": bundle, "runs": runs}
 
 
-def run_error(capsys, *args):
-    with pytest.raises(SystemExit) as e:
-        base_eval.main(list(args))
-    assert e.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
-
-
 @pytest.mark.parametrize("arch", ["gpt", "nag"])
 def test_eval_writes_results_of_either_arch(pair, capsys, arch):
     run_dir = pair["runs"][arch]
@@ -151,14 +142,14 @@ def test_offline_without_bundle_still_gives_bpb(pair, capsys, monkeypatch, tmp_p
     assert "cannot download" in record["core_error"]
 
 
-def test_bad_inputs(pair, capsys, tmp_path):
-    assert "no checkpoint in" in run_error(capsys, "--run", str(tmp_path))
-    assert "does not exist" in run_error(capsys, "--run", "never-trained")
-    assert "no checkpoint for step 5" in run_error(capsys, "--run", "gpt", "--step", "5")
-    assert "--eval takes" in run_error(capsys, "--run", "gpt", "--eval", "bpb,mmlu")
-    assert "no core.yaml" in run_error(capsys, "--run", "gpt", "--eval-bundle", str(tmp_path))
+def test_bad_inputs(pair, script_error, tmp_path):
+    assert "no checkpoint in" in script_error(base_eval.main, "--run", str(tmp_path))
+    assert "does not exist" in script_error(base_eval.main, "--run", "never-trained")
+    assert "no checkpoint for step 5" in script_error(base_eval.main, "--run", "gpt", "--step", "5")
+    assert "--eval takes" in script_error(base_eval.main, "--run", "gpt", "--eval", "bpb,mmlu")
+    assert "no core.yaml" in script_error(base_eval.main, "--run", "gpt", "--eval-bundle", str(tmp_path))
     from nanochat.tokenizer import Tokenizer
     real_vocab = Tokenizer.get_vocab_size
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Tokenizer, "get_vocab_size", lambda self: real_vocab(self) + 1)
-        assert "does not match the tokenizer" in run_error(capsys, "--run", "nag")
+        assert "does not match the tokenizer" in script_error(base_eval.main, "--run", "nag")

@@ -67,15 +67,6 @@ def table_row(report, first_cell):
     return [c.strip() for c in rows[0].strip("|").split("|")][1:]
 
 
-def error(capsys, *args):
-    with pytest.raises(SystemExit) as e:
-        compare.main(list(args))
-    assert e.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
-
-
 def test_report_of_a_pair(pair, capsys):
     path = compare.main(["gpt", "nag"])
     assert path == os.path.join(pair["base"], "reports", "gpt_vs_nag", "report.md")
@@ -146,17 +137,17 @@ def test_deltas_and_mismatched_subsets(pair, tmp_path):
     assert "different --max-per-task limits" in report and "at most 10 examples per task" in report
 
 
-def test_bad_inputs_name_file_and_line(pair, tmp_path, capsys):
+def test_bad_inputs_name_file_and_line(pair, tmp_path, script_error):
     broken = copy_run(pair["runs"]["gpt"], tmp_path / "broken")
     metrics = os.path.join(broken, "metrics.jsonl")
     lines = open(metrics).read().splitlines(keepends=True)
     lines[2] = lines[2][: len(lines[2]) // 2] + "\n"  # a row cut in half
     open(metrics, "w").writelines(lines)
-    err = error(capsys, "nag", broken, "--out", str(tmp_path / "o"))
+    err = script_error(compare.main, "nag", broken, "--out", str(tmp_path / "o"))
     assert metrics in err and "line 3" in err
     open(metrics, "w").writelines(lines[:2] + ["[1, 2]\n"])
-    assert "line 3" in error(capsys, broken)
+    assert "line 3" in script_error(compare.main, broken)
     os.remove(metrics)
-    assert "metrics.jsonl is missing" in error(capsys, broken)
-    assert "no run directory" in error(capsys, "gpt", "never-trained")
-    assert "--ema" in error(capsys, "gpt", "--ema", "1.5")
+    assert "metrics.jsonl is missing" in script_error(compare.main, broken)
+    assert "no run directory" in script_error(compare.main, "gpt", "never-trained")
+    assert "--ema" in script_error(compare.main, "gpt", "--ema", "1.5")

@@ -26,21 +26,16 @@ def base(tiny_base_dir, tmp_path, monkeypatch):
     return base
 
 
+def tiny_main(argv):
+    return base_train.main(TINY + argv)
+
+
 def train(*extra):
-    return base_train.main(TINY + list(extra))
+    return tiny_main(list(extra))
 
 
 def read_metrics(run_dir):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-
-
-def run_error(capsys, *extra):
-    with pytest.raises(SystemExit) as e:
-        train(*extra)
-    assert e.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ")
-    return err[0]
 
 
 @pytest.mark.parametrize("arch", ["gpt", "nag"])
@@ -81,7 +76,7 @@ def test_exact_resume(base, arch):
 
 
 @pytest.mark.parametrize("arch,param", [("gpt", "blocks.1.mlp.c_fc.weight"), ("nag", "gates.0.mlp_branch.beta_raw")])
-def test_nonfinite_guard_names_step_and_params(base, capsys, monkeypatch, arch, param):
+def test_nonfinite_guard_names_step_and_params(base, script_error, monkeypatch, arch, param):
     backward_calls = {"n": 0}
     original_init = GPT.init_weights
 
@@ -94,7 +89,7 @@ def test_nonfinite_guard_names_step_and_params(base, capsys, monkeypatch, arch, 
             return g * float("nan") if backward_calls["n"] == 3 else g
         p.register_hook(poison)
     monkeypatch.setattr(GPT, "init_weights", init_with_poison)
-    err = run_error(capsys, "--arch", arch, "--run", "r", "--num-iterations", "6", "--save-every", "2", "--eval-every", "100")
+    err = script_error(tiny_main, "--arch", arch, "--run", "r", "--num-iterations", "6", "--save-every", "2", "--eval-every", "100")
     assert "step 3" in err and param in err
     run_dir = os.path.join(base, "runs", "r")
     assert sorted(f for f in os.listdir(run_dir) if f.startswith("model_")) == ["model_000002.pt"]
@@ -102,30 +97,30 @@ def test_nonfinite_guard_names_step_and_params(base, capsys, monkeypatch, arch, 
     assert all(torch.isfinite(v).all() for v in state.values())
 
 
-def test_bad_inputs_one_line_and_nothing_overwritten(base, capsys):
-    assert "--depth must be at least 1" in run_error(capsys, "--depth", "0", "--run", "a", "--num-iterations", "2")
-    assert "not a multiple" in run_error(capsys, "--run", "a", "--num-iterations", "2", "--total-batch-size", "300")
-    assert "no checkpoint for step 7" in run_error(capsys, "--run", "a", "--num-iterations", "2", "--resume-from-step", "7")
-    assert "budget gives 0 steps" in run_error(capsys, "--run", "a", "--target-flops", "10")
+def test_bad_inputs_one_line_and_nothing_overwritten(base, script_error):
+    assert "--depth must be at least 1" in script_error(tiny_main, "--depth", "0", "--run", "a", "--num-iterations", "2")
+    assert "not a multiple" in script_error(tiny_main, "--run", "a", "--num-iterations", "2", "--total-batch-size", "300")
+    assert "no checkpoint for step 7" in script_error(tiny_main, "--run", "a", "--num-iterations", "2", "--resume-from-step", "7")
+    assert "budget gives 0 steps" in script_error(tiny_main, "--run", "a", "--target-flops", "10")
     run_dir = train("--run", "taken", "--num-iterations", "2", "--eval-every", "100")
     before = {f: os.path.getmtime(os.path.join(run_dir, f)) for f in os.listdir(run_dir)}
-    assert "already holds a run" in run_error(capsys, "--run", "taken", "--num-iterations", "2")
-    assert "cannot resume" in run_error(capsys, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2",
+    assert "already holds a run" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2")
+    assert "cannot resume" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2",
                                         "--model-dim", "96")
     # the same total batch in more micro-steps would read other data shards: refused, not silently different
-    assert "grad_accum_steps" in run_error(capsys, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2",
+    assert "grad_accum_steps" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2",
                                            "--device-batch-size", "2")
     from nanochat.tokenizer import Tokenizer
     real_vocab = Tokenizer.get_vocab_size
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Tokenizer, "get_vocab_size", lambda self: real_vocab(self) - 1)
-        assert "does not match the tokenizer" in run_error(capsys, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2")
+        assert "does not match the tokenizer" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2")
     assert before == {f: os.path.getmtime(os.path.join(run_dir, f)) for f in os.listdir(run_dir)}
 
 
-def test_missing_tokenizer_says_how_to_make_one(tmp_path, monkeypatch, capsys):
+def test_missing_tokenizer_says_how_to_make_one(tmp_path, monkeypatch, script_error):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    err = run_error(capsys, "--run", "a", "--num-iterations", "2")
+    err = script_error(tiny_main, "--run", "a", "--num-iterations", "2")
     assert "tok_train" in err
 
 
