@@ -6,12 +6,16 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
    at a small shape and (on CUDA) the published one: 64 blocks, dim 640, seq 2048, batch 16.
 2. The branch op alone: time of forward and forward+backward, and the achieved bytes/s
    against the device's measured copy bandwidth (the roofline of a memory-bound op).
+3. Activation memory: the bytes per token per layer a model's forward saves for backward
+   (eager, bf16), GPT vs each NAG impl. Device-independent, so it measures on a CPU what
+   peak memory measures on a GPU, without the CPU process's baseline in the way.
 
     python -m scripts.bench_nag                 # CPU: reference and compiled, small shape
     python -m scripts.bench_nag --shapes small,published --impls reference,compiled,fused   # GPU
 """
 
 import sys
+import math
 import time
 import argparse
 
@@ -88,7 +92,7 @@ def bench_op(args, impls):
     iters = 20 if device_type == "cuda" else 3
     for impl in impls:
         if impl == "fused" and device_type != "cuda":
-            print("  fused: skipped on CPU (Triton runs in its interpreter here; correctness is what the tests check)")
+            print("  fused: skipped on CPU (Triton runs in its interpreter here); `python -m scripts.kernel_report` shows its sm_90 build")
             continue
         fn = branch_function(impl)
         args_ = (res, log_norm, out, logits, coef, beta, alpha, 1e-6, "measured")
@@ -102,6 +106,49 @@ def bench_op(args, impls):
         t_bwd = max(t_all - t_fwd, 1e-9)
         print(f"  {impl:9s} forward {1e3 * t_fwd:8.3f} ms ({fwd_bytes / t_fwd / 1e9:8.1f} GB/s, {100 * fwd_bytes / t_fwd / bw:5.1f}% of copy) | "
               f"backward {1e3 * t_bwd:8.3f} ms ({bwd_bytes / t_bwd / 1e9:8.1f} GB/s, {100 * bwd_bytes / t_bwd / bw:5.1f}% of copy)")
+
+
+def saved_bytes(variant, depth, seq_len, dim, head_dim, vocab_size, device):
+    """Bytes of the distinct storages one forward saves for backward (parameters included)."""
+    from nanochat.checkpoint_manager import model_class
+    from scripts.base_train import build_parser, model_config_from_args
+    train_args = build_parser().parse_args(["--depth", str(depth), "--model-dim", str(dim), "--head-dim", str(head_dim),
+                                            "--max-seq-len", str(seq_len)])
+    arch, _, impl = variant.partition(":")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = model_class(arch)(model_config_from_args(train_args, vocab_size), **({"impl": impl} if impl else {}))
+    model.to_empty(device=device)
+    model.init_weights()
+    model.set_compute_dtype(torch.bfloat16)
+    idx = torch.randint(0, vocab_size, (1, seq_len), device=device)
+    storages = {}
+
+    def keep(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(idx, idx)
+    return sum(storages.values())
+
+
+def activation_memory(args, impls):
+    """Bytes per token per layer saved for backward: the slope over two depths and two lengths, so that
+    parameters, their bf16 casts, the embedding and the lm_head cancel out."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    T, depths = 256, (2, 6)
+    print(f"\nactivations saved for backward (eager, bf16, D={args.op_dim}, per token per layer):")
+    per_layer = {}
+    for variant in ["gpt"] + [f"nag:{i}" for i in impls]:
+        head_dim = math.gcd(args.op_dim, 128)  # the published 128 where D allows
+        s = {(d, t): saved_bytes(variant, d, t, args.op_dim, head_dim, args.vocab_size, device) for d in depths for t in (T, 2 * T)}
+        per_token = [(s[(d, 2 * T)] - s[(d, T)]) / T for d in depths]
+        per_layer[variant] = (per_token[1] - per_token[0]) / (depths[1] - depths[0])
+        ratio = per_layer[variant] / per_layer["gpt"]
+        print(f"  {variant:13s} {per_layer[variant]:9,.0f} B ({per_layer[variant] / (2 * args.op_dim):5.1f} bf16 rows), {ratio:.3f}× gpt")
+    return per_layer
 
 
 def main():
@@ -122,6 +169,7 @@ def main():
             bench_train.print_ratios(results)
     if not args.skip_op:
         bench_op(args, impls)
+        activation_memory(args, impls)
 
 
 if __name__ == "__main__":
