@@ -203,6 +203,19 @@ def test_compiles_without_graph_break(device):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_whole_model_compiles_as_one_graph(device):
+    from nag.model import NAGGPT
+    from nanochat.gpt import GPTConfig
+    config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    model = NAGGPT(config, impl="fused", device=device)
+    model.init_weights()
+    idx = torch.randint(0, 64, (2, 32), device=device)
+    explanation = torch._dynamo.explain(model)(idx, idx)
+    torch._dynamo.reset()
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+
+
 def test_kernels_build_for_hopper():
     # What the interpreter cannot show: that the kernels compile for sm_90 (H100/H200) at the real
     # widths, keep every row quantity in registers (no spills), and move the rows in 128-bit accesses
