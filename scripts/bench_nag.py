@@ -6,9 +6,9 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
    at a small shape and (on CUDA) the published one: 64 blocks, dim 640, seq 2048, batch 16.
 2. The branch op alone: time of forward and forward+backward, and the achieved bytes/s
    against the device's measured copy bandwidth (the roofline of a memory-bound op).
-3. Activation memory: the bytes per token per layer a model's forward saves for backward
-   (eager, bf16), GPT vs each NAG impl. Device-independent, so it measures on a CPU what
-   peak memory measures on a GPU, without the CPU process's baseline in the way.
+3. Activation memory: the bytes per token per layer a bf16 training forward saves for backward,
+   eager and compiled, GPT vs each NAG impl. It does not depend on the device, so a CPU measures
+   the activation share of peak GPU memory without the CPU process's baseline in the way.
 
     python -m scripts.bench_nag                 # CPU: reference and compiled, small shape
     python -m scripts.bench_nag --shapes small,published --impls reference,compiled,fused   # GPU
@@ -108,12 +108,17 @@ def bench_op(args, impls):
               f"backward {1e3 * t_bwd:8.3f} ms ({bwd_bytes / t_bwd / 1e9:8.1f} GB/s, {100 * bwd_bytes / t_bwd / bw:5.1f}% of copy)")
 
 
-def saved_bytes(variant, depth, seq_len, dim, head_dim, vocab_size, device):
-    """Bytes of the distinct storages one forward saves for backward (parameters included)."""
+def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled):
+    """Bytes that one bf16 training forward keeps for backward in tensors with a sequence dimension
+    (so parameters and their bf16 casts do not count). Eager: the distinct storages autograd saves.
+    Compiled: the tensors AOTAutograd's min-cut partitioner, as Inductor calls it, passes to the
+    backward graph (the graphs then run uncompiled: only the partition matters here)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from nanochat.checkpoint_manager import model_class
     from scripts.base_train import build_parser, model_config_from_args
-    train_args = build_parser().parse_args(["--depth", str(depth), "--model-dim", str(dim), "--head-dim", str(head_dim),
-                                            "--max-seq-len", str(seq_len)])
+    train_args = build_parser().parse_args(["--depth", str(depth), "--model-dim", str(dim), "--max-seq-len", str(seq_len),
+                                            "--head-dim", str(math.gcd(dim, 128))])  # the published 128 where D allows
     arch, _, impl = variant.partition(":")
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -122,11 +127,30 @@ def saved_bytes(variant, depth, seq_len, dim, head_dim, vocab_size, device):
     model.init_weights()
     model.set_compute_dtype(torch.bfloat16)
     idx = torch.randint(0, vocab_size, (1, seq_len), device=device)
+    if compiled:
+        sizes = []
+
+        def partition(joint, inputs, **kwargs):
+            fw, bw = min_cut_rematerialization_partition(joint, inputs, compiler="inductor", **kwargs)
+            for node in bw.graph.nodes:
+                val = node.meta.get("val")
+                if node.op == "placeholder" and not node.name.startswith("tangents") and isinstance(val, torch.Tensor) \
+                        and seq_len in val.shape:
+                    sizes.append(val.numel() * val.element_size())
+            return fw, bw
+
+        def backend(gm, example_inputs):
+            return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
+                                         partition_fn=partition)
+
+        torch._dynamo.reset()
+        torch.compile(model, backend=backend, dynamic=False, fullgraph=True)(idx, idx)
+        return sum(sizes)
     storages = {}
 
     def keep(t):
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        if seq_len in t.shape:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
@@ -135,19 +159,20 @@ def saved_bytes(variant, depth, seq_len, dim, head_dim, vocab_size, device):
 
 
 def activation_memory(args, impls):
-    """Bytes per token per layer saved for backward: the slope over two depths and two lengths, so that
-    parameters, their bf16 casts, the embedding and the lm_head cancel out."""
+    """Activation bytes per token per layer, eager and compiled: the slope between depths 1 and 3, so that
+    the embedding and the lm_head cancel out. Sequence length 199 is prime: no model width can equal it."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    T, depths = 256, (2, 6)
-    print(f"\nactivations saved for backward (eager, bf16, D={args.op_dim}, per token per layer):")
+    T, D = 199, args.op_dim
+    print(f"\nactivations saved for backward per token per layer (bf16, D={D}; rows = D-sized bf16 vectors):")
     per_layer = {}
     for variant in ["gpt"] + [f"nag:{i}" for i in impls]:
-        head_dim = math.gcd(args.op_dim, 128)  # the published 128 where D allows
-        s = {(d, t): saved_bytes(variant, d, t, args.op_dim, head_dim, args.vocab_size, device) for d in depths for t in (T, 2 * T)}
-        per_token = [(s[(d, 2 * T)] - s[(d, T)]) / T for d in depths]
-        per_layer[variant] = (per_token[1] - per_token[0]) / (depths[1] - depths[0])
-        ratio = per_layer[variant] / per_layer["gpt"]
-        print(f"  {variant:13s} {per_layer[variant]:9,.0f} B ({per_layer[variant] / (2 * args.op_dim):5.1f} bf16 rows), {ratio:.3f}× gpt")
+        cells = []
+        for compiled in (False, True):
+            low, high = (saved_activations(variant, d, T, D, args.vocab_size, device, compiled) for d in (1, 3))
+            per_layer[variant, compiled] = (high - low) / (2 * T)
+            cells.append(f"{'compiled' if compiled else 'eager'} {per_layer[variant, compiled]:8,.0f} B "
+                         f"({per_layer[variant, compiled] / (2 * D):4.1f} rows, {per_layer[variant, compiled] / per_layer['gpt', compiled]:.3f}× gpt)")
+        print(f"  {variant:13s} " + " | ".join(cells))
     return per_layer
 
 

@@ -216,6 +216,21 @@ def test_whole_model_compiles_as_one_graph(device):
     assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_activations_within_target(device):
+    # the memory target (NAG-fused ≤ 1.05× GPT) in its device-independent part: what a compiled
+    # model keeps for backward per token per layer at the real width, D = 640
+    from scripts.bench_nag import saved_activations
+
+    def per_layer(variant):
+        low, high = (saved_activations(variant, depth, 199, 640, 256, device, compiled=True) for depth in (1, 3))
+        return (high - low) / (2 * 199)
+
+    gpt = per_layer("gpt")
+    assert per_layer("nag:fused") <= 1.05 * gpt
+    assert per_layer("nag:reference") > 1.1 * gpt  # the unfused update costs activations: the measure sees it
+
+
 def test_kernels_build_for_hopper():
     # What the interpreter cannot show: that the kernels compile for sm_90 (H100/H200) at the real
     # widths, keep every row quantity in registers (no spills), and move the rows in 128-bit accesses
