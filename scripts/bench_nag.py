@@ -169,9 +169,9 @@ def activation_memory(args, impls):
         cells = []
         for compiled in (False, True):
             low, high = (saved_activations(variant, d, T, D, args.vocab_size, device, compiled) for d in (1, 3))
-            per_layer[variant, compiled] = (high - low) / (2 * T)
-            cells.append(f"{'compiled' if compiled else 'eager'} {per_layer[variant, compiled]:8,.0f} B "
-                         f"({per_layer[variant, compiled] / (2 * D):4.1f} rows, {per_layer[variant, compiled] / per_layer['gpt', compiled]:.3f}× gpt)")
+            b = per_layer[variant, compiled] = (high - low) / (2 * T)
+            cells.append(f"{'compiled' if compiled else 'eager'} {b:8,.0f} B ({b / (2 * D):4.1f} rows, "
+                         f"{b / per_layer['gpt', compiled]:.3f}× gpt)")
         print(f"  {variant:13s} " + " | ".join(cells))
     return per_layer
 
