@@ -23,7 +23,7 @@ echo "=== 1. fused kernel CUDA tests ==="
 "$PY" -m pytest -q tests/test_nag_kernels.py -k "cuda or hopper" 2>&1 | tee "$OUT/kernel_tests.log"
 
 echo "=== 2. branch op at the published rows ==="
-"$PY" -m scripts.bench_nag --skip-model --impls reference,compiled,fused 2>&1 | tee "$OUT/branch_op.log"
+"$PY" -m scripts.bench_nag --sections op --impls reference,compiled,fused 2>&1 | tee "$OUT/branch_op.log"
 
 echo "=== 3. published shape, compiled: GPT vs NAG-fused ==="
 "$PY" -m scripts.bench_train --depth 64 --model-dim 640 --head-dim 128 --max-seq-len 2048 --device-batch-size 16 \

@@ -21,6 +21,7 @@ import argparse
 
 import torch
 
+SECTIONS = ("steps", "op", "activations")  # the three parts above
 SHAPES = {
     # name: (depth, model dim, head dim, seq len, device batch)
     "small": (4, 256, 64, 256, 8),
@@ -38,8 +39,8 @@ def parse():
     p.add_argument("--steps", type=int, default=10 if on_cuda else 3)
     p.add_argument("--warmup", type=int, default=3 if on_cuda else 1)
     p.add_argument("--vocab-size", type=int, default=32768 if on_cuda else 4096)
-    p.add_argument("--skip-model", action="store_true", help="only the branch-op benchmark")
-    p.add_argument("--skip-op", action="store_true", help="only the whole-step benchmark")
+    p.add_argument("--sections", type=str, default=",".join(SECTIONS),
+                   help="comma list of the parts to run: steps (1), op (2), activations (3)")
     p.add_argument("--op-rows", type=int, default=16 * 2048 if on_cuda else 2048)
     p.add_argument("--op-dim", type=int, default=640)
     return p.parse_args()
@@ -179,7 +180,10 @@ def activation_memory(args, impls):
 def main():
     args = parse()
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    if not args.skip_model:
+    sections = {x.strip() for x in args.sections.split(",") if x.strip()}
+    if sections - set(SECTIONS):
+        sys.exit(f"error: unknown sections {sorted(sections - set(SECTIONS))} (choose from {', '.join(SECTIONS)})")
+    if "steps" in sections:
         from scripts import bench_train
         for shape in args.shapes.split(","):
             if shape not in SHAPES:
@@ -192,8 +196,9 @@ def main():
             variants = ["gpt"] + [f"nag:{i}" for i in impls]
             results = bench_train.benchmark(bench_train.parse(argv), variants, argv)
             bench_train.print_ratios(results)
-    if not args.skip_op:
+    if "op" in sections:
         bench_op(args, impls)
+    if "activations" in sections:
         activation_memory(args, impls)
 
 

@@ -21,6 +21,6 @@ def test_bench_train_prints_ratios():
 
 
 def test_bench_nag_op():
-    out = run("scripts.bench_nag", "--skip-model", "--op-rows", "64", "--op-dim", "96", "--impls", "reference")
+    out = run("scripts.bench_nag", "--sections", "op,activations", "--op-rows", "64", "--op-dim", "96", "--impls", "reference")
     assert "branch op: 64 rows × D=96" in out and "reference forward" in out and "% of copy" in out
     assert "activations saved for backward" in out and "nag:reference" in out and "× gpt" in out
