@@ -20,6 +20,7 @@ Shapes follow nag.functional: rows (..., D), log_norm (..., 1), mod_logits
 (..., C), coef (C,), beta_raw (1,), alpha (1,); leading dims are flattened.
 """
 
+import os
 import math
 
 import torch
@@ -29,6 +30,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from nag.functional import ORTHO_EPS, RMS_EPS, check_renorm  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.sum, triton.runtime.jit.JITFunction):
+    # triton.language was imported (e.g. by torch._functorch or torch._inductor) before nag set the flag:
+    # its library functions (tl.sum, tl.sigmoid) are then compiled-only, and the interpreter cannot run them
+    raise ImportError("Triton was imported before nag on a machine without a GPU, so its interpreter cannot run "
+                      "the fused kernels: import nag before torch._functorch, torch._inductor or triton")
 
 # -----------------------------------------------------------------------------
 # Row math shared by the forward and backward kernels

@@ -21,6 +21,8 @@ import argparse
 
 import torch
 
+import nag  # noqa: F401  (first: on a machine without a GPU it selects Triton's interpreter before torch imports Triton)
+
 SECTIONS = ("steps", "op", "activations")  # the three parts above
 SHAPES = {
     # name: (depth, model dim, head dim, seq len, device batch)

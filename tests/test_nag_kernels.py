@@ -20,6 +20,7 @@ import triton
 from nag.functional import nag_branch
 from nag.kernels import fused_nag_branch
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
@@ -165,6 +166,15 @@ def test_saves_only_its_inputs(device):
     assert not saved_storages(nag_branch, fresh(inputs)) <= input_storages  # the reference saves intermediates
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only selected without a GPU")
+def test_triton_imported_before_nag_is_a_clear_error():
+    # torch._functorch imports triton.language; nag then sets the flag too late for tl.sum and friends
+    code = "import torch._functorch.aot_autograd, nag, nag.kernels"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0 and "ImportError: Triton was imported before nag" in out.stderr, out.stderr[-2000:]
+
+
 def test_unknown_renorm_rejected():
     inputs = make_inputs((3,), 96, 32)
     with pytest.raises(ValueError):
@@ -238,9 +248,8 @@ def test_kernels_build_for_hopper():
         assert triton.knobs.nvidia.cuobjdump.path
     except RuntimeError:
         pytest.skip("this Triton build ships no cuobjdump")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = "import json; from scripts.kernel_report import report; print(json.dumps(report()))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     builds = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(builds) == 16
