@@ -118,16 +118,9 @@ def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled
     backward graph (the graphs then run uncompiled: only the partition matters here)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from nanochat.checkpoint_manager import model_class
-    from scripts.base_train import build_parser, model_config_from_args
-    train_args = build_parser().parse_args(["--depth", str(depth), "--model-dim", str(dim), "--max-seq-len", str(seq_len),
-                                            "--head-dim", str(math.gcd(dim, 128))])  # the published 128 where D allows
-    arch, _, impl = variant.partition(":")
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = model_class(arch)(model_config_from_args(train_args, vocab_size), **({"impl": impl} if impl else {}))
-    model.to_empty(device=device)
-    model.init_weights()
+    from scripts.bench_train import build_variant
+    model = build_variant(variant, ["--depth", str(depth), "--model-dim", str(dim), "--max-seq-len", str(seq_len),
+                                    "--head-dim", str(math.gcd(dim, 128))], vocab_size, device)  # the published 128 where D allows
     model.set_compute_dtype(torch.bfloat16)
     idx = torch.randint(0, vocab_size, (1, seq_len), device=device)
     if compiled:
@@ -161,18 +154,23 @@ def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled
     return sum(storages.values())
 
 
+def activations_per_layer(variant, dim, vocab_size, device, compiled, seq_len=199):
+    """Activation bytes per token per layer: the slope between depths 1 and 3, so that the embedding and
+    the lm_head cancel out. Sequence length 199 is prime: no model width can equal it."""
+    low, high = (saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled) for depth in (1, 3))
+    return (high - low) / (2 * seq_len)
+
+
 def activation_memory(args, impls):
-    """Activation bytes per token per layer, eager and compiled: the slope between depths 1 and 3, so that
-    the embedding and the lm_head cancel out. Sequence length 199 is prime: no model width can equal it."""
+    """The activations_per_layer table, eager and compiled, each variant against GPT."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    T, D = 199, args.op_dim
+    D = args.op_dim
     print(f"\nactivations saved for backward per token per layer (bf16, D={D}; rows = D-sized bf16 vectors):")
     per_layer = {}
     for variant in ["gpt"] + [f"nag:{i}" for i in impls]:
         cells = []
         for compiled in (False, True):
-            low, high = (saved_activations(variant, d, T, D, args.vocab_size, device, compiled) for d in (1, 3))
-            b = per_layer[variant, compiled] = (high - low) / (2 * T)
+            b = per_layer[variant, compiled] = activations_per_layer(variant, D, args.vocab_size, device, compiled)
             cells.append(f"{'compiled' if compiled else 'eager'} {b:8,.0f} B ({b / (2 * D):4.1f} rows, "
                          f"{b / per_layer['gpt', compiled]:.3f}× gpt)")
         print(f"  {variant:13s} " + " | ".join(cells))

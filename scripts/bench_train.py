@@ -38,24 +38,28 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def run_variant(args, variant, compiled):
-    from nanochat.common import autodetect_device_type, compute_dtype_for
+def build_variant(variant, train_argv, vocab_size, device):
+    """An initialised model for variant gpt, nag or nag:IMPL, shaped by base_train's flags in train_argv."""
     from nanochat.checkpoint_manager import model_class
-    from scripts.base_train import build_parser, model_config_from_args, PEAK_FLOPS
-    device_type = args.device_type or autodetect_device_type()
-    device = torch.device(device_type)
-    train_args = build_parser().parse_args(["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio),
-                                            "--model-dim", str(args.model_dim), "--head-dim", str(args.head_dim),
-                                            "--max-seq-len", str(args.max_seq_len)])
-    config = model_config_from_args(train_args, args.vocab_size)
+    from scripts.base_train import build_parser, model_config_from_args
+    config = model_config_from_args(build_parser().parse_args(train_argv), vocab_size)
     arch, _, impl = variant.partition(":")
-    cls = model_class(arch)
-    kwargs = {"impl": impl or None} if arch == "nag" else {}
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = cls(config, **kwargs)
+        model = model_class(arch)(config, **({"impl": impl} if impl else {}))
     model.to_empty(device=device)
     model.init_weights()
+    return model
+
+
+def run_variant(args, variant, compiled):
+    from nanochat.common import autodetect_device_type, compute_dtype_for
+    from scripts.base_train import PEAK_FLOPS
+    device_type = args.device_type or autodetect_device_type()
+    device = torch.device(device_type)
+    model = build_variant(variant, ["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio),
+                                    "--model-dim", str(args.model_dim), "--head-dim", str(args.head_dim),
+                                    "--max-seq-len", str(args.max_seq_len)], args.vocab_size, device)
     model.set_compute_dtype(compute_dtype_for(device_type))
     optimizer = model.setup_optimizer()
     fwd = torch.compile(model, dynamic=False) if compiled else model
@@ -84,7 +88,7 @@ def run_variant(args, variant, compiled):
     tok_per_sec = B * T / dt
     result = {"arch": variant, "compiled": compiled, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
               "params": sum(p.numel() for p in model.parameters()), "flops_per_token": model.estimate_flops(),
-              "device": device_type, "dim": config.n_embd}
+              "device": device_type, "dim": model.config.n_embd}
     if device_type == "cuda":
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
