@@ -14,6 +14,8 @@ import os
 import re
 import glob
 import json
+import fcntl
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,26 @@ from nanochat.gpt import GPT, GPTConfig
 def get_run_dir(run, base_dir=None):
     from nanochat.common import get_base_dir
     return os.path.join(base_dir or get_base_dir(), "runs", run)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir, purpose="training"):
+    """An exclusive lock on a run directory (flock on runs/<run>/.lock), held for the whole of a training
+    run or an evaluation write. The kernel releases it when the process exits, however it exits."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise UserError(f"{run_dir} is in use by {holder}; wait for it to finish (or stop it) and try again")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} ({purpose})".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def model_path(run_dir, step):
