@@ -57,10 +57,6 @@ def nag_config_from_args(args):
                      renorm=args.nag_renorm, alpha_warmup_tokens=args.nag_alpha_warmup_tokens)
 
 
-def nag_optimizer_kwargs(args):
-    return {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr}
-
-
 def branch_function(impl):
     """The NAG update implementation: all three give the same results (tests check it)."""
     if impl == "reference":
@@ -109,9 +105,28 @@ class NAGGPT(GPT):
         self.record_telemetry = False
         self.telemetry_rows = []
 
+    # ----- the arch hook (see GPT) -----
+
+    add_args = staticmethod(add_nag_args)
+
+    @classmethod
+    def init_kwargs_from_args(cls, args):
+        return {"nag": nag_config_from_args(args), "impl": args.nag_impl or None}
+
+    @classmethod
+    def optimizer_kwargs_from_args(cls, args):
+        return {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr}
+
     @classmethod
     def extra_init_kwargs(cls, meta):
         return {"nag": NAGConfig(**meta["nag_config"])}
+
+    def telemetry(self, step, idx, args):
+        every = args.nag_gate_log_every
+        if every <= 0 or step % every:
+            return None, None
+        t = self.gate_telemetry(idx)  # one extra no-grad forward on the last micro-batch
+        return t, self.format_telemetry(t)
 
     def extra_meta(self):
         return {"nag_config": asdict(self.nag)}

@@ -4,10 +4,11 @@ Checkpoints in a run directory, written atomically (temp file + rename):
     model_{step:06d}.pt              {"model": state_dict, "meta": meta}   (written once, by rank 0)
     optim_{step:06d}_rank{r}.pt      dataloader and RNG state, one per rank; rank 0's also holds the
                                      optimizer state (replicated across ranks, so saved once)
-    meta_{step:06d}.json             the meta dict, human readable
+    meta_{step:06d}.json             the meta dict, human readable; written last, so its presence
+                                     (with the files above) marks the checkpoint complete
 
-meta records the arch, the model config and (for NAG) every NAG setting, so the
-right model class can be rebuilt from the checkpoint alone.
+meta records the arch, the model config, the number of ranks and (for NAG) every
+NAG setting, so the right model class can be rebuilt from the checkpoint alone.
 """
 
 import os
@@ -57,7 +58,12 @@ def optim_path(run_dir, step, rank):
     return os.path.join(run_dir, f"optim_{step:06d}_rank{rank}.pt")
 
 
+def meta_path(run_dir, step):
+    return os.path.join(run_dir, f"meta_{step:06d}.json")
+
+
 def saved_steps(run_dir):
+    """Steps with a model file, complete or not."""
     steps = []
     for p in glob.glob(os.path.join(run_dir, "model_*.pt")):
         m = re.fullmatch(r"model_(\d+)\.pt", os.path.basename(p))
@@ -66,44 +72,86 @@ def saved_steps(run_dir):
     return sorted(steps)
 
 
+def is_complete(run_dir, step):
+    """A checkpoint is complete when its meta json (written last) and every file it lists exist:
+    the model file and one train-state file per rank of the run that saved it."""
+    try:
+        with open(meta_path(run_dir, step)) as f:
+            world_size = json.load(f).get("world_size", 1)
+    except (OSError, ValueError):
+        return False
+    return os.path.exists(model_path(run_dir, step)) and all(os.path.exists(optim_path(run_dir, step, r)) for r in range(world_size))
+
+
+def complete_steps(run_dir):
+    return [s for s in saved_steps(run_dir) if is_complete(run_dir, s)]
+
+
 def latest_step(run_dir):
-    steps = saved_steps(run_dir)
+    """The newest complete checkpoint's step; an incomplete newer one (a crash mid-save) is skipped with a note."""
+    steps = complete_steps(run_dir)
     if not steps:
-        raise UserError(f"no checkpoint in {run_dir}; train one with `python -m scripts.base_train --run {os.path.basename(run_dir)}`")
+        raise UserError(f"no complete checkpoint in {run_dir}; train one with `python -m scripts.base_train --run {os.path.basename(run_dir)}`")
+    skipped = [s for s in saved_steps(run_dir) if s > steps[-1]]
+    if skipped:
+        print(f"note: skipping incomplete checkpoint(s) at step {', '.join(map(str, skipped))} in {run_dir} (a save was cut short)", flush=True)
     return steps[-1]
+
+
+def remove_temp_files(run_dir):
+    """Half-written temp files of an atomic write cut short by a kill; call only while holding run_lock."""
+    for p in glob.glob(os.path.join(run_dir, ".tmp-*")):
+        os.remove(p)
 
 
 def save_checkpoint(run_dir, step, model, meta, train_state, rank=0):
     """Per-rank train state first; once every rank has written its own, rank 0 writes the model file and
-    then the meta json. A crash mid-save leaves the previous checkpoint as the latest complete one."""
+    then the meta json, which marks the checkpoint complete. A crash mid-save leaves the previous
+    checkpoint as the latest complete one."""
     atomic_torch_save(train_state, optim_path(run_dir, step, rank))
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
         atomic_torch_save({"model": model.state_dict(), "meta": meta}, model_path(run_dir, step))
-        atomic_write_json(os.path.join(run_dir, f"meta_{step:06d}.json"), meta)
+        atomic_write_json(meta_path(run_dir, step), meta)
+
+
+def missing_step_error(run_dir, step):
+    have = complete_steps(run_dir) if os.path.isdir(run_dir) else []
+    return UserError(f"no complete checkpoint for step {step} in {run_dir} (complete steps: {have or 'none'})")
+
+
+def torch_load(path, device, run_dir, step):
+    """torch.load, with a damaged file reported as one line naming it and the previous complete step."""
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:
+        earlier = [s for s in complete_steps(run_dir) if s < step]
+        hint = f"use the previous complete step {earlier[-1]}" if earlier else "no earlier complete step exists"
+        raise UserError(f"cannot read {path} ({type(e).__name__}): the file is damaged; {hint}") from None
 
 
 def load_model_file(run_dir, step, device="cpu"):
-    path = model_path(run_dir, step)
-    if not os.path.exists(path):
-        have = saved_steps(run_dir)
-        raise UserError(f"no checkpoint for step {step} in {run_dir} (saved steps: {have or 'none'})")
-    return torch.load(path, map_location=device, weights_only=False)
+    if not is_complete(run_dir, step):
+        raise missing_step_error(run_dir, step)
+    return torch_load(model_path(run_dir, step), device, run_dir, step)
 
 
 def load_meta(run_dir, step):
-    path = os.path.join(run_dir, f"meta_{step:06d}.json")
-    if not os.path.exists(path):
-        have = saved_steps(run_dir) if os.path.isdir(run_dir) else []
-        raise UserError(f"no checkpoint for step {step} in {run_dir} (saved steps: {have or 'none'})")
-    with open(path) as f:
+    if not is_complete(run_dir, step):
+        raise missing_step_error(run_dir, step)
+    with open(meta_path(run_dir, step)) as f:
         return json.load(f)
 
 
 def resolve_run_dir(run):
-    """A run name is looked up under $NANOCHAT_BASE_DIR/runs; anything with a path separator is a directory."""
-    return os.path.normpath(os.path.abspath(run)) if os.sep in run else get_run_dir(run)
+    """A run name is one path component, looked up under $NANOCHAT_BASE_DIR/runs; anything with a path
+    separator is taken as a directory (relative to the current one). The same rule in every script."""
+    if os.sep in run or (os.altsep and os.altsep in run):
+        return os.path.normpath(os.path.abspath(run))
+    if run in ("", ".", ".."):
+        raise UserError(f"{run!r} is not a run name; give a name like gpt-d20, or a directory path like ./runs/gpt-d20")
+    return get_run_dir(run)
 
 
 def load_train_state(run_dir, step, rank=0, device="cpu"):
@@ -111,20 +159,12 @@ def load_train_state(run_dir, step, rank=0, device="cpu"):
     if not os.path.exists(path):
         raise UserError(f"checkpoint step {step} in {run_dir} has no optimizer state for rank {rank} ({os.path.basename(path)}); "
                         "resume with the same number of processes it was saved with")
-    return torch.load(path, map_location=device, weights_only=False)
+    return torch_load(path, device, run_dir, step)
 
 
-def model_class(arch):
-    if arch == "gpt":
-        return GPT
-    if arch == "nag":
-        from nag.model import NAGGPT  # the baseline never imports nag/ unless asked to
-        return NAGGPT
-    raise UserError(f"unknown arch {arch!r} (expected gpt or nag)")
-
-
-def build_model(meta, device):
-    """A fresh, initialised model of the arch and config recorded in meta."""
+def build_model(meta, device, model_class):
+    """A fresh, initialised model of the arch and config recorded in meta; model_class maps an arch name to
+    its class (scripts/archs.py: the baseline package never imports nag/)."""
     cls = model_class(meta["arch"])
     config = GPTConfig(**meta["model_config"])
     with torch.device("meta"):
@@ -142,13 +182,13 @@ def load_weights(model, ckpt):
     model.load_state_dict(ckpt["model"], strict=True)
 
 
-def load_model(run_dir, step=None, device="cpu"):
-    """(model, meta) from a run's latest (or given) checkpoint, in eval mode."""
+def load_model(run_dir, step, device, model_class):
+    """(model, meta) from a run's latest (step None) or given checkpoint, in eval mode."""
     if not os.path.isdir(run_dir):
         raise UserError(f"run directory {run_dir} does not exist")
     step = latest_step(run_dir) if step is None else step
     ckpt = load_model_file(run_dir, step, device)
-    model = build_model(ckpt["meta"], device)
+    model = build_model(ckpt["meta"], device, model_class)
     load_weights(model, ckpt)
     model.eval()
     return model, ckpt["meta"]

@@ -139,6 +139,22 @@ class GPT(nn.Module):
         self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2, device=device), persistent=False)
         self.compute_dtype = torch.float32
 
+    # ----- the arch hook: what base_train asks of a model class (scripts/archs.py lists the classes) -----
+
+    @staticmethod
+    def add_args(parser):
+        """Command-line flags of this arch only (the baseline has none beyond base_train's own)."""
+
+    @classmethod
+    def init_kwargs_from_args(cls, args):
+        """Constructor arguments beyond the GPTConfig, from parsed flags (may raise UserError)."""
+        return {}
+
+    @classmethod
+    def optimizer_kwargs_from_args(cls, args):
+        """Extra keyword arguments of optimizer_groups, from parsed flags."""
+        return {}
+
     @classmethod
     def extra_init_kwargs(cls, meta):
         """Constructor arguments beyond the GPTConfig, read back from a checkpoint's meta."""
@@ -147,6 +163,10 @@ class GPT(nn.Module):
     def extra_meta(self):
         """What a checkpoint must record to rebuild this model, beyond arch and GPTConfig."""
         return {}
+
+    def telemetry(self, step, idx, args):
+        """A dict of per-step statistics for metrics.jsonl (or None), and the line to print; the baseline logs none."""
+        return None, None
 
     # ----- init -----
 
@@ -196,12 +216,15 @@ class GPT(nn.Module):
     # ----- optimizer -----
 
     def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale):
-        """AdamW groups for embedding / lm_head, Muon for the block matrices. AdamW LRs scale with (d/768)^-½."""
+        """AdamW groups for embedding / lm_head, Muon for the block matrices. AdamW LRs scale with (d/768)^-½.
+        Betas and the AdamW decays are those of the code behind the published pair (docs/design.md §optimizer)."""
         dim_scale = (self.config.n_embd / 768) ** -0.5
         block_matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
         return [
-            dict(kind="adamw", name="wte", params=[self.wte.weight], lr=embedding_lr * dim_scale * lr_scale, betas=(0.8, 0.995)),
-            dict(kind="adamw", name="lm_head", params=[self.lm_head.weight], lr=unembedding_lr * dim_scale * lr_scale, betas=(0.8, 0.95)),
+            dict(kind="adamw", name="wte", params=[self.wte.weight], lr=embedding_lr * dim_scale * lr_scale, betas=(0.8, 0.995),
+                 weight_decay=0.001),
+            dict(kind="adamw", name="lm_head", params=[self.lm_head.weight], lr=unembedding_lr * dim_scale * lr_scale, betas=(0.8, 0.96),
+                 weight_decay=0.01),
             dict(kind="muon", name="matrices", params=block_matrices, lr=matrix_lr * lr_scale, weight_decay=weight_decay),
         ]
 

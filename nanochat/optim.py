@@ -10,7 +10,8 @@ stack) without touching the math.
 import torch
 
 # Polar Express coefficients (Amsel et al., 2025) for the 5-iteration odd polynomial
-# approximation of the matrix sign function, with the safety factor 1.02 on the norm.
+# approximation of the matrix sign function. The input is divided by its Frobenius norm times
+# POLAR_NORM_FACTOR (a safety margin: the spectral norm must end up below 1), as in the published code.
 POLAR_EXPRESS_COEFFS = [
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -18,12 +19,14 @@ POLAR_EXPRESS_COEFFS = [
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 ]
+POLAR_NORM_FACTOR = 1.01
+NORMUON_BETA2 = 0.9  # decay of NorMuon's running second moment
 
 
 def orthogonalize(G, dtype):
     """Approximate U·Vᵀ of G = U·S·Vᵀ for a stack of matrices (n, r, c)."""
     X = G.to(dtype)
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * POLAR_NORM_FACTOR + 1e-6)
     tall = X.size(-2) > X.size(-1)
     if tall:  # iterate on the smaller Gram matrix
         X = X.mT
@@ -34,7 +37,7 @@ def orthogonalize(G, dtype):
 
 
 @torch.no_grad()
-def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_decay, beta2=0.95, ortho_dtype=torch.float32):
+def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_decay, beta2=NORMUON_BETA2, ortho_dtype=torch.float32):
     """One Muon step on a stack of same-shape matrices, in place. params/grads/momentum_buf: (n, r, c)."""
     # Nesterov momentum
     momentum_buf.lerp_(grads, 1 - momentum)
@@ -77,7 +80,7 @@ def adamw_update(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, e
 class MuonAdamW(torch.optim.Optimizer):
     """
     groups: dicts with kind="adamw" (lr, betas, eps, weight_decay) or kind="muon"
-    (lr, momentum, weight_decay). Muon groups are split by parameter shape so each
+    (lr, momentum, weight_decay, beta2 of NorMuon). Muon groups are split by parameter shape so each
     sub-group's matrices are updated as one stack. Each group keeps its
     "initial_lr" / "initial_weight_decay" so schedules can scale them.
     """
@@ -98,7 +101,8 @@ class MuonAdamW(torch.optim.Optimizer):
             g.setdefault("weight_decay", 0.0)
             g.setdefault("betas", (0.8, 0.95))
             g.setdefault("eps", 1e-10)
-            g.setdefault("momentum", 0.95)
+            g.setdefault("momentum", 0.95)  # Muon: base_train sets it every step (muon_momentum)
+            g.setdefault("beta2", NORMUON_BETA2)
             g["initial_lr"] = g["lr"]
             g["initial_weight_decay"] = g["weight_decay"]
         super().__init__(flat, defaults={})
@@ -145,5 +149,5 @@ class MuonAdamW(torch.optim.Optimizer):
             state["variance_buffer"] = torch.zeros(var_shape, dtype=torch.float32, device=stacked_g.device)
         ortho_dtype = torch.bfloat16 if stacked_p.is_cuda else torch.float32
         muon_update(stacked_p, stacked_g, state["momentum_buffer"], state["variance_buffer"],
-                    group["lr"], group["momentum"], group["weight_decay"], ortho_dtype=ortho_dtype)
+                    group["lr"], group["momentum"], group["weight_decay"], beta2=group["beta2"], ortho_dtype=ortho_dtype)
         torch._foreach_copy_(params, list(stacked_p.unbind(0)))

@@ -25,6 +25,7 @@ from nanochat.dataloader import data_loader
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.core_eval import ensure_eval_bundle, evaluate_core
 from nanochat import checkpoint_manager as ckpt
+from scripts.archs import load_model
 
 EVALS = ("core", "bpb", "sample")
 PROMPTS = [
@@ -175,7 +176,7 @@ def evaluate(args):
     run_dir = ckpt.resolve_run_dir(args.run)
 
     tokenizer = get_tokenizer()
-    model, meta = ckpt.load_model(run_dir, None if args.step < 0 else args.step, device)
+    model, meta = load_model(run_dir, None if args.step < 0 else args.step, device)
     ckpt.check_vocab(meta, tokenizer)
     model.set_compute_dtype(compute_dtype_for(device_type))
     if "tokens" in meta:  # NAG's alpha warm-up is a function of tokens seen: evaluate the model as it was trained

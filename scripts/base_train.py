@@ -1,41 +1,52 @@
 """
-Pretrain a base model: the GPT baseline (--arch gpt) or NAG (--arch nag).
+Pretrain a base model: the GPT baseline (--arch gpt) or NAG (--arch nag); scripts/archs.py lists the archs.
 
-    python -m scripts.base_train --depth 4 --max-seq-len 256 --device-batch-size 8 --num-iterations 200
-    torchrun --nproc_per_node=8 -m scripts.base_train --depth 20 --arch nag --target-flops 1e19
+    python -m scripts.base_train --depth 2 --max-seq-len 128 --device-batch-size 8 --total-batch-size 2048 --num-iterations 50 --eval-every 25 --eval-tokens 16384
+    python -m scripts.base_train --preset published --arch nag --dry-run 8        # the plan only; no data, no GPU
+    torchrun --nproc_per_node=8 -m scripts.base_train -- --preset published --arch nag --resume latest   (GPU)
 
-Writes $NANOCHAT_BASE_DIR/runs/<run>/: config.json, metrics.jsonl, checkpoints.
+Writes $NANOCHAT_BASE_DIR/runs/<run>/: config.json, metrics.jsonl, checkpoints (docs/runs.md).
+`--resume latest` continues from the newest complete checkpoint, starts a run that has none,
+and does nothing for a finished run.
 """
 
 import os
 import sys
+import glob
 import json
 import math
 import time
 import argparse
 import contextlib
 import subprocess
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_bytes
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json
+from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import checkpoint_manager as ckpt
+from scripts.archs import ARCHS, model_class
+from scripts.presets import PRESETS, preset_args
 
 REFERENCE_BATCH = 2 ** 19  # tokens; the d12 reference of the muP-style batch rules
 REFERENCE_DEPTH = 12
 BATCH_EXPONENT = 0.383
 MAX_DECAY_PER_STEP = 0.01
+SAVES_PER_RUN = 5  # --save-every auto: about this many checkpoints before the last one
+MOMENTUM = {"start": 0.85, "peak": 0.97, "peak_step": 400, "end": 0.90}  # Muon momentum schedule of the published code
 
 
 def build_parser():
     p = argparse.ArgumentParser(description="Pretrain a GPT or NAG base model.")
-    p.add_argument("--run", type=str, default=None, help="run name (directory under $NANOCHAT_BASE_DIR/runs); default <arch>-d<depth>")
-    p.add_argument("--arch", type=str, default="gpt", choices=["gpt", "nag"])
+    p.add_argument("--preset", type=str, default="", help=f"a named configuration ({', '.join(PRESETS)}; scripts/presets.py); later flags override it")
+    p.add_argument("--run", type=str, default=None, help="run name (one directory under $NANOCHAT_BASE_DIR/runs) or a directory path; default <arch>-d<depth>")
+    p.add_argument("--arch", type=str, default="gpt", help=f"one of {', '.join(ARCHS)}")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model (default: on for cuda)")
@@ -53,36 +64,80 @@ def build_parser():
     p.add_argument("--target-param-data-ratio", type=float, default=10.5)
     # batch
     p.add_argument("--device-batch-size", type=int, default=32)
-    p.add_argument("--total-batch-size", type=int, default=-1, help="tokens per optimizer step (default: auto from the data budget)")
+    p.add_argument("--total-batch-size", type=int, default=-1, help="tokens per optimizer step (default: auto from the model size)")
     # optimization
     p.add_argument("--embedding-lr", type=float, default=0.3)
     p.add_argument("--unembedding-lr", type=float, default=0.004)
     p.add_argument("--matrix-lr", type=float, default=0.02)
-    p.add_argument("--weight-decay", type=float, default=0.2)
+    p.add_argument("--weight-decay", type=float, default=0.28, help="Muon weight decay at the d12 reference (scaled by √(B/2^19)·S_ref/S)")
     p.add_argument("--muon-momentum", type=float, default=-1.0, help="constant Muon momentum (default: 0.85→0.97 ramp, 0.90 in warm-down)")
-    p.add_argument("--warmup-steps", type=int, default=40)
+    p.add_argument("--warmup-steps", type=int, default=40, help="LR warm-up; capped so it ends before the warm-down starts")
     p.add_argument("--warmdown-ratio", type=float, default=0.65)
     p.add_argument("--final-lr-frac", type=float, default=0.05)
     # evaluation and checkpoints
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-tokens", type=int, default=10 * 2 ** 19)
-    p.add_argument("--save-every", type=int, default=-1, help="save every N steps (the last step is always saved)")
-    p.add_argument("--resume-from-step", type=int, default=-1)
+    p.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps and at the end; -1 = never")
+    p.add_argument("--eval-tokens", type=int, default=10 * 2 ** 19, help="val tokens per evaluation (capped at what the split holds)")
+    p.add_argument("--save-every", type=int, default=-1, help=f"checkpoint every N steps (-1: auto, ~{SAVES_PER_RUN} per run; 0: the last step only)")
+    p.add_argument("--resume", type=str, default="", help="'latest' (newest complete checkpoint; starts the run if it has none) or a step")
+    p.add_argument("--change-horizon", action="store_true", help="with --resume: allow a different number of steps than the run was planned with")
     p.add_argument("--dry-run", type=int, default=0, metavar="NPROC",
-                   help="print the plan for NPROC processes (params, FLOPs, steps, tokens, time, disk) and exit; needs no data or GPU")
+                   help="print the plan for NPROC processes (params, FLOPs, steps, tokens, optimizer) and exit; needs no data or GPU")
     p.add_argument("--dry-run-vocab", type=int, default=32768, help="vocab size assumed by --dry-run (0 = the trained tokenizer's)")
-    from nag.model import add_nag_args
-    add_nag_args(p)
+    for add_args in dict.fromkeys(cls.add_args for cls in ARCHS.values()):  # subclasses may share their parent's flags
+        add_args(p)
     return p
 
 
+def parse_args(argv=None):
+    """Flags of a --preset first, then the command line, so that later flags win."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="")
+    pre.add_argument("--arch", default="gpt")
+    known, _ = pre.parse_known_args(argv)
+    return build_parser().parse_args(preset_args(known.preset, known.arch) + argv)
+
+
 # ---------------------------------------------------------------------------
-# derived configuration
+# checked flags
 
 
-def model_config_from_args(args, vocab_size):
-    if args.depth < 1:
-        raise UserError(f"--depth must be at least 1 (got {args.depth})")
+def validate_args(args):
+    """Every value that would crash later or train silently wrong, refused up front in one line."""
+    positive = {"--depth": args.depth, "--head-dim": args.head_dim, "--max-seq-len": args.max_seq_len,
+                "--device-batch-size": args.device_batch_size, "--aspect-ratio": args.aspect_ratio,
+                "--matrix-lr": args.matrix_lr, "--embedding-lr": args.embedding_lr, "--unembedding-lr": args.unembedding_lr}
+    for flag, v in positive.items():
+        if not v > 0:
+            raise UserError(f"{flag} must be positive (got {v})")
+    for flag, v in {"--target-flops": args.target_flops, "--target-param-data-ratio": args.target_param_data_ratio}.items():
+        if not math.isfinite(v) or (v <= 0 and v != -1 and not (flag == "--target-param-data-ratio" and v == 0)):
+            raise UserError(f"{flag} must be a positive finite number, or -1 for unset (got {v})")
+    if not set(args.window_pattern) <= {"L", "S"} or not args.window_pattern:
+        raise UserError(f"--window-pattern takes the letters L (full context) and S (half), got {args.window_pattern!r}")
+    if not 0 <= args.final_lr_frac <= 1:
+        raise UserError(f"--final-lr-frac must be in [0, 1] (got {args.final_lr_frac})")
+    if not 0 <= args.warmdown_ratio <= 1:
+        raise UserError(f"--warmdown-ratio must be in [0, 1] (got {args.warmdown_ratio})")
+    if args.warmup_steps < 0 or args.weight_decay < 0:
+        raise UserError("--warmup-steps and --weight-decay must be >= 0")
+    if args.muon_momentum != -1 and not 0 <= args.muon_momentum < 1:
+        raise UserError(f"--muon-momentum must be in [0, 1), or -1 for the schedule (got {args.muon_momentum})")
+    if args.eval_tokens < 1:
+        raise UserError(f"--eval-tokens must be positive (got {args.eval_tokens})")
+    if args.resume not in ("", "latest") and not args.resume.isdigit():
+        raise UserError(f"--resume takes 'latest' or a step number, got {args.resume!r}")
+    if args.change_horizon and not args.resume:
+        raise UserError("--change-horizon only applies with --resume")
+    if args.device_type not in ("", "cpu", "cuda", "mps"):
+        raise UserError(f"--device-type must be cpu, cuda or mps (got {args.device_type!r})")
+    if args.device_type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
+        raise UserError("--device-type cuda, but torch sees no CUDA device here (use --device-type cpu, or a CUDA build of torch)")
+    model_class(args.arch)
+
+
+def model_config_from_args(args, vocab_size, depth=None):
+    depth = depth or args.depth
     if args.model_dim > 0:
         dim = args.model_dim
     else:
@@ -94,38 +149,92 @@ def model_config_from_args(args, vocab_size):
     n_kv = n_head if args.n_kv_head <= 0 else args.n_kv_head
     if n_head % n_kv:
         raise UserError(f"--n-kv-head {n_kv} must divide the number of heads {n_head}")
-    return GPTConfig(sequence_len=args.max_seq_len, vocab_size=vocab_size, n_layer=args.depth, n_head=n_head,
+    if (dim // n_head) % 2:
+        raise UserError(f"head dim {dim // n_head} must be even (rotary embeddings rotate pairs)")
+    return GPTConfig(sequence_len=args.max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_kv, n_embd=dim, window_pattern=args.window_pattern)
 
 
-def meta_model(cls, config, **kwargs):
+# ---------------------------------------------------------------------------
+# the plan: everything derived from the flags, shared by --dry-run and training
+
+
+@dataclass
+class Plan:
+    run: str
+    arch: str
+    config: GPTConfig
+    model: torch.nn.Module  # on the meta device: nothing allocated
+    nproc: int
+    total_batch: int
+    grad_accum: int
+    num_iterations: int
+    lr_scale: float
+    weight_decay: float
+    warmup_steps: int
+    warmdown_steps: int
+    final_lr_frac: float
+    save_every: int
+    flops_per_token: int
+
+    def optimizer_groups(self, args):
+        return self.model.optimizer_groups(args.embedding_lr, args.unembedding_lr, args.matrix_lr, self.weight_decay,
+                                           self.lr_scale, **type(self.model).optimizer_kwargs_from_args(args))
+
+    def optimizer_record(self, args):
+        """Every optimizer group's settings at step 0 and the schedules applied to them."""
+        lrm0 = lr_multiplier(0, self)
+        groups = []
+        for g in MuonAdamW(self.optimizer_groups(args)).param_groups:
+            row = {"name": g["name"], "kind": g["kind"], "num_params": sum(p.numel() for p in g["params"]), "lr": g["lr"],
+                   "lr_at_step0": g["lr"] * lrm0, "weight_decay": g["weight_decay"]}
+            if g["kind"] == "adamw":
+                row.update(betas=list(g["betas"]), eps=g["eps"])
+            else:
+                row.update(momentum_at_step0=momentum_at(0, self, args), normuon_beta2=g["beta2"])
+            groups.append(row)
+        momentum = ({"constant": args.muon_momentum} if args.muon_momentum > 0 else
+                    dict(MOMENTUM, end_step=self.num_iterations, warmdown_start_step=self.num_iterations - self.warmdown_steps))
+        return {"groups": groups, "muon_momentum": momentum,
+                "muon_weight_decay": {"value": self.weight_decay, "rule": "weight_decay × √(B/2^19) × S_ref/S (capped at lr × wd ≤ 0.01)",
+                                      "schedule": "cosine from value to 0 over the run"},
+                "adamw_weight_decay": "constant", "polar_norm_factor": POLAR_NORM_FACTOR, "normuon_beta2": NORMUON_BETA2,
+                "lr_schedule": {"warmup_steps": self.warmup_steps, "warmdown_steps": self.warmdown_steps,
+                                "final_lr_frac": args.final_lr_frac}}
+
+    def record(self, args):
+        """The plan as plain JSON: the PLAN line of --dry-run and the body of config.json."""
+        params = sum(p.numel() for p in self.model.parameters())
+        return {"run": self.run, "arch": self.arch, "model_config": self.config.to_dict(), **self.model.extra_meta(),
+                "num_params": params, "num_scaling_params": self.model.num_scaling_params(),
+                "flops_per_token": self.flops_per_token, "num_iterations": self.num_iterations,
+                "total_batch_size": self.total_batch, "grad_accum_steps": self.grad_accum, "world_size": self.nproc,
+                "total_tokens": self.num_iterations * self.total_batch,
+                "total_flops": self.flops_per_token * self.num_iterations * self.total_batch,
+                "lr_scale": self.lr_scale, "weight_decay_effective": self.weight_decay, "save_every": self.save_every,
+                "optimizer": self.optimizer_record(args),
+                # fp32 weights + optimizer state (AdamW: 2 fp32 moments; Muon: 1 momentum + small variance) ≈ 12-16 bytes/param
+                "checkpoint_gib": params * 16 / 2 ** 30}
+
+
+def make_plan(args, vocab_size, nproc):
+    validate_args(args)
+    cls = model_class(args.arch)
+    init_kwargs = cls.init_kwargs_from_args(args)
+    config = model_config_from_args(args, vocab_size)
     with torch.device("meta"):
-        return cls(config, **kwargs)
-
-
-def reference_tokens(config, ratio):
-    """Data budget of the d12 reference model at the same vocab and sequence length."""
-    ref = GPTConfig(sequence_len=config.sequence_len, vocab_size=config.vocab_size, n_layer=REFERENCE_DEPTH,
-                    n_head=6, n_kv_head=6, n_embd=768)
-    return ratio * meta_model(GPT, ref).num_scaling_params()
-
-
-def plan_horizon(args, model, world_tokens_per_fwdbwd):
-    """(total_batch_size, num_iterations, lr_scale, weight_decay) from the muP-style rules of DESIGN §2."""
+        model = cls(config, **init_kwargs)
+        # the reference of the batch and weight-decay rules: the d12 model of the same width and arch
+        reference = cls(model_config_from_args(args, vocab_size, depth=REFERENCE_DEPTH), **init_kwargs)
+    size_ratio = model.num_scaling_params() / reference.num_scaling_params()  # S / S_ref
     flops_per_token = model.estimate_flops()
-    ratio = args.target_param_data_ratio if args.target_param_data_ratio > 0 else build_parser().get_default("target_param_data_ratio")
-    if args.target_flops > 0:
-        data_tokens = args.target_flops / flops_per_token
-    else:
-        data_tokens = ratio * model.num_scaling_params()
-    ref_tokens = reference_tokens(model.config, ratio)
+    world_tokens = args.device_batch_size * args.max_seq_len * nproc
     batch = args.total_batch_size
     if batch <= 0:
-        ideal = REFERENCE_BATCH * (data_tokens / ref_tokens) ** BATCH_EXPONENT
-        batch = 2 ** round(math.log2(ideal))
-        batch = max(1, round(batch / world_tokens_per_fwdbwd)) * world_tokens_per_fwdbwd  # whole micro-batches on every process
-    if batch % world_tokens_per_fwdbwd:
-        raise UserError(f"--total-batch-size {batch} is not a multiple of device batch × seq len × processes = {world_tokens_per_fwdbwd}")
+        batch = 2 ** round(math.log2(REFERENCE_BATCH * size_ratio ** BATCH_EXPONENT))
+        batch = max(1, round(batch / world_tokens)) * world_tokens  # whole micro-batches on every process
+    if batch % world_tokens:
+        raise UserError(f"--total-batch-size {batch} is not a multiple of device batch × seq len × processes = {world_tokens}")
     if args.num_iterations > 0:
         steps = args.num_iterations
     elif args.target_flops > 0:
@@ -136,39 +245,50 @@ def plan_horizon(args, model, world_tokens_per_fwdbwd):
         raise UserError("set one of --num-iterations, --target-flops, --target-param-data-ratio")
     if steps < 1:
         raise UserError(f"the budget gives {steps} steps at {batch} tokens per step; raise the budget or lower the batch")
-    tokens = steps * batch
     lr_scale = math.sqrt(batch / REFERENCE_BATCH)
-    weight_decay = args.weight_decay * lr_scale * (ref_tokens / tokens)
-    # far below the reference budget the rule explodes (D_ref/D ~ 1e5 on a CPU demo): never shrink
+    weight_decay = args.weight_decay * lr_scale / size_ratio
+    # far below the reference size the rule explodes (S_ref/S ~ 1e3 on a CPU demo): never shrink
     # the matrices by more than MAX_DECAY_PER_STEP in one step
     max_wd = MAX_DECAY_PER_STEP / (args.matrix_lr * lr_scale)
     if weight_decay > max_wd:
-        print0(f"note: the weight-decay rule gives {weight_decay:.3g} at this small budget; capped to {max_wd:.3g} "
+        print0(f"note: the weight-decay rule gives {weight_decay:.3g} for this small model; capped to {max_wd:.3g} "
                f"(lr × wd ≤ {MAX_DECAY_PER_STEP} per step)")
         weight_decay = max_wd
-    return batch, steps, lr_scale, weight_decay
+    # warm-up and warm-down never overlap: the warm-up is cut to the steps before the warm-down
+    warmdown = round(args.warmdown_ratio * steps)
+    warmup = min(args.warmup_steps, steps - warmdown)
+    save_every = args.save_every if args.save_every >= 0 else math.ceil(steps / SAVES_PER_RUN)
+    return Plan(run=args.run or f"{args.arch}-d{args.depth}", arch=args.arch, config=config, model=model, nproc=nproc,
+                total_batch=batch, grad_accum=batch // world_tokens, num_iterations=steps, lr_scale=lr_scale,
+                weight_decay=weight_decay, warmup_steps=warmup, warmdown_steps=warmdown, final_lr_frac=args.final_lr_frac, save_every=save_every,
+                flops_per_token=flops_per_token)
 
 
-def lr_multiplier(step, num_iterations, warmup_steps, warmdown_ratio, final_lr_frac):
-    warmdown = round(warmdown_ratio * num_iterations)
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if step <= num_iterations - warmdown:
+def lr_multiplier(step, plan):
+    """Linear warm-up to 1, constant, then linear warm-down to final_lr_frac over the last warmdown_steps."""
+    final = plan.final_lr_frac
+    n, warmdown = plan.num_iterations, plan.warmdown_steps
+    if step < plan.warmup_steps:
+        return (step + 1) / plan.warmup_steps
+    if step <= n - warmdown:
         return 1.0
-    progress = (num_iterations - step) / warmdown
-    return progress + (1 - progress) * final_lr_frac
+    progress = (n - step) / warmdown
+    return progress + (1 - progress) * final
 
 
-def muon_momentum(step, num_iterations, warmdown_ratio):
-    # 0.85 → 0.97 over the first 400 steps, then down to 0.90 across the warm-down
-    frac = min(step / 400, 1.0)
-    m = (1 - frac) * 0.85 + frac * 0.97
-    warmdown = round(warmdown_ratio * num_iterations)
-    start = num_iterations - warmdown
-    if warmdown > 0 and step > start:
-        p = (step - start) / warmdown
-        m = (1 - p) * m + p * 0.90
+def muon_momentum(step, num_iterations, warmdown_steps):
+    """0.85 → 0.97 over the first 400 steps, then linearly to 0.90 across the warm-down."""
+    frac = min(step / MOMENTUM["peak_step"], 1.0)
+    m = (1 - frac) * MOMENTUM["start"] + frac * MOMENTUM["peak"]
+    start = num_iterations - warmdown_steps
+    if warmdown_steps > 0 and step > start:
+        p = (step - start) / warmdown_steps
+        m = (1 - p) * m + p * MOMENTUM["end"]
     return m
+
+
+def momentum_at(step, plan, args):
+    return args.muon_momentum if args.muon_momentum > 0 else muon_momentum(step, plan.num_iterations, plan.warmdown_steps)
 
 
 def git_commit():
@@ -196,6 +316,19 @@ def fmt_time(s):
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def dry_run(args):
+    """The plan of a run, computed on the meta device: nothing is allocated, no data is read."""
+    plan = make_plan(args, args.dry_run_vocab or get_tokenizer().get_vocab_size(), args.dry_run)
+    record = plan.record(args)
+    print(f"PLAN {json.dumps(record)}")
+    c = plan.config
+    print(f"{plan.run}: {plan.arch} d{c.n_layer} dim {c.n_embd} | {record['num_params']:,} params | {plan.flops_per_token:,} FLOPs/token | "
+          f"{plan.num_iterations:,} steps × {plan.total_batch:,} tokens = {record['total_tokens']:,} tokens | {record['total_flops']:.4g} FLOPs | "
+          f"grad accum {plan.grad_accum} on {plan.nproc} process(es) | warm-up {plan.warmup_steps}, warm-down {plan.warmdown_steps} steps | "
+          f"checkpoint every {plan.save_every or plan.num_iterations} steps")
+    return record
+
+
 # ---------------------------------------------------------------------------
 # safety
 
@@ -217,63 +350,86 @@ def check_finite(model, loss, step):
 
 
 # ---------------------------------------------------------------------------
+# the run directory: where to start, and the history kept across restarts
+
+# what must match for an exact resume: the data shards are laid out per (process, micro-step)
+RESUME_KEYS = ("arch", "model_config", "total_batch_size", "world_size", "grad_accum_steps")
 
 
-def prepare_run_dir(run_dir, args, config_record, tokenizer, is_master):
-    """Refuse to overwrite another run; on resume, refuse a different model, tokenizer or batch layout."""
-    cfg_path = os.path.join(run_dir, "config.json")
-    if args.resume_from_step < 0:
-        if os.path.exists(cfg_path) or ckpt.saved_steps(run_dir):
-            raise UserError(f"{run_dir} already holds a run; pick another --run or continue it with --resume-from-step N")
+def start_step(run_dir, args, record, tokenizer):
+    """The step to start from, after every check that can refuse the command (nothing is written here).
+    Returns None for a finished run resumed with --resume latest (nothing to do)."""
+    complete = ckpt.complete_steps(run_dir) if os.path.isdir(run_dir) else []
+    if not args.resume:
+        if complete:
+            raise UserError(f"{run_dir} already holds a run with checkpoints up to step {complete[-1]}; "
+                            "continue it with --resume latest, or pick another --run")
+        return 0
+    if args.resume == "latest":
+        if not complete:
+            return 0
+        step = ckpt.latest_step(run_dir)
     else:
-        ckpt.check_vocab(ckpt.load_meta(run_dir, args.resume_from_step), tokenizer)
-        if os.path.exists(cfg_path):
-            old = json.load(open(cfg_path))
-            # the data shards are laid out per (process, micro-step): both must match for an exact resume
-            for key in ("arch", "model_config", "total_batch_size", "world_size", "grad_accum_steps"):
-                if old.get(key) != config_record.get(key):
-                    raise UserError(f"cannot resume {run_dir}: its {key} was {old.get(key)} but this command gives {config_record.get(key)}")
-    if is_master:
-        os.makedirs(run_dir, exist_ok=True)
+        step = int(args.resume)
+        if step not in complete:
+            raise ckpt.missing_step_error(run_dir, step)
+    ckpt.check_vocab(ckpt.load_meta(run_dir, step), tokenizer)
+    cfg_path = os.path.join(run_dir, "config.json")
+    old_cfg = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
+    for key in RESUME_KEYS:
+        if key in old_cfg and old_cfg[key] != record.get(key):
+            raise UserError(f"cannot resume {run_dir}: its {key} was {old_cfg[key]} but this command gives {record.get(key)}")
+    planned = old_cfg.get("num_iterations", record["num_iterations"])
+    if planned != record["num_iterations"] and not args.change_horizon:
+        raise UserError(f"cannot resume {run_dir}: it was planned for {planned} steps but this command gives {record['num_iterations']} "
+                        "(the LR schedule would change mid-run); add --change-horizon if that is what you want")
+    if step > record["num_iterations"]:
+        raise UserError(f"cannot resume {run_dir} from step {step}: the new horizon ends at step {record['num_iterations']}")
+    if step == record["num_iterations"] and args.resume == "latest":
+        return None
+    return step
 
 
-def truncate_metrics(path, last_step):
-    """On resume, drop the rows past the checkpoint so the log reads like an uninterrupted run."""
+def read_metrics_rows(path):
+    """metrics.jsonl as (step, line) pairs; a torn last line (what a kill mid-write leaves) is returned with step None."""
     if not os.path.exists(path):
+        return []
+    lines = [line for line in open(path) if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            if i < len(lines) - 1:
+                raise UserError(f"{path} line {i + 1} is not a metrics row; fix or move the file away") from None
+            step = None
+        rows.append((step, line if line.endswith("\n") else line + "\n"))
+    return rows
+
+
+def keep_history(metrics_path, step):
+    """Rows past the checkpoint we restart from (and a torn last line) move to metrics.jsonl.bak-<step>,
+    appended, never deleted; metrics.jsonl then reads like an uninterrupted run up to that step."""
+    rows = read_metrics_rows(metrics_path)
+    keep = [line for s, line in rows if s is not None and s <= step]
+    drop = [line for s, line in rows if s is None or s > step]
+    if not drop:
         return
-    keep = [line for line in open(path) if line.strip() and json.loads(line)["step"] <= last_step]
-    atomic_write_bytes(path, "".join(keep).encode())
+    bak = f"{metrics_path}.bak-{step}"
+    with open(bak, "a") as f:
+        f.writelines(drop)
+    from nanochat.common import atomic_write_bytes
+    atomic_write_bytes(metrics_path, "".join(keep).encode())
+    print0(f"note: {len(drop)} row(s) of metrics.jsonl past step {step} kept in {os.path.basename(bak)}")
 
 
-def dry_run(args):
-    """The plan of a run, computed on the meta device: nothing is allocated, no data is read."""
-    vocab_size = args.dry_run_vocab or get_tokenizer().get_vocab_size()
-    from nag.model import nag_config_from_args
-    config = model_config_from_args(args, vocab_size)
-    cls = ckpt.model_class(args.arch)
-    model = meta_model(cls, config, **({"nag": nag_config_from_args(args)} if args.arch == "nag" else {}))
-    nproc = args.dry_run
-    world_tokens = args.device_batch_size * args.max_seq_len * nproc
-    batch, steps, lr_scale, weight_decay = plan_horizon(args, model, world_tokens)
-    fpt = model.estimate_flops()
-    params = sum(p.numel() for p in model.parameters())
-    plan = {"run": args.run or f"{args.arch}-d{args.depth}", "arch": args.arch, "vocab_size": vocab_size, "depth": config.n_layer,
-            "model_dim": config.n_embd, "n_head": config.n_head, "seq_len": config.sequence_len, "num_params": params,
-            "num_scaling_params": model.num_scaling_params(), "flops_per_token": fpt, "num_iterations": steps,
-            "total_batch_size": batch, "grad_accum_steps": batch // world_tokens, "nproc": nproc,
-            "total_tokens": steps * batch, "total_flops": fpt * steps * batch, "lr_scale": lr_scale,
-            # fp32 weights + optimizer state (AdamW: 2 fp32 moments; Muon: 1 momentum + small variance) ≈ 12-16 bytes/param
-            "checkpoint_gib": params * 16 / 2 ** 30}
-    print(f"PLAN {json.dumps(plan)}")
-    print(f"{plan['run']}: {args.arch} d{config.n_layer} dim {config.n_embd} | {params:,} params | {fpt:,} FLOPs/token | "
-          f"{steps:,} steps × {batch:,} tokens = {steps * batch:,} tokens | {plan['total_flops']:.4g} FLOPs | "
-          f"grad accum {plan['grad_accum_steps']} on {nproc} process(es)")
-    return plan
+# ---------------------------------------------------------------------------
 
 
 def train(args):
     if args.dry_run:
         return dry_run(args)
+    validate_args(args)
     device_type = args.device_type or autodetect_device_type()
     is_ddp, rank, local_rank, world_size, device = dist_init(device_type)
     is_master = rank == 0
@@ -285,65 +441,65 @@ def train(args):
 
     tokenizer = get_tokenizer()
     token_bytes = get_token_bytes(device=device)
-    vocab_size = tokenizer.get_vocab_size()
-    config = model_config_from_args(args, vocab_size)
+    plan = make_plan(args, tokenizer.get_vocab_size(), world_size)
+    record = plan.record(args)
+    record.update(args=vars(args), device_type=device_type, compute_dtype=str(compute_dtype).replace("torch.", ""),
+                  seed=args.seed, git_commit=git_commit(), torch_version=torch.__version__, command=" ".join(sys.argv))
+    run_dir = ckpt.resolve_run_dir(plan.run)
+    with contextlib.ExitStack() as stack:
+        if is_master:
+            try:
+                stack.enter_context(ckpt.run_lock(run_dir))
+            except OSError as e:
+                raise UserError(f"cannot write the run directory {run_dir} ({e.strerror})") from None
+            ckpt.remove_temp_files(run_dir)
+        return train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, device_type, compute_dtype,
+                            is_ddp, rank, local_rank, world_size)
 
-    from nag.model import nag_config_from_args, nag_optimizer_kwargs
-    cls = ckpt.model_class(args.arch)
-    model_kwargs = {"nag": nag_config_from_args(args), "impl": args.nag_impl or None} if args.arch == "nag" else {}
 
-    # build for free on the meta device, then materialise and initialise
-    model = meta_model(cls, config, **model_kwargs)
-    tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len
-    world_tokens_per_fwdbwd = tokens_per_fwdbwd * world_size
-    total_batch, num_iterations, lr_scale, weight_decay = plan_horizon(args, model, world_tokens_per_fwdbwd)
-    grad_accum = total_batch // world_tokens_per_fwdbwd
-    flops_per_token = model.estimate_flops()
+def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, device_type, compute_dtype,
+                 is_ddp, rank, local_rank, world_size):
+    is_master = rank == 0
+    first = start_step(run_dir, args, record, tokenizer)
+    if first is None:
+        print0(f"{run_dir} already finished its {plan.num_iterations} steps; nothing to do")
+        return run_dir
+    model, num_iterations, total_batch, grad_accum = plan.model, plan.num_iterations, plan.total_batch, plan.grad_accum
     model.to_empty(device=device)
     model.init_weights()
     model.set_compute_dtype(compute_dtype)
+    optimizer = MuonAdamW(plan.optimizer_groups(args))
 
-    run = args.run or f"{args.arch}-d{args.depth}"
-    run_dir = ckpt.get_run_dir(run)
-    meta = {"arch": args.arch, "model_config": config.to_dict(), **model.extra_meta()}
-    config_record = {
-        "run": run, "arch": args.arch, "args": vars(args), "model_config": config.to_dict(), **model.extra_meta(),
-        "num_params": sum(p.numel() for p in model.parameters()), "num_scaling_params": model.num_scaling_params(),
-        "flops_per_token": flops_per_token, "num_iterations": num_iterations, "total_batch_size": total_batch,
-        "total_tokens": num_iterations * total_batch, "total_flops": flops_per_token * num_iterations * total_batch,
-        "grad_accum_steps": grad_accum, "lr_scale": lr_scale, "weight_decay_effective": weight_decay,
-        "world_size": world_size, "device_type": device_type, "compute_dtype": str(compute_dtype).replace("torch.", ""),
-        "seed": args.seed, "git_commit": git_commit(), "torch_version": torch.__version__, "command": " ".join(sys.argv),
-    }
-    prepare_run_dir(run_dir, args, config_record, tokenizer, is_master)
-    if is_ddp:
-        dist.barrier()  # every rank checks the run dir before rank 0 writes into it
-
-    optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
-                                      matrix_lr=args.matrix_lr, weight_decay=weight_decay, lr_scale=lr_scale,
-                                      **(nag_optimizer_kwargs(args) if args.arch == "nag" else {}))
-
-    start_step, loader_states, elapsed = 0, None, 0.0
-    if args.resume_from_step >= 0:
-        start_step = args.resume_from_step
-        ckpt.load_weights(model, ckpt.load_model_file(run_dir, start_step, device))
-        state = ckpt.load_train_state(run_dir, start_step, rank)  # on the CPU: RNG states must stay there
+    loader_states, elapsed = None, 0.0
+    if first > 0:
+        ckpt.load_weights(model, ckpt.load_model_file(run_dir, first, device))
+        state = ckpt.load_train_state(run_dir, first, rank)  # on the CPU: RNG states must stay there
         # the optimizer state is replicated across ranks, so only rank 0 saved it (load_state_dict moves it to the params' device)
-        optimizer.load_state_dict(state["optimizer"] if rank == 0 else ckpt.load_train_state(run_dir, start_step, 0)["optimizer"])
+        optimizer.load_state_dict(state["optimizer"] if rank == 0 else ckpt.load_train_state(run_dir, first, 0)["optimizer"])
         loader_states, elapsed = state["dataloader"], state.get("elapsed", 0.0)
         torch.set_rng_state(state["rng"]["cpu"])
         if device_type == "cuda" and state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"])
-        print0(f"resumed from step {start_step} of {run_dir}")
 
+    # The train data is cut into world_size × grad_accum shards and micro-step m of rank r reads shard
+    # r·grad_accum + m: every split of the same total batch over processes sees the same data per step.
+    num_shards = world_size * grad_accum
+    train_loaders = [data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
+                                 rank=rank * grad_accum + m, world_size=num_shards,
+                                 resume_state=loader_states[m] if loader_states else None) for m in range(grad_accum)]
+    loader_states = [None] * grad_accum
+
+    # every check has passed: only now does the run directory change
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if is_master:
-        from nanochat.common import atomic_write_json
-        atomic_write_json(os.path.join(run_dir, "config.json"), config_record)
-        if args.resume_from_step >= 0:
-            truncate_metrics(metrics_path, start_step)
-        elif os.path.exists(metrics_path):
-            os.remove(metrics_path)
+        if first == 0 and os.path.exists(os.path.join(run_dir, "config.json")):
+            print0(f"note: {run_dir} has no complete checkpoint: starting it again")
+        keep_history(metrics_path, first)
+        atomic_write_json(os.path.join(run_dir, "config.json"), record)
+    if first > 0:
+        print0(f"resumed from step {first} of {run_dir}")
+    if is_ddp:
+        dist.barrier()
 
     use_compile = args.compile if args.compile is not None else device_type == "cuda"
     ddp = None
@@ -353,19 +509,15 @@ def train(args):
     # compile outside DDP, so the compiled graph is split at DDP's bucket boundaries and the all-reduce overlaps
     fwd = torch.compile(ddp or model, dynamic=False) if use_compile else (ddp or model)
 
-    print0(f"run {run} → {run_dir}")
-    print0(f"arch {args.arch} | {config_record['num_params']:,} params ({config_record['num_scaling_params']:,} matmul) | "
-           f"d{config.n_layer} dim {config.n_embd} heads {config.n_head} | device {device_type} × {world_size} | {config_record['compute_dtype']}")
-    print0(f"horizon: {num_iterations:,} steps × {total_batch:,} tokens = {num_iterations * total_batch:,} tokens | "
-           f"{flops_per_token:,} FLOPs/token | {config_record['total_flops']:.3e} FLOPs | grad accum {grad_accum}")
-
-    # The train data is cut into world_size × grad_accum shards and micro-step m of rank r reads shard
-    # r·grad_accum + m: every split of the same total batch over processes sees the same data per step.
-    num_shards = world_size * grad_accum
-    train_loaders = [data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
-                                 rank=rank * grad_accum + m, world_size=num_shards,
-                                 resume_state=loader_states[m] if loader_states else None) for m in range(grad_accum)]
-    loader_states = [None] * grad_accum
+    flops_per_token = plan.flops_per_token
+    print0(f"run {plan.run} → {run_dir}")
+    print0(f"arch {plan.arch} | {record['num_params']:,} params ({record['num_scaling_params']:,} matmul) | "
+           f"d{plan.config.n_layer} dim {plan.config.n_embd} heads {plan.config.n_head} | device {device_type} × {world_size} | {record['compute_dtype']}")
+    print0(f"horizon: {num_iterations:,} steps × {total_batch:,} tokens = {record['total_tokens']:,} tokens | "
+           f"{flops_per_token:,} FLOPs/token | {record['total_flops']:.3e} FLOPs | grad accum {grad_accum} | "
+           f"checkpoint every {plan.save_every or num_iterations} steps")
+    evaluating = args.eval_every > 0
+    world_tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
     eval_steps = max(1, args.eval_tokens // world_tokens_per_fwdbwd)
     peak = peak_flops(device_type)
 
@@ -376,8 +528,14 @@ def train(args):
         model.set_tokens_seen(step * total_batch)  # NAG: the α warm-up factor the checkpoint of this step carries
         if not val_batches:
             val = data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "val", device=device, rank=rank, world_size=world_size)
-            val_batches.extend(next(val)[:2] for _ in range(eval_steps))
-        bpb = evaluate_bpb(fwd, iter(val_batches), eval_steps, token_bytes)
+            for _ in range(eval_steps):
+                x, y, state = next(val)
+                if state["epoch"] > 0 and val_batches:  # the split is used up: evaluate on what it holds, once
+                    print0(f"note: the val split holds {len(val_batches) * world_tokens_per_fwdbwd:,} tokens, fewer than "
+                           f"--eval-tokens {args.eval_tokens:,}; evaluating on those")
+                    break
+                val_batches.append((x, y))
+        bpb = evaluate_bpb(fwd, iter(val_batches), len(val_batches), token_bytes)
         model.train()
         return bpb
 
@@ -386,13 +544,14 @@ def train(args):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    if start_step == 0:
-        bpb = run_eval(0)
-        print0(f"step 0 | val bpb {bpb:.4f}")
-        write_row({"step": 0, "tokens": 0, "flops": 0, "train_loss": None, "lr_mult": lr_multiplier(0, num_iterations, args.warmup_steps, args.warmdown_ratio, args.final_lr_frac),
-                   "tok_per_sec": None, "val_bpb": bpb})
+    if first == 0:
+        row = {"step": 0, "tokens": 0, "flops": 0, "train_loss": None, "lr_mult": lr_multiplier(0, plan), "tok_per_sec": None}
+        if evaluating:
+            row["val_bpb"] = run_eval(0)
+            print0(f"step 0 | val bpb {row['val_bpb']:.4f}")
+        write_row(row)
 
-    step = start_step
+    step = first
     step_times = []
     while step < num_iterations:
         t0 = time.time()
@@ -410,11 +569,11 @@ def train(args):
             loss_sum /= world_size
         train_loss = loss_sum / grad_accum
         check_finite(model, train_loss, step + 1)
-        lrm = lr_multiplier(step, num_iterations, args.warmup_steps, args.warmdown_ratio, args.final_lr_frac)
+        lrm = lr_multiplier(step, plan)
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
             if group["kind"] == "muon":
-                group["momentum"] = args.muon_momentum if args.muon_momentum > 0 else muon_momentum(step, num_iterations, args.warmdown_ratio)
+                group["momentum"] = momentum_at(step, plan, args)
                 group["weight_decay"] = group["initial_weight_decay"] * 0.5 * (1 + math.cos(math.pi * step / num_iterations))
         optimizer.step()
         model.after_optimizer_step()
@@ -438,19 +597,23 @@ def train(args):
                 f"lrm {lrm:.3f} | {tok_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") +
                 f" | {dt * 1000:.0f} ms | elapsed {fmt_time(elapsed)} | eta {fmt_time(eta)}")
         print0(line)
-        if args.arch == "nag" and is_master and args.nag_gate_log_every > 0 and step % args.nag_gate_log_every == 0:
-            row["gate"] = model.gate_telemetry(x)  # one extra no-grad forward on the last micro-batch
-            print0(model.format_telemetry(row["gate"]))
+        if is_master:
+            stats, stats_line = model.telemetry(step, x, args)
+            if stats is not None:
+                row["gate"] = stats
+                print0(stats_line)
 
         last = step == num_iterations
-        if last or (args.eval_every > 0 and step % args.eval_every == 0):
+        if evaluating and (last or step % args.eval_every == 0):
             row["val_bpb"] = run_eval(step)
             print0(f"step {step:05d} | val bpb {row['val_bpb']:.4f}")
         write_row(row)
-        if last or (args.save_every > 0 and step % args.save_every == 0):
+        if last or (plan.save_every > 0 and step % plan.save_every == 0):
             train_state = {"optimizer": optimizer.state_dict() if is_master else None, "dataloader": loader_states, "elapsed": elapsed,
                            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
-            ckpt.save_checkpoint(run_dir, step, model, dict(meta, step=step, tokens=step * total_batch), train_state, rank)
+            meta = {"arch": plan.arch, "model_config": plan.config.to_dict(), **model.extra_meta(),
+                    "step": step, "tokens": step * total_batch, "world_size": world_size}
+            ckpt.save_checkpoint(run_dir, step, model, meta, train_state, rank)
             print0(f"saved checkpoint at step {step} in {run_dir}")
 
     if device_type == "cuda":
@@ -462,9 +625,8 @@ def train(args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
     with exit_on_user_error(NonFiniteError):
-        return train(args)
+        return train(parse_args(argv))
 
 
 if __name__ == "__main__":

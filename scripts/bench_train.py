@@ -40,7 +40,7 @@ def parse(argv=None):
 
 def build_variant(variant, train_argv, vocab_size, device):
     """An initialised model for variant gpt, nag or nag:IMPL, shaped by base_train's flags in train_argv."""
-    from nanochat.checkpoint_manager import model_class
+    from scripts.archs import model_class
     from scripts.base_train import build_parser, model_config_from_args
     config = model_config_from_args(build_parser().parse_args(train_argv), vocab_size)
     arch, _, impl = variant.partition(":")

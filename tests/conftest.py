@@ -8,7 +8,7 @@ import torch
 
 import nag  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 
-torch.set_num_threads(2)  # the test machine has 2 cores, shared
+torch.set_num_threads(2)  # tests assume a small shared CPU; more threads only add contention for tiny models
 
 WORDS = (
     "the of and to in is was that for on with as by at from it an be this which or are have not but had "
@@ -50,6 +50,24 @@ def tiny_base_dir(tmp_path_factory):
     train_texts = (t for batch in parquets_iter_batched("train", data_dir=data_dir) for t in batch)
     Tokenizer.train_from_iterator(train_texts, 512).save(os.path.join(base, "tokenizer"))
     return str(base)
+
+
+# base_train flags of every tiny test run: 2 layers × 64, 256 tokens per step, LRs raised against the
+# muP batch rule (√(256 / 2^19) ≈ 0.022 at this batch); add --arch, --run and a horizon.
+TINY_TRAIN = ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
+              "--total-batch-size", "256", "--eval-tokens", "512", "--warmup-steps", "2", "--nag-alpha-warmup-tokens", "1024",
+              "--matrix-lr", "0.5", "--embedding-lr", "2.0", "--unembedding-lr", "0.1", "--device-type", "cpu"]
+
+
+@pytest.fixture
+def run_base(tiny_base_dir, tmp_path, monkeypatch):
+    """A private NANOCHAT_BASE_DIR sharing the session's corpus and tokenizer, with an empty runs/."""
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("base_data", "tokenizer"):
+        os.symlink(os.path.join(tiny_base_dir, name), base / name)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    return base
 
 
 @pytest.fixture

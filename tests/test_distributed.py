@@ -52,7 +52,7 @@ def test_two_processes_equal_grad_accumulation(base, arch):
 def test_resume_under_torchrun(base):
     common = ["--arch", "nag", "--num-iterations", "6", "--save-every", "3"]
     launch(base, 2, *common, "--run", "full")
-    launch(base, 2, *common, "--run", "full", "--resume-from-step", "3")
+    launch(base, 2, *common, "--run", "full", "--resume", "3")
     run_dir = os.path.join(base, "runs", "full")
     assert sorted(f for f in os.listdir(run_dir) if f.startswith("optim_000003")) == ["optim_000003_rank0.pt", "optim_000003_rank1.pt"]
     launch(base, 2, *common, "--run", "fresh")

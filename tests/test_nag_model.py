@@ -9,7 +9,7 @@ from nanochat.gpt import GPT, GPTConfig
 from nanochat.common import UserError
 from nanochat import checkpoint_manager as ckpt
 from nag.model import NAGGPT, NAGConfig
-from scripts.base_train import build_parser, plan_horizon, model_config_from_args, meta_model
+from scripts import archs
 
 CFG = dict(sequence_len=32, vocab_size=128, n_layer=3, n_head=2, n_kv_head=2, n_embd=32)
 
@@ -23,21 +23,9 @@ def tiny_nag(seed=0, **nag):
     return model
 
 
-def published_args(arch):
-    return build_parser().parse_args(["--arch", arch, "--depth", "64", "--model-dim", "640", "--head-dim", "128",
-                                      "--max-seq-len", "2048", "--window-pattern", "L", "--target-flops", "3e19",
-                                      "--total-batch-size", str(2 ** 20), "--device-batch-size", "16"])
-
-
-@pytest.mark.parametrize("arch,steps", [("gpt", 9474), ("nag", 9425)])
-def test_published_flop_matched_step_counts(arch, steps):
-    args = published_args(arch)
-    config = model_config_from_args(args, 32768)
-    cls = NAGGPT if arch == "nag" else GPT
-    model = meta_model(cls, config)
-    batch, n, lr_scale, _ = plan_horizon(args, model, 16 * 2048)
-    assert (batch, n) == (2 ** 20, steps)
-    assert lr_scale == pytest.approx(math.sqrt(2))
+def meta_model(cls, config):
+    with torch.device("meta"):
+        return cls(config)
 
 
 def test_gate_params_are_counted_as_matmuls():
@@ -152,7 +140,7 @@ def test_checkpoint_round_trip(tmp_path, arch):
             p.add_(torch.randn_like(p) * 0.01)
     meta = {"arch": arch, "model_config": model.config.to_dict(), **model.extra_meta()}
     ckpt.save_checkpoint(str(tmp_path), 5, model, meta, {"x": 1})
-    loaded, meta2 = ckpt.load_model(str(tmp_path))
+    loaded, meta2 = archs.load_model(str(tmp_path))
     assert type(loaded) is cls and meta2["arch"] == arch
     if arch == "nag":
         assert loaded.nag == kwargs["nag"]

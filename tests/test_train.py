@@ -1,4 +1,4 @@
-"""End-to-end training on a tiny corpus: loss falls, exact resume, non-finite guard, bad inputs."""
+"""End-to-end training on a tiny corpus: loss falls, exact resume, non-finite guard, bad inputs, the arch registry."""
 
 import json
 import os
@@ -6,32 +6,22 @@ import os
 import pytest
 import torch
 
-from scripts import base_train
+from conftest import TINY_TRAIN
+from scripts import base_train, archs
 from nanochat.gpt import GPT
-
-TINY = ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
-        "--total-batch-size", "256", "--eval-tokens", "512", "--warmup-steps", "2", "--nag-alpha-warmup-tokens", "1024",
-        # the muP batch rule scales LRs by sqrt(256 / 2^19) ≈ 0.022 at this batch: raise them back
-        "--matrix-lr", "0.5", "--embedding-lr", "2.0", "--unembedding-lr", "0.1"]
-
-
-@pytest.fixture
-def base(tiny_base_dir, tmp_path, monkeypatch):
-    """A private base dir sharing the session's corpus and tokenizer, with an empty runs/."""
-    base = tmp_path / "base"
-    base.mkdir()
-    for name in ("base_data", "tokenizer"):
-        os.symlink(os.path.join(tiny_base_dir, name), base / name)
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
-    return base
-
-
-def tiny_main(argv):
-    return base_train.main(TINY + argv)
 
 
 def train(*extra):
-    return tiny_main(list(extra))
+    return base_train.main(TINY_TRAIN + list(extra))
+
+
+def tiny_main(argv):
+    return base_train.main(TINY_TRAIN + list(argv))
+
+
+def mtimes(run_dir):
+    """Every file of a run directory but the lock, with its modification time."""
+    return {f: os.stat(os.path.join(run_dir, f)).st_mtime_ns for f in os.listdir(run_dir) if f != ".lock"}
 
 
 def read_metrics(run_dir):
@@ -39,7 +29,7 @@ def read_metrics(run_dir):
 
 
 @pytest.mark.parametrize("arch", ["gpt", "nag"])
-def test_tiny_run_learns_and_records(base, arch):
+def test_tiny_run_learns_and_records(run_base, arch):
     run_dir = train("--arch", arch, "--run", "r", "--num-iterations", "24", "--eval-every", "12",
                     "--nag-gate-log-every", "6")
     rows = read_metrics(run_dir)
@@ -53,7 +43,7 @@ def test_tiny_run_learns_and_records(base, arch):
     cfg = json.load(open(os.path.join(run_dir, "config.json")))
     assert cfg["arch"] == arch and cfg["num_iterations"] == 24 and cfg["seed"] == 42
     assert cfg["total_flops"] == cfg["flops_per_token"] * 24 * 256
-    assert cfg["git_commit"] and cfg["args"]["depth"] == 2
+    assert cfg["git_commit"] and cfg["args"]["depth"] == 2 and cfg["optimizer"]["groups"]
     assert os.path.exists(os.path.join(run_dir, "model_000024.pt"))
     if arch == "nag":
         gates = [r["gate"] for r in rows if "gate" in r]
@@ -63,11 +53,11 @@ def test_tiny_run_learns_and_records(base, arch):
 
 
 @pytest.mark.parametrize("arch", ["gpt", "nag"])
-def test_exact_resume(base, arch):
+def test_exact_resume(run_base, arch):
     common = ["--arch", arch, "--run", "r", "--num-iterations", "8", "--eval-every", "4", "--save-every", "4"]
     run_dir = train(*common)
     full = read_metrics(run_dir)
-    train(*common, "--resume-from-step", "4")
+    train(*common, "--resume", "4")
     resumed = read_metrics(run_dir)
     assert [r["step"] for r in resumed] == [r["step"] for r in full]
     for a, b in zip(full[1:], resumed[1:]):
@@ -76,7 +66,7 @@ def test_exact_resume(base, arch):
 
 
 @pytest.mark.parametrize("arch,param", [("gpt", "blocks.1.mlp.c_fc.weight"), ("nag", "gates.0.mlp_branch.beta_raw")])
-def test_nonfinite_guard_names_step_and_params(base, script_error, monkeypatch, arch, param):
+def test_nonfinite_guard_names_step_and_params(run_base, script_error, monkeypatch, arch, param):
     backward_calls = {"n": 0}
     original_init = GPT.init_weights
 
@@ -91,31 +81,32 @@ def test_nonfinite_guard_names_step_and_params(base, script_error, monkeypatch, 
     monkeypatch.setattr(GPT, "init_weights", init_with_poison)
     err = script_error(tiny_main, "--arch", arch, "--run", "r", "--num-iterations", "6", "--save-every", "2", "--eval-every", "100")
     assert "step 3" in err and param in err
-    run_dir = os.path.join(base, "runs", "r")
+    run_dir = os.path.join(run_base, "runs", "r")
     assert sorted(f for f in os.listdir(run_dir) if f.startswith("model_")) == ["model_000002.pt"]
     state = torch.load(os.path.join(run_dir, "model_000002.pt"), weights_only=False)["model"]
     assert all(torch.isfinite(v).all() for v in state.values())
 
 
-def test_bad_inputs_one_line_and_nothing_overwritten(base, script_error):
-    assert "--depth must be at least 1" in script_error(tiny_main, "--depth", "0", "--run", "a", "--num-iterations", "2")
+def test_bad_inputs_one_line_and_nothing_overwritten(run_base, script_error):
+    assert "--depth must be positive" in script_error(tiny_main, "--depth", "0", "--run", "a", "--num-iterations", "2")
     assert "not a multiple" in script_error(tiny_main, "--run", "a", "--num-iterations", "2", "--total-batch-size", "300")
-    assert "no checkpoint for step 7" in script_error(tiny_main, "--run", "a", "--num-iterations", "2", "--resume-from-step", "7")
+    assert "no complete checkpoint for step 7" in script_error(tiny_main, "--run", "a", "--num-iterations", "2", "--resume", "7")
     assert "budget gives 0 steps" in script_error(tiny_main, "--run", "a", "--target-flops", "10")
     run_dir = train("--run", "taken", "--num-iterations", "2", "--eval-every", "100")
-    before = {f: os.path.getmtime(os.path.join(run_dir, f)) for f in os.listdir(run_dir)}
-    assert "already holds a run" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2")
-    assert "cannot resume" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2",
+    before = mtimes(run_dir)
+    assert "--resume latest" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2")
+    assert "cannot resume" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2",
                                         "--model-dim", "96")
     # the same total batch in more micro-steps would read other data shards: refused, not silently different
-    assert "grad_accum_steps" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2",
+    assert "grad_accum_steps" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2",
                                            "--device-batch-size", "2")
     from nanochat.tokenizer import Tokenizer
     real_vocab = Tokenizer.get_vocab_size
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Tokenizer, "get_vocab_size", lambda self: real_vocab(self) - 1)
-        assert "does not match the tokenizer" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume-from-step", "2")
-    assert before == {f: os.path.getmtime(os.path.join(run_dir, f)) for f in os.listdir(run_dir)}
+        assert "does not match the tokenizer" in script_error(tiny_main, "--run", "taken", "--num-iterations", "3",
+                                                              "--resume", "2", "--change-horizon")
+    assert before == mtimes(run_dir)
 
 
 def test_missing_tokenizer_says_how_to_make_one(tmp_path, monkeypatch, script_error):
@@ -124,7 +115,7 @@ def test_missing_tokenizer_says_how_to_make_one(tmp_path, monkeypatch, script_er
     assert "tok_train" in err
 
 
-def test_nag_impl_flag_reaches_the_model(base, monkeypatch):
+def test_nag_impl_flag_reaches_the_model(run_base, monkeypatch):
     import nag.model
     from nag.functional import nag_branch
     asked = []
@@ -135,5 +126,49 @@ def test_nag_impl_flag_reaches_the_model(base, monkeypatch):
     monkeypatch.setattr(nag.model, "branch_function", spy)
     train("--arch", "nag", "--run", "impl", "--num-iterations", "1", "--eval-every", "100", "--nag-impl", "fused")
     assert set(asked) == {"fused"}
-    cfg = json.load(open(os.path.join(base, "runs", "impl", "config.json")))
+    cfg = json.load(open(os.path.join(run_base, "runs", "impl", "config.json")))
     assert cfg["args"]["nag_impl"] == "fused"
+
+
+# ---------------------------------------------------------------------------
+# the arch registry
+
+
+class ToyGPT(GPT):
+    """A registered arch that base_train has never heard of: a flag, a telemetry row and its own meta."""
+    arch = "toy"
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--toy-scale", type=float, default=1.0)
+
+    @classmethod
+    def init_kwargs_from_args(cls, args):
+        return {"scale": args.toy_scale}
+
+    @classmethod
+    def extra_init_kwargs(cls, meta):
+        return {"scale": meta["toy_scale"]}
+
+    def __init__(self, config, scale=1.0, device=None):
+        super().__init__(config, device=device)
+        self.scale = scale
+
+    def extra_meta(self):
+        return {"toy_scale": self.scale}
+
+    def telemetry(self, step, idx, args):
+        return {"scale": self.scale}, f"  toy | scale {self.scale}"
+
+
+def test_a_registered_arch_trains_without_touching_base_train(run_base, monkeypatch):
+    monkeypatch.setitem(archs.ARCHS, "toy", ToyGPT)
+    run_dir = train("--arch", "toy", "--toy-scale", "2.5", "--run", "toy", "--num-iterations", "3", "--eval-every", "-1")
+    rows = read_metrics(run_dir)
+    assert [r["gate"]["scale"] for r in rows[1:]] == [2.5] * 3
+    model, meta = archs.load_model(str(run_dir))
+    assert type(model) is ToyGPT and model.scale == 2.5 and meta["arch"] == "toy"
+
+
+def test_unknown_arch_is_one_line(run_base, script_error):
+    assert "unknown arch 'bert' (expected one of: gpt, nag)" in script_error(tiny_main, "--arch", "bert", "--run", "a", "--num-iterations", "2")

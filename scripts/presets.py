@@ -1,0 +1,56 @@
+"""
+Named configurations for base_train (`--preset NAME`), base_eval and speedrun.sh.
+
+A preset is a list of flags placed before the command line's own, so any flag given
+after it wins. The published preset reproduces the FLOP-matched pair of the NAG
+walkthrough (docs/reproduce.md has every value with its source).
+"""
+
+from nanochat.common import UserError
+
+PRESETS = {
+    # 64 blocks × dim 640, 5 heads × 128, seq 2048, 3e19 FLOPs, batch 2^20; the published run's LRs (before
+    # the √(B/2^19) batch scaling that base_train applies); Muon momentum follows base_train's schedule.
+    "published": {
+        "train": ["--depth", "64", "--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "L",
+                  "--target-flops", "3e19", "--total-batch-size", "1048576", "--device-batch-size", "16",
+                  "--warmup-steps", "40", "--warmdown-ratio", "0.65", "--final-lr-frac", "0.05",
+                  "--matrix-lr", "0.012", "--embedding-lr", "0.18", "--unembedding-lr", "0.006",
+                  "--eval-tokens", str(80 * 2 ** 19)],
+        "nag": ["--nag-gate-lr", "1e-3", "--nag-temp-gain-lr", "0.005"],
+        # the published val bpb was measured on 80 × 2^19 tokens
+        "eval": ["--split-tokens", str(80 * 2 ** 19)],
+        "vocab": 32768,
+    },
+    # nanochat-d20-like: dim 1280, 10 heads × 128, batch and horizon from the size rules
+    "d20": {
+        "train": ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "L",
+                  "--device-batch-size", "32"],
+        "nag": [], "eval": [], "vocab": 32768,
+    },
+    # a CPU smoke test of the whole pipeline: 2 layers × 64, 256 tokens per step, LRs raised against the
+    # tiny-batch LR scale (√(256/2^19) ≈ 0.022)
+    "tiny": {
+        "train": ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
+                  "--total-batch-size", "256", "--target-flops", "2e10", "--warmup-steps", "2", "--matrix-lr", "0.5",
+                  "--embedding-lr", "2.0", "--unembedding-lr", "0.1", "--eval-every", "20", "--eval-tokens", "512",
+                  "--save-every", "20", "--device-type", "cpu"],
+        "nag": ["--nag-alpha-warmup-tokens", "1024", "--nag-gate-log-every", "10"],
+        "eval": ["--max-per-task", "8", "--split-tokens", "512", "--device-batch-size", "4", "--sample-tokens", "8", "--device-type", "cpu"],
+        "vocab": 512,
+    },
+}
+
+
+def get_preset(name):
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r} (expected one of: {', '.join(PRESETS)})")
+    return PRESETS[name]
+
+
+def preset_args(name, arch):
+    """base_train flags of a preset for one arch ([] without a preset)."""
+    if not name:
+        return []
+    p = get_preset(name)
+    return p["train"] + (p["nag"] if arch == "nag" else [])
