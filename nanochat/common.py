@@ -12,7 +12,10 @@ import torch.distributed as dist
 def get_base_dir():
     # everything the project writes (data, tokenizer, runs) lives under one directory
     base = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
-    os.makedirs(base, exist_ok=True)
+    try:
+        os.makedirs(base, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the base dir {base} ({e.strerror}); set NANOCHAT_BASE_DIR to a writable directory") from None
     return base
 
 
@@ -55,6 +58,16 @@ def exit_on_user_error(*also):
     except (UserError, *also) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def ensure_writable_dir(path):
+    """Create path if needed and prove it takes a file, before any work whose results would go there."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write to {path} ({e.strerror or e}); choose a writable location (NANOCHAT_BASE_DIR)") from None
 
 
 def _umask():

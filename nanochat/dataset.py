@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.common import UserError, exit_on_user_error, atomic_write_bytes, atomic_write_json, get_base_dir, print0
+from nanochat.common import UserError, exit_on_user_error, ensure_writable_dir, atomic_write_bytes, atomic_write_json, get_base_dir, print0
 
 BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
 MAX_SHARD = 6542  # index of the last upstream shard (6543 shards in total); it is the validation shard
@@ -412,7 +412,7 @@ def build_offline_corpus(data_dir=None, txt_dir=None, num_train_shards=8, docs_p
         docs.extend(split_long_text(text, max_doc_chars))
     num_shards = num_train_shards + 1
     if len(docs) < num_shards:
-        raise UserError(f"only {len(docs)} documents found, need at least {num_shards} for {num_train_shards} train shards + 1 validation shard; add text or lower --num-train-shards")
+        raise UserError(f"only {len(docs)} documents found, need at least {num_shards} for {num_train_shards} train shards + 1 validation shard; add text or lower --offline-train-shards")
     random.Random(seed).shuffle(docs)
 
     for path in existing:  # replace the previous offline build
@@ -443,6 +443,7 @@ def main(argv=None):
     parser.add_argument("--offline-train-shards", type=int, default=8, help="with --offline: number of train shards")
     args = parser.parse_args(argv)
     with exit_on_user_error():
+        ensure_writable_dir(get_data_dir())
         if args.offline:
             t0 = time.time()
             paths = build_offline_corpus(txt_dir=args.txt_dir, num_train_shards=args.offline_train_shards)

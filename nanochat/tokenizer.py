@@ -62,6 +62,9 @@ class Tokenizer:
                 enc = pickle.load(f)
         except Exception as e:
             raise UserError(f"cannot load tokenizer {path} ({type(e).__name__}: {e}); re-run `python -m scripts.tok_train`") from None
+        import tiktoken
+        if not isinstance(enc, tiktoken.Encoding):
+            raise UserError(f"{path} is not a tokenizer (it holds a {type(enc).__name__}); re-run `python -m scripts.tok_train`")
         return cls(enc)
 
     def save(self, directory):
@@ -121,4 +124,7 @@ def get_token_bytes(device="cpu"):
     path = os.path.join(get_tokenizer_dir(), "token_bytes.pt")
     if not os.path.exists(path):
         raise UserError(f"no token_bytes at {path}; run `python -m scripts.tok_train`")
-    return torch.load(path, map_location=device)
+    try:
+        return torch.load(path, map_location=device)
+    except Exception as e:
+        raise UserError(f"cannot load {path} ({type(e).__name__}); re-run `python -m scripts.tok_train`") from None

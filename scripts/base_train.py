@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json
+from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, ensure_writable_dir
 from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
@@ -411,8 +411,9 @@ def keep_history(metrics_path, step):
     """Rows past the checkpoint we restart from (and a torn last line) move to metrics.jsonl.bak-<step>,
     appended, never deleted; metrics.jsonl then reads like an uninterrupted run up to that step."""
     rows = read_metrics_rows(metrics_path)
-    keep = [line for s, line in rows if s is not None and s <= step]
-    drop = [line for s, line in rows if s is None or s > step]
+    last_kept = step if step > 0 else -1  # a fresh start writes its own step-0 row
+    keep = [line for s, line in rows if s is not None and s <= last_kept]
+    drop = [line for s, line in rows if s is None or s > last_kept]
     if not drop:
         return
     bak = f"{metrics_path}.bak-{step}"
@@ -420,7 +421,7 @@ def keep_history(metrics_path, step):
         f.writelines(drop)
     from nanochat.common import atomic_write_bytes
     atomic_write_bytes(metrics_path, "".join(keep).encode())
-    print0(f"note: {len(drop)} row(s) of metrics.jsonl past step {step} kept in {os.path.basename(bak)}")
+    print0(f"note: {len(drop)} earlier row(s) of metrics.jsonl {'past step ' + str(step) if step else ''} kept in {os.path.basename(bak)}")
 
 
 # ---------------------------------------------------------------------------
@@ -448,10 +449,8 @@ def train(args):
     run_dir = ckpt.resolve_run_dir(plan.run)
     with contextlib.ExitStack() as stack:
         if is_master:
-            try:
-                stack.enter_context(ckpt.run_lock(run_dir))
-            except OSError as e:
-                raise UserError(f"cannot write the run directory {run_dir} ({e.strerror})") from None
+            ensure_writable_dir(run_dir)
+            stack.enter_context(ckpt.run_lock(run_dir))
             ckpt.remove_temp_files(run_dir)
         return train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, device_type, compute_dtype,
                             is_ddp, rank, local_rank, world_size)
