@@ -46,6 +46,13 @@ def compute_dtype_for(device_type):
     return torch.float32
 
 
+def script_argv(argv=None):
+    """A script's arguments without a leading "--": `torchrun ... -m scripts.X -- ARGS` (the -- keeps torchrun
+    from reading ARGS as its own) passes it through."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return argv[1:] if argv[:1] == ["--"] else argv
+
+
 class UserError(Exception):
     """A problem with the user's input: reported as one line, without a traceback."""
 

@@ -3,9 +3,10 @@
 # environment → corpus → tokenizer → a FLOP-matched GPT / NAG pair → CORE + bpb → comparison report.
 #
 #   bash runs/runcpu.sh                 # everything under ~/.cache/nanochat (or $NANOCHAT_BASE_DIR)
-#   EVAL_BUNDLE=/path/to/eval_bundle bash runs/runcpu.sh
+#   EVAL_BUNDLE=/path/to/eval_bundle bash runs/runcpu.sh    # a local copy of the CORE bundle (no download)
 #
-# Re-running skips what is already done (data, tokenizer, finished runs, evaluations).
+# Re-running skips what is already done (data, tokenizer, finished runs, evaluations) and
+# continues an interrupted run from its newest complete checkpoint.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
@@ -41,36 +42,15 @@ MODEL=(--depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 --total-
        --eval-every 30 --eval-tokens 16384 --save-every 30 --nag-alpha-warmup-tokens 40960 --nag-gate-log-every 10
        --nag-gate-lr 0.01 --nag-temp-gain-lr 1.0)
 
-train_pair_member() {  # $1 = arch
-    local run="cpu-$1" dir="$BASE/runs/cpu-$1"
-    if ls "$dir"/model_*.pt >/dev/null 2>&1 && [ -f "$dir/.done" ]; then
-        echo "$run already trained: $dir"
-        return
-    fi
-    local last
-    last=$(ls "$dir"/model_*.pt 2>/dev/null | sed 's/.*model_0*\([0-9]*\)\.pt/\1/' | sort -n | tail -1 || true)
-    if [ -n "$last" ]; then
-        echo "resuming $run from step $last"
-        python -m scripts.base_train --arch "$1" --run "$run" "${MODEL[@]}" --resume-from-step "$last"
-    else
-        rm -rf "$dir"  # a run that never reached its first checkpoint: start it again
-        python -m scripts.base_train --arch "$1" --run "$run" "${MODEL[@]}"
-    fi
-    touch "$dir/.done"
-}
-
+# --resume latest: a finished run is left alone, an interrupted one continues from its newest checkpoint
 stage "train the GPT baseline"
-train_pair_member gpt
+python -m scripts.base_train --arch gpt --run cpu-gpt "${MODEL[@]}" --resume latest
 stage "train NAG on the same FLOP budget and data order"
-train_pair_member nag
+python -m scripts.base_train --arch nag --run cpu-nag "${MODEL[@]}" --resume latest
 
 stage "evaluate (CORE on up to $MAX_PER_TASK items per task, bpb, samples)"
-BUNDLE_ARGS=()
-if [ -n "${EVAL_BUNDLE:-}" ]; then
-    BUNDLE_ARGS=(--eval-bundle "$EVAL_BUNDLE")
-elif [ -d "$(pwd)/../shared/eval_bundle" ]; then
-    BUNDLE_ARGS=(--eval-bundle "$(pwd)/../shared/eval_bundle")
-fi
+BUNDLE_ARGS=()  # default: the CORE bundle is downloaded once into the base dir
+if [ -n "${EVAL_BUNDLE:-}" ]; then BUNDLE_ARGS=(--eval-bundle "$EVAL_BUNDLE"); fi
 for arch in gpt nag; do
     if [ -f "$BASE/runs/cpu-$arch/eval.json" ]; then
         echo "cpu-$arch already evaluated"

@@ -19,7 +19,7 @@ import argparse
 
 import torch.distributed as dist
 
-from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes
+from nanochat.common import UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import evaluate_bpb
@@ -216,7 +216,7 @@ def evaluate(args):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(script_argv(argv))
     with exit_on_user_error():
         return evaluate(args)
 

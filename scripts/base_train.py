@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, ensure_writable_dir
+from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, ensure_writable_dir, script_argv
 from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
@@ -90,7 +90,7 @@ def build_parser():
 
 def parse_args(argv=None):
     """Flags of a --preset first, then the command line, so that later flags win."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = script_argv(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", default="")
     pre.add_argument("--arch", default="gpt")
@@ -462,6 +462,8 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
     first = start_step(run_dir, args, record, tokenizer)
     if first is None:
         print0(f"{run_dir} already finished its {plan.num_iterations} steps; nothing to do")
+        if is_ddp:
+            dist.destroy_process_group()
         return run_dir
     model, num_iterations, total_batch, grad_accum = plan.model, plan.num_iterations, plan.total_batch, plan.grad_accum
     model.to_empty(device=device)

@@ -1,0 +1,229 @@
+"""
+The logic behind speedrun.sh: its flags, the plan of both runs, the disk and GPU checks, and which
+stages are already done. speedrun.sh runs `eval "$(python -m scripts.speedrun "$@")"`: the plan and
+the status go to stderr for the user, and shell assignments (quoted) go to stdout for the script.
+
+    python -m scripts.speedrun --dry-run                 # the plan of the published pair, for 8 GPUs
+    python -m scripts.speedrun --preset tiny --dry-run   # the CPU smoke test
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+from nanochat.common import UserError, exit_on_user_error
+from nanochat import checkpoint_manager as ckpt
+from scripts import base_train
+from scripts.presets import PRESETS, get_preset
+
+# Estimates, not measurements: a ClimbMix shard holds ~250M characters ≈ 55M tokens of a 32K-vocab
+# tokenizer (400B tokens / 6,543 shards ≈ 61M) in ~100 MB; 20% more shards than the tokens trained on
+# cover the text that BOS-aligned packing crops away. The tokenizer trains on the first 8 shards.
+TOKENS_PER_SHARD = 55_000_000
+SHARD_MB = 100
+DATA_MARGIN = 1.2
+TOK_SHARDS = 8
+VAL_SHARD = 6542
+TOKENIZER_CHARS = {"tiny": 2_000_000}  # default 2B characters
+MFU = 0.40  # wall-time estimate: 40% of an H100's 989 TFLOP/s dense bf16 (evaluation not included)
+PEAK_FLOPS = 989e12
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="speedrun.sh", description="FLOP-matched GPT vs NAG: data, tokenizer, training, CORE + bpb, report.")
+    p.add_argument("--preset", default="published", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--arch", default="gpt,nag", help="which runs: gpt, nag or gpt,nag (GPT trains first)")
+    p.add_argument("--flops", type=float, default=None, help="override the FLOP budget of both runs")
+    p.add_argument("--gpus", type=int, default=None, help="processes (default: every visible GPU; 8 in --dry-run without GPUs; 1 for tiny)")
+    p.add_argument("--tag", default="", help="run names become <arch>-<preset>-<tag>")
+    p.add_argument("--base-dir", default=None, help="everything goes here (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)")
+    p.add_argument("--shards", type=int, default=None, help="ClimbMix train shards to download (default: from the budget)")
+    p.add_argument("--offline", action="store_true", help="build the offline corpus instead of downloading ClimbMix")
+    p.add_argument("--eval-bundle", default="", help="a local CORE bundle (default: downloaded once into the base dir)")
+    p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is downloaded, trained or written")
+    return p
+
+
+def parse(argv):
+    """speedrun flags, then base_train flags after `--`."""
+    argv = list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = build_parser().parse_args(argv[:len(argv) - len(extra) - (1 if "--" in argv else 0)])
+    args.extra = extra
+    get_preset(args.preset)
+    archs = [a for a in args.arch.split(",") if a]
+    bad = [a for a in archs if a not in ("gpt", "nag")]
+    if bad or not archs:
+        raise UserError(f"unknown arch {bad[0]!r} in --arch {args.arch}" if bad else "--arch is empty (expected gpt, nag or gpt,nag)")
+    args.archs = [a for a in ("gpt", "nag") if a in archs]  # GPT first, whatever the order given
+    if args.gpus is not None and args.gpus < 1:
+        raise UserError(f"--gpus must be a positive integer, got {args.gpus}")
+    if args.shards is not None and args.shards < 1:
+        raise UserError(f"--shards must be a positive integer, got {args.shards}")
+    if args.flops is not None and not (math.isfinite(args.flops) and args.flops > 0):
+        raise UserError(f"--flops must be a positive number like 3e19, got {args.flops}")
+    if args.tag and not all(c.isalnum() or c in "._-" for c in args.tag):
+        raise UserError(f"--tag may hold only letters, digits, '.', '_' and '-', got {args.tag!r}")
+    if args.eval_bundle:
+        if not os.path.isdir(args.eval_bundle):
+            raise UserError(f"--eval-bundle {args.eval_bundle} is not a directory")
+        args.eval_bundle = os.path.abspath(args.eval_bundle)
+    args.base_dir = os.path.abspath(args.base_dir or os.environ.get("NANOCHAT_BASE_DIR") or os.path.expanduser("~/.cache/nanochat"))
+    args.offline = args.offline or args.preset == "tiny" or os.environ.get("NANOCHAT_OFFLINE") == "1"
+    return args
+
+
+def visible_gpus():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU") for line in out.splitlines())
+
+
+def run_name(args, arch):
+    return f"{arch}-{args.preset}" + (f"-{args.tag}" if args.tag else "")
+
+
+def train_args(args, arch):
+    """The base_train command line of one run; the run's own --run and --resume last, so they win."""
+    flops = ["--target-flops", f"{args.flops:g}"] if args.flops else []
+    return ["--preset", args.preset, "--arch", arch, *flops, *args.extra, "--run", run_name(args, arch), "--resume", "latest"]
+
+
+def eval_args(args, arch):
+    bundle = ["--eval-bundle", args.eval_bundle] if args.eval_bundle else []
+    return ["--run", run_name(args, arch), "--eval", "core,bpb,sample", *get_preset(args.preset)["eval"], *bundle]
+
+
+def plans(args, vocab, gpus):
+    out = {}
+    for arch in args.archs:
+        train = base_train.parse_args(train_args(args, arch))
+        out[arch] = base_train.make_plan(train, vocab, gpus).record(train)
+    return out
+
+
+def newer(a, b):
+    return os.path.exists(a) and os.path.exists(b) and os.path.getmtime(a) >= os.path.getmtime(b)
+
+
+def status(args, plan_records):
+    """Which stages are already done (each is skipped on a rerun)."""
+    base = args.base_dir
+    data = os.path.join(base, "base_data")
+    if args.offline:
+        data_done = os.path.isdir(data) and any(f.startswith("shard_") for f in os.listdir(data))
+    else:
+        data_done = all(os.path.exists(os.path.join(data, f"shard_{i:05d}.parquet")) for i in [*range(args.shards_needed), VAL_SHARD])
+    done = {"data": data_done,
+            "tokenizer": all(os.path.exists(os.path.join(base, "tokenizer", f)) for f in ("tokenizer.pkl", "token_bytes.pt"))}
+    for arch, p in plan_records.items():
+        run_dir = os.path.join(base, "runs", run_name(args, arch))
+        final = ckpt.model_path(run_dir, p["num_iterations"])
+        done[f"train {arch}"] = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, p["num_iterations"])
+        done[f"eval {arch}"] = done[f"train {arch}"] and newer(os.path.join(run_dir, "eval.json"), final)
+    gpt, nag = (run_name(args, a) for a in ("gpt", "nag"))
+    report = os.path.join(base, "reports", f"{gpt}_vs_{nag}", "report.md")
+    evals = [os.path.join(base, "runs", r, "eval.json") for r in (gpt, nag)]
+    done["report"] = all(done.get(f"eval {a}", True) for a in args.archs) and all(newer(report, e) for e in evals)
+    return done
+
+
+def hms(s):
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def plan_and_check(args):
+    """Print the plan to stderr; return the shell assignments for speedrun.sh."""
+    say = lambda *a: print(*a, file=sys.stderr)
+    have = visible_gpus()
+    gpus = args.gpus or (1 if args.preset == "tiny" else have)
+    if not gpus:
+        if not args.dry_run:
+            raise UserError("no NVIDIA GPU found (nvidia-smi); see the plan with --dry-run, or smoke-test on CPU with --preset tiny")
+        gpus = 8
+    tokenizer_there = os.path.exists(os.path.join(args.base_dir, "tokenizer", "tokenizer.pkl"))
+    vocab = get_preset(args.preset)["vocab"]
+    if tokenizer_there:  # plan with the vocab the runs will really have
+        os.environ["NANOCHAT_BASE_DIR"] = args.base_dir
+        from nanochat.tokenizer import get_tokenizer
+        vocab = get_tokenizer().get_vocab_size()
+    with contextlib.redirect_stdout(sys.stderr):  # base_train's notes are for the user, not for the shell
+        records = plans(args, vocab, gpus)
+    say(f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es)"
+        + (" (no GPU visible here: planned for 8)" if not have and not args.gpus and args.preset != "tiny" else "") + f" | base dir {args.base_dir}"
+        + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else ""))
+    say(f"{'run':<24}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  {'checkpoints':<22}est. time")
+    need_gib, total_s = 0.0, 0.0
+    tokens = max(p["total_tokens"] for p in records.values())
+    args.shards_needed = 0 if args.offline else (args.shards or max(TOK_SHARDS, math.ceil(tokens * DATA_MARGIN / TOKENS_PER_SHARD)))
+    done = status(args, records)
+    for arch, p in records.items():
+        saves = math.ceil(p["num_iterations"] / p["save_every"]) if p["save_every"] else 1
+        secs = p["total_flops"] / (gpus * PEAK_FLOPS * MFU)
+        total_s += secs
+        if not done[f"train {arch}"]:
+            need_gib += saves * p["checkpoint_gib"]
+        when = "CPU: minutes" if args.preset == "tiny" else f"{hms(secs)} at {MFU:.0%} MFU"
+        saved = f"{saves} × {p['checkpoint_gib']:.3g} GiB"
+        say(f"{p['run']:<24}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}{p['total_tokens']:>17,}"
+            f"{p['total_flops']:>13.4e}  {saved:<22}{when}")
+    if args.offline:
+        say("data: offline corpus (python -m nanochat.dataset --offline), no download")
+    else:
+        say(f"data: {args.shards_needed} ClimbMix train shards + 1 val shard ≈ {(args.shards_needed + 1) * SHARD_MB / 1024:.1f} GiB "
+            f"(assuming ~{TOKENS_PER_SHARD / 1e6:.0f}M tokens, ~{SHARD_MB} MB per shard, +{DATA_MARGIN - 1:.0%} for packing; {tokens:,} tokens trained)")
+        if not done["data"]:
+            need_gib += (args.shards_needed + 1) * SHARD_MB / 1024
+    for p in records.values():  # base_train's full plan, optimizer included: diff two configurations with these lines
+        say(f"PLAN {json.dumps(p)}")
+    periods = " / ".join(f"{p['save_every'] or p['num_iterations']:,}" for p in records.values())
+    say(f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; optimizer state saved once by rank 0)")
+    if args.preset != "tiny":
+        say(f"training time: ≈ {hms(total_s)} on {gpus} × H100 at {MFU:.0%} MFU of 989 TFLOP/s (+ evaluation)")
+    probe = args.base_dir
+    while not os.path.isdir(probe):
+        probe = os.path.dirname(probe)
+    free_gib = shutil.disk_usage(probe).free / 2 ** 30
+    enough = need_gib <= free_gib
+    say(f"disk: need ≈ {need_gib:.1f} GiB more in {args.base_dir}, {free_gib:.0f} GiB free" + ("" if enough else " (NOT ENOUGH: a real run stops here)"))
+    say("stages:")
+    for stage, is_done in done.items():
+        say(f"  {stage:<12} [{'done, skip' if is_done else 'to do'}]")
+    if not args.dry_run:
+        if not enough:
+            raise UserError(f"not enough disk in {args.base_dir}: need ≈ {need_gib:.1f} GiB, {free_gib:.0f} GiB free (see --dry-run)")
+        if args.preset != "tiny" and have < gpus:
+            raise UserError(f"asked for {gpus} GPU(s) but nvidia-smi sees {have}; pass --gpus N, or use --preset tiny on CPU")
+    launch = ["python", "-m"] if gpus == 1 else ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "-m"]
+    shell = {"BASE": args.base_dir, "DRY_RUN": int(args.dry_run), "OFFLINE": int(args.offline), "SHARDS": args.shards_needed,
+             "TOK_SHARDS": min(TOK_SHARDS, args.shards_needed), "VOCAB": get_preset(args.preset)["vocab"],
+             "TOK_CHARS": TOKENIZER_CHARS.get(args.preset, 2_000_000_000), "PREFLIGHT": int(args.preset != "tiny" and "nag" in args.archs
+                                                                                       and "--nag-impl" not in " ".join(args.extra)),
+             "GPT_RUN": run_name(args, "gpt"), "NAG_RUN": run_name(args, "nag"), "ARCHS": " ".join(args.archs),
+             "DATA_DONE": int(done["data"]), "TOK_DONE": int(done["tokenizer"]), "REPORT_DONE": int(done["report"])}
+    arrays = {"LAUNCH": launch}
+    for arch in ("gpt", "nag"):
+        shell[f"{arch.upper()}_TRAIN_DONE"] = int(done.get(f"train {arch}", arch not in args.archs))
+        shell[f"{arch.upper()}_EVAL_DONE"] = int(done.get(f"eval {arch}", arch not in args.archs))
+        arrays[f"{arch.upper()}_TRAIN"] = train_args(args, arch) if arch in args.archs else []
+        arrays[f"{arch.upper()}_EVAL"] = eval_args(args, arch) if arch in args.archs else []
+    lines = [f"{k}={shlex.quote(str(v))}" for k, v in shell.items()]
+    lines += [f"{k}=({' '.join(shlex.quote(a) for a in v)})" for k, v in arrays.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    with exit_on_user_error():
+        print(plan_and_check(parse(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    main()
