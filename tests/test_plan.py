@@ -1,0 +1,90 @@
+"""The plan of a run: the published preset's horizon and optimizer settings, as base_train builds them."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from scripts import base_train
+from nanochat.optim import orthogonalize, POLAR_EXPRESS_COEFFS, MuonAdamW
+
+
+def published(arch, nproc=8):
+    args = base_train.parse_args(["--preset", "published", "--arch", arch])
+    return args, base_train.make_plan(args, 32768, nproc)
+
+
+@pytest.mark.parametrize("arch,steps,decay", [("gpt", 9474, 0.094355), ("nag", 9425, 0.094198)])
+def test_published_horizon_and_weight_decay(arch, steps, decay):
+    args, plan = published(arch)
+    assert (plan.total_batch, plan.num_iterations) == (2 ** 20, steps)
+    assert plan.lr_scale == pytest.approx(math.sqrt(2))
+    assert plan.weight_decay == pytest.approx(decay, abs=1e-6)
+    # the rule by hand: 0.28 · √(B/2^19) · S_ref/S, with S_ref the 12-layer model of the same width and arch
+    per_layer = 12 * 640 ** 2 + (2 * 640 * 32 if arch == "nag" else 0)
+    head = 32768 * 640
+    assert plan.weight_decay == pytest.approx(0.28 * math.sqrt(2) * (12 * per_layer + head) / (64 * per_layer + head), rel=1e-12)
+
+
+def test_published_preset_keeps_the_momentum_schedule():
+    args, plan = published("gpt")
+    assert args.muon_momentum == -1  # no constant override
+    n, wd = plan.num_iterations, plan.warmdown_steps
+    start = n - wd
+    m = lambda s: base_train.momentum_at(s, plan, args)
+    assert m(0) == pytest.approx(0.85)
+    assert m(200) == pytest.approx(0.91)
+    assert m(400) == pytest.approx(0.97)
+    assert m(start) == pytest.approx(0.97)  # constant from step 400 to the warm-down
+    assert m((start + n) // 2) == pytest.approx(0.97 - 0.07 * ((start + n) // 2 - start) / wd)
+    assert m(n) == pytest.approx(0.90)
+    assert m(n - 1) == pytest.approx(0.90 + 0.07 / wd)
+
+
+def test_published_optimizer_groups_as_built():
+    args, plan = published("nag")
+    opt = MuonAdamW(plan.optimizer_groups(args))
+    groups = {g["name"].split("[")[0]: g for g in opt.param_groups}
+    dim_scale, lr_scale = (640 / 768) ** -0.5, math.sqrt(2)
+    assert groups["wte"]["betas"] == (0.8, 0.995) and groups["wte"]["weight_decay"] == 0.001
+    assert groups["wte"]["lr"] == pytest.approx(0.18 * dim_scale * lr_scale)
+    assert groups["lm_head"]["betas"] == (0.8, 0.96) and groups["lm_head"]["weight_decay"] == 0.01
+    assert groups["lm_head"]["lr"] == pytest.approx(0.006 * dim_scale * lr_scale)
+    assert groups["nag_gates"]["weight_decay"] == 0 and groups["nag_gates"]["lr"] == pytest.approx(1e-3 * lr_scale)
+    assert groups["nag_temp_gain"]["weight_decay"] == 0
+    for g in opt.param_groups:
+        assert g["eps"] == 1e-10
+        if g["kind"] == "muon":
+            assert g["lr"] == pytest.approx(0.012 * lr_scale) and g["beta2"] == 0.9
+            assert g["weight_decay"] == pytest.approx(0.094198, abs=1e-6)
+
+
+def test_polar_express_normalises_by_1_01():
+    torch.manual_seed(0)
+    G = torch.randn(1, 6, 4, dtype=torch.float64)
+    X = G / (G.norm() * 1.01 + 1e-6)  # the direct computation, on the tall matrix's transpose
+    X = X.mT
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = X @ X.mT
+        X = a * X + (b * A + c * (A @ A)) @ X
+    assert torch.allclose(orthogonalize(G, torch.float64), X.mT, atol=1e-12)
+    # 1.02 would give a visibly different result: the check can tell the factors apart
+    Y = (G / (G.norm() * 1.02 + 1e-6)).mT
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        B = Y @ Y.mT
+        Y = a * Y + (b * B + c * (B @ B)) @ Y
+    assert not torch.allclose(orthogonalize(G, torch.float64), Y.mT, atol=1e-6)
+
+
+def test_dry_run_plan_carries_the_optimizer(capsys):
+    base_train.main(["--preset", "published", "--arch", "gpt", "--dry-run", "8"])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("PLAN "))
+    opt = json.loads(line[5:])["optimizer"]
+    assert opt["polar_norm_factor"] == 1.01 and opt["normuon_beta2"] == 0.9
+    assert opt["muon_momentum"] == {"start": 0.85, "peak": 0.97, "peak_step": 400, "end": 0.9, "end_step": 9474,
+                                    "warmdown_start_step": 9474 - 6158}
+    assert opt["muon_weight_decay"]["value"] == pytest.approx(0.094355, abs=1e-6)
+    names = {g["name"]: g for g in opt["groups"]}
+    assert names["lm_head"]["betas"] == [0.8, 0.96] and names["wte"]["weight_decay"] == 0.001
+    assert all(g["lr_at_step0"] == pytest.approx(g["lr"] / 40) for g in opt["groups"])  # warm-up step 1 of 40
