@@ -63,3 +63,38 @@ def script_error(capsys):
         assert len(err) == 1 and err[0].startswith("error: "), err
         return err[0]
     return run
+
+
+# ---------------------------------------------------------------------------
+# CORE eval bundles written by tests (core.yaml, eval_meta_data.csv, eval_data/tiny/<label>.jsonl)
+
+
+def _write_eval_bundle(root, tasks, extra_baselines=None):
+    """tasks: (label, task type, num_fewshot, random baseline in % or None for no row, items or None for an
+    absent file[, continuation_delimiter]). extra_baselines: {label: %} rows of tasks core.yaml does not list."""
+    import json  # here rather than at the top: this block is appended to the shared fixtures
+    root = str(root)
+    os.makedirs(os.path.join(root, "eval_data", "tiny"), exist_ok=True)
+    yaml_lines = ["# test bundle", "icl_tasks:"]
+    meta = ["Eval Task,Task Category,Random baseline,Description"]
+    for label, kind, shots, baseline, items, *delimiter in tasks:
+        yaml_lines += ["-", f"  label: {label}", f"  dataset_uri: tiny/{label}.jsonl", f"  num_fewshot: [{shots}]", f"  icl_task_type: {kind}"]
+        if delimiter:
+            yaml_lines.append(f"  continuation_delimiter: {json.dumps(delimiter[0])}")  # a JSON string is a YAML double-quoted one
+        if baseline is not None:
+            meta.append(f'{label},tiny,{baseline},"a, quoted description"')
+        if items is not None:
+            with open(os.path.join(root, "eval_data", "tiny", f"{label}.jsonl"), "w") as f:
+                f.writelines(json.dumps(it) + "\n" for it in items)
+    meta += [f"{label},tiny,{b}," for label, b in (extra_baselines or {}).items()]
+    with open(os.path.join(root, "core.yaml"), "w") as f:
+        f.write("\n".join(yaml_lines) + "\n")
+    with open(os.path.join(root, "eval_meta_data.csv"), "w") as f:
+        f.write("\n".join(meta) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def write_eval_bundle():
+    """write_eval_bundle(root, tasks, extra_baselines=None) -> root: see _write_eval_bundle."""
+    return _write_eval_bundle
