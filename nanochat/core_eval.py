@@ -20,6 +20,7 @@ Two ways to score, with the same verdicts example for example:
   (fp32 on CPU: ~1e-6 against a default margin of 1e-4).
 """
 
+import io
 import os
 import sys
 import csv
@@ -37,6 +38,8 @@ import urllib.request
 
 import yaml
 import torch
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch.distributed as dist
 
 from nanochat.common import UserError, get_base_dir
@@ -538,6 +541,38 @@ def evaluate_task(model, tokenizer, data, device, task_meta, batched=True, batch
 def centered_accuracy(accuracy, random_baseline_percent):
     b = random_baseline_percent / 100
     return (accuracy - b) / (1 - b)
+
+
+RECORD_COLUMNS = ("task", "idx", "correct", "margin", "item")
+
+
+def save_records(path, records, settings, write_bytes):
+    """Per-example records as parquet, the eval settings (and anything else in settings) as JSON in the
+    file's metadata. write_bytes(path, data) does the writing (atomic in base_eval)."""
+    table = pa.table({
+        "task": pa.array([r["task"] for r in records], pa.string()),
+        "idx": pa.array([r["idx"] for r in records], pa.int32()),
+        "correct": pa.array([r["correct"] for r in records], pa.bool_()),
+        "margin": pa.array([r["margin"] for r in records], pa.float64()),
+        "item": pa.array([r["item"] for r in records], pa.string()),
+    }).replace_schema_metadata({"nanochat_core": json.dumps(settings, sort_keys=True)})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    write_bytes(path, buf.getvalue())
+
+
+def load_records(path):
+    """(columns {name: list}, settings) of a records file; a missing or unreadable one is a UserError."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is missing")
+    try:
+        table = pq.read_table(path)
+        settings = json.loads((table.schema.metadata or {})[b"nanochat_core"])
+        columns = {name: table.column(name).to_pylist() for name in RECORD_COLUMNS}
+    except Exception as e:  # pyarrow raises several types for a damaged file; any of them means the same here
+        reason = " ".join(str(e).split())[:120]
+        raise UserError(f"{path} is not a readable CORE records file ({type(e).__name__}: {reason}); rerun scripts.base_eval") from None
+    return columns, settings
 
 
 def item_key(item):
