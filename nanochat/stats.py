@@ -128,13 +128,14 @@ def min_detectable_core_diff(task_sizes, baselines, accuracy=0.5, discordance=No
 
     Per task the variance of the centred-accuracy difference is d / n / (1 - b)^2, d the variance of one
     item's verdict difference: with `discordance` (the fraction of items on which the two runs disagree,
-    measured from records) d = discordance; without it the runs are taken as independent with the given
+    measured from records; a number or {label: fraction}) d = discordance; without it the runs are taken as independent with the given
     accuracy, d = 2 acc (1 - acc), the upper end for positively correlated models. CORE averages T tasks,
     so SE = sqrt(sum of variances) / T and MDE = (z_{1-alpha/2} + z_power) SE. Returns (mde, se)."""
     var = 0.0
     for label, n in task_sizes.items():
         acc = accuracy[label] if isinstance(accuracy, dict) else accuracy
-        d = discordance if discordance is not None else 2 * acc * (1 - acc)
+        disc = discordance[label] if isinstance(discordance, dict) else discordance
+        d = disc if disc is not None else 2 * acc * (1 - acc)
         var += d / n / (1 - baselines[label] / 100) ** 2
     se = math.sqrt(var) / len(task_sizes)
     z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
