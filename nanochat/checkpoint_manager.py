@@ -127,7 +127,7 @@ def torch_load(path, device, run_dir, step):
         return torch.load(path, map_location=device, weights_only=False)
     except Exception as e:
         earlier = [s for s in complete_steps(run_dir) if s < step]
-        hint = f"use the previous complete step {earlier[-1]}" if earlier else "no earlier complete step exists"
+        hint = f"the previous complete step is {earlier[-1]}" if earlier else "no earlier complete step exists"
         raise UserError(f"cannot read {path} ({type(e).__name__}): the file is damaged; {hint}") from None
 
 

@@ -20,11 +20,13 @@ Two ways to score, with the same verdicts example for example:
   (fp32 on CPU: ~1e-6 against a default margin of 1e-4).
 """
 
+import io
 import os
 import sys
 import csv
 import json
 import math
+import hashlib
 import time
 import fcntl
 import random
@@ -34,7 +36,10 @@ import tempfile
 import urllib.error
 import urllib.request
 
+import yaml
 import torch
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch.distributed as dist
 
 from nanochat.common import UserError, get_base_dir
@@ -122,65 +127,6 @@ def _download(url, out):
         raise UserError(f"cannot download the CORE eval bundle from {url} ({reason}); pass --eval-bundle DIR with a local copy") from None
 
 
-def _yaml_scalar(text, where):
-    """A scalar or flow list in the small YAML subset core.yaml uses."""
-    if text[:1] in ("'", '"'):
-        quote, i = text[0], 1
-        while i < len(text):  # find the closing quote: \" escapes it in "...", '' in '...'
-            if quote == '"' and text[i] == "\\":
-                i += 2
-            elif text[i] == quote and quote == "'" and text[i + 1:i + 2] == "'":
-                i += 2
-            elif text[i] == quote:
-                break
-            else:
-                i += 1
-        rest = text[i + 1:].strip()
-        if i >= len(text) or (rest and not rest.startswith("#")):
-            raise UserError(f"{where}: cannot parse the quoted value {text}")
-        if quote == "'":
-            return text[1:i].replace("''", "'")
-        try:
-            return json.loads(text[:i + 1])  # the escapes core.yaml uses (\n, \t, \", \\, \u) are JSON's too
-        except json.JSONDecodeError:
-            raise UserError(f"{where}: cannot parse the quoted value {text}") from None
-    text = text.split(" #", 1)[0].strip()
-    if text.startswith("[") and text.endswith("]"):
-        return [_yaml_scalar(x.strip(), where) for x in text[1:-1].split(",") if x.strip()]
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "null": None, "~": None}.get(text, text)
-
-
-def parse_core_yaml(text, name="core.yaml"):
-    """Tasks listed under `icl_tasks:`, each a '-' item of `key: value` lines. Only this YAML subset is read."""
-    tasks, section, item = [], None, None
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        where = f"{name} line {lineno}"
-        if not raw[0].isspace() and not line.startswith("-"):  # a top-level key opens a section
-            section, item = line.split(":", 1)[0].strip(), None
-            continue
-        if section != "icl_tasks":
-            continue
-        if line.startswith("-"):
-            item = {}
-            tasks.append(item)
-            line = line[1:].strip()
-            if not line:
-                continue
-        key, colon, value = line.partition(":")
-        if item is None or not colon or not value.strip():
-            raise UserError(f"{where}: expected `key: value` inside a task, got {line!r}")
-        item[key.strip()] = _yaml_scalar(value.strip(), where)
-    return tasks
-
-
 def load_core_tasks(bundle_dir):
     """The task list of core.yaml, each with its random baseline (percent) from eval_meta_data.csv."""
     yaml_path = os.path.join(bundle_dir, "core.yaml")
@@ -189,7 +135,13 @@ def load_core_tasks(bundle_dir):
         if not os.path.isfile(path):
             raise UserError(f"eval bundle file missing: {path}")
     with open(yaml_path, encoding="utf-8") as f:
-        raw_tasks = parse_core_yaml(f.read(), yaml_path)
+        try:
+            doc = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise UserError(f"{yaml_path} is not valid YAML ({' '.join(str(e).split())})") from None
+    raw_tasks = doc.get("icl_tasks") or [] if isinstance(doc, dict) else None
+    if not isinstance(raw_tasks, list) or not all(isinstance(t, dict) for t in raw_tasks):
+        raise UserError(f"{yaml_path}: expected a list of tasks under `icl_tasks:`")
     with open(meta_path, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
     try:
@@ -473,19 +425,24 @@ def packed_scores(model, rows, pad_id, device, packed):
 
 
 def decide(task_type, gold, scores, margin):
-    """(correct, pred, robust) from the per-sequence scores of one example. robust: the verdict cannot
-    change under logit noise below margin/2 (pred is None for language modelling)."""
+    """(correct, pred, robust, decisive) from the per-sequence scores of one example. robust: the verdict
+    cannot change under logit noise below margin/2 (pred is None for language modelling). decisive: how
+    far the verdict is from flipping, > 0 when correct: for choices, the mean loss of the best wrong one
+    minus the gold one's; for language modelling, the smallest logit gap of the target over the best other
+    token (the greedy match holds iff every gap is > 0)."""
     if task_type == "language_modeling":
         _, gaps, match = scores[0]
         correct = all(match)
         robust = any(g <= -margin for g in gaps) or all(g >= margin for g in gaps)
-        return correct, None, robust
+        return correct, None, robust, min(gaps) if gaps else math.nan
     # fsum: an exactly rounded sum, the same whatever order the losses came in
     means = [math.fsum(losses) / len(losses) if losses else math.nan for losses, _, _ in scores]
     pred = means.index(min(means))  # first of equal minima, as upstream
     ordered = sorted(means)
     robust = all(math.isfinite(m) for m in means) and (len(means) < 2 or ordered[1] - ordered[0] >= margin)
-    return pred == gold, pred, robust
+    wrong = [m for j, m in enumerate(means) if j != gold]
+    decisive = min(wrong) - means[gold] if wrong else math.inf
+    return pred == gold, pred, robust, decisive
 
 
 def default_max_tokens(device):
@@ -507,15 +464,16 @@ def _score_alone(model, ex, task_type, pad_id, device):
 
 
 def evaluate_example(idx, model, tokenizer, data, device, task_meta):
-    """The one-at-a-time reference path: {"idx", "correct", "pred", "rescored": False} for data[idx]."""
+    """The one-at-a-time reference path: {"idx", "correct", "pred", "margin", "rescored": False} for data[idx]."""
     ex = prepare_examples([idx], data, tokenizer, task_meta, model_context_len(model))[0]
-    correct, pred, _ = _score_alone(model, ex, task_meta["task_type"], tokenizer.get_bos_token_id(), device)
-    return {"idx": idx, "correct": correct, "pred": pred, "rescored": False}
+    correct, pred, _, decisive = _score_alone(model, ex, task_meta["task_type"], tokenizer.get_bos_token_id(), device)
+    return {"idx": idx, "correct": correct, "pred": pred, "margin": decisive, "rescored": False}
 
 
 def score_examples(model, tokenizer, data, device, task_meta, indices=None, batched=True,
                    batch_size=32, max_tokens=None, margin=None):
-    """Verdicts {"idx", "correct", "pred", "rescored"} for data[indices] (default: all).
+    """Verdicts {"idx", "correct", "pred", "margin", "rescored"} for data[indices] (default: all); margin:
+    how far the verdict is from flipping (see decide).
     Batched: each example packed into one row (its shared prefix once: see packed_row), rows sorted by
     length and grouped into forwards of at most batch_size rows and about max_tokens padded tokens
     (default by device); near-tie examples are re-scored by the reference path."""
@@ -547,27 +505,34 @@ def score_examples(model, tokenizer, data, device, task_meta, indices=None, batc
                 scores[k][j] = s
     verdicts = []
     for ex, sc in zip(examples, scores):
-        correct, pred, robust = decide(task_type, ex["gold"], sc, margin)
+        correct, pred, robust, decisive = decide(task_type, ex["gold"], sc, margin)
         if not robust:
-            correct, pred, _ = _score_alone(model, ex, task_type, pad_id, device)
-        verdicts.append({"idx": ex["idx"], "correct": correct, "pred": pred, "rescored": not robust})
+            correct, pred, _, decisive = _score_alone(model, ex, task_type, pad_id, device)
+        verdicts.append({"idx": ex["idx"], "correct": correct, "pred": pred, "margin": decisive, "rescored": not robust})
     return verdicts
 
 
-def evaluate_task(model, tokenizer, data, device, task_meta, batched=True, batch_size=32, max_tokens=None, margin=None):
-    """Accuracy on data. Under torchrun each rank takes every world_size-th example; counts are summed."""
+def task_verdicts(model, tokenizer, data, device, task_meta, batched=True, batch_size=32, max_tokens=None, margin=None):
+    """The verdict of every example of data, in index order. Under torchrun each rank scores every
+    world_size-th example and all ranks get every verdict."""
     if not data:
         raise UserError("no examples to evaluate")
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     verdicts = score_examples(model, tokenizer, data, device, task_meta, range(rank, len(data), world),
                               batched=batched, batch_size=batch_size, max_tokens=max_tokens, margin=margin)
-    correct = sum(v["correct"] for v in verdicts)
     if world > 1:
-        t = torch.tensor([correct], dtype=torch.long, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        correct = int(t.item())
-    return correct / len(data)
+        shards = [None] * world
+        dist.all_gather_object(shards, verdicts)
+        verdicts = sorted((v for shard in shards for v in shard), key=lambda v: v["idx"])
+    return verdicts
+
+
+def evaluate_task(model, tokenizer, data, device, task_meta, batched=True, batch_size=32, max_tokens=None, margin=None):
+    """Accuracy on data (see task_verdicts)."""
+    verdicts = task_verdicts(model, tokenizer, data, device, task_meta, batched=batched, batch_size=batch_size,
+                             max_tokens=max_tokens, margin=margin)
+    return sum(v["correct"] for v in verdicts) / len(data)
 
 # -----------------------------------------------------------------------------
 # The CORE metric
@@ -578,13 +543,73 @@ def centered_accuracy(accuracy, random_baseline_percent):
     return (accuracy - b) / (1 - b)
 
 
+RECORD_COLUMNS = ("task", "idx", "correct", "margin", "item")
+
+
+def save_records(path, records, settings, write_bytes):
+    """Per-example records as parquet, the eval settings (and anything else in settings) as JSON in the
+    file's metadata. write_bytes(path, data) does the writing (atomic in base_eval)."""
+    table = pa.table({
+        "task": pa.array([r["task"] for r in records], pa.string()),
+        "idx": pa.array([r["idx"] for r in records], pa.int32()),
+        "correct": pa.array([r["correct"] for r in records], pa.bool_()),
+        "margin": pa.array([r["margin"] for r in records], pa.float64()),
+        "item": pa.array([r["item"] for r in records], pa.string()),
+    }).replace_schema_metadata({"nanochat_core": json.dumps(settings, sort_keys=True)})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    write_bytes(path, buf.getvalue())
+
+
+def load_records(path):
+    """(columns {name: list}, settings) of a records file; a missing or unreadable one is a UserError."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is missing")
+    try:
+        table = pq.read_table(path)
+        settings = json.loads((table.schema.metadata or {})[b"nanochat_core"])
+        columns = {name: table.column(name).to_pylist() for name in RECORD_COLUMNS}
+    except Exception as e:  # pyarrow raises several types for a damaged file; any of them means the same here
+        reason = " ".join(str(e).split())[:120]
+        raise UserError(f"{path} is not a readable CORE records file ({type(e).__name__}: {reason}); rerun scripts.base_eval") from None
+    return columns, settings
+
+
+def item_key(item):
+    """A short content hash of one item: two runs compare only on the very same items."""
+    return hashlib.sha1(json.dumps(item, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def core_summary(results, missing, settings, records):
+    """The CORE dict of the tasks scored so far (evaluate_core's return value)."""
+    n = len(results)
+    partial = sum(r["centered"] for r in results.values()) / n if n else None
+    complete = n == NUM_CORE_TASKS and not missing
+    return {
+        "tasks": dict(results),
+        "missing_tasks": list(missing),
+        "num_tasks_scored": n,
+        "core_metric": partial if complete else None,
+        "partial_core": partial,
+        "partial_label": f"partial CORE ({n}/{NUM_CORE_TASKS})",
+        "max_per_task": settings["max_per_task"],
+        "settings": {**settings, "tasks": dict(settings["tasks"])},  # copies: later tasks do not change a summary already given
+        "records": list(records),
+    }
+
+
 def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_size=32, log=print,
-                  batched=True, max_tokens=None, margin=None):
+                  batched=True, max_tokens=None, margin=None, on_task=None):
     """Every task of core.yaml; missing task files are skipped and listed. Fewer than 22 tasks scored
-    gives core_metric None and a partial CORE under its own label."""
+    gives core_metric None and a partial CORE under its own label.
+    Besides the scores, the result holds `records` (one per scored example: task, idx after the shuffle,
+    correct, margin, item hash) and `settings` (what decides which items are scored and how), so two runs
+    can be compared item by item. on_task(summary) is called after each task, for partial saves.
+    A task with too few items for its few-shot count (small --max-per-task) gets fewer shots, noted once."""
     bundle_dir = ensure_eval_bundle(bundle_dir)
     tasks = load_core_tasks(bundle_dir)
-    results, missing = {}, []
+    results, missing, records, fewer = {}, [], [], []
+    settings = {"max_per_task": max_per_task, "tasks": {}}
     for task in tasks:
         label = task["label"]
         path = os.path.join(bundle_dir, "eval_data", task["dataset_uri"])
@@ -597,31 +622,32 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_s
         random.Random(1337).shuffle(data)  # before truncation, so --max-per-task takes a fixed random subset
         if max_per_task > 0:
             data = data[:max_per_task]
-        if len(data) <= task["num_fewshot"]:
-            raise UserError(f"{label}: {task['num_fewshot']}-shot prompts need more than {task['num_fewshot']} items, "
-                            f"got {len(data)} (max_per_task {max_per_task})")
-        task_meta = {k: task[k] for k in ("task_type", "num_fewshot", "continuation_delimiter")}
-        accuracy = evaluate_task(model, tokenizer, data, device, task_meta, batched=batched,
+        if not data:
+            raise UserError(f"{label}: {path} has no items")
+        shots = min(task["num_fewshot"], len(data) - 1)  # the few-shot examples are drawn from the other items
+        if shots < task["num_fewshot"]:
+            fewer.append(f"{label} {task['num_fewshot']}->{shots}")
+        task_meta = {"task_type": task["task_type"], "num_fewshot": shots, "continuation_delimiter": task["continuation_delimiter"]}
+        verdicts = task_verdicts(model, tokenizer, data, device, task_meta, batched=batched,
                                  batch_size=batch_size, max_tokens=max_tokens, margin=margin)
+        accuracy = sum(v["correct"] for v in verdicts) / len(data)
         centered = centered_accuracy(accuracy, task["random_baseline"])
         seconds = time.time() - t0
-        results[label] = {"accuracy": accuracy, "centered": centered, "num_examples": len(data), "seconds": seconds}
-        log(f"{label:<34} {task['num_fewshot']:>2}-shot {task['task_type']:<17} n={len(data):<6} "
+        results[label] = {"accuracy": accuracy, "centered": centered, "num_examples": len(data), "num_fewshot": shots, "seconds": seconds}
+        settings["tasks"][label] = {"task_type": task["task_type"], "num_fewshot": shots, "num_examples": len(data),
+                                    "continuation_delimiter": task["continuation_delimiter"], "random_baseline": task["random_baseline"]}
+        records += [{"task": label, "idx": v["idx"], "correct": bool(v["correct"]), "margin": float(v["margin"]),
+                     "item": item_key(data[v["idx"]])} for v in verdicts]
+        log(f"{label:<34} {shots:>2}-shot {task['task_type']:<17} n={len(data):<6} "
             f"accuracy {accuracy:.4f}  centered {centered:+.4f}  {seconds:6.1f}s")
-    n = len(results)
-    partial = sum(r["centered"] for r in results.values()) / n if n else None
-    complete = n == NUM_CORE_TASKS and not missing
-    out = {
-        "tasks": results,
-        "missing_tasks": missing,
-        "num_tasks_scored": n,
-        "core_metric": partial if complete else None,
-        "partial_core": partial,
-        "partial_label": f"partial CORE ({n}/{NUM_CORE_TASKS})",
-        "max_per_task": max_per_task,
-    }
-    if complete:
-        log(f"CORE metric: {partial:.4f}")
-    elif partial is not None:
-        log(f"{out['partial_label']}: {partial:.4f} (not CORE; missing: {', '.join(missing) or 'none'})")
+        if on_task is not None:
+            on_task(core_summary(results, missing, settings, records))
+    if fewer:
+        log(f"note: fewer few-shot examples than the protocol's, as the tasks hold too few items "
+            f"(max_per_task {max_per_task}): {', '.join(fewer)}")
+    out = core_summary(results, missing, settings, records)
+    if out["core_metric"] is not None:
+        log(f"CORE metric: {out['core_metric']:.4f}")
+    elif out["partial_core"] is not None:
+        log(f"{out['partial_label']}: {out['partial_core']:.4f} (not CORE; missing: {', '.join(missing) or 'none'})")
     return out

@@ -103,6 +103,18 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
         yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), state
 
 
+def split_tokens(tokenizer, split, rank=0, world_size=1, limit=None, tokenizer_threads=4):
+    """Tokens (BOS included) in this rank's share of a split, counted up to `limit`: lets evaluation stop at
+    what a small split holds instead of cycling over it."""
+    total = 0
+    for rg in list_row_groups(split)[rank::world_size]:
+        texts = read_row_group(*rg)
+        total += sum(len(ids) + 1 for ids in tokenizer(texts, num_threads=tokenizer_threads))
+        if limit is not None and total >= limit:
+            break
+    return total
+
+
 def _check_state(state, split, rank, world_size, num_row_groups):
     try:
         ok = state["version"] == STATE_VERSION

@@ -6,9 +6,13 @@ the CORE score (DCLM protocol, nanochat/core_eval.py) and a few fixed-prompt sam
     python -m scripts.base_eval --run nag-d20 --step 5000 --eval core --max-per-task 500
     torchrun --nproc_per_node=8 -m scripts.base_eval --run gpt-d20
 
-Writes into the run directory: eval.json (all results) and core_tasks.csv (one row per CORE task).
+Writes into the run directory: eval.json (all results, with the per-batch val losses that
+scripts.compare turns into a bpb interval), core_tasks.csv (one row per CORE task) and
+core_records.parquet (every scored CORE example with the eval settings, for paired comparisons).
+CORE results are saved after every task, so a crash keeps the tasks already finished.
 Sections not run this time (say `--eval sample`) keep their results from an earlier eval.json
 of the same checkpoint step; an eval.json of another step is replaced whole.
+A small --max-per-task (say 5) works: tasks then use fewer few-shot examples, with a note.
 """
 
 import os
@@ -16,6 +20,8 @@ import io
 import csv
 import json
 import argparse
+import tempfile
+import contextlib
 
 import torch.distributed as dist
 
@@ -23,11 +29,13 @@ from nanochat.common import UserError, exit_on_user_error, script_argv, print0, 
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import evaluate_bpb
-from nanochat.core_eval import ensure_eval_bundle, evaluate_core
+from nanochat.core_eval import ensure_eval_bundle, evaluate_core, save_records
 from nanochat import checkpoint_manager as ckpt
 from scripts.archs import load_model
 
 EVALS = ("core", "bpb", "sample")
+RECORDS = "core_records.parquet"
+OUTPUTS = ("eval.json", "core_tasks.csv", RECORDS)
 PROMPTS = [
     "The capital of France is",
     "The chemical symbol of gold is",
@@ -40,9 +48,10 @@ SAMPLE_SEED = 42
 
 # every field eval.json has, grouped by the --eval section that fills it
 SECTION_FIELDS = {
-    "bpb": {"val_bpb": None, "train_bpb": None, "split_tokens": None},
+    "bpb": {"val_bpb": None, "train_bpb": None, "split_tokens": None, "val_batches": None},
     "core": {"tasks": {}, "core_metric": None, "partial_core": None, "partial_label": None, "num_tasks_scored": 0,
-             "missing_tasks": None, "max_per_task": None, "eval_bundle": None, "core_error": None},
+             "missing_tasks": None, "max_per_task": None, "eval_bundle": None, "core_error": None,
+             "core_records": None, "core_finished": None},
     "sample": {"samples": [], "sample_tokens": None, "sample_temperature": None, "sample_seed": None},
 }
 
@@ -77,10 +86,11 @@ def parse_evals(text):
 def eval_bpb(model, tokenizer, token_bytes, args, device, rank, world_size):
     B, T = args.device_batch_size, model.config.sequence_len
     steps = max(1, args.split_tokens // (B * T * world_size))
-    out = {"split_tokens": steps * B * T * world_size}
+    out = {"split_tokens": steps * B * T * world_size, "val_batches": {}}
     for split in ("val", "train"):
         batches = data_loader(tokenizer, B, T, split, device=device, rank=rank, world_size=world_size)
-        out[f"{split}_bpb"] = evaluate_bpb(model, batches, steps, token_bytes)
+        # val: per-batch losses too, on batches every run shares, for compare's paired interval
+        out[f"{split}_bpb"] = evaluate_bpb(model, batches, steps, token_bytes, per_batch=out["val_batches"] if split == "val" else None)
         print0(f"{split} bpb: {out[f'{split}_bpb']:.4f} ({out['split_tokens']:,} tokens)")
     return out
 
@@ -116,10 +126,18 @@ def find_bundle(eval_bundle):
         return None, str(e)
 
 
-def eval_core(model, tokenizer, device, bundle, args):
-    core = evaluate_core(model, tokenizer, device, bundle, max_per_task=args.max_per_task, batch_size=args.device_batch_size, log=print0)
-    fields = ("tasks", "core_metric", "partial_core", "partial_label", "num_tasks_scored", "missing_tasks")
-    return {**{k: core[k] for k in fields}, "max_per_task": args.max_per_task, "eval_bundle": bundle, "core_error": None}
+def eval_core(model, tokenizer, device, bundle, args, save):
+    """CORE fields of eval.json; save(fields, records, settings) is called after every task and at the end."""
+    def fields(core, finished):
+        keys = ("tasks", "core_metric", "partial_core", "partial_label", "num_tasks_scored", "missing_tasks")
+        return {**{k: core[k] for k in keys}, "max_per_task": args.max_per_task, "eval_bundle": bundle,
+                "core_error": None, "core_records": RECORDS, "core_finished": finished}
+
+    core = evaluate_core(model, tokenizer, device, bundle, max_per_task=args.max_per_task, batch_size=args.device_batch_size,
+                         log=print0, on_task=lambda c: save(fields(c, False), c["records"], c["settings"]))
+    out = fields(core, True)
+    save(out, core["records"], core["settings"])
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -167,6 +185,21 @@ def print_table(record):
     print0("\n".join(lines))
 
 
+def check_writable(run_dir):
+    """Every output of base_eval can be written (a temp file in run_dir, renamed over each): checked
+    before any work, so that no evaluation is thrown away at the end."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".tmp-write-check-")
+        os.close(fd)
+        os.remove(tmp)
+    except OSError as e:
+        raise UserError(f"cannot write into {run_dir} ({e.strerror}); base_eval writes its results there") from None
+    for name in OUTPUTS:
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path):
+            raise UserError(f"cannot write {path}: it is a directory; move it away and retry")
+
+
 def evaluate(args):
     evals = parse_evals(args.eval)
     if args.device_batch_size < 1 or args.split_tokens < 1 or args.sample_tokens < 1:
@@ -174,7 +207,20 @@ def evaluate(args):
     device_type = args.device_type or autodetect_device_type()
     is_ddp, rank, _, world_size, device = dist_init(device_type)
     run_dir = ckpt.resolve_run_dir(args.run)
+    if not os.path.isdir(run_dir):
+        raise UserError(f"run directory {run_dir} does not exist")
+    if rank == 0:
+        check_writable(run_dir)
+    # rank 0 holds the run's lock for the whole evaluation: a training process or another evaluation of
+    # this run makes it stop here, before any work, rather than interleave writes
+    with ckpt.run_lock(run_dir, "evaluation") if rank == 0 else contextlib.nullcontext():
+        record = evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
+    if is_ddp:
+        dist.destroy_process_group()
+    return record
 
+
+def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir):
     tokenizer = get_tokenizer()
     model, meta = load_model(run_dir, None if args.step < 0 else args.step, device)
     ckpt.check_vocab(meta, tokenizer)
@@ -188,30 +234,37 @@ def evaluate(args):
     if core_error:
         print0(f"CORE skipped: {core_error}")
 
-    results = {}
-    if "bpb" in evals:
-        results.update(eval_bpb(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size))
-    if bundle is not None:
-        results.update(eval_core(model, tokenizer, device, bundle, args))
-    elif core_error:
-        results["core_error"] = core_error
-    if "sample" in evals and rank == 0:
-        results.update(eval_samples(model, tokenizer, args.sample_tokens))
-
     eval_path = os.path.join(run_dir, "eval.json")
+    records_path = os.path.join(run_dir, RECORDS)
     record = {"run": os.path.basename(os.path.normpath(run_dir)), "step": step, "arch": meta["arch"], "tokens": meta.get("tokens")}
     old = previous_results(eval_path, step)
     for fields in SECTION_FIELDS.values():
         record.update({k: old.get(k, default) for k, default in fields.items()})
-    record.update(results)
-    if rank == 0:
+
+    def save(results, records=None, settings=None):
+        """Merge results into the record and write it; CORE records go next to it, with the settings."""
+        record.update(results)
+        if rank != 0:
+            return
+        if records is not None:
+            save_records(records_path, records, {**settings, "step": step, "run": record["run"]}, atomic_write_bytes)
+        elif record["core_records"] is None and os.path.exists(records_path):
+            os.remove(records_path)  # records of another step or an earlier CORE run: they no longer match eval.json
         atomic_write_json(eval_path, record)
         # rewritten every time, so it always matches eval.json (a header alone when CORE has no results)
         atomic_write_bytes(os.path.join(run_dir, "core_tasks.csv"), core_csv(record["tasks"]).encode())
+
+    if "bpb" in evals:
+        save(eval_bpb(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size))
+    if bundle is not None:
+        eval_core(model, tokenizer, device, bundle, args, save)
+    elif core_error:
+        save({"core_error": core_error})
+    if "sample" in evals:
+        save(eval_samples(model, tokenizer, args.sample_tokens) if rank == 0 else {})
+    if rank == 0:
         print_table(record)
         print0(f"wrote {eval_path}")
-    if is_ddp:
-        dist.destroy_process_group()
     return record
 
 

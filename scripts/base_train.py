@@ -27,7 +27,7 @@ import torch.distributed as dist
 from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, ensure_writable_dir, script_argv
 from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
-from nanochat.dataloader import data_loader
+from nanochat.dataloader import data_loader, split_tokens
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import checkpoint_manager as ckpt
@@ -329,6 +329,24 @@ def dry_run(args):
     return record
 
 
+def eval_batches(tokenizer, args, rank, world_size):
+    """Val batches per evaluation: --eval-tokens worth, capped at what the val split holds (a small split
+    would otherwise be cycled over many times), the same on every rank."""
+    batch_tokens = args.device_batch_size * args.max_seq_len
+    wanted = max(1, args.eval_tokens // (batch_tokens * world_size))
+    row_tokens = batch_tokens + args.device_batch_size  # each row reads one token more than it predicts
+    held = split_tokens(tokenizer, "val", rank, world_size, limit=wanted * row_tokens) // row_tokens
+    steps = max(1, min(wanted, held))
+    if dist.is_initialized():
+        t = torch.tensor(steps, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        steps = int(t.item())
+    if steps < wanted:
+        print0(f"note: the val split holds about {steps * batch_tokens * world_size:,} tokens, fewer than --eval-tokens "
+               f"{args.eval_tokens:,}; each evaluation uses those")
+    return steps
+
+
 # ---------------------------------------------------------------------------
 # safety
 
@@ -518,8 +536,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
            f"{flops_per_token:,} FLOPs/token | {record['total_flops']:.3e} FLOPs | grad accum {grad_accum} | "
            f"checkpoint every {plan.save_every or num_iterations} steps")
     evaluating = args.eval_every > 0
-    world_tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
-    eval_steps = max(1, args.eval_tokens // world_tokens_per_fwdbwd)
+    eval_steps = eval_batches(tokenizer, args, rank, world_size) if evaluating else 0
     peak = peak_flops(device_type)
 
     val_batches = []  # the same val batches at every evaluation: read and tokenized once
@@ -529,14 +546,8 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         model.set_tokens_seen(step * total_batch)  # NAG: the α warm-up factor the checkpoint of this step carries
         if not val_batches:
             val = data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "val", device=device, rank=rank, world_size=world_size)
-            for _ in range(eval_steps):
-                x, y, state = next(val)
-                if state["epoch"] > 0 and val_batches:  # the split is used up: evaluate on what it holds, once
-                    print0(f"note: the val split holds {len(val_batches) * world_tokens_per_fwdbwd:,} tokens, fewer than "
-                           f"--eval-tokens {args.eval_tokens:,}; evaluating on those")
-                    break
-                val_batches.append((x, y))
-        bpb = evaluate_bpb(fwd, iter(val_batches), len(val_batches), token_bytes)
+            val_batches.extend(next(val)[:2] for _ in range(eval_steps))
+        bpb = evaluate_bpb(fwd, iter(val_batches), eval_steps, token_bytes)
         model.train()
         return bpb
 

@@ -3,7 +3,7 @@ Time CORE scoring batched vs one example at a time, on a tiny random GPT, and ch
 per-example verdict (correct, predicted choice) is the same both ways.
 
 python -m scripts.bench_core
-python -m scripts.bench_core --eval-bundle ../shared/eval_bundle --tasks copa,piqa,winograd,lambada_openai --max-per-task 100 --tokenizer byte
+python -m scripts.bench_core --eval-bundle /path/to/eval_bundle --tasks copa,piqa,winograd,lambada_openai --max-per-task 100 --tokenizer byte
 python -m scripts.bench_core --tokenizer trained   # the base dir's BPE tokenizer: real sequence lengths and vocab
 
 On a CPU the forward is compute-bound, so the batched path gains mostly by doing less work: shared
@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from nanochat.common import UserError, autodetect_device_type
-from nanochat.core_eval import load_core_tasks, load_task_data, score_examples
+from nanochat.core_eval import ensure_eval_bundle, load_core_tasks, load_task_data, score_examples
 
 
 class ByteTokenizer:
@@ -55,7 +55,7 @@ def tiny_random_gpt(vocab_size, depth, dim, seq_len, device, seed=0):
 
 def main():
     parser = argparse.ArgumentParser(description="CORE scoring: batched vs one at a time")
-    parser.add_argument("--eval-bundle", default="../shared/eval_bundle", help="eval bundle directory")
+    parser.add_argument("--eval-bundle", default=None, help="eval bundle directory (default: <base_dir>/eval_bundle, downloaded once)")
     parser.add_argument("--tasks", default="copa,piqa,winograd,lambada_openai", help="comma-separated task labels")
     parser.add_argument("--max-per-task", type=int, default=100, help="items per task (after the 1337 shuffle)")
     parser.add_argument("--tokenizer", choices=["byte", "trained"], default="byte", help="byte-level, or the trained tokenizer of the base dir")
@@ -78,6 +78,7 @@ def main():
         from nanochat.tokenizer import get_tokenizer
         tokenizer = get_tokenizer()
     model = tiny_random_gpt(tokenizer.get_vocab_size(), args.depth, args.dim, args.seq_len, device)
+    args.eval_bundle = ensure_eval_bundle(args.eval_bundle)
     tasks = {t["label"]: t for t in load_core_tasks(args.eval_bundle)}
     print(f"device {device}, torch threads {torch.get_num_threads()}, tokenizer {args.tokenizer}, "
           f"GPT depth {args.depth} dim {args.dim} seq_len {args.seq_len}, batch {args.batch_size} rows / {args.max_tokens or 'default'} tokens")

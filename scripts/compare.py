@@ -5,8 +5,12 @@ Compare training runs, typically a FLOP-matched GPT / NAG pair: one markdown rep
     python -m scripts.compare ~/.cache/nanochat/runs/gpt-d20 nag-d20 --out /tmp/report
 
 Each RUN is a run name under $NANOCHAT_BASE_DIR/runs or a path to a run directory. Reads
-config.json, metrics.jsonl and (if base_eval has run) eval.json of each; writes report.md and PNG
-figures into --out (default $NANOCHAT_BASE_DIR/reports/<run1>_vs_<run2>).
+config.json, metrics.jsonl and (if base_eval has run) eval.json and core_records.parquet of each;
+writes report.md and PNG figures into --out (default $NANOCHAT_BASE_DIR/reports/<run1>_vs_<run2>).
+
+Every delta against the first run comes with a paired 95% bootstrap interval (nanochat/stats.py):
+CORE resampled over items within each task, val bpb over the shared evaluation batches. Runs
+evaluated on different CORE items or settings are refused: their scores do not compare.
 """
 
 import io
@@ -16,7 +20,10 @@ import argparse
 
 from nanochat.common import UserError, exit_on_user_error, get_base_dir, atomic_write_bytes
 from nanochat.checkpoint_manager import resolve_run_dir, get_run_dir
-from nanochat.core_eval import NUM_CORE_TASKS
+from nanochat.core_eval import NUM_CORE_TASKS, load_records
+from nanochat import stats
+
+N_RESAMPLES = 10000
 
 SKIP_ARGS = {"run"}  # differs by construction; the report's columns already name the runs
 
@@ -41,24 +48,47 @@ def read_json(path):
 
 
 def read_metrics(path):
-    """The rows of metrics.jsonl; a line that is not a JSON object with a step is an error naming the line."""
+    """(rows, notes) of metrics.jsonl. A line that is not a JSON object with a step is an error naming
+    the line, except a torn last line (what a kill mid-write leaves), skipped with a note. Steps must
+    increase: a repeated or earlier step means two processes wrote the run, or a resume went wrong."""
     if not os.path.exists(path):
         raise UserError(f"{path} is missing; is {os.path.dirname(path)} a run directory written by scripts.base_train?")
-    rows = []
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                raise UserError(f"{path} line {lineno}: malformed JSON") from None
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise UserError(f"{path} line {lineno}: expected a JSON object with an integer step")
-            rows.append(row)
+        lines = [(lineno, raw) for lineno, raw in enumerate(f, 1) if raw.strip()]
+    rows, notes = [], []
+    for k, (lineno, raw) in enumerate(lines):
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            if k == len(lines) - 1 and rows:
+                notes.append(f"{path} line {lineno} is torn (a write cut short) and was skipped")
+                break
+            raise UserError(f"{path} line {lineno}: malformed JSON") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise UserError(f"{path} line {lineno}: expected a JSON object with an integer step")
+        if rows and row["step"] <= rows[-1]["step"]:
+            kind = "repeats" if any(r["step"] == row["step"] for r in rows) else "goes back to"
+            raise UserError(f"{path} line {lineno} {kind} step {row['step']} (after step {rows[-1]['step']}): "
+                            "the log mixes two writers or an undone resume; restore it before comparing")
+        rows.append(row)
     if not rows:
         raise UserError(f"{path} has no rows; the run logged no step")
-    return rows
+    return rows, notes
+
+
+def load_core_records(run_dir, ev):
+    """(columns, settings) of the run's CORE records, or None when eval.json has no CORE results.
+    Records missing (an eval.json from before they were kept), damaged, or not of this eval.json are errors."""
+    if not ev or not ev.get("tasks"):
+        return None
+    path = os.path.join(run_dir, "core_records.parquet")
+    if not ev.get("core_records") or not os.path.exists(path):
+        raise UserError(f"{run_dir} has CORE scores but no per-example records ({os.path.basename(path)}), so no interval can be "
+                        f"computed; rerun `python -m scripts.base_eval --run {run_dir} --eval core`")
+    cols, settings = load_records(path)
+    if settings.get("step") != ev.get("step") or set(settings.get("tasks", {})) != set(ev["tasks"]):
+        raise UserError(f"{path} does not belong to eval.json next to it (other step or tasks); rerun scripts.base_eval")
+    return cols, settings
 
 
 def load_run(arg):
@@ -68,12 +98,16 @@ def load_run(arg):
         raise UserError(f"{cfg_path} is missing; is {run_dir} a run directory written by scripts.base_train?")
     config = read_json(cfg_path)
     eval_path = os.path.join(run_dir, "eval.json")
+    metrics, notes = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    ev = read_json(eval_path) if os.path.exists(eval_path) else None
     return {
         "dir": run_dir,
         "name": config.get("run") or os.path.basename(run_dir),
         "config": config,
-        "metrics": read_metrics(os.path.join(run_dir, "metrics.jsonl")),
-        "eval": read_json(eval_path) if os.path.exists(eval_path) else None,
+        "metrics": metrics,
+        "eval": ev,
+        "records": load_core_records(run_dir, ev),
+        "notes": notes,
     }
 
 
@@ -243,8 +277,109 @@ def core_section(runs):
     return out + "\n"
 
 
+# ---------------------------------------------------------------------------
+# intervals: is a delta larger than the noise of the items it was measured on?
+
+
+def check_same_items(a, b):
+    """Refuse two runs whose CORE records are not on the same items with the same settings."""
+    (cols_a, sa), (cols_b, sb) = a["records"], b["records"]
+    diff = None
+    if sa.get("max_per_task") != sb.get("max_per_task"):
+        diff = f"--max-per-task {sa.get('max_per_task')} vs {sb.get('max_per_task')}"
+    elif list(sa["tasks"]) != list(sb["tasks"]):
+        only = sorted(set(sa["tasks"]) ^ set(sb["tasks"]))
+        diff = f"tasks scored differ: {', '.join(only) or 'order'}"
+    else:
+        for label in sa["tasks"]:
+            if sa["tasks"][label] != sb["tasks"][label]:
+                diff = f"task {label} settings {json.dumps(sa['tasks'][label], sort_keys=True)} vs {json.dumps(sb['tasks'][label], sort_keys=True)}"
+                break
+        else:
+            items_a = dict(zip(zip(cols_a["task"], cols_a["idx"]), cols_a["item"]))
+            items_b = dict(zip(zip(cols_b["task"], cols_b["idx"]), cols_b["item"]))
+            if items_a != items_b:
+                label = next(t for t, i in sorted(set(items_a) | set(items_b)) if items_a.get((t, i)) != items_b.get((t, i)))
+                diff = f"the items of task {label} differ (another eval bundle?)"
+    if diff:
+        raise UserError(f"`{a['name']}` and `{b['name']}` were evaluated on different CORE items or settings ({diff}); "
+                        "evaluate both with the same bundle and --max-per-task")
+
+
+def items_text(task_stats):
+    sizes = {t["n"] for t in task_stats.values()}
+    return f"{sizes.pop()} items per task" if len(sizes) == 1 else f"{sum(t['n'] for t in task_stats.values()):,} items over {len(task_stats)} tasks"
+
+
+def sentence(a, b, what, r, where):
+    """The verdict in words: the delta, its interval, and whether it stands out of the noise."""
+    lo, hi = r["ci"]
+    call = "distinguishable from noise" if lo > 0 or hi < 0 else "not distinguishable from noise"
+    return f"{b} − {a} {what} = {r['delta']:+.4f} (95% CI {lo:+.4f} … {hi:+.4f}, p = {r['p']:.3g}): {call} {where}"
+
+
+def pair_stats(a, b):
+    """Intervals of run b against run a: CORE (with per-task deltas) and val bpb, each where both runs
+    have what it needs; `sentences` says what was found, `notes` why something is missing."""
+    out = {"a": a, "b": b, "core": None, "bpb": None, "sentences": [], "notes": []}
+    if a["records"] and b["records"]:
+        check_same_items(a, b)
+        (cols_a, settings), (cols_b, _) = a["records"], b["records"]
+        r = stats.core_delta_interval(cols_a, cols_b, settings, n_resamples=N_RESAMPLES, seed=0)
+        T = len(settings["tasks"])
+        full = T == NUM_CORE_TASKS and a["eval"].get("core_metric") is not None and b["eval"].get("core_metric") is not None
+        r["label"] = "CORE" if full else f"partial CORE ({T}/{NUM_CORE_TASKS})"
+        # the smallest difference this evaluation resolves, from how often the two runs disagree per task
+        disc, sizes, bases = {}, {}, {}
+        for label, info in settings["tasks"].items():
+            ca = {i: c for t, i, c in zip(cols_a["task"], cols_a["idx"], cols_a["correct"]) if t == label}
+            cb = {i: c for t, i, c in zip(cols_b["task"], cols_b["idx"], cols_b["correct"]) if t == label}
+            disc[label] = sum(ca[i] != cb[i] for i in ca) / len(ca)
+            sizes[label], bases[label] = len(ca), info["random_baseline"]
+        r["mde"], r["se"] = stats.min_detectable_core_diff(sizes, bases, discordance=disc)
+        out["core"] = r
+        out["sentences"].append(sentence(a["name"], b["name"], r["label"], r, f"at {items_text(r['tasks'])}"))
+    elif (a["eval"] or {}).get("tasks") or (b["eval"] or {}).get("tasks"):
+        out["notes"].append("only one of the runs has CORE results: no CORE interval")
+    va, vb = (a["eval"] or {}).get("val_batches"), (b["eval"] or {}).get("val_batches")
+    if va and vb and va.get("bytes") == vb.get("bytes"):
+        r = stats.bpb_delta_interval(va["nats"], vb["nats"], va["bytes"], n_resamples=N_RESAMPLES, seed=0)
+        out["bpb"] = r
+        out["sentences"].append(sentence(a["name"], b["name"], "val bpb", r, f"on {r['batches']} shared val batches (lower is better)"))
+    elif va and vb:
+        out["notes"].append("the runs' val bpb was measured on different batches (other --split-tokens, batch size or "
+                            "sequence length): no bpb interval")
+    elif (a["eval"] or {}).get("val_bpb") is not None and (b["eval"] or {}).get("val_bpb") is not None:
+        out["notes"].append("an eval.json without per-batch val losses (from before they were kept): no bpb interval; rerun base_eval")
+    return out
+
+
+def significance_section(pairs):
+    out = ["## Is the difference real? (paired 95% bootstrap intervals)"]
+    for ps in pairs:
+        a, b = ps["a"]["name"], ps["b"]["name"]
+        out.append(f"### `{b}` vs `{a}`")
+        out.append("\n".join(f"- {s}" for s in ps["sentences"] + [f"no interval: {n}" for n in ps["notes"]]) or "Nothing to compare.")
+        r = ps["core"]
+        if r is None:
+            continue
+        rows = []
+        for label, t in r["tasks"].items():
+            mark = " \\*" if t["ci"][0] > 0 or t["ci"][1] < 0 else ""
+            rows.append([f"`{label}`", f"{t['delta']:+.4f}{mark}", f"{t['ci'][0]:+.4f} … {t['ci'][1]:+.4f}", f"{t['p']:.3g}",
+                         f"{t['se_a']:.4f}", f"{t['se_b']:.4f}", t["n"]])
+        mark = " \\*" if r["ci"][0] > 0 or r["ci"][1] < 0 else ""
+        rows.append([f"**{r['label']}**", f"{r['delta']:+.4f}{mark}", f"{r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}", f"{r['p']:.3g}", "", "", ""])
+        out.append(table(["task", f"Δ centred (`{b}` − `{a}`)", "95% CI", "p", f"SE `{a}`", f"SE `{b}`", "items"], rows))
+        out.append(f"\\* the 95% interval excludes 0. Items are resampled within each task ({N_RESAMPLES:,} resamples, seed 0); "
+                   f"SE is one run's standard error of the centred accuracy. With these items and how often the two runs "
+                   f"disagree, the smallest {r['label']} difference found 80% of the time at the 5% level is "
+                   f"±{r['mde']:.4f} (SE {r['se']:.4f}).")
+    return "\n\n".join(out) + "\n"
+
+
 def notes(runs, figures):
-    lines = []
+    lines = [n for r in runs for n in r["notes"]]
     for r in runs:
         name, ev = r["name"], r["eval"]
         if ev is None:
@@ -285,7 +420,30 @@ def save_figure(fig, ax, out_dir, name, caption, figures):
     plt.close(fig)
 
 
-def make_figures(runs, out_dir, beta):
+def forest_plot(pairs, out_dir, figures):
+    """Per-task and CORE deltas against the first run with their 95% intervals, one row per task."""
+    import matplotlib.pyplot as plt
+    pairs = [ps for ps in pairs if ps["core"] is not None]
+    if not pairs:
+        return
+    labels = list(pairs[0]["core"]["tasks"]) + [pairs[0]["core"]["label"]]
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.35 * len(labels)))
+    for k, ps in enumerate(pairs):
+        r = ps["core"]
+        rows = [r["tasks"][t] for t in labels[:-1]] + [r]
+        y = [len(labels) - 1 - i + 0.15 * (k - (len(pairs) - 1) / 2) for i in range(len(labels))]
+        d = [x["delta"] for x in rows]
+        err = [[x["delta"] - x["ci"][0] for x in rows], [x["ci"][1] - x["delta"] for x in rows]]
+        ax.errorbar(d, y, xerr=err, fmt="o", color=f"C{(k + 1) % 10}", capsize=3, label=f"{ps['b']['name']} − {ps['a']['name']}")
+        ax.plot(d[-1], y[-1], "D", color=f"C{(k + 1) % 10}", markersize=9)  # the aggregate stands out
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(labels)), labels[::-1])
+    ax.set(xlabel="Δ centred accuracy (95% CI)", title="CORE deltas per task against the first run")
+    ax.legend(fontsize=8)
+    save_figure(fig, ax, out_dir, "core_deltas.png", "CORE deltas per task with 95% intervals", figures)
+
+
+def make_figures(runs, out_dir, beta, pairs=()):
     """{file name: caption} of the figures written into out_dir."""
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
@@ -340,6 +498,7 @@ def make_figures(runs, out_dir, beta):
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend()
         save_figure(fig, ax, out_dir, "gate_dead_branches.png", "NAG dead-branch count", figures)
+    forest_plot(pairs, out_dir, figures)
     return figures
 
 
@@ -356,13 +515,18 @@ def compare(run_args, out_dir=None, beta=0.95):
         if seen[r["name"]] > 1:
             r["name"] = f"{r['name']}#{seen[r['name']]}"
     out_dir = out_dir or os.path.join(get_base_dir(), "reports", "_vs_".join(r["name"] for r in runs))
+    pairs = [pair_stats(runs[0], r) for r in runs[1:]]  # before any output: refused pairs write nothing
     os.makedirs(out_dir, exist_ok=True)
-    figures = make_figures(runs, out_dir, beta)
+    figures = make_figures(runs, out_dir, beta, pairs)
 
     title = " vs ".join(f"`{r['name']}`" for r in runs)
     parts = [f"# {title}", "\n".join(f"- `{r['name']}` ({r['config'].get('arch', '?')}): {r['dir']}" for r in runs),
              summary_section(runs, beta), config_section(runs), core_section(runs)]
-    curves = [f"![{cap}]({name})" for name, cap in figures.items() if not name.startswith("gate_")]
+    if pairs:
+        parts.append(significance_section(pairs))
+        if "core_deltas.png" in figures:
+            parts[-1] += f"\n![{figures['core_deltas.png']}](core_deltas.png)\n"
+    curves = [f"![{cap}]({name})" for name, cap in figures.items() if not name.startswith(("gate_", "core_deltas"))]
     parts.append("## Training curves\n\n" + "\n\n".join(curves))
     gates = [f"![{cap}]({name})" for name, cap in figures.items() if name.startswith("gate_")]
     if gates:
@@ -372,7 +536,9 @@ def compare(run_args, out_dir=None, beta=0.95):
         parts.append(note)
     report = os.path.join(out_dir, "report.md")
     atomic_write_bytes(report, ("\n\n".join(p.rstrip("\n") for p in parts) + "\n").encode())
-    print(parts[2])  # the side-by-side summary (steps, tokens, FLOPs, loss, bpb, CORE), then where the rest is
+    print(parts[2])  # the side-by-side summary (steps, tokens, FLOPs, loss, bpb, CORE), the verdicts, then where the rest is
+    for line in [s for ps in pairs for s in ps["sentences"]] + [n for r in runs for n in r["notes"]]:
+        print(line)
     print(f"\nreport with figures: {report}")
     return report
 

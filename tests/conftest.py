@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny offline corpus and tokenizer, built once per test session."""
 
 import os
+import json
 import random
 
 import pytest
@@ -62,12 +63,28 @@ TINY_TRAIN = ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-se
 @pytest.fixture
 def run_base(tiny_base_dir, tmp_path, monkeypatch):
     """A private NANOCHAT_BASE_DIR sharing the session's corpus and tokenizer, with an empty runs/."""
-    base = tmp_path / "base"
-    base.mkdir()
-    for name in ("base_data", "tokenizer"):
-        os.symlink(os.path.join(tiny_base_dir, name), base / name)
+    base = linked_base(tiny_base_dir, tmp_path / "base")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     return base
+
+
+def linked_base(tiny_base_dir, base):
+    """base (a new directory) sharing the session's corpus and tokenizer, with an empty runs/."""
+    os.makedirs(base, exist_ok=True)
+    for name in ("base_data", "tokenizer"):
+        os.symlink(os.path.join(tiny_base_dir, name), os.path.join(base, name))
+    return base
+
+
+def train_tiny_pair(base, *extra):
+    """A 6-step gpt run and nag run on the same budget in base (checkpoints at 3 and 6, val bpb at 0, 3, 6,
+    gate telemetry every 2 steps); returns {arch: run_dir}."""
+    from scripts import base_train
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(base))
+        return {arch: base_train.main(TINY_TRAIN + ["--num-iterations", "6", "--eval-every", "3", "--save-every", "3",
+                                                    "--nag-gate-log-every", "2", *extra, "--arch", arch, "--run", arch])
+                for arch in ("gpt", "nag")}
 
 
 @pytest.fixture
@@ -81,3 +98,37 @@ def script_error(capsys):
         assert len(err) == 1 and err[0].startswith("error: "), err
         return err[0]
     return run
+
+
+# ---------------------------------------------------------------------------
+# CORE eval bundles written by tests (core.yaml, eval_meta_data.csv, eval_data/tiny/<label>.jsonl)
+
+
+def _write_eval_bundle(root, tasks, extra_baselines=None):
+    """tasks: (label, task type, num_fewshot, random baseline in % or None for no row, items or None for an
+    absent file[, continuation_delimiter]). extra_baselines: {label: %} rows of tasks core.yaml does not list."""
+    root = str(root)
+    os.makedirs(os.path.join(root, "eval_data", "tiny"), exist_ok=True)
+    yaml_lines = ["# test bundle", "icl_tasks:"]
+    meta = ["Eval Task,Task Category,Random baseline,Description"]
+    for label, kind, shots, baseline, items, *delimiter in tasks:
+        yaml_lines += ["-", f"  label: {label}", f"  dataset_uri: tiny/{label}.jsonl", f"  num_fewshot: [{shots}]", f"  icl_task_type: {kind}"]
+        if delimiter:
+            yaml_lines.append(f"  continuation_delimiter: {json.dumps(delimiter[0])}")  # a JSON string is a YAML double-quoted one
+        if baseline is not None:
+            meta.append(f'{label},tiny,{baseline},"a, quoted description"')
+        if items is not None:
+            with open(os.path.join(root, "eval_data", "tiny", f"{label}.jsonl"), "w") as f:
+                f.writelines(json.dumps(it) + "\n" for it in items)
+    meta += [f"{label},tiny,{b}," for label, b in (extra_baselines or {}).items()]
+    with open(os.path.join(root, "core.yaml"), "w") as f:
+        f.write("\n".join(yaml_lines) + "\n")
+    with open(os.path.join(root, "eval_meta_data.csv"), "w") as f:
+        f.write("\n".join(meta) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def write_eval_bundle():
+    """write_eval_bundle(root, tasks, extra_baselines=None) -> root: see _write_eval_bundle."""
+    return _write_eval_bundle

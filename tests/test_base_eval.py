@@ -8,13 +8,10 @@ import math
 import pytest
 import torch
 
-from scripts import base_train, base_eval
+from conftest import linked_base, train_tiny_pair
+from scripts import base_eval
 from nanochat import core_eval
 
-TINY = ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
-        "--total-batch-size", "256", "--eval-tokens", "512", "--warmup-steps", "2", "--nag-alpha-warmup-tokens", "1024",
-        "--matrix-lr", "0.5", "--embedding-lr", "2.0", "--unembedding-lr", "0.1",
-        "--num-iterations", "6", "--eval-every", "3", "--save-every", "3", "--nag-gate-log-every", "2"]
 EVAL = ["--split-tokens", "512", "--device-batch-size", "4", "--sample-tokens", "4", "--max-per-task", "4"]
 
 # label, task type, shots, random baseline (%), items
@@ -26,29 +23,12 @@ FAKE_TASKS = [
     ("tiny_schema", "schema", 0, 50.0, SCHEMA_ITEMS),
     ("tiny_lm", "language_modeling", 2, 0.0, LM_ITEMS),
 ]
-
-
-def write_fake_bundle(root):
-    """core.yaml listing the three tasks above plus one whose file is absent (`absent_task`)."""
-    yaml = ["icl_tasks:"]
-    meta = ["Eval Task,Task Category,Random baseline"]
-    for label, kind, shots, baseline, items in FAKE_TASKS + [("absent_task", "multiple_choice", 0, 25.0, None)]:
-        yaml += ["-", f"  label: {label}", f"  dataset_uri: tiny/{label}.jsonl", f"  num_fewshot: [{shots}]", f"  icl_task_type: {kind}"]
-        meta.append(f"{label},tiny,{baseline}")
-        if items is not None:
-            os.makedirs(os.path.join(root, "eval_data", "tiny"), exist_ok=True)
-            with open(os.path.join(root, "eval_data", "tiny", f"{label}.jsonl"), "w") as f:
-                f.writelines(json.dumps(it) + "\n" for it in items)
-    with open(os.path.join(root, "core.yaml"), "w") as f:
-        f.write("\n".join(yaml) + "\n")
-    with open(os.path.join(root, "eval_meta_data.csv"), "w") as f:
-        f.write("\n".join(meta) + "\n")
-    return str(root)
+ABSENT = ("absent_task", "multiple_choice", 0, 25.0, None)  # listed in core.yaml, its file missing
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    # models this small gain nothing from a second thread, and lose ~100x when the 2 cores are contended
+    # models this small gain nothing from a second thread, and lose ~100x when the cores are contended
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -56,15 +36,13 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_base_dir, tmp_path_factory):
+def pair(tiny_base_dir, tmp_path_factory, write_eval_bundle):
     """A base dir sharing the session corpus and tokenizer, with a 6-step gpt run and nag run, and a fake bundle."""
-    base = tmp_path_factory.mktemp("eval_base")
-    for name in ("base_data", "tokenizer"):
-        os.symlink(os.path.join(tiny_base_dir, name), base / name)
-    bundle = write_fake_bundle(tmp_path_factory.mktemp("bundle"))
+    base = linked_base(tiny_base_dir, tmp_path_factory.mktemp("eval_base"))
+    bundle = write_eval_bundle(tmp_path_factory.mktemp("bundle"), FAKE_TASKS + [ABSENT])
+    runs = train_tiny_pair(base)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
-        runs = {arch: base_train.main(TINY + ["--arch", arch, "--run", arch]) for arch in ("gpt", "nag")}
         yield {"base": base, "bundle": bundle, "runs": runs}
 
 
@@ -127,7 +105,7 @@ def test_earlier_step_and_eval_subset(pair, capsys, monkeypatch):
     # a NAG checkpoint inside the alpha warm-up (768 of 1024 tokens) is evaluated with its warm-up factor
     seen = []
     real = base_eval.evaluate_bpb
-    monkeypatch.setattr(base_eval, "evaluate_bpb", lambda model, *a: seen.append(model.alpha_warmup.item()) or real(model, *a))
+    monkeypatch.setattr(base_eval, "evaluate_bpb", lambda model, *a, **kw: seen.append(model.alpha_warmup.item()) or real(model, *a, **kw))
     base_eval.main(["--run", "nag", "--step", "3", "--eval", "bpb"] + EVAL)
     assert seen == [0.75, 0.75]
 
@@ -143,9 +121,9 @@ def test_offline_without_bundle_still_gives_bpb(pair, capsys, monkeypatch, tmp_p
 
 
 def test_bad_inputs(pair, script_error, tmp_path):
-    assert "no checkpoint in" in script_error(base_eval.main, "--run", str(tmp_path))
+    assert "no complete checkpoint in" in script_error(base_eval.main, "--run", str(tmp_path))
     assert "does not exist" in script_error(base_eval.main, "--run", "never-trained")
-    assert "no checkpoint for step 5" in script_error(base_eval.main, "--run", "gpt", "--step", "5")
+    assert "no complete checkpoint for step 5" in script_error(base_eval.main, "--run", "gpt", "--step", "5")
     assert "--eval takes" in script_error(base_eval.main, "--run", "gpt", "--eval", "bpb,mmlu")
     assert "no core.yaml" in script_error(base_eval.main, "--run", "gpt", "--eval-bundle", str(tmp_path))
     from nanochat.tokenizer import Tokenizer
@@ -153,3 +131,85 @@ def test_bad_inputs(pair, script_error, tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Tokenizer, "get_vocab_size", lambda self: real_vocab(self) + 1)
         assert "does not match the tokenizer" in script_error(base_eval.main, "--run", "nag")
+
+
+def test_records_and_per_batch_losses_are_saved(pair):
+    record = base_eval.main(["--run", "gpt", "--eval", "core,bpb", "--eval-bundle", pair["bundle"]] + EVAL)
+    run_dir = pair["runs"]["gpt"]
+    cols, settings = core_eval.load_records(os.path.join(run_dir, "core_records.parquet"))
+    assert record["core_records"] == "core_records.parquet" and record["core_finished"] is True
+    assert settings["step"] == 6 and settings["max_per_task"] == 4 and set(settings["tasks"]) == set(record["tasks"])
+    assert settings["tasks"]["tiny_lm"]["num_fewshot"] == 2 and settings["tasks"]["tiny_mc"]["random_baseline"] == 33.3
+    for label, t in record["tasks"].items():
+        rows = [i for i, task in enumerate(cols["task"]) if task == label]
+        assert sorted(cols["idx"][i] for i in rows) == [0, 1, 2, 3]
+        assert sum(cols["correct"][i] for i in rows) / 4 == t["accuracy"]
+        assert all(math.isfinite(cols["margin"][i]) for i in rows) and len({cols["item"][i] for i in rows}) == 4
+    # val bpb is the per-batch losses summed, so compare can resample the very same batches
+    vb = record["val_batches"]
+    assert len(vb["nats"]) == len(vb["bytes"]) == 512 // (4 * 64)
+    assert sum(vb["nats"]) / (math.log(2) * sum(vb["bytes"])) == pytest.approx(record["val_bpb"], rel=1e-12)
+    # a later eval of another step without CORE drops the records file with the CORE results it matched
+    base_eval.main(["--run", "gpt", "--step", "3", "--eval", "bpb"] + EVAL)
+    assert not os.path.exists(os.path.join(run_dir, "core_records.parquet"))
+
+
+def test_a_crash_keeps_the_finished_tasks(pair, monkeypatch):
+    real = core_eval.task_verdicts
+    calls = []
+
+    def dies_on_the_second_task(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(core_eval, "task_verdicts", dies_on_the_second_task)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        base_eval.main(["--run", "nag", "--eval", "core", "--eval-bundle", pair["bundle"]] + EVAL)
+    run_dir = pair["runs"]["nag"]
+    saved = json.load(open(os.path.join(run_dir, "eval.json")))
+    assert list(saved["tasks"]) == ["tiny_mc"] and saved["core_finished"] is False and saved["core_metric"] is None
+    cols, settings = core_eval.load_records(os.path.join(run_dir, "core_records.parquet"))
+    assert set(cols["task"]) == {"tiny_mc"} and list(settings["tasks"]) == ["tiny_mc"]
+    assert [r["task"] for r in csv.DictReader(open(os.path.join(run_dir, "core_tasks.csv")))] == ["tiny_mc"]
+
+
+def test_small_max_per_task_draws_fewer_shots(pair, capsys):
+    record = base_eval.main(["--run", "gpt", "--eval", "core", "--eval-bundle", pair["bundle"], "--max-per-task", "2"])
+    assert record["tasks"]["tiny_lm"]["num_examples"] == 2 and record["tasks"]["tiny_lm"]["num_fewshot"] == 1
+    assert record["tasks"]["tiny_mc"]["num_fewshot"] == 1
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "tiny_lm 2->1" in notes[0]
+
+
+def test_outputs_checked_before_any_work(pair, script_error, monkeypatch, tmp_path):
+    run_dir = pair["runs"]["gpt"]
+    blocker = os.path.join(run_dir, "core_records.parquet")
+    if os.path.exists(blocker):
+        os.remove(blocker)
+    os.makedirs(blocker)
+    monkeypatch.setattr(base_eval.ckpt, "load_model", lambda *a, **k: pytest.fail("work started before the output check"))
+    try:
+        err = script_error(base_eval.main, "--run", "gpt", "--eval-bundle", pair["bundle"], *EVAL)
+    finally:
+        os.rmdir(blocker)
+    assert blocker in err and "directory" in err
+    # another process holding the run (training, or another evaluation) stops base_eval at once
+    from nanochat.checkpoint_manager import run_lock
+    with run_lock(run_dir, "training"):
+        err = script_error(base_eval.main, "--run", "gpt", "--eval-bundle", pair["bundle"], *EVAL)
+    assert "in use by pid" in err and "(training)" in err
+
+
+def test_truncated_checkpoint_names_the_file_and_the_previous_step(pair, script_error, tmp_path):
+    import shutil
+    run_dir = str(tmp_path / "cut")
+    shutil.copytree(pair["runs"]["gpt"], run_dir)
+    model_file = os.path.join(run_dir, "model_000006.pt")
+    with open(model_file, "r+b") as f:
+        f.truncate(os.path.getsize(model_file) // 2)
+    err = script_error(base_eval.main, "--run", run_dir, "--eval", "bpb", *EVAL)
+    assert model_file in err and "previous complete step is 3" in err
+    os.remove(os.path.join(run_dir, "model_000003.pt"))
+    assert "no earlier complete step" in script_error(base_eval.main, "--run", run_dir, "--step", "6", "--eval", "bpb", *EVAL)

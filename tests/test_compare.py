@@ -7,56 +7,42 @@ import shutil
 import pytest
 import torch
 
-from scripts import base_train, base_eval, compare
+from conftest import linked_base, train_tiny_pair
+from scripts import base_eval, compare
+from nanochat import stats
+from nanochat.common import atomic_write_bytes
+from nanochat.core_eval import load_records, save_records, centered_accuracy
 
-TINY = ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
-        "--total-batch-size", "256", "--eval-tokens", "512", "--warmup-steps", "2", "--nag-alpha-warmup-tokens", "1024",
-        "--matrix-lr", "0.5", "--embedding-lr", "2.0", "--unembedding-lr", "0.1",
-        "--num-iterations", "6", "--eval-every", "3", "--nag-gate-log-every", "2"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def write_bundle(root):
-    """Two scored tasks (multiple choice, schema) and one listed in core.yaml without its file."""
-    mc = [{"query": f"Document {i}. The", "choices": ["model is", "of and", "to"], "gold": i % 3} for i in range(5)]
-    schema = [{"context_options": [f"The head {i}", f"The layer {i}"], "continuation": "is data.", "gold": i % 2} for i in range(5)]
-    tasks = {"mc_task": ("multiple_choice", 25.0, mc), "schema_task": ("schema", 50.0, schema), "gone_task": ("multiple_choice", 25.0, None)}
-    yaml, meta = ["icl_tasks:"], ["Eval Task,Random baseline"]
-    os.makedirs(os.path.join(root, "eval_data", "t"))
-    for label, (kind, baseline, items) in tasks.items():
-        yaml += ["-", f"  label: {label}", f"  dataset_uri: t/{label}.jsonl", "  num_fewshot: [0]", f"  icl_task_type: {kind}"]
-        meta.append(f"{label},{baseline}")
-        if items:
-            with open(os.path.join(root, "eval_data", "t", f"{label}.jsonl"), "w") as f:
-                f.writelines(json.dumps(it) + "\n" for it in items)
-    (root / "core.yaml").write_text("\n".join(yaml) + "\n")
-    (root / "eval_meta_data.csv").write_text("\n".join(meta) + "\n")
-    return str(root)
+MC_ITEMS = [{"query": f"Document {i}. The", "choices": ["model is", "of and", "to"], "gold": i % 3} for i in range(5)]
+SCHEMA_ITEMS = [{"context_options": [f"The head {i}", f"The layer {i}"], "continuation": "is data.", "gold": i % 2} for i in range(5)]
+# two scored tasks (multiple choice, schema) and one listed in core.yaml without its file
+TASKS = [("mc_task", "multiple_choice", 0, 25.0, MC_ITEMS), ("schema_task", "schema", 0, 50.0, SCHEMA_ITEMS),
+         ("gone_task", "multiple_choice", 0, 25.0, None)]
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_base_dir, tmp_path_factory):
+def pair(tiny_base_dir, tmp_path_factory, write_eval_bundle):
     """gpt and nag runs of the same 6-step budget, both evaluated (CORE on the fake bundle, bpb)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: a second thread only costs when the 2 cores are contended
-    base = tmp_path_factory.mktemp("compare_base")
-    for name in ("base_data", "tokenizer"):
-        os.symlink(os.path.join(tiny_base_dir, name), base / name)
-    bundle = write_bundle(tmp_path_factory.mktemp("bundle"))
+    torch.set_num_threads(1)  # tiny models: a second thread only costs when the cores are contended
+    base = linked_base(tiny_base_dir, tmp_path_factory.mktemp("compare_base"))
+    bundle = write_eval_bundle(tmp_path_factory.mktemp("bundle"), TASKS)
+    runs = train_tiny_pair(base)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
-        runs = {}
         for arch in ("gpt", "nag"):
-            runs[arch] = base_train.main(TINY + ["--arch", arch, "--run", arch])
-            base_eval.main(["--run", arch, "--eval", "core,bpb", "--eval-bundle", bundle, "--split-tokens", "256",
+            base_eval.main(["--run", arch, "--eval", "core,bpb", "--eval-bundle", bundle, "--split-tokens", "1024",
                             "--device-batch-size", "4"])
-        yield {"base": base, "runs": runs}
+        yield {"base": base, "runs": runs, "bundle": bundle}
     torch.set_num_threads(before)
 
 
 def copy_run(run_dir, dest, with_eval=False):
     os.makedirs(dest)
-    for name in ("config.json", "metrics.jsonl") + (("eval.json",) if with_eval else ()):
+    for name in ("config.json", "metrics.jsonl") + (("eval.json",) if with_eval else ()):  # without core_records.parquet
         shutil.copy(os.path.join(run_dir, name), dest)
     return str(dest)
 
@@ -120,21 +106,94 @@ def test_run_without_eval_gets_training_parts(pair, tmp_path, capsys):
     assert sorted(f for f in os.listdir(tmp_path / "solo") if f.endswith(".png")) == ["train_loss_vs_flops.png", "val_bpb_vs_flops.png"]
 
 
-def test_deltas_and_mismatched_subsets(pair, tmp_path):
-    # the tiny pair scores the same on every task: edit a copy so that the deltas are not all zero
-    edited = copy_run(pair["runs"]["nag"], tmp_path / "nag-edited", with_eval=True)
-    ev = json.load(open(os.path.join(edited, "eval.json")))
-    ev["tasks"]["mc_task"]["centered"] = 0.55
-    ev["max_per_task"] = 10
-    json.dump(ev, open(os.path.join(edited, "eval.json"), "w"))
-    report = open(compare.main(["gpt", edited, "--out", str(tmp_path / "out")])).read()
-    g = json.load(open(os.path.join(pair["runs"]["gpt"], "eval.json")))["tasks"]
-    assert table_row(report, "mc_task") == [f"{g['mc_task']['centered']:+.4f}", "+0.5500", f"{0.55 - g['mc_task']['centered']:+.4f}"]
-    shared = table_row(report, "**mean over the 2 tasks all runs scored**")
-    mean_gpt = (g["mc_task"]["centered"] + g["schema_task"]["centered"]) / 2
-    mean_nag = (0.55 + ev["tasks"]["schema_task"]["centered"]) / 2
-    assert shared == [f"{mean_gpt:+.4f}", f"{mean_nag:+.4f}", f"{mean_nag - mean_gpt:+.4f}"]
-    assert "different --max-per-task limits" in report and "at most 10 examples per task" in report
+def edited_copy(pair, arch, dest, correct=None, settings_edit=None, items_edit=None):
+    """A copy of a run with its CORE records (and the eval.json scores they give) edited."""
+    run_dir = copy_run(pair["runs"][arch], dest, with_eval=True)
+    cols, settings = load_records(os.path.join(pair["runs"][arch], "core_records.parquet"))
+    rows = [dict(zip(cols, vals)) for vals in zip(*cols.values())]
+    for r in rows:
+        r["correct"] = correct(r) if correct else r["correct"]
+        r["item"] = items_edit(r) if items_edit else r["item"]
+    settings_edit and settings_edit(settings)
+    save_records(os.path.join(run_dir, "core_records.parquet"), rows, settings, atomic_write_bytes)
+    ev = json.load(open(os.path.join(run_dir, "eval.json")))
+    for label, t in ev["tasks"].items():
+        verdicts = [r["correct"] for r in rows if r["task"] == label]
+        t["accuracy"] = sum(verdicts) / len(verdicts)
+        t["centered"] = centered_accuracy(t["accuracy"], settings["tasks"][label]["random_baseline"])
+    ev["partial_core"] = sum(t["centered"] for t in ev["tasks"].values()) / len(ev["tasks"])
+    json.dump(ev, open(os.path.join(run_dir, "eval.json"), "w"))
+    return run_dir
+
+
+def test_intervals_verdict_and_forest_plot(pair, tmp_path, capsys):
+    # the tiny pair as trained: every delta gets its paired interval, as stats computes it from the records
+    path = compare.main(["gpt", "nag", "--out", str(tmp_path / "real")])
+    report = open(path).read()
+    recs = {a: load_records(os.path.join(d, "core_records.parquet")) for a, d in pair["runs"].items()}
+    r = stats.core_delta_interval(recs["gpt"][0], recs["nag"][0], recs["gpt"][1])
+    for task in ("mc_task", "schema_task"):
+        t = r["tasks"][task]
+        assert table_row(report, f"`{task}`")[1:3] == [f"{t['ci'][0]:+.4f} … {t['ci'][1]:+.4f}", f"{t['p']:.3g}"]
+    assert table_row(report, "**partial CORE (2/22)**")[:2] == [f"{r['delta']:+.4f}" + (" \\*" if r["ci"][0] > 0 or r["ci"][1] < 0 else ""),
+                                                                f"{r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}"]
+    out = capsys.readouterr().out
+    assert f"nag − gpt partial CORE (2/22) = {r['delta']:+.4f} (95% CI {r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}" in out
+    assert "at 5 items per task" in out and "(95% CI" in report
+    evs = {a: json.load(open(os.path.join(d, "eval.json"))) for a, d in pair["runs"].items()}
+    b = stats.bpb_delta_interval(evs["gpt"]["val_batches"]["nats"], evs["nag"]["val_batches"]["nats"], evs["gpt"]["val_batches"]["bytes"])
+    assert b["delta"] == pytest.approx(evs["nag"]["val_bpb"] - evs["gpt"]["val_bpb"], rel=1e-9)
+    assert f"nag − gpt val bpb = {b['delta']:+.4f} (95% CI {b['ci'][0]:+.4f} … {b['ci'][1]:+.4f}" in report and "on 4 shared val batches" in report
+    data = open(tmp_path / "real" / "core_deltas.png", "rb").read()
+    assert data.startswith(PNG_MAGIC) and len(data) > 5000 and "](core_deltas.png)" in report
+
+    # an edited copy that gets every mc_task item right where gpt's verdicts stay: the interval excludes 0
+    better = edited_copy(pair, "gpt", tmp_path / "gpt-better", correct=lambda row: True if row["task"] == "mc_task" else row["correct"])
+    report = open(compare.main(["gpt", better, "--out", str(tmp_path / "better")])).read()
+    g = evs["gpt"]["tasks"]["mc_task"]
+    delta = (1 - g["accuracy"]) / 0.75
+    assert g["accuracy"] < 1 and table_row(report, "`mc_task`")[0] == f"{delta:+.4f} \\*"  # marked: the interval excludes 0
+    assert table_row(report, "`schema_task`")[:3] == ["+0.0000", "+0.0000 … +0.0000", "1"]  # identical verdicts: no noise, p = 1
+    assert "gpt#2 − gpt partial CORE (2/22) = " in report and ": distinguishable from noise at 5 items per task" in report
+    # the usual CORE table shows the same deltas
+    assert table_row(report, "mc_task")[2] == f"{delta:+.4f}"
+
+
+def test_runs_on_other_items_or_without_records_are_refused(pair, tmp_path, script_error):
+    other = edited_copy(pair, "nag", tmp_path / "limit", settings_edit=lambda s: s.update(max_per_task=3))
+    assert "different CORE items or settings (--max-per-task -1 vs 3)" in script_error(compare.main, "gpt", other, "--out", str(tmp_path / "o"))
+    other = edited_copy(pair, "nag", tmp_path / "items", items_edit=lambda r: "x" if r["task"] == "schema_task" and r["idx"] == 2 else r["item"])
+    assert "the items of task schema_task differ" in script_error(compare.main, "gpt", other, "--out", str(tmp_path / "o"))
+    other = edited_copy(pair, "nag", tmp_path / "shots", settings_edit=lambda s: s["tasks"]["mc_task"].update(num_fewshot=1))
+    assert "task mc_task settings" in script_error(compare.main, "gpt", other, "--out", str(tmp_path / "o"))
+    assert not os.path.exists(tmp_path / "o")  # refused before writing anything
+    # an eval.json from before records were kept
+    old = copy_run(pair["runs"]["nag"], tmp_path / "old", with_eval=True)
+    err = script_error(compare.main, "gpt", old, "--out", str(tmp_path / "o"))
+    assert "has CORE scores but no per-example records" in err and old in err
+    # a damaged records file
+    damaged = edited_copy(pair, "nag", tmp_path / "damaged")
+    records = os.path.join(damaged, "core_records.parquet")
+    open(records, "r+b").truncate(os.path.getsize(records) // 2)
+    err = script_error(compare.main, "gpt", damaged, "--out", str(tmp_path / "o"))
+    assert records in err and "not a readable CORE records file" in err
+
+
+def test_metrics_with_repeated_steps_or_a_torn_last_line(pair, tmp_path, script_error, capsys):
+    run = copy_run(pair["runs"]["gpt"], tmp_path / "dup")
+    metrics = os.path.join(run, "metrics.jsonl")
+    lines = open(metrics).read().splitlines(keepends=True)
+    open(metrics, "w").writelines(lines + [lines[3]])  # a second writer appended step 4 again
+    err = script_error(compare.main, run, "--out", str(tmp_path / "o"))
+    assert metrics in err and f"repeats step {json.loads(lines[3])['step']}" in err
+    open(metrics, "w").writelines(lines[:2] + lines[3:4] + lines[2:3])
+    assert f"goes back to step {json.loads(lines[2])['step']}" in script_error(compare.main, run, "--out", str(tmp_path / "o"))
+    # a kill mid-write leaves a torn last line: tolerated, with a note
+    open(metrics, "w").writelines(lines + [lines[-1][:10]])
+    path = compare.main([run, "--out", str(tmp_path / "torn")])
+    note = f"{metrics} line {len(lines) + 1} is torn (a write cut short) and was skipped"
+    assert note in open(path).read() and note in capsys.readouterr().out
+    assert table_row(open(path).read(), "steps") == ["6"]
 
 
 def test_bad_inputs_name_file_and_line(pair, tmp_path, script_error):

@@ -17,7 +17,7 @@ from nanochat import core_eval
 from nanochat.common import UserError
 from nanochat.core_eval import (
     crop_to_context, evaluate_core, evaluate_example, evaluate_task, ensure_eval_bundle, fewshot_indices,
-    load_core_tasks, load_task_data, parse_core_yaml, prepare_examples, render_prompts_lm, render_prompts_mc,
+    load_core_tasks, load_task_data, prepare_examples, render_prompts_lm, render_prompts_mc,
     render_prompts_schema, score_examples,
 )
 
@@ -344,69 +344,49 @@ def test_unknown_task_type_is_a_user_error():
 # the bundle: core.yaml, eval_meta_data.csv, jsonl files
 
 
-CORE_YAML_HEAD = """# test bundle
-icl_tasks:
-"""
+def test_core_yaml_is_read_with_yaml(tmp_path):
+    # what the upstream core.yaml uses (flow lists, escaped double quotes, comments) and what a hand-written
+    # YAML subset would miss: an inline item, a '' escape, a bare int num_fewshot, a block list
+    (tmp_path / "core.yaml").write_text(
+        "# bundle\nicl_tasks:\n-\n  label: arc\n  dataset_uri: w/arc.jsonl\n  num_fewshot: [10, 25]  # first one\n"
+        "  icl_task_type: multiple_choice\n  continuation_delimiter: \"\\nAnswer: \"\n"
+        "- label: 'it''s'\n  dataset_uri: x.jsonl\n  num_fewshot:\n    - 3\n  icl_task_type: schema\n"
+        "- {label: lam, dataset_uri: l.jsonl, num_fewshot: 0, icl_task_type: language_modeling}\n")
+    (tmp_path / "eval_meta_data.csv").write_text("Eval Task,Random baseline\narc,25\nit's,50\nlam,0\nunused,50\n")
+    tasks = load_core_tasks(str(tmp_path))
+    assert [(t["label"], t["dataset_uri"], t["num_fewshot"], t["continuation_delimiter"], t["random_baseline"]) for t in tasks] == [
+        ("arc", "w/arc.jsonl", 10, "\nAnswer: ", 25.0), ("it's", "x.jsonl", 3, " ", 50.0), ("lam", "l.jsonl", 0, " ", 0.0)]
+    (tmp_path / "core.yaml").write_text("icl_tasks:\n- label: [unclosed\n")
+    with pytest.raises(UserError, match="core.yaml is not valid YAML"):
+        load_core_tasks(str(tmp_path))
+    (tmp_path / "core.yaml").write_text("icl_tasks: 3\n")
+    with pytest.raises(UserError, match="expected a list of tasks"):
+        load_core_tasks(str(tmp_path))
+    assert not hasattr(core_eval, "parse_core_yaml") and not hasattr(core_eval, "_yaml_scalar")
 
 
-def yaml_task(label, uri, task_type, shots, delimiter=None):
-    lines = ["-", f"  label: {label}", f"  dataset_uri: {uri}", f"  num_fewshot: [{shots}]", f"  icl_task_type: {task_type}"]
-    if delimiter is not None:
-        lines.append(f"  continuation_delimiter: {json.dumps(delimiter)}")
-    return "\n".join(lines) + "\n"
-
-
-def write_bundle(root, tasks, baselines, data=None):
-    """tasks: (label, uri, type, shots, delimiter); data: {uri: items}."""
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, "core.yaml"), "w") as f:
-        f.write(CORE_YAML_HEAD + "".join(yaml_task(*t) for t in tasks))
-    with open(os.path.join(root, "eval_meta_data.csv"), "w") as f:
-        f.write("Eval Task,Task Category,Random baseline,Description\n")
-        for label, b in baselines.items():
-            f.write(f'{label},cat,{b},"a, quoted description"\n')
-    for uri, items in (data or {}).items():
-        path = os.path.join(root, "eval_data", uri)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write("".join(json.dumps(x) + "\n" for x in items))
-    return str(root)
-
-
-def test_parse_core_yaml_subset():
-    text = CORE_YAML_HEAD + yaml_task("arc", "w/arc.jsonl", "multiple_choice", 10, "\nAnswer: ") + \
-        "- label: 'it''s'   # inline item\n  dataset_uri: x.jsonl\n  num_fewshot: 3\n  icl_task_type: schema\n"
-    tasks = parse_core_yaml(text)
-    assert tasks == [
-        {"label": "arc", "dataset_uri": "w/arc.jsonl", "num_fewshot": [10], "icl_task_type": "multiple_choice", "continuation_delimiter": "\nAnswer: "},
-        {"label": "it's", "dataset_uri": "x.jsonl", "num_fewshot": 3, "icl_task_type": "schema"},
-    ]
-    with pytest.raises(UserError, match="line 3"):
-        parse_core_yaml("icl_tasks:\n-\n  label\n")
-
-
-def test_load_core_tasks_reads_settings_and_baselines(tmp_path):
-    root = write_bundle(tmp_path / "b", [("arc", "w/arc.jsonl", "multiple_choice", 10, "\nAnswer: "), ("lam", "l/lam.jsonl", "language_modeling", 0, None)],
-                        {"arc": 25, "lam": 0, "unused": 50})
+def test_load_core_tasks_reads_settings_and_baselines(tmp_path, write_eval_bundle):
+    root = write_eval_bundle(tmp_path / "b", [("arc", "multiple_choice", 10, 25, None, "\nAnswer: "), ("lam", "language_modeling", 0, 0, None)],
+                             extra_baselines={"unused": 50})
     tasks = load_core_tasks(root)
     assert tasks == [
-        {"label": "arc", "dataset_uri": "w/arc.jsonl", "task_type": "multiple_choice", "num_fewshot": 10,
+        {"label": "arc", "dataset_uri": "tiny/arc.jsonl", "task_type": "multiple_choice", "num_fewshot": 10,
          "continuation_delimiter": "\nAnswer: ", "random_baseline": 25.0},
-        {"label": "lam", "dataset_uri": "l/lam.jsonl", "task_type": "language_modeling", "num_fewshot": 0,
+        {"label": "lam", "dataset_uri": "tiny/lam.jsonl", "task_type": "language_modeling", "num_fewshot": 0,
          "continuation_delimiter": " ", "random_baseline": 0.0},
     ]
 
 
-def test_unknown_task_type_in_core_yaml_is_a_user_error(tmp_path):
-    root = write_bundle(tmp_path / "b", [("gen", "g.jsonl", "generation_task_with_answers", 0, None)], {"gen": 0})
+def test_unknown_task_type_in_core_yaml_is_a_user_error(tmp_path, write_eval_bundle):
+    root = write_eval_bundle(tmp_path / "b", [("gen", "generation_task_with_answers", 0, 0, None)])
     with pytest.raises(UserError, match="unknown task type 'generation_task_with_answers'"):
         load_core_tasks(root)
     with pytest.raises(UserError, match="unknown task type"):
         evaluate_core(TinyCausalLM(), ByteTokenizer(), "cpu", root)
 
 
-def test_missing_baseline_is_a_user_error(tmp_path):
-    root = write_bundle(tmp_path / "b", [("arc", "arc.jsonl", "multiple_choice", 0, None)], {"other": 25})
+def test_missing_baseline_is_a_user_error(tmp_path, write_eval_bundle):
+    root = write_eval_bundle(tmp_path / "b", [("arc", "multiple_choice", 0, None, None)], extra_baselines={"other": 25})
     with pytest.raises(UserError, match="no random baseline for task arc"):
         load_core_tasks(root)
 
@@ -432,40 +412,44 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
 # the metric
 
 
-def test_centering_and_the_core_average(tmp_path, monkeypatch):
+def test_centering_and_the_core_average(tmp_path, monkeypatch, write_eval_bundle):
     labels = [f"t{i:02d}" for i in range(22)]
     baselines = {label: [0, 25, 50, 62][i % 4] for i, label in enumerate(labels)}
-    accuracies = {label: 0.1 + 0.03 * i for i, label in enumerate(labels)}
-    item = {"query": "q", "choices": ["a", "b"], "gold": 0}
-    root = write_bundle(tmp_path / "b", [(l, f"{l}.jsonl", "multiple_choice", 0, None) for l in labels], baselines,
-                        {f"{l}.jsonl": [item] * 3 for l in labels})
+    right = {label: 10 + 3 * i for i, label in enumerate(labels)}  # of 100 items
+    items = [{"query": f"q{j}", "choices": ["a", "b"], "gold": 0} for j in range(120)]
+    root = write_eval_bundle(tmp_path / "b", [(l, "multiple_choice", 0, baselines[l], items) for l in labels])
     calls = []
 
-    def fake_evaluate_task(model, tokenizer, data, device, task_meta, **kw):
+    def fake_task_verdicts(model, tokenizer, data, device, task_meta, **kw):
         calls.append(len(data))
-        return accuracies[labels[len(calls) - 1]]
+        k = right[labels[len(calls) - 1]]
+        return [{"idx": j, "correct": j < k, "pred": 0, "margin": 1.0 if j < k else -1.0, "rescored": False} for j in range(len(data))]
 
-    monkeypatch.setattr(core_eval, "evaluate_task", fake_evaluate_task)
-    lines = []
-    out = evaluate_core(None, ByteTokenizer(), "cpu", root, max_per_task=2, log=lines.append)
-    assert calls == [2] * 22  # truncated to max_per_task
+    monkeypatch.setattr(core_eval, "task_verdicts", fake_task_verdicts)
+    lines, partial = [], []
+    out = evaluate_core(None, ByteTokenizer(), "cpu", root, max_per_task=100, log=lines.append, on_task=partial.append)
+    assert calls == [100] * 22  # truncated to max_per_task
+    accuracies = {l: right[l] / 100 for l in labels}
     centered = {l: (accuracies[l] - baselines[l] / 100) / (1 - baselines[l] / 100) for l in labels}
     assert out["tasks"]["t01"]["centered"] == pytest.approx((0.13 - 0.25) / 0.75)
     for l in labels:
         assert out["tasks"][l]["accuracy"] == accuracies[l]
         assert out["tasks"][l]["centered"] == pytest.approx(centered[l])
-        assert out["tasks"][l]["num_examples"] == 2 and out["tasks"][l]["seconds"] >= 0
+        assert out["tasks"][l]["num_examples"] == 100 and out["tasks"][l]["seconds"] >= 0
     assert out["core_metric"] == pytest.approx(sum(centered.values()) / 22)
     assert out["partial_core"] == out["core_metric"] and out["num_tasks_scored"] == 22 and out["missing_tasks"] == []
     assert any(line.startswith("CORE metric:") for line in lines) and len(lines) == 23
+    # one record per example, and a partial summary after every task
+    assert len(out["records"]) == 22 * 100 and sum(r["correct"] for r in out["records"] if r["task"] == "t05") == right["t05"]
+    assert [p["num_tasks_scored"] for p in partial] == list(range(1, 23)) and partial[0]["core_metric"] is None
+    assert set(partial[2]["tasks"]) == {"t00", "t01", "t02"} and len(partial[2]["records"]) == 300
 
 
-def test_partial_core_is_labelled_and_lists_missing_tasks(tmp_path):
-    tasks = [("mc", "a/mc.jsonl", "multiple_choice", 2, None), ("gone", "a/gone.jsonl", "multiple_choice", 0, None),
-             ("wino", "b/wino.jsonl", "schema", 0, None), ("lam", "b/lam.jsonl", "language_modeling", 1, "\nAnswer: ")]
-    data = {"a/mc.jsonl": mixed_items("multiple_choice", 12), "b/wino.jsonl": mixed_items("schema", 10),
-            "b/lam.jsonl": mixed_items("language_modeling", 9)}
-    root = write_bundle(tmp_path / "b", tasks, {"mc": 25, "gone": 25, "wino": 50, "lam": 0}, data)
+def test_partial_core_is_labelled_and_lists_missing_tasks(tmp_path, write_eval_bundle):
+    data = {"mc": mixed_items("multiple_choice", 12), "wino": mixed_items("schema", 10), "lam": mixed_items("language_modeling", 9)}
+    tasks = [("mc", "multiple_choice", 2, 25, data["mc"]), ("gone", "multiple_choice", 0, 25, None),
+             ("wino", "schema", 0, 50, data["wino"]), ("lam", "language_modeling", 1, 0, data["lam"], "\nAnswer: ")]
+    root = write_eval_bundle(tmp_path / "b", tasks)
     lines = []
     out = evaluate_core(TinyCausalLM(seq_len=96), ByteTokenizer(), "cpu", root, max_per_task=8, log=lines.append)
     assert out["missing_tasks"] == ["gone"] and out["num_tasks_scored"] == 3
@@ -475,15 +459,38 @@ def test_partial_core_is_labelled_and_lists_missing_tasks(tmp_path):
     assert not any("CORE metric" in line for line in lines)
     assert any("partial CORE (3/22)" in line and "gone" in line for line in lines)
     # the accuracy is the one of the shuffled, truncated data
-    items = data["a/mc.jsonl"][:]
+    items = data["mc"][:]
     random.Random(1337).shuffle(items)
     meta = {"task_type": "multiple_choice", "num_fewshot": 2, "continuation_delimiter": " "}
     assert out["tasks"]["mc"]["accuracy"] == evaluate_task(TinyCausalLM(seq_len=96), ByteTokenizer(), items[:8], "cpu", meta)
+    # records: every scored example once, by its index after the shuffle, agreeing with the accuracies
+    recs = [r for r in out["records"] if r["task"] == "mc"]
+    assert [r["idx"] for r in recs] == list(range(8)) and [r["item"] for r in recs] == [core_eval.item_key(x) for x in items[:8]]
+    for label, t in out["tasks"].items():
+        recs = [r for r in out["records"] if r["task"] == label]
+        assert sum(r["correct"] for r in recs) / len(recs) == t["accuracy"]
+        assert all((r["margin"] > 0) == r["correct"] for r in recs if r["margin"] != 0 and math.isfinite(r["margin"]))  # how far from flipping (nan: no scored tokens)
+    assert out["settings"]["tasks"]["lam"] == {"task_type": "language_modeling", "num_fewshot": 1, "num_examples": 8,
+                                                "continuation_delimiter": "\nAnswer: ", "random_baseline": 0.0}
+    assert out["settings"]["max_per_task"] == 8 and set(out["settings"]["tasks"]) == {"mc", "wino", "lam"}
 
 
-def test_all_tasks_present_but_fewer_than_22_is_still_partial(tmp_path):
-    data = {"mc.jsonl": mixed_items("multiple_choice", 6)}
-    root = write_bundle(tmp_path / "b", [("mc", "mc.jsonl", "multiple_choice", 0, None)], {"mc": 25}, data)
+def test_few_shot_fits_a_small_max_per_task(tmp_path, write_eval_bundle):
+    # a 10-shot task cut to 5 items draws its shots from the 4 others, with one note for all such tasks
+    data = {"mc": mixed_items("multiple_choice", 12), "lam": mixed_items("language_modeling", 12)}
+    root = write_eval_bundle(tmp_path / "b", [("mc", "multiple_choice", 10, 25, data["mc"]), ("lam", "language_modeling", 3, 0, data["lam"])])
+    lines = []
+    out = evaluate_core(TinyCausalLM(seq_len=96), ByteTokenizer(), "cpu", root, max_per_task=3, log=lines.append)
+    assert out["tasks"]["mc"]["num_examples"] == 3 and out["tasks"]["mc"]["num_fewshot"] == 2
+    assert out["tasks"]["lam"]["num_fewshot"] == 2 and out["settings"]["tasks"]["mc"]["num_fewshot"] == 2
+    notes = [line for line in lines if line.startswith("note:")]
+    assert len(notes) == 1 and "mc 10->2" in notes[0] and "lam 3->2" in notes[0]
+    out = evaluate_core(TinyCausalLM(seq_len=96), ByteTokenizer(), "cpu", root, max_per_task=-1, log=lines.append)
+    assert out["tasks"]["mc"]["num_fewshot"] == 10 and len([line for line in lines if line.startswith("note:")]) == 1
+
+
+def test_all_tasks_present_but_fewer_than_22_is_still_partial(tmp_path, write_eval_bundle):
+    root = write_eval_bundle(tmp_path / "b", [("mc", "multiple_choice", 0, 25, mixed_items("multiple_choice", 6))])
     out = evaluate_core(TinyCausalLM(seq_len=96), ByteTokenizer(), "cpu", root, log=lambda line: None)
     assert out["missing_tasks"] == [] and out["num_tasks_scored"] == 1
     assert out["core_metric"] is None and out["partial_label"] == "partial CORE (1/22)"

@@ -7,19 +7,15 @@ import subprocess
 
 import pytest
 
+from conftest import TINY_TRAIN, linked_base
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
-        "--total-batch-size", "512", "--eval-every", "100", "--eval-tokens", "512", "--warmup-steps", "2",
-        "--matrix-lr", "0.5", "--embedding-lr", "2.0", "--unembedding-lr", "0.1", "--nag-alpha-warmup-tokens", "1024"]
+TINY = TINY_TRAIN + ["--total-batch-size", "512", "--eval-every", "100"]
 
 
 @pytest.fixture
 def base(tiny_base_dir, tmp_path):
-    base = tmp_path / "base"
-    base.mkdir()
-    for name in ("base_data", "tokenizer"):
-        os.symlink(os.path.join(tiny_base_dir, name), base / name)
-    return str(base)
+    return str(linked_base(tiny_base_dir, tmp_path / "base"))
 
 
 def launch(base, nproc, *args):

@@ -219,7 +219,7 @@ def test_truncated_model_file_on_resume_names_it_and_the_previous_step(run_base,
     data = open(path, "rb").read()
     open(path, "wb").write(data[: len(data) // 2])
     err = script_error(cli, *COMMON, "--resume", "8")
-    assert "model_000008.pt" in err and "damaged" in err and "previous complete step 4" in err
+    assert "model_000008.pt" in err and "damaged" in err and "previous complete step is 4" in err
 
 
 def test_model_without_meta_is_named_as_incomplete(run_base, script_error):
