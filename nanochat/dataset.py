@@ -4,7 +4,7 @@ The pretraining corpus: parquet shards with a `text` column under <base_dir>/bas
 Shards are named shard_XXXXX.parquet and sorted by name; the last shard is the
 validation split, all others are train. Two ways to get shards:
 
-    python -m nanochat.dataset -n 8          # download ClimbMix shards 0..7 (+ the validation shard)
+    python -m nanochat.dataset -n 8          # download ClimbMix shards 0..7 (+ the validation shard) (network)
     python -m nanochat.dataset --offline     # build a corpus from the Python standard library's docs
 
 The ClimbMix mirror (karpathy/climbmix-400b-shuffle on Hugging Face) has 6543

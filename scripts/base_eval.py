@@ -2,9 +2,9 @@
 Evaluate a base model checkpoint of either arch: bits per byte on the val and train splits,
 the CORE score (DCLM protocol, nanochat/core_eval.py) and a few fixed-prompt samples.
 
-    python -m scripts.base_eval --run gpt-d20
-    python -m scripts.base_eval --run nag-d20 --step 5000 --eval core --max-per-task 500
-    torchrun --nproc_per_node=8 -m scripts.base_eval --run gpt-d20
+    python -m scripts.base_eval --run nag-tiny --max-per-task 20 --split-tokens 4096 --device-batch-size 4
+    python -m scripts.base_eval --run nag-tiny --step 20 --eval bpb --split-tokens 4096 --device-batch-size 4
+    torchrun --nproc_per_node=8 -m scripts.base_eval -- --run gpt-published   (GPU)
 
 Writes into the run directory: eval.json (all results, with the per-batch val losses that
 scripts.compare turns into a bpb interval), core_tasks.csv (one row per CORE task) and

@@ -1,7 +1,7 @@
 """
 Pretrain a base model: the GPT baseline (--arch gpt) or NAG (--arch nag); scripts/archs.py lists the archs.
 
-    python -m scripts.base_train --depth 2 --max-seq-len 128 --device-batch-size 8 --total-batch-size 2048 --num-iterations 50 --eval-every 25 --eval-tokens 16384
+    python -m scripts.base_train --depth 2 --max-seq-len 64 --device-batch-size 4 --total-batch-size 256 --num-iterations 20 --eval-every 10 --eval-tokens 1024
     python -m scripts.base_train --preset published --arch nag --dry-run 8        # the plan only; no data, no GPU
     torchrun --nproc_per_node=8 -m scripts.base_train -- --preset published --arch nag --resume latest   (GPU)
 

@@ -10,8 +10,8 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
    eager and compiled, GPT vs each NAG impl. It does not depend on the device, so a CPU measures
    the activation share of peak GPU memory without the CPU process's baseline in the way.
 
-    python -m scripts.bench_nag                 # CPU: reference and compiled, small shape
-    python -m scripts.bench_nag --shapes small,published --impls reference,compiled,fused   # GPU
+    python -m scripts.bench_nag --sections op --op-rows 256 --impls reference   # a quick look on a CPU
+    python -m scripts.bench_nag --shapes small,published --impls reference,compiled,fused   # (GPU)
 """
 
 import sys

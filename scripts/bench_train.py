@@ -1,8 +1,8 @@
 """
 Training throughput and peak memory, GPT vs NAG, eager vs compiled, on random tokens.
 
-    python -m scripts.bench_train --depth 4 --arch gpt,nag --compile both
-    python -m scripts.bench_train --depth 20 --device-batch-size 32 --max-seq-len 2048   # on a GPU: also MFU
+    python -m scripts.bench_train --depth 2 --model-dim 64 --head-dim 32 --max-seq-len 64 --vocab-size 512 --device-batch-size 4 --steps 2 --warmup 1 --arch gpt,nag
+    python -m scripts.bench_train --depth 20 --device-batch-size 32 --max-seq-len 2048   # (GPU): also MFU
 
 Each variant runs in its own process so peak memory is its own (CUDA: max allocated;
 CPU: peak resident set size). Ratios to the first variant are measured in the same

@@ -1,8 +1,8 @@
 """
 Compare training runs, typically a FLOP-matched GPT / NAG pair: one markdown report plus figures.
 
-    python -m scripts.compare gpt-d20 nag-d20
-    python -m scripts.compare ~/.cache/nanochat/runs/gpt-d20 nag-d20 --out /tmp/report
+    python -m scripts.compare gpt-tiny nag-tiny
+    python -m scripts.compare gpt-tiny nag-tiny --out /tmp/nag-chat-report
 
 Each RUN is a run name under $NANOCHAT_BASE_DIR/runs or a path to a run directory. Reads
 config.json, metrics.jsonl and (if base_eval has run) eval.json and core_records.parquet of each;
@@ -151,10 +151,15 @@ def cell(v):
 
 
 def flat_config(config):
-    """CLI args (as --flags), model_config.* and nag_config.* of one run."""
+    """CLI args (as --flags), model_config.*, nag_config.* and optimizer.* (per group, by name) of one run."""
     out = {f"--{k.replace('_', '-')}": v for k, v in (config.get("args") or {}).items() if k not in SKIP_ARGS}
     for section in ("model_config", "nag_config"):
         out.update({f"{section}.{k}": v for k, v in (config.get(section) or {}).items()})
+    opt = dict(config.get("optimizer") or {})
+    for group in opt.pop("groups", []):
+        out.update({f"optimizer.{group['name']}.{k}": v for k, v in group.items() if k not in ("name", "num_params")})
+    for k, v in opt.items():
+        out.update({f"optimizer.{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {f"optimizer.{k}": v})
     return out
 
 

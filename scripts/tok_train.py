@@ -1,7 +1,8 @@
 """
 Train the BPE tokenizer on the train split and save it to <base_dir>/tokenizer/.
 
-    python -m scripts.tok_train --vocab-size 32768 --max-chars 2000000000
+    python -m scripts.tok_train --vocab-size 4096 --max-chars 20000000        # the CPU demo's tokenizer
+    python -m scripts.tok_train --vocab-size 32768 --max-chars 2000000000    # the published one, on ClimbMix shards (network)
 """
 
 import argparse

@@ -210,3 +210,16 @@ def test_bad_inputs_name_file_and_line(pair, tmp_path, script_error):
     assert "metrics.jsonl is missing" in script_error(compare.main, broken)
     assert "no run directory" in script_error(compare.main, "gpt", "never-trained")
     assert "--ema" in script_error(compare.main, "gpt", "--ema", "1.5")
+
+
+def test_config_table_shows_optimizer_differences():
+    def config(lm_head_betas, momentum_end):
+        return {"args": {"depth": 2}, "model_config": {"n_embd": 64},
+                "optimizer": {"groups": [{"name": "lm_head", "kind": "adamw", "num_params": 10, "lr": 0.1, "betas": lm_head_betas}],
+                              "muon_momentum": {"start": 0.85, "end": momentum_end}, "polar_norm_factor": 1.01}}
+    runs = [{"name": "a", "config": config([0.8, 0.96], 0.9)}, {"name": "b", "config": config([0.8, 0.95], 0.9)}]
+    section = compare.config_section(runs)
+    assert "`optimizer.lm_head.betas`" in section and "[0.8, 0.95]" in section
+    assert "polar_norm_factor" not in section and "muon_momentum" not in section  # equal: not listed
+    runs[1]["config"]["optimizer"]["muon_momentum"]["end"] = 0.95
+    assert "`optimizer.muon_momentum.end`" in compare.config_section(runs)

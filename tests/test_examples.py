@@ -1,0 +1,86 @@
+"""Every command shown in README.md or in a module docstring either runs here, on a CPU within a time limit,
+or is marked (GPU) or (network) where it is shown. Run in order, they are the newcomer's path: data,
+tokenizer, a tiny pair, evaluation, comparison, benchmarks."""
+
+import ast
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_venv = pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv", "bin", "python")),
+                                reason="the bash recipes source runs/setup_env.sh, which would install .venv")
+MARKERS = ("(GPU)", "(network)")
+# shown, but run elsewhere: the suite itself, and the ~15-minute CPU demo made of the commands below
+NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.sh": "15 minutes; docs/LOG.md records its runs"}
+LIMIT_S = 300  # per command, generous for a contended 2-core machine
+# what must run before what: data, tokenizer, training, evaluation, comparison, the rest
+# the benchmarks print figures and nothing else reads them: check they still print what they promise
+PRINTS = {"scripts.bench_train": "nag / gpt (eager): step time", "scripts.bench_nag": "% of copy",
+          "scripts.kernel_report": "_nag_backward_kernel"}
+ORDER = ["nanochat.dataset", "scripts.tok_train", "scripts.tok_eval", "scripts.base_train", "scripts.base_eval", "scripts.compare"]
+
+
+def shown_commands():
+    """(command, marked, where) for every example command in README.md and the module docstrings."""
+    found = []
+    readme = open(os.path.join(REPO, "README.md")).read().splitlines()
+    for i, line in enumerate(readme):
+        cmds = re.findall(r"`((?:python -m|bash) [^`]+)`", line) or ([line.strip()] if re.match(r"(python -m|bash) ", line.strip()) else [])
+        found += [(c, any(m in line for m in MARKERS), f"README.md:{i + 1}") for c in cmds]
+    for path in sorted(glob.glob(os.path.join(REPO, "*", "*.py"))):
+        if "/tests/" in path or "/.venv/" in path:
+            continue
+        doc = ast.get_docstring(ast.parse(open(path).read())) or ""
+        for line in doc.splitlines():
+            line = line.strip()
+            if re.match(r"(python -m|torchrun|bash) ", line):
+                found.append((line, any(m in line for m in MARKERS), os.path.relpath(path, REPO)))
+    return [(cmd.split("  #")[0].split(" # ")[0].strip(), marked, where) for cmd, marked, where in found]
+
+
+def test_every_shown_command_is_run_here_or_marked():
+    unmarked = [(c, w) for c, marked, w in shown_commands() if not marked]
+    assert unmarked, "no commands found: the parser is broken"
+    for cmd, where in unmarked:
+        assert cmd.startswith(("python -m", "bash")) and not cmd.startswith("torchrun"), (where, cmd)
+    # an unmarked multi-GPU or network command would be caught here
+    assert not [c for c, w in unmarked if "torchrun" in c or "-n 8" in c], unmarked
+
+
+def order_key(cmd):
+    module = cmd.split()[2] if cmd.startswith("python -m") else "~bash"
+    rank = ORDER.index(module) if module in ORDER else len(ORDER)
+    return rank, "--resume" in cmd, "--dry-run" in cmd
+
+
+@needs_venv
+def test_shown_commands_run_on_a_cpu(tmp_path, write_eval_bundle, capsys):
+    commands = sorted({c for c, marked, _ in shown_commands() if not marked and c not in NOT_RUN_HERE}, key=order_key)
+    base = tmp_path / "base"
+    bundle = write_eval_bundle(tmp_path / "bundle", [("tiny_lm", "language_modeling", 0, 0.0,
+                                                      [{"context": f"Line {i} of the", "continuation": " docs"} for i in range(4)])])
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    env.pop("NANOCHAT_OFFLINE", None)
+    times = []
+    for cmd in commands:
+        argv = shlex.split(cmd.replace("/tmp/nag-chat-report", str(tmp_path / "report")))
+        if argv[:3] == ["python", "-m", "scripts.base_eval"]:
+            argv += ["--eval-bundle", bundle]  # the default would download the real bundle
+        if argv[0] == "python":
+            argv[0] = sys.executable
+        t0 = time.time()
+        out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=LIMIT_S)
+        times.append((time.time() - t0, cmd))
+        assert out.returncode == 0, f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+        expected = PRINTS.get(argv[2] if len(argv) > 2 else "")
+        assert expected is None or expected in out.stdout, (cmd, out.stdout[-2000:])
+    with capsys.disabled():
+        print(f"\n{len(commands)} shown commands ran in {sum(t for t, _ in times):.0f} s; slowest: "
+              + "; ".join(f"{t:.0f} s {c[:60]}" for t, c in sorted(times, reverse=True)[:3]))
