@@ -1,5 +1,5 @@
 """
-Reference math of one NAG residual update (DESIGN.md §3), in plain PyTorch.
+Reference math of one NAG residual update (docs/design.md §4), in plain PyTorch.
 
 Slow but obviously correct and autograd-friendly: the fused Triton kernels in
 nag/kernels.py are tested against these functions, and the NAG model can fall

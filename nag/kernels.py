@@ -1,5 +1,5 @@
 """
-Fused Triton kernels for one NAG residual update (DESIGN.md §3).
+Fused Triton kernels for one NAG residual update (docs/design.md §4).
 
 fused_nag_branch has the signature and results of nag.functional.nag_branch,
 but does one pass over each token row: modulator, gain, centring,

@@ -1,5 +1,5 @@
 """
-The NAG model (DESIGN.md §3): the baseline's attention and MLP, with the additive
+The NAG model (docs/design.md §4): the baseline's attention and MLP, with the additive
 residual stream replaced by a direction R̄ (RMS 1) and a carried log-norm s (fp32).
 
 Each sub-layer output x = f(R̄) rotates R̄ towards N_out(x) by angle arctan(g), with

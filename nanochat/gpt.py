@@ -1,5 +1,5 @@
 """
-The clean GPT baseline (DESIGN.md §2).
+The clean GPT baseline (docs/design.md §2).
 
 Pre-norm transformer with parameter-free RMSNorm, rotary embeddings, QK-norm,
 ReLU² MLP, no biases, untied embedding / lm_head, zero-initialised output

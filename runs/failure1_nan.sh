@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Failure 1 of the published run (DESIGN §3), on purpose: NAG with the modulator floor removed.
-# With --nag-mod-floor 0 a preferred-direction sigmoid that underflows to u = 0 in bf16, raised to a
-# learned power β < 1, has the gradient β·u^(β−1) = inf, and the next step is NaN.
-# Expect the run to stop with one line, `error: non-finite ... at step N ...`, naming the NAG parameters
-# with non-finite gradients: that is base_train's non-finite guard. It needs a GPU (bf16); on a CPU
-# the model runs in fp32 and the failure may never show.
+# Failure 1 of the published run (docs/design.md §5), on purpose: NAG with the modulator floor removed.
+# With --nag-mod-floor 0, a token whose every preferred-direction sigmoid underflows (u = 0 exactly: logits
+# below about −89, in fp32 and bf16 alike), raised to a learned power β < 1, has the gradient β·u^(β−1) = inf,
+# and the step is NaN. Expect the run to stop with one line, `error: non-finite ... at step N ...`, naming
+# the NAG parameters with non-finite gradients: that is base_train's non-finite guard. This recipe removes
+# only the floor; the walkthrough's NaN run also lacked the slow gate LR and the α warm-up, and with slow
+# gates u may never reach exactly 0, so the NaN may not show.
 #
 #   bash runs/failure1_nan.sh            # published NAG config on 8 GPUs, run nag-published-fail1-nan
 #   bash runs/failure1_nan.sh --gpus 1   # any further speedrun.sh flags (no `--` here)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Failure 2 of the published run (DESIGN §3, the "broken" NAG row of §4), on purpose: the gates trained at
+# Failure 2 of the published run (docs/design.md §5, the "broken" NAG row of docs/reproduce.md), on purpose: the gates trained at
 # Muon's LR (--nag-gate-lr 0.012 instead of 1e-3) and no α warm-up (--nag-alpha-warmup-tokens 0).
 # The gates slam shut: the realised gain α·m of many branches drops to ~0 and never recovers.
 # Watch the telemetry line base_train prints every 100 steps,
 #     gates | dead K/128 (mean |g| < ...) | |g| by depth quartile ...
-# K climbs and stays high, unlike the fixed run's. The run itself finishes; DESIGN §4 reports for it
+# K climbs and stays high, unlike the fixed run's. The run itself finishes; the walkthrough reports for it
 # val bpb ≈ 0.786 and CORE ≈ 0.201 (fixed NAG: 0.759 / 0.237; GPT: 0.750 / 0.222). When gpt-published has
 # been evaluated (runs/published_pair.sh), the report compares against it.
 #

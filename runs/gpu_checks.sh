@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything in the open issues that only a GPU can measure, as one run sized for a ~10-minute
+# The measurements only a GPU can make, as one run sized for a ~10-minute
 # slot on one H100/H200. It uses the machine's own python3 with torch and triton (no setup,
 # no network, no data: the benchmarks use random tokens). Logs go to $OUT (default gpu_checks/).
 #
@@ -34,8 +34,7 @@ echo "=== 4. GPT depth 20, compiled: MFU ==="
     --vocab-size 32768 --arch gpt --compile on --steps 10 --warmup 3 2>&1 | tee "$OUT/d20_mfu.log"
 
 # 5. CORE scoring batched vs one at a time on the GPU (speed-up, share of near-tie examples re-scored).
-#    Needs an eval bundle: from a developer checkout, `cp -r ../shared/eval_bundle .eval_bundle`, add
-#    /.eval_bundle/ to .git/info/exclude, carry .eval_bundle, and set EVAL_BUNDLE=.eval_bundle.
+#    Needs a local copy of the CORE eval bundle: set EVAL_BUNDLE=DIR.
 if [ -n "${EVAL_BUNDLE:-}" ] && [ -d "$EVAL_BUNDLE" ]; then
     echo "=== 5. CORE batched vs one at a time ==="
     "$PY" -m scripts.bench_core --eval-bundle "$EVAL_BUNDLE" --depth 12 --dim 768 --seq-len 2048 --threads 0 2>&1 | tee "$OUT/core_batching.log"

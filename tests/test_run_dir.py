@@ -293,3 +293,10 @@ def test_kill_9_anywhere_then_resume_equals_an_uninterrupted_run(run_base):
     assert [{k: r.get(k) for k in same} for r in rows_a] == [{k: r.get(k) for k in same} for r in rows_b]
     assert not [f for f in os.listdir(killed) if f.startswith(".tmp-")]
     print(f"10 kills; the last line before each: {phases}")
+
+
+def test_dataset_with_an_unwritable_base_dir_is_one_line(tmp_path, monkeypatch, script_error):
+    from nanochat import dataset
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "file" / "base"))
+    assert "cannot create the base dir" in script_error(dataset.main, "--offline")
