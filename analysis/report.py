@@ -67,7 +67,8 @@ def markdown(runs, figures, cmdline):
     header = ["measure"] + [f"{n} ({runs[n]['arch']})" for n in names] + [REF_GPT, REF_NAG]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, value, ref_gpt, ref_nag in rows():
-        lines.append("| " + " | ".join([label] + [value(runs[n]) for n in names] + [ref_gpt, ref_nag]) + " |")
+        cells = [label] + [value(runs[n]) for n in names] + [ref_gpt, ref_nag]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")  # |x| inside a cell
     gpt = [n for n in names if runs[n]["arch"] == "gpt"]
     nag = [n for n in names if runs[n]["arch"] == "nag"]
     if gpt and nag:

@@ -4,6 +4,7 @@ rotation = atan(g), and the command on a tiny GPT / NAG pair."""
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -269,6 +270,12 @@ def pair(tiny_base_dir, tmp_path_factory):
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
         for arch in ("gpt", "nag"):
             base_train.main(TINY + ["--arch", arch, "--run", arch])
+        # a run made with another tokenizer (its vocab differs from this base dir's 512)
+        shutil.copytree(base / "runs" / "gpt", base / "runs" / "othertok")
+        for meta_path in (base / "runs" / "othertok").glob("meta_*.json"):
+            meta = json.loads(meta_path.read_text())
+            meta["model_config"]["vocab_size"] = 1024
+            meta_path.write_text(json.dumps(meta))
         yield base
 
 
@@ -300,6 +307,7 @@ def test_command_on_a_gpt_nag_pair(pair, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("args, message", [
     (["missing"], "no run directory"),
     (["empty"], "no checkpoint"),
+    (["gpt", "othertok"], "does not match the tokenizer"),
     (["gpt", "--tokens", "0"], "--tokens must be positive"),
     (["gpt", "--tokens", "100"], "smaller than one batch"),
     (["gpt", "--tokens", "512", "--clusters", "65", "--state-sample", "64"], "larger than the 64 sampled states"),
@@ -311,3 +319,16 @@ def test_bad_input_is_one_line_and_writes_nothing(pair, tmp_path, monkeypatch, s
     err = script_error(main, *args, "--device-batch-size", "2", "--device", "cpu", "--out", str(out))
     assert message in err
     assert not out.exists() and not list(tmp_path.glob(".analysis-tmp-*"))
+
+
+def test_compare_links_the_analysis(pair, tmp_path, monkeypatch, capsys):
+    from analysis.run import main
+    from scripts import compare
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
+    report = compare.main(["gpt", "nag", "--out", str(tmp_path / "before")])
+    assert "analysis.md" not in open(report).read()
+    out = main(["gpt", "nag", "--tokens", "256", "--clusters", "2", "--state-sample", "16", "--device-batch-size", "2", "--device", "cpu"])
+    assert out == os.path.join(pair, "reports", "analysis_gpt_vs_nag")
+    report = compare.main(["gpt", "nag", "--out", str(tmp_path / "after")])
+    link = os.path.relpath(os.path.join(out, "analysis.md"), tmp_path / "after")
+    assert f"[{link}]({link})" in open(report).read()
