@@ -102,6 +102,7 @@ export NANOCHAT_BASE_DIR="$BASE" NANOCHAT_WANDB="$WANDB"
 # ---------------------------------------------------------------- presets
 # Every preset keeps base_train's DESIGN §2 rules: LRs × √(batch/2^19), AdamW LRs × (d/768)^-½.
 SAVE_EVERY=-1 DEVICE=() EVAL_ARGS=() TOKEVAL_ARGS=() NAG=()
+ANALYSIS_ARGS=(--tokens 1048576)  # python -m analysis of the pair (docs/analysis.md)
 case "$PRESET" in
     published)  # DESIGN §4: 64 blocks × 640, 5 heads × 128, seq 2048, 3e19 FLOPs, batch 2^20, unscaled published LRs
         MODEL=(--depth 64 --model-dim 640 --head-dim 128 --max-seq-len 2048 --window-pattern L
@@ -121,6 +122,7 @@ case "$PRESET" in
         DEVICE=(--device-type cpu)
         EVAL_ARGS=(--max-per-task 8 --split-tokens 512 --device-batch-size 4 --sample-tokens 8)
         TOKEVAL_ARGS=(--max-chars 200000)
+        ANALYSIS_ARGS=(--tokens 1024 --clusters 4 --state-sample 64 --device-batch-size 4 --device cpu)
         SAVE_EVERY=20 VOCAB=512 TOK_CHARS=2000000 OFFLINE=1 GPUS=${GPUS:-1} ;;
 esac
 MODEL+=(--save-every "$SAVE_EVERY")
@@ -245,6 +247,10 @@ report_done() {
     local r="$BASE/reports/${GPT_RUN}_vs_${NAG_RUN}/report.md" g="$BASE/runs/$GPT_RUN/eval.json" n="$BASE/runs/$NAG_RUN/eval.json"
     [ -f "$r" ] && [ "$r" -nt "$g" ] && [ "$r" -nt "$n" ]
 }
+analysis_done() {
+    local a="$BASE/reports/analysis_${GPT_RUN}_vs_${NAG_RUN}/analysis.json" g="$BASE/runs/$GPT_RUN/eval.json" n="$BASE/runs/$NAG_RUN/eval.json"
+    [ -f "$a" ] && [ "$a" -nt "$g" ] && [ "$a" -nt "$n" ]
+}
 status() { if "$@"; then echo "done, skip"; else echo "to do"; fi; }
 
 # Disk: what is still to download plus the checkpoints of unfinished runs, against df on the base dir.
@@ -268,6 +274,7 @@ else line data "ClimbMix: $TOK_SHARDS shards, then up to $SHARDS in the backgrou
 line tokenizer "vocab $VOCAB on up to $TOK_CHARS characters" "[$(status tok_done)]"
 for a in "${RUN_ARCHS[@]}"; do line train "$(run_name "$a"): $(steps_of "$a") steps" "[$(status run_done "$a")]"; done
 for a in "${RUN_ARCHS[@]}"; do line evaluate "$(run_name "$a"): CORE, bpb, samples" "[$(status eval_done "$a")]"; done
+line analysis "$GPT_RUN vs $NAG_RUN: geometry, attention sinks, confidence" "[$(status analysis_done)]"
 line compare "$GPT_RUN vs $NAG_RUN (once both are evaluated)" "[$(status report_done)]"
 
 if [ "$DRY" = 1 ]; then
@@ -353,6 +360,15 @@ for a in "${RUN_ARCHS[@]}"; do
             ${EVAL_BUNDLE:+--eval-bundle "$EVAL_BUNDLE"}
     fi
 done
+
+stage "analyse $GPT_RUN vs $NAG_RUN: residual geometry, attention sinks, confidence"
+if analysis_done; then
+    echo "analysis already up to date ($BASE/reports/analysis_${GPT_RUN}_vs_${NAG_RUN}), skipping"
+elif [ -f "$BASE/runs/$GPT_RUN/eval.json" ] && [ -f "$BASE/runs/$NAG_RUN/eval.json" ]; then
+    python -m analysis "$GPT_RUN" "$NAG_RUN" "${ANALYSIS_ARGS[@]}"
+else
+    echo "skipped: needs both $GPT_RUN and $NAG_RUN trained and evaluated"
+fi
 
 stage "compare $GPT_RUN vs $NAG_RUN"
 if report_done; then
