@@ -95,22 +95,23 @@ def test_auroc_perfect_reversed_tied_and_brute_force():
 
 
 def test_cluster_norm_spread_known_clusters():
-    # three orthogonal directions with a little angular noise, norms 1..10 scaled per cluster
+    # three orthogonal directions with a little angular noise; clusters of different sizes, scales and norm shapes
     gen = torch.Generator().manual_seed(0)
     dirs = torch.eye(6)[:3].double()
-    rows, ratios = [], []
-    for c, scale in enumerate((1.0, 5.0, 50.0)):
-        norms = scale * torch.arange(1, 11, dtype=torch.float64)
-        v = dirs[c] + 0.01 * torch.randn(10, 6, generator=gen, dtype=torch.float64)
+    rows, ratios, truth = [], [], []
+    for c, (size, scale, power) in enumerate(((10, 1.0, 1), (20, 5.0, 2), (6, 50.0, 0.5))):
+        norms = scale * torch.arange(1, size + 1, dtype=torch.float64) ** power
+        v = dirs[c] + 0.01 * torch.randn(size, 6, generator=gen, dtype=torch.float64)
         rows.append(v / v.norm(dim=1, keepdim=True) * norms[:, None])
-        r = (norms / norms.mean()).numpy()
+        r = (norms / norms.mean()).numpy()  # within a cluster, norms relative to the cluster's mean
         ratios.append((np.quantile(r, 0.1), np.quantile(r, 0.9)))
-    perm = torch.randperm(30, generator=gen)
+        truth += [c] * size
+    perm = torch.randperm(36, generator=gen)
     x = torch.cat(rows)[perm]
     out = M.cluster_norm_spread(x, 3, seed=1)
     assert out["p10"] == pytest.approx(np.mean([a for a, _ in ratios])) and out["p90"] == pytest.approx(np.mean([b for _, b in ratios]))
     assign = M.spherical_kmeans(x, 3, seed=1)
-    truth = (perm // 10)
+    truth = torch.tensor(truth)[perm]
     assert all(len(set(assign[truth == c].tolist())) == 1 for c in range(3))  # each true cluster in one group
 
 
