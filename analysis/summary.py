@@ -18,6 +18,17 @@ def _list(t):
 
 
 def summarise(acc, model, clusters, seed):
+    # small CPU linear algebra (d×d eigvalsh, k-means) runs fastest on one thread: with more, on a busy machine,
+    # OpenMP's waiting made eigvalsh of a 256×256 matrix 100× slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _summarise(acc, model, clusters, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _summarise(acc, model, clusters, seed):
     s = {k: v.cpu() for k, v in acc.sums.items()}
     n, K = acc.tokens, acc.num_updates
     out = {"arch": model.arch, "tokens": n, "tokens_without_bos": acc.tokens_nobos, "num_updates": K,
