@@ -10,9 +10,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def _save(fig, out_dir, name, caption, made):
+    for ax in fig.axes:
+        if ax.images:  # heatmaps keep their own ticks
+            continue
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # depth and decile axes count whole steps
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, name), dpi=110)
     plt.close(fig)
