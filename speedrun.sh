@@ -58,10 +58,16 @@ if [ "$NAG_TRAIN_DONE" = 0 ]; then stage "train $NAG_RUN"; "${LAUNCH[@]}" script
 if [ "$GPT_EVAL_DONE" = 0 ]; then stage "evaluate $GPT_RUN"; "${LAUNCH[@]}" scripts.base_eval -- "${GPT_EVAL[@]}"; fi
 if [ "$NAG_EVAL_DONE" = 0 ]; then stage "evaluate $NAG_RUN"; "${LAUNCH[@]}" scripts.base_eval -- "${NAG_EVAL[@]}"; fi
 
-# 7. the report (needs both runs evaluated)
+# 7. residual geometry, attention sinks, confidence (docs/analysis.md), then the report; both need both runs
+PAIR=0; if [ -f "$BASE/runs/$GPT_RUN/eval.json" ] && [ -f "$BASE/runs/$NAG_RUN/eval.json" ]; then PAIR=1; fi
+stage "analyse $GPT_RUN vs $NAG_RUN"
+if [ "$ANALYSIS_DONE" = 1 ]; then echo "analysis already up to date, skipping"
+elif [ "$PAIR" = 1 ]; then python -m analysis "$GPT_RUN" "$NAG_RUN" "${ANALYSIS[@]}"
+else echo "skipped: needs both $GPT_RUN and $NAG_RUN evaluated"
+fi
 stage "compare $GPT_RUN vs $NAG_RUN"
 if [ "$REPORT_DONE" = 1 ]; then echo "report already up to date, skipping"
-elif [ -f "$BASE/runs/$GPT_RUN/eval.json" ] && [ -f "$BASE/runs/$NAG_RUN/eval.json" ]; then python -m scripts.compare "$GPT_RUN" "$NAG_RUN"
+elif [ "$PAIR" = 1 ]; then python -m scripts.compare "$GPT_RUN" "$NAG_RUN"
 else echo "skipped: needs eval.json of both $GPT_RUN and $NAG_RUN"
 fi
 stage "done (log: $BASE/speedrun.log)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole pipeline at toy scale on a CPU, in minutes, with no network needed:
-# environment → corpus → tokenizer → a FLOP-matched GPT / NAG pair → CORE + bpb → comparison report.
+# environment → corpus → tokenizer → a FLOP-matched GPT / NAG pair → CORE + bpb → analysis → comparison report.
 #
 #   bash runs/runcpu.sh                 # everything under ~/.cache/nanochat (or $NANOCHAT_BASE_DIR)
 #   EVAL_BUNDLE=/path/to/eval_bundle bash runs/runcpu.sh    # a local copy of the CORE bundle (no download)
@@ -59,6 +59,9 @@ for arch in gpt nag; do
             --split-tokens 65536 --device-batch-size 16 "${BUNDLE_ARGS[@]}"
     fi
 done
+
+stage "residual geometry, attention sinks, confidence (docs/analysis.md)"
+python -m analysis cpu-gpt cpu-nag --tokens 65536
 
 stage "comparison report"
 python -m scripts.compare cpu-gpt cpu-nag

@@ -536,6 +536,10 @@ def compare(run_args, out_dir=None, beta=0.95):
     gates = [f"![{cap}]({name})" for name, cap in figures.items() if name.startswith("gate_")]
     if gates:
         parts.append("## NAG gate telemetry\n\n" + "\n\n".join(gates))
+    analysis = os.path.join(get_base_dir(), "reports", "analysis_" + "_vs_".join(os.path.basename(r["dir"]) for r in runs), "analysis.md")
+    if os.path.exists(analysis):  # written by `python -m analysis` for the same runs
+        rel = os.path.relpath(analysis, out_dir)
+        parts.append(f"## Residual geometry, attention sinks, confidence\n\n[{rel}]({rel}) (`python -m analysis`)")
     note = notes(runs, figures)
     if note:
         parts.append(note)

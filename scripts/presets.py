@@ -1,5 +1,6 @@
 """
-Named configurations for base_train (`--preset NAME`), base_eval and speedrun.sh.
+Named configurations for base_train (`--preset NAME`), and the matching base_eval and analysis
+arguments that speedrun.sh passes.
 
 A preset is a list of flags placed before the command line's own, so any flag given
 after it wins. The published preset reproduces the FLOP-matched pair of the NAG
@@ -20,13 +21,14 @@ PRESETS = {
         "nag": ["--nag-gate-lr", "1e-3", "--nag-temp-gain-lr", "0.005"],
         # the published val bpb was measured on 80 × 2^19 tokens
         "eval": ["--split-tokens", str(80 * 2 ** 19)],
+        "analysis": ["--tokens", str(2 ** 20)],
         "vocab": 32768,
     },
     # nanochat-d20-like: dim 1280, 10 heads × 128, batch and horizon from the size rules
     "d20": {
         "train": ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "L",
                   "--device-batch-size", "32"],
-        "nag": [], "eval": [], "vocab": 32768,
+        "nag": [], "eval": [], "analysis": ["--tokens", str(2 ** 20)], "vocab": 32768,
     },
     # a CPU smoke test of the whole pipeline: 2 layers × 64, 256 tokens per step, LRs raised against the
     # tiny-batch LR scale (√(256/2^19) ≈ 0.022)
@@ -37,6 +39,7 @@ PRESETS = {
                   "--save-every", "20", "--device-type", "cpu"],
         "nag": ["--nag-alpha-warmup-tokens", "1024", "--nag-gate-log-every", "10"],
         "eval": ["--max-per-task", "8", "--split-tokens", "512", "--device-batch-size", "4", "--sample-tokens", "8", "--device-type", "cpu"],
+        "analysis": ["--tokens", "1024", "--clusters", "4", "--state-sample", "64", "--device-batch-size", "4", "--device", "cpu"],
         "vocab": 512,
     },
 }

@@ -130,9 +130,12 @@ def status(args, plan_records):
         done[f"train {arch}"] = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, p["num_iterations"])
         done[f"eval {arch}"] = done[f"train {arch}"] and newer(os.path.join(run_dir, "eval.json"), final)
     gpt, nag = (run_name(args, a) for a in ("gpt", "nag"))
-    report = os.path.join(base, "reports", f"{gpt}_vs_{nag}", "report.md")
     evals = [os.path.join(base, "runs", r, "eval.json") for r in (gpt, nag)]
-    done["report"] = all(done.get(f"eval {a}", True) for a in args.archs) and all(newer(report, e) for e in evals)
+    evaluated = all(done.get(f"eval {a}", True) for a in args.archs)
+    analysis = os.path.join(base, "reports", f"analysis_{gpt}_vs_{nag}", "analysis.json")
+    done["analysis"] = evaluated and all(newer(analysis, e) for e in evals)
+    report = os.path.join(base, "reports", f"{gpt}_vs_{nag}", "report.md")
+    done["report"] = done["analysis"] and all(newer(report, e) for e in evals + [analysis])
     return done
 
 
@@ -208,8 +211,9 @@ def plan_and_check(args):
              "TOK_CHARS": TOKENIZER_CHARS.get(args.preset, 2_000_000_000), "PREFLIGHT": int(args.preset != "tiny" and "nag" in args.archs
                                                                                        and "--nag-impl" not in " ".join(args.extra)),
              "GPT_RUN": run_name(args, "gpt"), "NAG_RUN": run_name(args, "nag"), "ARCHS": " ".join(args.archs),
-             "DATA_DONE": int(done["data"]), "TOK_DONE": int(done["tokenizer"]), "REPORT_DONE": int(done["report"])}
-    arrays = {"LAUNCH": launch}
+             "DATA_DONE": int(done["data"]), "TOK_DONE": int(done["tokenizer"]), "ANALYSIS_DONE": int(done["analysis"]),
+             "REPORT_DONE": int(done["report"])}
+    arrays = {"LAUNCH": launch, "ANALYSIS": get_preset(args.preset)["analysis"]}
     for arch in ("gpt", "nag"):
         shell[f"{arch.upper()}_TRAIN_DONE"] = int(done.get(f"train {arch}", arch not in args.archs))
         shell[f"{arch.upper()}_EVAL_DONE"] = int(done.get(f"eval {arch}", arch not in args.archs))

@@ -1,0 +1,3 @@
+from analysis.run import main
+
+main()
