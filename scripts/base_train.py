@@ -12,7 +12,6 @@ and does nothing for a finished run.
 
 import os
 import sys
-import glob
 import json
 import math
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, ensure_writable_dir, script_argv
+from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes, ensure_writable_dir, script_argv
 from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader, split_tokens
@@ -111,8 +110,8 @@ def validate_args(args):
         if not v > 0:
             raise UserError(f"{flag} must be positive (got {v})")
     for flag, v in {"--target-flops": args.target_flops, "--target-param-data-ratio": args.target_param_data_ratio}.items():
-        if not math.isfinite(v) or (v <= 0 and v != -1 and not (flag == "--target-param-data-ratio" and v == 0)):
-            raise UserError(f"{flag} must be a positive finite number, or -1 for unset (got {v})")
+        if not math.isfinite(v):  # a value <= 0 means unset
+            raise UserError(f"{flag} must be a finite number (got {v}); use -1 to leave it unset")
     if not set(args.window_pattern) <= {"L", "S"} or not args.window_pattern:
         raise UserError(f"--window-pattern takes the letters L (full context) and S (half), got {args.window_pattern!r}")
     if not 0 <= args.final_lr_frac <= 1:
@@ -437,7 +436,6 @@ def keep_history(metrics_path, step):
     bak = f"{metrics_path}.bak-{step}"
     with open(bak, "a") as f:
         f.writelines(drop)
-    from nanochat.common import atomic_write_bytes
     atomic_write_bytes(metrics_path, "".join(keep).encode())
     print0(f"note: {len(drop)} earlier row(s) of metrics.jsonl {'past step ' + str(step) if step else ''} kept in {os.path.basename(bak)}")
 
