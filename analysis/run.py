@@ -23,6 +23,7 @@ import torch
 
 from nanochat.common import UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes
 from nanochat import checkpoint_manager as ckpt
+from nanochat.dataloader import split_tokens
 from scripts.archs import load_model
 from analysis.capture import CaptureConfig, capture
 from analysis.summary import summarise
@@ -81,6 +82,11 @@ def check_runs(args, tokenizer):
             raise UserError(f"--tokens {args.tokens} is smaller than one batch of {run} "
                             f"({args.device_batch_size} × {T} = {per_batch} tokens); raise --tokens or lower --device-batch-size")
         batches = args.tokens // per_batch
+        held = split_tokens(tokenizer, "val", limit=batches * (per_batch + args.device_batch_size)) // (per_batch + args.device_batch_size)
+        if held < batches:  # a small split would be cycled over: analyse what it holds, once
+            print(f"note: the val split holds about {max(1, held) * per_batch:,} tokens for {run}, fewer than --tokens {args.tokens:,}; "
+                  "analysing those", file=sys.stderr)
+            batches = max(1, held)
         sampled = min(args.state_sample, batches * per_batch)
         if args.clusters > sampled:
             raise UserError(f"--clusters {args.clusters} is larger than the {sampled} sampled states of {run}; "
