@@ -1,8 +1,8 @@
 """
 Residual geometry, attention sinks and confidence of trained checkpoints, GPT and NAG side by side.
 
-    python -m analysis cpu-gpt cpu-nag                      # latest checkpoints, 65,536 val tokens each
-    python -m analysis gpt-d20 nag-d20 --tokens 1048576 --out /tmp/geometry
+    python -m analysis gpt-tiny nag-tiny --tokens 4096 --clusters 4 --state-sample 64 --device-batch-size 4
+    python -m analysis gpt-published nag-published --tokens 1048576 --out /tmp/geometry   (GPU)
 
 Each RUN is a run name under $NANOCHAT_BASE_DIR/runs or a path to a run directory. One no-grad pass over
 validation tokens per run (analysis/capture.py), then analysis.json (every number), PNG figures and
@@ -68,7 +68,7 @@ def check_runs(args, tokenizer):
         raise UserError(f"--clusters must be at least 1, got {args.clusters}")
     if args.device_batch_size < 1 or args.state_sample < 1 or args.token_sample < 1:
         raise UserError("--device-batch-size, --state-sample and --token-sample must be at least 1")
-    plans, names = [], []
+    plans, names, notes = [], [], []
     for run in args.runs:
         run_dir = ckpt.resolve_run_dir(run)
         if not os.path.isdir(run_dir):
@@ -84,8 +84,8 @@ def check_runs(args, tokenizer):
         batches = args.tokens // per_batch
         held = split_tokens(tokenizer, "val", limit=batches * (per_batch + args.device_batch_size)) // (per_batch + args.device_batch_size)
         if held < batches:  # a small split would be cycled over: analyse what it holds, once
-            print(f"note: the val split holds about {max(1, held) * per_batch:,} tokens for {run}, fewer than --tokens {args.tokens:,}; "
-                  "analysing those", file=sys.stderr)
+            notes.append(f"note: the val split holds about {max(1, held) * per_batch:,} tokens for {run}, fewer than "
+                         f"--tokens {args.tokens:,}; analysing those")
             batches = max(1, held)
         sampled = min(args.state_sample, batches * per_batch)
         if args.clusters > sampled:
@@ -96,6 +96,8 @@ def check_runs(args, tokenizer):
             raise UserError(f"two runs are named {name}; analyse runs with different names")
         names.append(name)
         plans.append(dict(run=run, name=name, dir=run_dir, step=step, batches=batches, T=T))
+    for note in notes:  # only once every run has passed its checks: an error stays the one line printed
+        print(note, file=sys.stderr)
     return plans
 
 
