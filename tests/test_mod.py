@@ -247,3 +247,30 @@ def test_mod_rate_at_eval_on_a_plain_gpt_checkpoint_is_one_line(run_base, script
     assert "has no router" in err
     err = script_error(base_eval.main, "--run", "g", "--eval", "bpb", "--mod-rate", "0.2,1.5", "--device-type", "cpu")
     assert "--mod-rate must be in [0, 0.95) (got 1.5)" in err
+
+
+def test_inference_curve_on_a_full_depth_nag_goes_into_eval_json_and_compare_plots_it(run_base, capsys):
+    from scripts import compare
+    for arch in ("gpt", "nag"):
+        base_train.main(TINY_TRAIN + ["--arch", arch, "--run", arch, "--num-iterations", "4", "--eval-every", "-1"])
+    splits = []
+    loader = base_eval.data_loader
+    with pytest.MonkeyPatch.context() as mp:  # which split each calibration and evaluation reads
+        mp.setattr(base_eval, "data_loader", lambda *a, **k: (splits.append(a[3]), loader(*a, **k))[1])
+        base_eval.main(["--run", "nag", "--eval", "bpb", "--mod-rate", "0.3,0.1", "--split-tokens", "1024",
+                        "--device-batch-size", "4", "--mod-calib-tokens", "1024", "--device-type", "cpu"])
+    # bpb (val, train), then per rate: calibration on train (rates > 0 only), evaluation on val
+    assert splits == ["val", "train", "val", "train", "val", "train", "val"]
+    ev = json.load(open(os.path.join(run_base, "runs", "nag", "eval.json")))
+    pts = ev["mod_curve"]["points"]
+    assert [p["rate"] for p in pts] == [0.0, 0.1, 0.3] and ev["mod_curve"]["blocks"] == "both"
+    assert pts[0]["flops_frac"] == 1.0 and pts[0]["skip"] == {} and pts[0]["calib_tokens"] == 0
+    assert 1.0 > pts[1]["flops_frac"] > pts[2]["flops_frac"]
+    assert pts[2]["calib_tokens"] == 1024 and set(pts[2]["skip"]) == {"0.attn", "0.mlp", "1.attn", "1.mlp"}
+    for p in pts[1:]:  # fixed thresholds on unseen tokens: near, not at, the target
+        assert abs((p["skip_attn"] + p["skip_mlp"]) / 2 - p["rate"]) < 0.1
+    assert ev["val_bpb"] is not None and abs(ev["val_bpb"] - pts[0]["val_bpb"]) < 1e-9  # rate 0 is the model itself
+    report = compare.compare(["gpt", "nag"], out_dir=str(run_base / "report"))
+    text = open(report).read()
+    assert "## Mixture-of-Depths at inference" in text and "mod_curve.png" in text
+    assert open(run_base / "report" / "mod_curve.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
