@@ -1,0 +1,108 @@
+"""
+Mixture-of-Depths: training step time and FLOPs per token against the skip rate, for each set of
+skippable blocks, on random tokens. Compares the time saved with the FLOPs saved (docs/mod.md).
+
+    OMP_NUM_THREADS=1 python -m scripts.bench_mod                          # the CPU demo model (d4, dim 256, T 256)
+    OMP_NUM_THREADS=1 python -m scripts.bench_mod --depth 8 --rates 0,0.2,0.4 --blocks attn,mlp,both
+    python -m scripts.bench_mod --arch gpt-router                            # the router baseline
+
+The reference is the same arch without MoD. "FLOPs saved" is what the realised skip rates save in the
+training-FLOPs convention of base_train; "time saved" is measured. The gap is the gather / scatter,
+the padded queries of the attention and the extra modulator evaluation for the score.
+"""
+
+import time
+import argparse
+
+import torch
+
+from nanochat.gpt import GPTConfig
+from nag.mod import ModConfig, BLOCKS
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=str, default="nag", choices=["nag", "gpt-router"])
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--model-dim", type=int, default=256)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--device-batch-size", type=int, default=8)
+    p.add_argument("--rates", type=str, default="0.2,0.4")
+    p.add_argument("--blocks", type=str, default="attn,mlp,both")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    return p.parse_args(argv)
+
+
+def build(args, mod):
+    from scripts.archs import model_class
+    from nag.model import NAGConfig
+    config = GPTConfig(sequence_len=args.max_seq_len, vocab_size=args.vocab_size, n_layer=args.depth,
+                       n_head=args.model_dim // args.head_dim, n_kv_head=args.model_dim // args.head_dim, n_embd=args.model_dim)
+    cls = model_class("nag" if args.arch == "nag" and mod is None else args.arch)
+    kwargs = {"nag": NAGConfig(alpha_warmup_tokens=0)} if args.arch == "nag" else {}
+    if mod is not None or args.arch == "gpt-router":
+        kwargs["mod"] = mod or ModConfig(rate=0.0)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = cls(config, **kwargs)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+def measure(args, mod):
+    model = build(args, mod)
+    optimizer = model.setup_optimizer()
+    g = torch.Generator().manual_seed(0)
+    B, T = args.device_batch_size, args.max_seq_len
+    x = torch.randint(0, args.vocab_size, (B, T), generator=g)
+    y = torch.randint(0, args.vocab_size, (B, T), generator=g)
+
+    def step():
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        model.after_optimizer_step()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    model.step_metrics()  # drop the warm-up's skip rates
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    m = model.step_metrics().get("mod", {})
+    times.sort()
+    return {"step_ms": 1000 * times[len(times) // 2], "flops": m.get("flops_per_token", model.estimate_flops()),
+            "skip_attn": m.get("skip_attn", 0.0), "skip_mlp": m.get("skip_mlp", 0.0)}
+
+
+def main(argv=None):
+    args = parse(argv)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    blocks = [b.strip() for b in args.blocks.split(",") if b.strip()]
+    bad = [b for b in blocks if b not in BLOCKS]
+    if bad:
+        raise SystemExit(f"error: --blocks takes {', '.join(BLOCKS)} (got {bad[0]!r})")
+    print(f"{args.arch} d{args.depth} dim {args.model_dim} | batch {args.device_batch_size}×{args.max_seq_len} | "
+          f"CPU threads {torch.get_num_threads()} | median of {args.steps} steps")
+    ref = measure(args, None)
+    print(f"{'blocks':6s} {'rate':>5s} | {'ms/step':>9s} | {'FLOPs/token':>12s} | {'skip attn':>9s} {'skip mlp':>8s} | "
+          f"{'FLOPs saved':>11s} | {'time saved':>10s}")
+    rows = [("none", 0.0, ref)]
+    for b in blocks:
+        for rate in rates:
+            rows.append((b, rate, measure(args, ModConfig(blocks=b, rate=rate))))
+    for b, rate, r in rows:
+        print(f"{b:6s} {100 * rate:4.0f}% | {r['step_ms']:9.1f} | {r['flops']:12,d} | {100 * r['skip_attn']:8.1f}% {100 * r['skip_mlp']:7.1f}% | "
+              f"{100 * (1 - r['flops'] / ref['flops']):10.1f}% | {100 * (1 - r['step_ms'] / ref['step_ms']):9.1f}%", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
