@@ -74,9 +74,8 @@ def rotation_score(alpha, m):
     As α → 0 (the first steps of the α warm-up) r → m, which is used there."""
     a = alpha.detach().float().reshape(())
     m = m.detach().float().squeeze(-1)
-    if a.abs() < 1e-6:
-        return m
-    return torch.atan(a * m) / torch.atan(a)
+    small = a.abs() < 1e-6  # a tensor test, not a Python one: no host sync
+    return torch.where(small, m, torch.atan(a * m) / torch.atan(torch.where(small, torch.ones_like(a), a)))
 
 
 # ---------------------------------------------------------------------------

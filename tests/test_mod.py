@@ -274,3 +274,24 @@ def test_inference_curve_on_a_full_depth_nag_goes_into_eval_json_and_compare_plo
     text = open(report).read()
     assert "## Mixture-of-Depths at inference" in text and "mod_curve.png" in text
     assert open(run_base / "report" / "mod_curve.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_exact_resume_with_thresholds(run_base):
+    common = TINY_TRAIN + ["--arch", "nag", "--mod-rate", "0.3", "--run", "r", "--num-iterations", "6", "--eval-every", "-1",
+                           "--save-every", "3"]
+    run_dir = base_train.main(common)
+    full = read_metrics(run_dir)
+    base_train.main(common + ["--resume", "3"])
+    again = read_metrics(run_dir)
+    assert [r["train_loss"] for r in again] == [r["train_loss"] for r in full]
+    assert [r["mod"]["skip"] for r in again[1:]] == [r["mod"]["skip"] for r in full[1:]]
+
+
+def test_bench_mod_prints_savings(capsys):
+    from scripts import bench_mod
+    rows = bench_mod.main(["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "32", "--vocab-size", "128",
+                           "--device-batch-size", "2", "--steps", "1", "--warmup", "1", "--rates", "0.4", "--blocks", "mlp,both"])
+    out = capsys.readouterr().out
+    assert "FLOPs saved" in out and "time saved" in out
+    flops = {(b, r): row["flops"] for b, r, row in rows}
+    assert flops[("none", 0.0)] > flops[("mlp", 0.4)] > flops[("both", 0.4)]
