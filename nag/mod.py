@@ -28,7 +28,7 @@ MAX_RATE = 0.95  # above this almost nothing runs and a batch quantile rests on 
 class ModConfig:
     blocks: str = "both"  # which sub-layers tokens may skip
     rate: float = 0.0  # target share of skipped token-sublayers
-    momentum: float = 0.9  # running thresholds: weight of the old estimate once 1/(1-momentum) batches are in
+    momentum: float = 0.9  # evaluation thresholds: weight of the old estimate once 1/(1-momentum) batches are in
 
     def covers(self, kind):
         """The sub-layer kind is a MoD one (NAG adds its X_l there, even at rate 0)."""
@@ -46,8 +46,7 @@ def add_mod_args(parser):
     g.add_argument("--mod-blocks", type=str, default=None, choices=BLOCKS, help="sub-layers tokens may skip (default: both)")
     g.add_argument("--mod-router", action="store_true", help="with --arch gpt: the router-MoD baseline (paper eq. 40)")
     g.add_argument("--mod-threshold-momentum", type=float, default=ModConfig.momentum,
-                   help="running thresholds (the attention threshold in training; every threshold at evaluation): "
-                        "weight of the old estimate")
+                   help="the evaluation thresholds, moving averages of the training batch quantiles: weight of the old estimate")
 
 
 def check_rate(rate, flag="--mod-rate"):
@@ -88,9 +87,10 @@ class Thresholds(nn.Module):
     Training: MLP layer l skips the round(rate·N) lowest-scoring tokens of its batch (a batch quantile).
     The attention threshold is global, but layer l's scores depend on what the layers before it skipped,
     so no same-batch quantile of all attention scores exists when layer l runs: attention uses the
-    running estimate of that pooled quantile (the first batch: its own per-layer quantile).
-    Evaluation: every threshold is its running estimate, fixed, so a token's path depends only on its
-    own prefix. The estimates are buffers: they travel in the checkpoint.
+    pooled quantile of the previous training batch (the first batch: its own per-layer quantile). A
+    running average would lag behind scores that rise during training and skip too little.
+    Evaluation: every threshold is its running estimate (a moving average of the batch quantiles), fixed,
+    so a token's path depends only on its own prefix. All of it is buffers: it travels in the checkpoint.
     """
 
     def __init__(self, n_layer, config, device=None):
@@ -99,6 +99,7 @@ class Thresholds(nn.Module):
         self.momentum = config.momentum
         self.register_buffer("values", torch.zeros(1 + n_layer, device=device))  # [attention, mlp 0, mlp 1, ...]
         self.register_buffer("counts", torch.zeros(1 + n_layer, device=device))  # batches averaged in; 0 = never set
+        self.register_buffer("last_attn", torch.zeros(1, device=device))  # the previous batch's pooled attention quantile
         self.pending = []  # attention scores of the current training forward
         self.sums = {}  # (mode, kind, layer) -> [summed skipped fraction, forwards]
 
@@ -106,6 +107,7 @@ class Thresholds(nn.Module):
     def reset(self):
         self.values.zero_()
         self.counts.zero_()
+        self.last_attn.zero_()
         self.pending, self.sums = [], {}
 
     def calibrated(self):
@@ -132,7 +134,7 @@ class Thresholds(nn.Module):
                 self.update(slot, batch)
             else:
                 self.pending.append(s.flatten())
-                thr = torch.where(self.counts[0] > 0, self.values[0], batch)
+                thr = torch.where(self.counts[0] > 0, self.last_attn[0], batch)
         else:
             thr = self.values[slot]
         execute = s > thr
@@ -144,9 +146,12 @@ class Thresholds(nn.Module):
 
     @torch.no_grad()
     def finish(self):
-        """End of a forward: the pooled attention quantile of this batch joins the running estimate."""
+        """End of a training forward: the pooled attention quantile of this batch is the next batch's threshold
+        and joins the running estimate."""
         if self.pending:
-            self.update(0, batch_threshold(torch.cat(self.pending), self.config.rate))
+            q = batch_threshold(torch.cat(self.pending), self.config.rate)
+            self.last_attn.copy_(q.reshape(1))
+            self.update(0, q)
         self.pending = []
 
     def pop_rates(self, mode):

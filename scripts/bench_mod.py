@@ -6,7 +6,8 @@ skippable blocks, on random tokens. Compares the time saved with the FLOPs saved
     OMP_NUM_THREADS=1 python -m scripts.bench_mod --depth 8 --rates 0,0.2,0.4 --blocks attn,mlp,both
     python -m scripts.bench_mod --arch gpt-router                            # the router baseline
 
-The reference is the same arch without MoD. "FLOPs saved" is what the realised skip rates save in the
+The reference is the same arch without MoD. The variants take their steps in turn, so that on a
+shared machine they all meet the same load; the median step time of each is shown. "FLOPs saved" is what the realised skip rates save in the
 training-FLOPs convention of base_train; "time saved" is measured. The gap is the gather / scatter,
 the padded queries of the attention and the extra modulator evaluation for the score.
 """
@@ -31,7 +32,7 @@ def parse(argv=None):
     p.add_argument("--device-batch-size", type=int, default=8)
     p.add_argument("--rates", type=str, default="0.2,0.4")
     p.add_argument("--blocks", type=str, default="attn,mlp,both")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant (the median is shown)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     return p.parse_args(argv)
 
@@ -53,33 +54,31 @@ def build(args, mod):
     return model
 
 
-def measure(args, mod):
-    model = build(args, mod)
-    optimizer = model.setup_optimizer()
-    g = torch.Generator().manual_seed(0)
-    B, T = args.device_batch_size, args.max_seq_len
-    x = torch.randint(0, args.vocab_size, (B, T), generator=g)
-    y = torch.randint(0, args.vocab_size, (B, T), generator=g)
+class Variant:
+    """One model with its optimizer and fixed batch; step() is one timed training step."""
 
-    def step():
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        model.after_optimizer_step()
-        model.zero_grad(set_to_none=True)
+    def __init__(self, args, mod):
+        self.model = build(args, mod)
+        self.optimizer = self.model.setup_optimizer()
+        g = torch.Generator().manual_seed(0)
+        shape = (args.device_batch_size, args.max_seq_len)
+        self.x = torch.randint(0, args.vocab_size, shape, generator=g)
+        self.y = torch.randint(0, args.vocab_size, shape, generator=g)
+        self.times = []
 
-    for _ in range(args.warmup):
-        step()
-    model.step_metrics()  # drop the warm-up's skip rates
-    times = []
-    for _ in range(args.steps):
+    def step(self):
         t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    m = model.step_metrics().get("mod", {})
-    times.sort()
-    return {"step_ms": 1000 * times[len(times) // 2], "flops": m.get("flops_per_token", model.estimate_flops()),
-            "skip_attn": m.get("skip_attn", 0.0), "skip_mlp": m.get("skip_mlp", 0.0)}
+        self.model(self.x, self.y).backward()
+        self.optimizer.step()
+        self.model.after_optimizer_step()
+        self.model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    def result(self):
+        m = self.model.step_metrics().get("mod", {})
+        times = sorted(self.times)
+        return {"step_ms": 1000 * times[len(times) // 2], "flops": m.get("flops_per_token", self.model.estimate_flops()),
+                "skip_attn": m.get("skip_attn", 0.0), "skip_mlp": m.get("skip_mlp", 0.0)}
 
 
 def main(argv=None):
@@ -89,15 +88,22 @@ def main(argv=None):
     bad = [b for b in blocks if b not in BLOCKS]
     if bad:
         raise SystemExit(f"error: --blocks takes {', '.join(BLOCKS)} (got {bad[0]!r})")
+    keys = [("none", 0.0)] + [(b, r) for b in blocks for r in rates]
+    variants = {k: Variant(args, None if k[0] == "none" else ModConfig(blocks=k[0], rate=k[1])) for k in keys}
+    # round robin: on a shared machine every variant meets the same load, step for step
+    for i in range(args.warmup + args.steps):
+        for v in variants.values():
+            dt = v.step()
+            if i >= args.warmup:
+                v.times.append(dt)
+            elif i == args.warmup - 1:
+                v.model.step_metrics()  # drop the warm-up's skip rates
     print(f"{args.arch} d{args.depth} dim {args.model_dim} | batch {args.device_batch_size}×{args.max_seq_len} | "
-          f"CPU threads {torch.get_num_threads()} | median of {args.steps} steps")
-    ref = measure(args, None)
+          f"CPU threads {torch.get_num_threads()} | median of {args.steps} steps, variants interleaved")
     print(f"{'blocks':6s} {'rate':>5s} | {'ms/step':>9s} | {'FLOPs/token':>12s} | {'skip attn':>9s} {'skip mlp':>8s} | "
           f"{'FLOPs saved':>11s} | {'time saved':>10s}")
-    rows = [("none", 0.0, ref)]
-    for b in blocks:
-        for rate in rates:
-            rows.append((b, rate, measure(args, ModConfig(blocks=b, rate=rate))))
+    rows = [(b, r, variants[(b, r)].result()) for b, r in keys]
+    ref = rows[0][2]
     for b, rate, r in rows:
         print(f"{b:6s} {100 * rate:4.0f}% | {r['step_ms']:9.1f} | {r['flops']:12,d} | {100 * r['skip_attn']:8.1f}% {100 * r['skip_mlp']:7.1f}% | "
               f"{100 * (1 - r['flops'] / ref['flops']):10.1f}% | {100 * (1 - r['step_ms'] / ref['step_ms']):9.1f}%", flush=True)

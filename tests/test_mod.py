@@ -30,13 +30,13 @@ def nag(mod=None, seed=0):
 
 
 @torch.no_grad()
-def wake(model, seed=1):
+def wake(model, seed=1, x_too=True):
     """Non-zero output projections (zero at init) and X_l, so that every path carries a signal."""
     g = torch.Generator().manual_seed(seed)
     for block in model.blocks:
         for lin in (block.attn.c_proj, block.mlp.c_proj):
             lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.1)
-    if getattr(model, "mod_base", None) is not None:
+    if x_too and getattr(model, "mod_base", None) is not None:
         for v in model.mod_base.values():
             v.copy_(torch.randn(v.shape, generator=g) * 0.1)
     return model
@@ -52,10 +52,7 @@ def tokens(b=4, t=32, seed=0):
 
 def test_rate_zero_equals_plain_nag():
     x = tokens()
-    plain, moded = wake(nag()), wake(nag(ModConfig("both", 0.0)))
-    with torch.no_grad():
-        for v in moded.mod_base.values():
-            v.zero_()  # X_l starts at zero; training moves it
+    plain, moded = wake(nag()), wake(nag(ModConfig("both", 0.0)), x_too=False)  # X_l as initialised
     for mode in ("train", "eval"):
         plain.train(mode == "train")
         moded.train(mode == "train")
@@ -243,9 +240,10 @@ def test_bad_training_input_is_one_line(run_base, script_error, argv, message):
 
 def test_mod_rate_at_eval_on_a_plain_gpt_checkpoint_is_one_line(run_base, script_error):
     base_train.main(TINY_TRAIN + ["--arch", "gpt", "--run", "g", "--num-iterations", "1", "--eval-every", "-1"])
-    err = script_error(base_eval.main, "--run", "g", "--eval", "bpb", "--mod-rate", "0.2", "--device-type", "cpu")
+    small = ["--split-tokens", "256", "--device-batch-size", "4", "--device-type", "cpu"]
+    err = script_error(base_eval.main, "--run", "g", "--eval", "bpb", "--mod-rate", "0.2", *small)
     assert "has no router" in err
-    err = script_error(base_eval.main, "--run", "g", "--eval", "bpb", "--mod-rate", "0.2,1.5", "--device-type", "cpu")
+    err = script_error(base_eval.main, "--run", "g", "--eval", "bpb", "--mod-rate", "0.2,1.5", *small)
     assert "--mod-rate must be in [0, 0.95) (got 1.5)" in err
 
 
