@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from nanochat.gpt import GPTConfig
-from nag.mod import ModConfig, BLOCKS
+from nag.mod import ModConfig, BLOCKS, attention_executed, mlp_executed, savable_flops
 
 
 def parse(argv=None):
@@ -34,6 +34,7 @@ def parse(argv=None):
     p.add_argument("--blocks", type=str, default="attn,mlp,both")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (the median is shown)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--layer-repeats", type=int, default=8, help="timed forward + backward passes per sub-layer variant")
     return p.parse_args(argv)
 
 
@@ -81,6 +82,40 @@ class Variant:
                 "skip_attn": m.get("skip_attn", 0.0), "skip_mlp": m.get("skip_mlp", 0.0)}
 
 
+def layer_bench(args, rates):
+    """One attention and one MLP sub-layer alone (forward + backward), full and gathered at each rate: where
+    the savings come from, without the rest of the step (embedding, lm_head, NAG updates) diluting them."""
+    model = build(args, None)
+    block, cos_sin = model.blocks[0], model.rotary(args.max_seq_len)
+    B, T, D = args.device_batch_size, args.max_seq_len, args.model_dim
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, D, generator=g, requires_grad=True)
+    saved, full = savable_flops(model), model.estimate_flops()
+    # a sub-layer's own FLOPs: what a skip saves, plus (attention) the keys and values every token still makes
+    per_layer = {"attn": saved[("attn", 0)] + 6 * (block.attn.c_k.weight.numel() + block.attn.c_v.weight.numel()),
+                 "mlp": saved[("mlp", 0)]}
+    variants = {("attn", None): lambda: block.attn(x, cos_sin, None), ("mlp", None): lambda: block.mlp(x)}
+    for rate in rates:
+        execute = torch.rand(B, T, generator=g) >= rate
+        variants[("attn", rate)] = lambda e=execute: attention_executed(block.attn, x, cos_sin, None, e)
+        variants[("mlp", rate)] = lambda e=execute: mlp_executed(block.mlp, x, e)
+    times = {k: [] for k in variants}
+    for i in range(2 + args.layer_repeats):
+        for k, fn in variants.items():
+            t0 = time.perf_counter()
+            fn().square().sum().backward()
+            if i >= 2:
+                times[k].append(time.perf_counter() - t0)
+    print(f"one sub-layer alone, forward + backward, median of {args.layer_repeats} (a whole training step is {full:,} FLOPs/token)")
+    for kind in ("attn", "mlp"):
+        ref = sorted(times[(kind, None)])[args.layer_repeats // 2]
+        print(f"  {kind:4s} full  | {1000 * ref:8.1f} ms")
+        for rate in rates:
+            t = sorted(times[(kind, rate)])[args.layer_repeats // 2]
+            print(f"  {kind:4s} {100 * rate:3.0f}%  | {1000 * t:8.1f} ms | FLOPs saved {100 * rate * saved[(kind, 0)] / per_layer[kind]:5.1f}% "
+                  f"| time saved {100 * (1 - t / ref):5.1f}%")
+
+
 def main(argv=None):
     args = parse(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
@@ -88,6 +123,7 @@ def main(argv=None):
     bad = [b for b in blocks if b not in BLOCKS]
     if bad:
         raise SystemExit(f"error: --blocks takes {', '.join(BLOCKS)} (got {bad[0]!r})")
+    layer_bench(args, rates)
     keys = [("none", 0.0)] + [(b, r) for b in blocks for r in rates]
     variants = {k: Variant(args, None if k[0] == "none" else ModConfig(blocks=k[0], rate=k[1])) for k in keys}
     # round robin: on a shared machine every variant meets the same load, step for step
