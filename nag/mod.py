@@ -22,6 +22,9 @@ from nanochat.gpt import norm, apply_rotary, QK_SCALE
 BLOCKS = ("attn", "mlp", "both")
 KINDS = ("attn", "mlp")
 MAX_RATE = 0.95  # above this almost nothing runs and a batch quantile rests on a handful of tokens
+# share of each batch's attention shortfall carried into the next threshold: 1 would cancel it at once
+# but add the previous batch's sampling noise to every batch; 0.2 settles in about five batches
+DEBT_GAIN = 0.2
 
 
 @dataclass
@@ -87,8 +90,10 @@ class Thresholds(nn.Module):
     Training: MLP layer l skips the round(rate·N) lowest-scoring tokens of its batch (a batch quantile).
     The attention threshold is global, but layer l's scores depend on what the layers before it skipped,
     so no same-batch quantile of all attention scores exists when layer l runs: attention uses the
-    pooled quantile of the previous training batch (the first batch: its own per-layer quantile). A
-    running average would lag behind scores that rise during training and skip too little.
+    pooled quantile of the previous training batch (the first batch: its own per-layer quantile). Scores
+    that rise during training make that threshold skip too little, so the quantile is taken at the target
+    rate plus a share of the shortfall accumulated so far (integral control): the average realised rate is
+    the target.
     Evaluation: every threshold is its running estimate (a moving average of the batch quantiles), fixed,
     so a token's path depends only on its own prefix. All of it is buffers: it travels in the checkpoint.
     """
@@ -100,7 +105,8 @@ class Thresholds(nn.Module):
         self.register_buffer("values", torch.zeros(1 + n_layer, device=device))  # [attention, mlp 0, mlp 1, ...]
         self.register_buffer("counts", torch.zeros(1 + n_layer, device=device))  # batches averaged in; 0 = never set
         self.register_buffer("last_attn", torch.zeros(1, device=device))  # the previous batch's pooled attention quantile
-        self.pending = []  # attention scores of the current training forward
+        self.register_buffer("attn_debt", torch.zeros(1, device=device))  # Σ DEBT_GAIN·(target − realised), attention skips
+        self.pending = []  # attention scores and skip masks of the current training forward
         self.sums = {}  # (mode, kind, layer) -> [summed skipped fraction, forwards]
 
     @torch.no_grad()
@@ -108,6 +114,7 @@ class Thresholds(nn.Module):
         self.values.zero_()
         self.counts.zero_()
         self.last_attn.zero_()
+        self.attn_debt.zero_()
         self.pending, self.sums = [], {}
 
     def calibrated(self):
@@ -133,11 +140,12 @@ class Thresholds(nn.Module):
                 thr = batch
                 self.update(slot, batch)
             else:
-                self.pending.append(s.flatten())
                 thr = torch.where(self.counts[0] > 0, self.last_attn[0], batch)
         else:
             thr = self.values[slot]
         execute = s > thr
+        if self.training and kind == "attn":
+            self.pending.append((s.flatten(), execute.flatten()))
         key = ("train" if self.training else "eval", kind, layer)
         acc = self.sums.setdefault(key, [torch.zeros((), device=s.device), 0])
         acc[0] += 1 - execute.float().mean()
@@ -146,12 +154,15 @@ class Thresholds(nn.Module):
 
     @torch.no_grad()
     def finish(self):
-        """End of a training forward: the pooled attention quantile of this batch is the next batch's threshold
-        and joins the running estimate."""
+        """End of a training forward: this batch's pooled attention scores give the next batch's threshold (their
+        quantile at the target plus the shortfall so far) and the running estimate's next value (at the target)."""
         if self.pending:
-            q = batch_threshold(torch.cat(self.pending), self.config.rate)
-            self.last_attn.copy_(q.reshape(1))
-            self.update(0, q)
+            scores = torch.cat([s for s, _ in self.pending])
+            realised = 1 - torch.cat([e for _, e in self.pending]).float().mean()
+            rate = self.config.rate
+            self.attn_debt.add_(DEBT_GAIN * (rate - realised)).clamp_(-rate, MAX_RATE - rate)
+            self.last_attn.copy_(batch_threshold(scores, rate + self.attn_debt).reshape(1))
+            self.update(0, batch_threshold(scores, rate))
         self.pending = []
 
     def pop_rates(self, mode):
@@ -164,7 +175,7 @@ class Thresholds(nn.Module):
 def batch_threshold(scores, rate):
     """The score at or below which the round(rate·N) lowest-scoring tokens fall (-inf: none)."""
     flat = scores.flatten()
-    k = round(rate * flat.numel())
+    k = round(float(rate) * flat.numel())
     if k == 0:
         return torch.full((), -math.inf, device=flat.device)
     return torch.kthvalue(flat, k).values

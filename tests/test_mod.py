@@ -293,3 +293,19 @@ def test_bench_mod_prints_savings(capsys):
     assert "FLOPs saved" in out and "time saved" in out
     flops = {(b, r): row["flops"] for b, r, row in rows}
     assert flops[("none", 0.0)] > flops[("mlp", 0.4)] > flops[("both", 0.4)]
+
+
+def test_attention_threshold_keeps_the_average_rate_when_scores_drift():
+    # synthetic scores that rise every batch, as they do while the gates learn: the previous batch's
+    # quantile alone would skip too little; the accumulated shortfall brings the average back to the target
+    from nag.mod import Thresholds
+    th = Thresholds(2, ModConfig("attn", 0.3))
+    th.reset()
+    th.train()
+    g = torch.Generator().manual_seed(0)
+    for step in range(60):
+        for layer in range(2):
+            th.decide("attn", layer, torch.rand(8, 64, generator=g) + 0.02 * step)
+        th.finish()
+    rates = th.pop_rates("train")
+    assert abs(sum(rates.values()) / len(rates) - 0.3) < 0.01
