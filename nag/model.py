@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.gpt import GPT, Linear
-from nag.functional import nag_branch
+from nag.functional import nag_branch, modulator
+from nag.mod import add_mod_args, ModConfig, Thresholds, mod_config_from_args, rotation_score, run_executed, flops_with_skips, skip_summary
 
 BETA_RAW_INIT = 0.5413  # softplus⁻¹(1): the modulator starts linear in u
 DEAD_GAIN = 1e-3  # a branch whose mean |g| falls below this counts as dead in telemetry
@@ -94,7 +95,7 @@ class NAGBlockGates(nn.Module):
 class NAGGPT(GPT):
     arch = "nag"
 
-    def __init__(self, config, nag=None, impl=None, device=None):
+    def __init__(self, config, nag=None, impl=None, mod=None, device=None):
         super().__init__(config, device=device)
         self.nag = nag or NAGConfig()
         self.gates = nn.ModuleList([NAGBlockGates(config.n_embd, self.nag.directions, device) for _ in range(config.n_layer)])
@@ -104,14 +105,20 @@ class NAGGPT(GPT):
         self.branch_fn = None  # chosen by init_weights, once the device is known (before any torch.compile)
         self.record_telemetry = False
         self.telemetry_rows = []
+        self.mod, self.mod_base, self.thresholds = None, None, None  # Mixture-of-Depths: off unless configured
+        if mod is not None:
+            self.configure_mod(mod, device)
 
     # ----- the arch hook (see GPT) -----
 
-    add_args = staticmethod(add_nag_args)
+    @staticmethod
+    def add_args(parser):
+        add_nag_args(parser)
+        add_mod_args(parser)  # read by the router-MoD GPT variant too
 
     @classmethod
     def init_kwargs_from_args(cls, args):
-        return {"nag": nag_config_from_args(args), "impl": args.nag_impl or None}
+        return {"nag": nag_config_from_args(args), "impl": args.nag_impl or None, "mod": mod_config_from_args(args)}
 
     @classmethod
     def optimizer_kwargs_from_args(cls, args):
@@ -119,7 +126,8 @@ class NAGGPT(GPT):
 
     @classmethod
     def extra_init_kwargs(cls, meta):
-        return {"nag": NAGConfig(**meta["nag_config"])}
+        mod = meta.get("mod_config")
+        return {"nag": NAGConfig(**meta["nag_config"]), "mod": ModConfig(**mod) if mod else None}
 
     def telemetry(self, step, idx, args):
         every = args.nag_gate_log_every
@@ -129,7 +137,32 @@ class NAGGPT(GPT):
         return t, self.format_telemetry(t)
 
     def extra_meta(self):
-        return {"nag_config": asdict(self.nag)}
+        return {"nag_config": asdict(self.nag), **({"mod_config": asdict(self.mod)} if self.mod else {})}
+
+    def step_metrics(self):
+        if self.thresholds is None:
+            return {}
+        rates = self.thresholds.pop_rates("train")
+        return {"mod": {**skip_summary(rates), "flops_per_token": self.estimate_flops(rates)}} if rates else {}
+
+    # ----- Mixture-of-Depths (nag/mod.py, docs/mod.md) -----
+
+    def configure_mod(self, mod, device=None):
+        """Turn MoD on (or change its blocks / rate): X_l (zero) for every covered sub-layer that lacks one,
+        and fresh thresholds, to be trained or calibrated. A model trained without MoD gets X_l = 0."""
+        device = device if device is not None else self.wte.weight.device
+        self.mod = mod
+        if self.mod_base is None:
+            self.mod_base = nn.ParameterDict()
+        for i in range(self.config.n_layer):
+            for kind in ("attn", "mlp"):
+                if mod.covers(kind) and f"{kind}_{i}" not in self.mod_base:
+                    self.mod_base[f"{kind}_{i}"] = nn.Parameter(torch.zeros(self.config.n_embd, device=device))
+        self.thresholds = Thresholds(self.config.n_layer, mod, device)
+
+    def estimate_flops(self, skip=None):
+        """Training FLOPs per token; with MoD, less what the skips save (at the target rate unless skip gives the realised ones)."""
+        return flops_with_skips(self, super().estimate_flops(), self.mod, skip)
 
     def branches(self):
         """(update index l, branch module) in residual-update order: attn of block 0 is l = 1, its MLP l = 2, ..."""
@@ -151,6 +184,10 @@ class NAGGPT(GPT):
             br.alpha.fill_(l ** -self.nag.alpha_init_power)
         self.log_gain_encode.zero_()
         self.alpha_warmup.fill_(1.0)
+        if self.mod is not None:
+            for x in self.mod_base.values():
+                x.zero_()
+            self.thresholds.reset()
         self.after_optimizer_step()
         self.branch_fn = branch_function(self.impl or default_impl(self.wte.weight.device.type))
 
@@ -168,7 +205,8 @@ class NAGGPT(GPT):
 
     def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr=1e-3, temp_gain_lr=0.005):
         groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale)
-        groups.append(dict(kind="adamw", name="nag_gates", params=list(self.gates.parameters()), lr=gate_lr * lr_scale, betas=(0.8, 0.95)))
+        gates = list(self.gates.parameters()) + (list(self.mod_base.parameters()) if self.mod_base is not None else [])  # X_l trains with the gates
+        groups.append(dict(kind="adamw", name="nag_gates", params=gates, lr=gate_lr * lr_scale, betas=(0.8, 0.95)))
         groups.append(dict(kind="adamw", name="nag_temp_gain", params=[self.log_gain_encode], lr=temp_gain_lr * lr_scale, betas=(0.8, 0.95)))
         return groups
 
@@ -180,9 +218,11 @@ class NAGGPT(GPT):
         rho = e.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)  # ρ₀ = ‖e‖/√d
         res_dir = (e / rho).to(self.compute_dtype)
         log_norm = torch.log(rho) + self.log_gain_encode  # (B, T, 1) fp32
-        for block, gates, mask in zip(self.blocks, self.gates, masks):
-            res_dir, log_norm = self.update(res_dir, log_norm, block.attn(res_dir, cos_sin, mask), gates.attn_branch)
-            res_dir, log_norm = self.update(res_dir, log_norm, block.mlp(res_dir), gates.mlp_branch)
+        for i, (block, gates, mask) in enumerate(zip(self.blocks, self.gates, masks)):
+            for kind, br in (("attn", gates.attn_branch), ("mlp", gates.mlp_branch)):
+                res_dir, log_norm = self.sublayer(kind, i, block, br, res_dir, log_norm, cos_sin, mask)
+        if self.thresholds is not None:
+            self.thresholds.finish()
         if logits_at is not None:
             res_dir, log_norm = res_dir[logits_at], log_norm[logits_at]
         # cosine with each unit-RMS lm_head row, times the carried norm; no soft-cap
@@ -191,12 +231,21 @@ class NAGGPT(GPT):
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
 
-    def update(self, res_dir, log_norm, branch_out, br):
+    def sublayer(self, kind, layer, block, br, res_dir, log_norm, cos_sin, mask):
+        """One NAG update. With MoD the sub-layer output is f̂ = f(R̄) + X_l for the tokens whose rotation
+        score r = atan(α·m)/atan(α) is above the threshold and X_l alone for the others (which f never sees)."""
         mod_logits = br.m_down(res_dir)
         alpha = br.alpha * self.alpha_warmup
         if self.record_telemetry:
             self.record_branch(mod_logits, br, alpha)
-        return self.branch_fn(res_dir, log_norm, branch_out, mod_logits, br.coef, br.beta_raw, alpha,
+        execute = None
+        if self.mod is not None and self.mod.skips(kind):
+            m = modulator(mod_logits.detach(), br.coef.detach(), br.beta_raw.detach(), self.nag.mod_floor)
+            execute = self.thresholds.decide(kind, layer, rotation_score(alpha, m))
+        out = run_executed(kind, block, res_dir, cos_sin, mask, execute)
+        if self.mod is not None and self.mod.covers(kind):
+            out = out + self.mod_base[f"{kind}_{layer}"].to(out.dtype)
+        return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, alpha,
                               self.nag.mod_floor, self.nag.renorm)
 
     # ----- telemetry -----
@@ -212,13 +261,19 @@ class NAGGPT(GPT):
 
     @torch.no_grad()
     def gate_telemetry(self, idx):
-        """Gate statistics of a forward pass over idx (no grad), as plain numbers for metrics.jsonl."""
+        """Gate statistics of a forward pass over idx (no grad), as plain numbers for metrics.jsonl.
+        In eval mode, so that MoD's fixed thresholds decide and the running estimates stay as training left them."""
         self.record_telemetry = True
         self.telemetry_rows = []
+        was_training = self.training
+        self.eval()
         try:
             self(idx)
         finally:
             self.record_telemetry = False
+            self.train(was_training)
+            if self.thresholds is not None:
+                self.thresholds.pop_rates("eval")
         return self.collect_telemetry()
 
     def collect_telemetry(self):

@@ -168,6 +168,10 @@ class GPT(nn.Module):
         """A dict of per-step statistics for metrics.jsonl (or None), and the line to print; the baseline logs none."""
         return None, None
 
+    def step_metrics(self):
+        """A dict merged into every step's metrics.jsonl row (what the model measured during the step); the baseline has none."""
+        return {}
+
     # ----- init -----
 
     @torch.no_grad()

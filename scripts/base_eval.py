@@ -10,6 +10,12 @@ Writes into the run directory: eval.json (all results, with the per-batch val lo
 scripts.compare turns into a bpb interval), core_tasks.csv (one row per CORE task) and
 core_records.parquet (every scored CORE example with the eval settings, for paired comparisons).
 CORE results are saved after every task, so a crash keeps the tasks already finished.
+With --mod-rate (a NAG checkpoint, or a router-MoD GPT one) it also evaluates the Mixture-of-Depths
+trade-off: at each rate the skip thresholds are calibrated on train-split tokens, held fixed, and the
+val bpb (and CORE, when --eval has it) is measured with the FLOPs actually executed (docs/mod.md):
+
+    python -m scripts.base_eval --run nag-d20 --eval bpb --mod-rate 0.05,0.1,0.2,0.3,0.4 --mod-blocks both
+
 Sections not run this time (say `--eval sample`) keep their results from an earlier eval.json
 of the same checkpoint step; an eval.json of another step is replaced whole.
 A small --max-per-task (say 5) works: tasks then use fewer few-shot examples, with a note.
@@ -23,6 +29,7 @@ import argparse
 import tempfile
 import contextlib
 
+import torch
 import torch.distributed as dist
 
 from nanochat.common import UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes
@@ -32,6 +39,7 @@ from nanochat.loss_eval import evaluate_bpb
 from nanochat.core_eval import ensure_eval_bundle, evaluate_core, save_records
 from nanochat import checkpoint_manager as ckpt
 from scripts.archs import load_model
+from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
 
 EVALS = ("core", "bpb", "sample")
 RECORDS = "core_records.parquet"
@@ -53,6 +61,7 @@ SECTION_FIELDS = {
              "missing_tasks": None, "max_per_task": None, "eval_bundle": None, "core_error": None,
              "core_records": None, "core_finished": None},
     "sample": {"samples": [], "sample_tokens": None, "sample_temperature": None, "sample_seed": None},
+    "mod": {"mod_curve": None},
 }
 
 
@@ -67,7 +76,21 @@ def build_parser():
     p.add_argument("--eval-bundle", type=str, default="", help="CORE eval bundle dir (default: <base_dir>/eval_bundle, downloaded once)")
     p.add_argument("--sample-tokens", type=int, default=16, help="tokens generated per sample")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--mod-rate", type=str, default="", help="MoD trade-off curve: comma-separated target skip rates, e.g. 0.05,0.1,0.2")
+    p.add_argument("--mod-blocks", type=str, default="both", choices=BLOCKS, help="sub-layers skipped along the curve")
+    p.add_argument("--mod-calib-tokens", type=int, default=2 ** 20, help="train-split tokens that calibrate each rate's thresholds")
     return p
+
+
+def parse_rates(text):
+    """The curve's rates, sorted, with the full-depth point 0 first."""
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise UserError(f"--mod-rate takes comma-separated numbers, got {text!r}") from None
+    for r in rates:
+        check_rate(r)
+    return sorted(set([0.0] + rates))
 
 
 def parse_evals(text):
@@ -140,6 +163,43 @@ def eval_core(model, tokenizer, device, bundle, args, save):
     return out
 
 
+def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size, bundle):
+    """The MoD trade-off: at each rate, thresholds calibrated on train-split tokens (never on the val tokens
+    scored here) and then fixed, val bpb (and CORE), realised skip rates and the forward FLOPs executed."""
+    B, T = args.device_batch_size, model.config.sequence_len
+    steps = max(1, args.split_tokens // (B * T * world_size))
+    calib_steps = max(1, args.mod_calib_tokens // (B * T * world_size))
+    points = []
+    for rate in parse_rates(args.mod_rate):
+        model.configure_mod(ModConfig(blocks=args.mod_blocks, rate=rate))
+        if rate > 0:
+            calibrate(model, data_loader(tokenizer, B, T, "train", device=device, rank=rank, world_size=world_size), calib_steps)
+            if dist.is_initialized():  # every rank calibrated on its own shard: one set of thresholds for all
+                dist.all_reduce(model.thresholds.values)
+                model.thresholds.values /= world_size
+        model.eval()
+        val = data_loader(tokenizer, B, T, "val", device=device, rank=rank, world_size=world_size)
+        with torch.no_grad():
+            bpb = evaluate_bpb(model, val, steps, token_bytes)
+        rates = model.thresholds.pop_rates("eval") if model.thresholds is not None else {}
+        flops = model.estimate_flops(rates) // 3  # forward only: a third of the training convention
+        point = {"rate": rate, "blocks": args.mod_blocks, "val_bpb": bpb, **skip_summary(rates),
+                 "forward_flops_per_token": flops, "calib_tokens": calib_steps * B * T * world_size if rate > 0 else 0}
+        if bundle is not None:
+            core = evaluate_core(model, tokenizer, device, bundle, max_per_task=args.max_per_task, batch_size=args.device_batch_size,
+                                 log=lambda *a: None)
+            point["core"] = core["core_metric"] if core["core_metric"] is not None else core["partial_core"]
+            point["core_label"] = "CORE" if core["core_metric"] is not None else core["partial_label"]
+        points.append(point)
+    full = points[0]["forward_flops_per_token"]
+    for p in points:
+        p["flops_frac"] = p["forward_flops_per_token"] / full
+        print0(f"MoD {p['blocks']} rate {p['rate']:.2f}: val bpb {p['val_bpb']:.4f} | skipped attn {100 * p.get('skip_attn', 0):.1f}% "
+               f"mlp {100 * p.get('skip_mlp', 0):.1f}% | forward FLOPs {100 * p['flops_frac']:.1f}% of full depth"
+               + (f" | {p['core_label']} {p['core']:.4f}" if "core" in p else ""))
+    return {"mod_curve": {"blocks": args.mod_blocks, "split_tokens": steps * B * T * world_size, "points": points}}
+
+
 # ---------------------------------------------------------------------------
 # output
 
@@ -202,8 +262,10 @@ def check_writable(run_dir):
 
 def evaluate(args):
     evals = parse_evals(args.eval)
-    if args.device_batch_size < 1 or args.split_tokens < 1 or args.sample_tokens < 1:
-        raise UserError("--device-batch-size, --split-tokens and --sample-tokens must be positive")
+    if args.device_batch_size < 1 or args.split_tokens < 1 or args.sample_tokens < 1 or args.mod_calib_tokens < 1:
+        raise UserError("--device-batch-size, --split-tokens, --sample-tokens and --mod-calib-tokens must be positive")
+    if args.mod_rate:
+        parse_rates(args.mod_rate)
     device_type = args.device_type or autodetect_device_type()
     is_ddp, rank, _, world_size, device = dist_init(device_type)
     run_dir = ckpt.resolve_run_dir(args.run)
@@ -224,6 +286,9 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     tokenizer = get_tokenizer()
     model, meta = load_model(run_dir, None if args.step < 0 else args.step, device)
     ckpt.check_vocab(meta, tokenizer)
+    if args.mod_rate and not hasattr(model, "configure_mod"):
+        raise UserError(f"--mod-rate: {run_dir} holds a {meta['arch']!r} checkpoint, which has no router to score tokens by "
+                        "(train the router-MoD baseline with --mod-router, or use a NAG checkpoint)")
     model.set_compute_dtype(compute_dtype_for(device_type))
     if "tokens" in meta:  # NAG's alpha warm-up is a function of tokens seen: evaluate the model as it was trained
         model.set_tokens_seen(meta["tokens"])
@@ -262,6 +327,8 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
         save({"core_error": core_error})
     if "sample" in evals:
         save(eval_samples(model, tokenizer, args.sample_tokens) if rank == 0 else {})
+    if args.mod_rate:  # last: it reconfigures the model's MoD
+        save(eval_mod_curve(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size, bundle))
     if rank == 0:
         print_table(record)
         print0(f"wrote {eval_path}")

@@ -30,7 +30,7 @@ from nanochat.dataloader import data_loader, split_tokens
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import checkpoint_manager as ckpt
-from scripts.archs import ARCHS, model_class
+from scripts.archs import ARCHS, arch_for_args
 from scripts.presets import PRESETS, preset_args
 
 REFERENCE_BATCH = 2 ** 19  # tokens; the d12 reference of the muP-style batch rules
@@ -132,7 +132,7 @@ def validate_args(args):
         raise UserError(f"--device-type must be cpu, cuda or mps (got {args.device_type!r})")
     if args.device_type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise UserError("--device-type cuda, but torch sees no CUDA device here (use --device-type cpu, or a CUDA build of torch)")
-    model_class(args.arch)
+    arch_for_args(args)
 
 
 def model_config_from_args(args, vocab_size, depth=None):
@@ -218,7 +218,7 @@ class Plan:
 
 def make_plan(args, vocab_size, nproc):
     validate_args(args)
-    cls = model_class(args.arch)
+    arch, cls = arch_for_args(args)
     init_kwargs = cls.init_kwargs_from_args(args)
     config = model_config_from_args(args, vocab_size)
     with torch.device("meta"):
@@ -257,7 +257,7 @@ def make_plan(args, vocab_size, nproc):
     warmdown = round(args.warmdown_ratio * steps)
     warmup = min(args.warmup_steps, steps - warmdown)
     save_every = args.save_every if args.save_every >= 0 else math.ceil(steps / SAVES_PER_RUN)
-    return Plan(run=args.run or f"{args.arch}-d{args.depth}", arch=args.arch, config=config, model=model, nproc=nproc,
+    return Plan(run=args.run or f"{arch}-d{args.depth}", arch=arch, config=config, model=model, nproc=nproc,
                 total_batch=batch, grad_accum=batch // world_tokens, num_iterations=steps, lr_scale=lr_scale,
                 weight_decay=weight_decay, warmup_steps=warmup, warmdown_steps=warmdown, final_lr_frac=args.final_lr_frac, save_every=save_every,
                 flops_per_token=flops_per_token)
@@ -607,6 +607,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
                 f"lrm {lrm:.3f} | {tok_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") +
                 f" | {dt * 1000:.0f} ms | elapsed {fmt_time(elapsed)} | eta {fmt_time(eta)}")
         print0(line)
+        row.update(model.step_metrics())  # e.g. MoD's realised skip rates and FLOPs (every rank pops its own)
         if is_master:
             stats, stats_line = model.telemetry(step, x, args)
             if stats is not None:

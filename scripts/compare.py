@@ -151,9 +151,9 @@ def cell(v):
 
 
 def flat_config(config):
-    """CLI args (as --flags), model_config.*, nag_config.* and optimizer.* (per group, by name) of one run."""
+    """CLI args (as --flags), model_config.*, nag_config.*, mod_config.* and optimizer.* (per group, by name) of one run."""
     out = {f"--{k.replace('_', '-')}": v for k, v in (config.get("args") or {}).items() if k not in SKIP_ARGS}
-    for section in ("model_config", "nag_config"):
+    for section in ("model_config", "nag_config", "mod_config"):
         out.update({f"{section}.{k}": v for k, v in (config.get(section) or {}).items()})
     opt = dict(config.get("optimizer") or {})
     for group in opt.pop("groups", []):
@@ -504,7 +504,47 @@ def make_figures(runs, out_dir, beta, pairs=()):
         ax.legend()
         save_figure(fig, ax, out_dir, "gate_dead_branches.png", "NAG dead-branch count", figures)
     forest_plot(pairs, out_dir, figures)
+    mod_curve_plot(runs, out_dir, figures)
     return figures
+
+
+def mod_curves(runs):
+    return [(r, r["eval"]["mod_curve"]) for r in runs if r["eval"] and r["eval"].get("mod_curve")]
+
+
+def mod_curve_plot(runs, out_dir, figures):
+    """base_eval --mod-rate: val bpb against the target skip rate and against the forward FLOPs executed."""
+    import matplotlib.pyplot as plt
+    curves = mod_curves(runs)
+    if not curves:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for r, c in curves:
+        pts = c["points"]
+        label = f"{r['name']} ({c['blocks']})"
+        a.plot([100 * p["rate"] for p in pts], [p["val_bpb"] for p in pts], marker="o", label=label)
+        b.plot([100 * p["flops_frac"] for p in pts], [p["val_bpb"] for p in pts], marker="o", label=label)
+    a.set(xlabel="target skip rate (%)", ylabel="val bits per byte", title="MoD at inference: bpb vs skip rate")
+    b.set(xlabel="forward FLOPs executed (% of full depth)", title="bpb vs FLOPs executed")
+    b.invert_xaxis()
+    a.legend(fontsize=8)
+    b.grid(alpha=0.3)
+    save_figure(fig, a, out_dir, "mod_curve.png", "MoD inference trade-off: val bpb vs skip rate and vs FLOPs executed", figures)
+
+
+def mod_section(runs, figures):
+    curves = mod_curves(runs)
+    if not curves:
+        return ""
+    rows = [[f"`{r['name']}`", c["blocks"], f"{100 * p['rate']:.0f}%", fmt(p["val_bpb"]), f"{100 * p.get('skip_attn', 0):.1f}%",
+             f"{100 * p.get('skip_mlp', 0):.1f}%", f"{100 * p['flops_frac']:.1f}%", fmt(p.get("core"))]
+            for r, c in curves for p in c["points"]]
+    text = ("## Mixture-of-Depths at inference\n\nThresholds calibrated on train-split tokens at each rate, then fixed "
+            "(base_eval --mod-rate).\n\n" + table(["run", "blocks", "target", "val bpb", "skipped attn", "skipped mlp",
+                                                  "forward FLOPs", "CORE"], rows))
+    if "mod_curve.png" in figures:
+        text += f"\n\n![{figures['mod_curve.png']}](mod_curve.png)\n"
+    return text
 
 
 # ---------------------------------------------------------------------------
@@ -531,11 +571,13 @@ def compare(run_args, out_dir=None, beta=0.95):
         parts.append(significance_section(pairs))
         if "core_deltas.png" in figures:
             parts[-1] += f"\n![{figures['core_deltas.png']}](core_deltas.png)\n"
-    curves = [f"![{cap}]({name})" for name, cap in figures.items() if not name.startswith(("gate_", "core_deltas"))]
+    curves = [f"![{cap}]({name})" for name, cap in figures.items() if not name.startswith(("gate_", "core_deltas", "mod_"))]
     parts.append("## Training curves\n\n" + "\n\n".join(curves))
     gates = [f"![{cap}]({name})" for name, cap in figures.items() if name.startswith("gate_")]
     if gates:
         parts.append("## NAG gate telemetry\n\n" + "\n\n".join(gates))
+    if mod_curves(runs):
+        parts.append(mod_section(runs, figures))
     analysis = os.path.join(get_base_dir(), "reports", "analysis_" + "_vs_".join(os.path.basename(r["dir"]) for r in runs), "analysis.md")
     if os.path.exists(analysis):  # written by `python -m analysis` for the same runs
         rel = os.path.relpath(analysis, out_dir)

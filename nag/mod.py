@@ -1,0 +1,298 @@
+"""
+Mixture-of-Depths (MoD): which tokens run a sub-layer, and a gathered computation so that a skipped
+token really costs nothing (docs/mod.md). Shared by NAG-MoD (nag/model.py) and the router baseline
+(nag/router_mod.py); only the score differs:
+
+    NAG     r_l = atan(α_l·m_l) / atan(α_l) ∈ [0, 1]      the predicted rotation over the largest possible one
+    router  g_l = σ(x̂·w_l + b_l)                          paper eq. 40, x̂ the normed input
+
+A token runs sub-layer l when its score is above the threshold, and skips it otherwise. One threshold
+is shared by every attention layer, each MLP layer has its own (the paper's global / local rule).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanochat.gpt import norm, apply_rotary, QK_SCALE
+
+BLOCKS = ("attn", "mlp", "both")
+KINDS = ("attn", "mlp")
+MAX_RATE = 0.95  # above this almost nothing runs and a batch quantile rests on a handful of tokens
+# share of each batch's attention shortfall carried into the next threshold: 1 would cancel it at once
+# but add the previous batch's sampling noise to every batch; 0.2 settles in about five batches
+DEBT_GAIN = 0.2
+
+
+@dataclass
+class ModConfig:
+    blocks: str = "both"  # which sub-layers tokens may skip
+    rate: float = 0.0  # target share of skipped token-sublayers
+    momentum: float = 0.9  # evaluation thresholds: weight of the old estimate once 1/(1-momentum) batches are in
+
+    def covers(self, kind):
+        """The sub-layer kind is a MoD one (NAG adds its X_l there, even at rate 0)."""
+        return self.blocks in (kind, "both")
+
+    def skips(self, kind):
+        """Tokens are actually routed around this kind of sub-layer."""
+        return self.rate > 0 and self.covers(kind)
+
+
+def add_mod_args(parser):
+    """The MoD flags, read by both MoD models (registered once, by NAGGPT.add_args)."""
+    g = parser.add_argument_group("Mixture-of-Depths (--arch nag: rotation score; --arch gpt --mod-router: router baseline)")
+    g.add_argument("--mod-rate", type=float, default=None, help="target share of skipped token-sublayers, in [0, 0.95)")
+    g.add_argument("--mod-blocks", type=str, default=None, choices=BLOCKS, help="sub-layers tokens may skip (default: both)")
+    g.add_argument("--mod-router", action="store_true", help="with --arch gpt: the router-MoD baseline (paper eq. 40)")
+    g.add_argument("--mod-threshold-momentum", type=float, default=ModConfig.momentum,
+                   help="the evaluation thresholds, moving averages of the training batch quantiles: weight of the old estimate")
+
+
+def check_rate(rate, flag="--mod-rate"):
+    from nanochat.common import UserError
+    if not (math.isfinite(rate) and 0 <= rate < MAX_RATE):
+        raise UserError(f"{flag} must be in [0, {MAX_RATE}) (got {rate:g})")
+
+
+def mod_config_from_args(args):
+    """ModConfig from the flags, or None when MoD is off."""
+    from nanochat.common import UserError
+    if args.mod_rate is None:
+        if args.mod_blocks:
+            raise UserError("--mod-blocks needs --mod-rate (the target share of skipped token-sublayers)")
+        return None
+    check_rate(args.mod_rate)
+    if not 0 <= args.mod_threshold_momentum < 1:
+        raise UserError(f"--mod-threshold-momentum must be in [0, 1) (got {args.mod_threshold_momentum})")
+    return ModConfig(blocks=args.mod_blocks or "both", rate=args.mod_rate, momentum=args.mod_threshold_momentum)
+
+
+def rotation_score(alpha, m):
+    """r = atan(α·m)/atan(α) of every token, (B, T), no grad: the skip decision is not differentiable.
+    As α → 0 (the first steps of the α warm-up) r → m, which is used there."""
+    a = alpha.detach().float().reshape(())
+    m = m.detach().float().squeeze(-1)
+    small = a.abs() < 1e-6  # a tensor test, not a Python one: no host sync
+    return torch.where(small, m, torch.atan(a * m) / torch.atan(torch.where(small, torch.ones_like(a), a)))
+
+
+# ---------------------------------------------------------------------------
+# thresholds
+
+
+class Thresholds(nn.Module):
+    """The skip thresholds and the skip rates they realised.
+
+    Training: MLP layer l skips the round(rate·N) lowest-scoring tokens of its batch (a batch quantile).
+    The attention threshold is global, but layer l's scores depend on what the layers before it skipped,
+    so no same-batch quantile of all attention scores exists when layer l runs: attention uses the
+    pooled quantile of the previous training batch (the first batch: its own per-layer quantile). Scores
+    that rise during training make that threshold skip too little, so the quantile is taken at the target
+    rate plus a share of the shortfall accumulated so far (integral control): the average realised rate is
+    the target.
+    Evaluation: every threshold is its running estimate (a moving average of the batch quantiles), fixed,
+    so a token's path depends only on its own prefix. All of it is buffers: it travels in the checkpoint.
+    """
+
+    def __init__(self, n_layer, config, device=None):
+        super().__init__()
+        self.config = config
+        self.momentum = config.momentum
+        self.register_buffer("values", torch.zeros(1 + n_layer, device=device))  # [attention, mlp 0, mlp 1, ...]
+        self.register_buffer("counts", torch.zeros(1 + n_layer, device=device))  # batches averaged in; 0 = never set
+        self.register_buffer("last_attn", torch.zeros(1, device=device))  # the previous batch's pooled attention quantile
+        self.register_buffer("attn_debt", torch.zeros(1, device=device))  # Σ DEBT_GAIN·(target − realised), attention skips
+        self.pending = []  # attention scores and skip masks of the current training forward
+        self.sums = {}  # (mode, kind, layer) -> [summed skipped fraction, forwards]
+
+    @torch.no_grad()
+    def reset(self):
+        self.values.zero_()
+        self.counts.zero_()
+        self.last_attn.zero_()
+        self.attn_debt.zero_()
+        self.pending, self.sums = [], {}
+
+    def calibrated(self):
+        """Every threshold that evaluation will use has been estimated at least once."""
+        slots = ([0] if self.config.skips("attn") else []) + ([1 + i for i in range(len(self.values) - 1)] if self.config.skips("mlp") else [])
+        return all(self.counts[s].item() > 0 for s in slots)
+
+    @torch.no_grad()
+    def update(self, slot, value):
+        n = self.counts[slot] + 1
+        w = torch.clamp(1 / n, min=1 - self.momentum)  # a plain mean first, a moving average later
+        self.values[slot] += w * (value - self.values[slot])
+        self.counts[slot] = n
+
+    @torch.no_grad()
+    def decide(self, kind, layer, score):
+        """Which tokens run the sub-layer: a bool (B, T) mask, True = execute."""
+        s = score.detach().float()
+        slot = 0 if kind == "attn" else 1 + layer
+        if self.training:
+            batch = batch_threshold(s, self.config.rate)
+            if kind == "mlp":
+                thr = batch
+                self.update(slot, batch)
+            else:
+                thr = torch.where(self.counts[0] > 0, self.last_attn[0], batch)
+        else:
+            thr = self.values[slot]
+        execute = s > thr
+        if self.training and kind == "attn":
+            self.pending.append((s.flatten(), execute.flatten()))
+        key = ("train" if self.training else "eval", kind, layer)
+        acc = self.sums.setdefault(key, [torch.zeros((), device=s.device), 0])
+        acc[0] += 1 - execute.float().mean()
+        acc[1] += 1
+        return execute
+
+    @torch.no_grad()
+    def finish(self):
+        """End of a training forward: this batch's pooled attention scores give the next batch's threshold (their
+        quantile at the target plus the shortfall so far) and the running estimate's next value (at the target)."""
+        if self.pending:
+            scores = torch.cat([s for s, _ in self.pending])
+            realised = 1 - torch.cat([e for _, e in self.pending]).float().mean()
+            rate = self.config.rate
+            self.attn_debt.add_(DEBT_GAIN * (rate - realised)).clamp_(-rate, MAX_RATE - rate)
+            self.last_attn.copy_(batch_threshold(scores, rate + self.attn_debt).reshape(1))
+            self.update(0, batch_threshold(scores, rate))
+        self.pending = []
+
+    def pop_rates(self, mode):
+        """{(kind, layer): mean skipped fraction} over the forwards of this mode since the last call."""
+        out = {(k, l): (v[0] / v[1]).item() for (m, k, l), v in self.sums.items() if m == mode}
+        self.sums = {key: v for key, v in self.sums.items() if key[0] != mode}
+        return out
+
+
+def batch_threshold(scores, rate):
+    """The score at or below which the round(rate·N) lowest-scoring tokens fall (-inf: none)."""
+    flat = scores.flatten()
+    k = round(float(rate) * flat.numel())
+    if k == 0:
+        return torch.full((), -math.inf, device=flat.device)
+    return torch.kthvalue(flat, k).values
+
+
+@torch.no_grad()
+def calibrate(model, batches, steps):
+    """Fixed thresholds for evaluation from `steps` batches (plain mean of their batch quantiles), then eval mode."""
+    th = model.thresholds
+    th.reset()
+    th.momentum = 1.0  # weight 1/n: every batch counts the same
+    model.train()
+    try:
+        for _ in range(steps):
+            x, *_ = next(batches)
+            model(x)
+    finally:
+        th.momentum = th.config.momentum
+        model.eval()
+    th.pop_rates("train")
+
+
+def skip_summary(rates):
+    """metrics.jsonl form of pop_rates: per sub-layer and the mean per kind."""
+    out = {"skip": {f"{l}.{k}": r for (k, l), r in sorted(rates.items(), key=lambda kv: (kv[0][1], kv[0][0]))}}
+    for kind in KINDS:
+        vals = [r for (k, _), r in rates.items() if k == kind]
+        if vals:
+            out[f"skip_{kind}"] = sum(vals) / len(vals)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the gathered computation: sub-layer outputs at the executed tokens, zeros elsewhere
+
+
+def mlp_executed(mlp, x, execute):
+    """mlp(x) at the executed tokens and 0 at the others; the MLP only sees the executed tokens."""
+    if execute is None:
+        return mlp(x)
+    B, T, D = x.shape
+    flat = x.reshape(B * T, D)
+    idx = execute.reshape(-1).nonzero().squeeze(1)
+    out = flat.new_zeros(B * T, D)
+    if idx.numel():
+        out = out.index_copy(0, idx, mlp(flat.index_select(0, idx)).to(out.dtype))
+    return out.view(B, T, D)
+
+
+def attention_executed(attn, x, cos_sin, mask, execute):
+    """attn(x, cos_sin, mask) at the executed tokens and 0 at the others.
+
+    Every token still makes its key and value (later tokens attend to it); only executed tokens make a
+    query, attend and go through the output projection. Each row's executed positions are packed to the
+    left, padded to the longest row with skipped positions whose result is dropped."""
+    if execute is None:
+        return attn(x, cos_sin, mask)
+    B, T, D = x.shape
+    counts = execute.sum(dim=1)
+    Tq = int(counts.max())  # one host sync: the padded query length
+    if Tq == 0:
+        return x.new_zeros(B, T, D)
+    order = torch.sort((~execute).to(torch.uint8), dim=1, stable=True).indices  # executed first, in order
+    qpos = order[:, :Tq]  # (B, Tq)
+    valid = torch.arange(Tq, device=x.device)[None] < counts[:, None]
+    H, KV, hd = attn.n_head, attn.n_kv_head, attn.head_dim
+    xq = torch.gather(x, 1, qpos[..., None].expand(B, Tq, D))
+    q = attn.c_q(xq).view(B, Tq, H, hd)
+    k = attn.c_k(x).view(B, T, KV, hd)
+    v = attn.c_v(x).view(B, T, KV, hd)
+    cos, sin = cos_sin
+    half = cos.size(-1)
+    take = qpos[:, :, None, None].expand(B, Tq, 1, half)
+    cq, sq = (torch.gather(c.expand(B, T, 1, half), 1, take) for c in (cos, sin))
+    q = norm(apply_rotary(q, cq, sq)) * QK_SCALE
+    k = norm(apply_rotary(k, cos, sin)) * QK_SCALE
+    allowed = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+    rows = torch.gather(allowed.expand(B, 1, T, T), 2, qpos[:, None, :, None].expand(B, 1, Tq, T))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=rows, enable_gqa=KV != H)
+    y = y.transpose(1, 2).reshape(B, Tq, D)
+    dest = (torch.arange(B, device=x.device)[:, None] * T + qpos)[valid]
+    out = x.new_zeros(B * T, D)
+    out = out.index_copy(0, dest, attn.c_proj(y[valid]).to(out.dtype))
+    return out.view(B, T, D)
+
+
+def run_executed(kind, block, x, cos_sin, mask, execute):
+    if kind == "attn":
+        return attention_executed(block.attn, x, cos_sin, mask, execute)
+    return mlp_executed(block.mlp, x, execute)
+
+
+# ---------------------------------------------------------------------------
+# FLOPs
+
+
+def savable_flops(model):
+    """{(kind, layer): training FLOPs per token that one skip of that sub-layer saves}, in the baseline's
+    convention (6 per matmul weight, 12·h·q·T_eff per layer of attention): attention saves its query and
+    output projections and the attention itself (keys and values are still made); MLP saves both matrices."""
+    cfg = model.config
+    h, q = cfg.n_head, cfg.n_embd // cfg.n_head
+    out = {}
+    for i, (block, w) in enumerate(zip(model.blocks, model.windows)):
+        a = block.attn
+        out[("attn", i)] = 6 * (a.c_q.weight.numel() + a.c_proj.weight.numel()) + 12 * h * q * min(w, cfg.sequence_len)
+        out[("mlp", i)] = 6 * (block.mlp.c_fc.weight.numel() + block.mlp.c_proj.weight.numel())
+    return out
+
+
+def flops_with_skips(model, full, mod, skip=None):
+    """Training FLOPs per token of a MoD model whose full-depth cost is `full`: skip maps (kind, layer) to the
+    skipped share (default: the target rate on every skippable sub-layer, what a plan assumes)."""
+    if mod is None:
+        return full
+    if skip is None:
+        skip = {(k, i): mod.rate for k in KINDS if mod.skips(k) for i in range(model.config.n_layer)}
+    saved = savable_flops(model)
+    return full - round(sum(rate * saved[key] for key, rate in skip.items()))

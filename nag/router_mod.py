@@ -1,0 +1,109 @@
+"""
+The router-MoD baseline (paper eq. 40): the GPT baseline with a learned router per skippable sub-layer,
+g_l = σ(x̂·w_l + b_l) on the normed input x̂. The thresholds follow NAG-MoD's rules (nag/mod.py), and
+the executed tokens' sub-layer output is scaled by g_l, which is how the router learns:
+
+    x ← x + g_l(x̂) · f_l(x̂)   for tokens with g_l above the threshold,   x unchanged otherwise
+
+At rate 0 no token is routed and no gate is applied: the model is the GPT baseline exactly.
+"""
+
+import math
+from dataclasses import asdict
+
+import torch
+import torch.nn as nn
+
+from nanochat.common import UserError
+from nanochat.gpt import GPT, Linear, norm
+from nag.mod import ModConfig, Thresholds, mod_config_from_args, run_executed, flops_with_skips, skip_summary, KINDS
+
+
+class RouterMoDGPT(GPT):
+    arch = "gpt-router"
+
+    def __init__(self, config, mod=None, device=None):
+        super().__init__(config, device=device)
+        self.mod = mod or ModConfig()
+        self.routers = nn.ModuleDict({f"{kind}_{i}": Linear(config.n_embd, 1, bias=True, device=device)
+                                      for i in range(config.n_layer) for kind in KINDS if self.mod.covers(kind)})
+        self.thresholds = Thresholds(config.n_layer, self.mod, device)
+
+    # ----- the arch hook (see GPT) -----
+
+    # its flags (--mod-*) are registered by NAGGPT.add_args; --nag-gate-lr sets the routers' LR
+    @classmethod
+    def init_kwargs_from_args(cls, args):
+        mod = mod_config_from_args(args)
+        if mod is None:
+            raise UserError("the router-MoD baseline needs --mod-rate (the target share of skipped token-sublayers)")
+        return {"mod": mod}
+
+    @classmethod
+    def optimizer_kwargs_from_args(cls, args):
+        return {"router_lr": args.nag_gate_lr}
+
+    @classmethod
+    def extra_init_kwargs(cls, meta):
+        return {"mod": ModConfig(**meta["mod_config"])}
+
+    def extra_meta(self):
+        return {"mod_config": asdict(self.mod)}
+
+    def step_metrics(self):
+        rates = self.thresholds.pop_rates("train")
+        return {"mod": {**skip_summary(rates), "flops_per_token": self.estimate_flops(rates)}} if rates else {}
+
+    def configure_mod(self, mod, device=None):
+        """Another rate (base_eval's trade-off curve): only over the sub-layers whose routers were trained."""
+        untrained = [k for k in KINDS if mod.covers(k) and not self.mod.covers(k)]
+        if untrained:
+            raise UserError(f"this router-MoD model was trained with --mod-blocks {self.mod.blocks}: it has no trained "
+                            f"router for {', '.join(untrained)}")
+        self.mod = ModConfig(blocks=mod.blocks, rate=mod.rate, momentum=mod.momentum)
+        self.thresholds = Thresholds(self.config.n_layer, self.mod, device if device is not None else self.wte.weight.device)
+
+    # ----- init, optimizer, FLOPs -----
+
+    @torch.no_grad()
+    def init_weights(self):
+        super().init_weights()
+        bound = math.sqrt(3) * self.config.n_embd ** -0.5  # like NAG's m_down: scores differ between tokens from step 0
+        for r in self.routers.values():
+            nn.init.uniform_(r.weight, -bound, bound)
+            nn.init.zeros_(r.bias)
+        self.thresholds.reset()
+
+    def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, router_lr=1e-3):
+        # the routers train like NAG's gates (AdamW at --nag-gate-lr): the two MoDs differ in the score only
+        groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale)
+        groups.append(dict(kind="adamw", name="mod_routers", params=list(self.routers.parameters()), lr=router_lr * lr_scale,
+                           betas=(0.8, 0.95)))
+        return groups
+
+    def estimate_flops(self, skip=None):
+        return flops_with_skips(self, super().estimate_flops(), self.mod, skip)
+
+    # ----- forward -----
+
+    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None):
+        T = idx.size(1)
+        cos_sin = self.rotary(T, positions)
+        masks = self.attention_masks(T, idx.device, positions, allowed)
+        x = norm(self.wte(idx).to(self.compute_dtype))
+        for i, (block, mask) in enumerate(zip(self.blocks, masks)):
+            for kind in KINDS:
+                x = x + self.routed(kind, i, block, norm(x), cos_sin, mask)
+        self.thresholds.finish()
+        logits = self.logits_from_hidden(x if logits_at is None else x[logits_at])
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                                                 reduction=loss_reduction)
+
+    def routed(self, kind, layer, block, h, cos_sin, mask):
+        if not self.mod.skips(kind):
+            return run_executed(kind, block, h, cos_sin, mask, None)
+        gate = torch.sigmoid(self.routers[f"{kind}_{layer}"](h).float())  # (B, T, 1)
+        execute = self.thresholds.decide(kind, layer, gate.squeeze(-1))
+        return run_executed(kind, block, h, cos_sin, mask, execute) * gate.to(h.dtype)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Mixture-of-Depths at the CPU demo's scale (docs/mod.md): next to runcpu.sh's GPT / NAG pair, on the same
+# FLOP budget and data order, NAG-MoD at 20 % (iso-FLOP: more steps, more tokens) and the router GPT-MoD
+# baseline at 20 % (paper eq. 40); the inference trade-off curve of the full-depth NAG model; one report.
+#
+#   bash runs/mod_cpu.sh           # runs runcpu.sh first if its runs are missing (that part takes longer)
+#
+# Re-running skips finished runs and evaluations.
+set -euo pipefail
+HERE="$(dirname "${BASH_SOURCE[0]}")"
+source "$HERE/setup_env.sh"
+export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
+BASE="$NANOCHAT_BASE_DIR"
+TARGET_FLOPS="${TARGET_FLOPS:-1e13}"   # runcpu.sh's budget
+RATE="${RATE:-0.2}"
+CURVE="${CURVE:-0.05,0.1,0.2,0.3,0.4}"
+stage() { echo; echo "=== $* ==="; }
+
+if [ ! -f "$BASE/runs/cpu-gpt/eval.json" ] || [ ! -f "$BASE/runs/cpu-nag/eval.json" ]; then
+    stage "the demo's GPT / NAG pair (runs/runcpu.sh)"
+    bash "$HERE/runcpu.sh"
+fi
+
+# runcpu.sh's model and schedule, unchanged; the router trains at --nag-gate-lr like NAG's gates
+MODEL=(--depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 --total-batch-size 4096
+       --target-flops "$TARGET_FLOPS" --warmup-steps 5 --matrix-lr 0.2 --embedding-lr 2.0 --unembedding-lr 0.1
+       --eval-every 30 --eval-tokens 16384 --save-every 30 --nag-alpha-warmup-tokens 40960 --nag-gate-log-every 10
+       --nag-gate-lr 0.01 --nag-temp-gain-lr 1.0)
+TAG="$(awk "BEGIN { print int($RATE * 100 + 0.5) }")"   # 0.2 → 20
+
+stage "NAG-MoD at ${RATE} (both blocks, iso-FLOP)"
+python -m scripts.base_train --arch nag --mod-rate "$RATE" --mod-blocks both --run "cpu-nag-mod$TAG" "${MODEL[@]}" --resume latest
+stage "router GPT-MoD at ${RATE} (paper eq. 40)"
+python -m scripts.base_train --arch gpt --mod-router --mod-rate "$RATE" --mod-blocks both --run "cpu-gpt-router$TAG" "${MODEL[@]}" --resume latest
+
+stage "evaluate (bpb) and the inference curve of the full-depth NAG model"
+for run in "cpu-nag-mod$TAG" "cpu-gpt-router$TAG"; do
+    if [ -f "$BASE/runs/$run/eval.json" ]; then echo "$run already evaluated"; else
+        python -m scripts.base_eval --run "$run" --eval bpb --split-tokens 65536 --device-batch-size 16
+    fi
+done
+if grep -q '"mod_curve": {' "$BASE/runs/cpu-nag/eval.json"; then echo "cpu-nag already has its MoD curve"; else
+    python -m scripts.base_eval --run cpu-nag --eval bpb --split-tokens 65536 --device-batch-size 16 \
+        --mod-rate "$CURVE" --mod-blocks both --mod-calib-tokens 65536
+fi
+
+stage "comparison report"
+python -m scripts.compare cpu-gpt cpu-nag "cpu-nag-mod$TAG" "cpu-gpt-router$TAG"

@@ -1,0 +1,311 @@
+"""Mixture-of-Depths: NAG-MoD (rotation score) and the router-MoD baseline (paper eq. 40)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import TINY_TRAIN
+from nanochat.gpt import GPT, GPTConfig
+from nag.model import NAGGPT, NAGConfig
+from nag.mod import ModConfig, attention_executed, mlp_executed, calibrate, savable_flops
+from nag.router_mod import RouterMoDGPT
+from scripts import archs, base_train, base_eval
+
+CFG = dict(sequence_len=32, vocab_size=128, n_layer=3, n_head=2, n_kv_head=2, n_embd=32)
+
+
+def build(cls, seed=0, **kw):
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = cls(GPTConfig(**CFG), **kw)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+def nag(mod=None, seed=0):
+    return build(NAGGPT, seed, nag=NAGConfig(alpha_warmup_tokens=0), mod=mod)
+
+
+@torch.no_grad()
+def wake(model, seed=1, x_too=True):
+    """Non-zero output projections (zero at init) and X_l, so that every path carries a signal."""
+    g = torch.Generator().manual_seed(seed)
+    for block in model.blocks:
+        for lin in (block.attn.c_proj, block.mlp.c_proj):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.1)
+    if x_too and getattr(model, "mod_base", None) is not None:
+        for v in model.mod_base.values():
+            v.copy_(torch.randn(v.shape, generator=g) * 0.1)
+    return model
+
+
+def tokens(b=4, t=32, seed=0):
+    return torch.randint(0, 128, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------
+# model-level
+
+
+def test_rate_zero_equals_plain_nag():
+    x = tokens()
+    plain, moded = wake(nag()), wake(nag(ModConfig("both", 0.0)), x_too=False)  # X_l as initialised
+    for mode in ("train", "eval"):
+        plain.train(mode == "train")
+        moded.train(mode == "train")
+        assert torch.allclose(plain(x), moded(x), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("blocks", ["attn", "mlp", "both"])
+def test_realised_skip_rate_is_near_target_on_a_training_batch(blocks):
+    # 2,048 tokens per layer: a fixed (running) threshold still meets the sampling noise of a batch,
+    # about √(0.3·0.7/N) (1 point here; 2 points at 512 tokens)
+    model = wake(nag(ModConfig(blocks, 0.3)))
+    with torch.no_grad():
+        for s in range(6):  # the running attention threshold settles
+            model(tokens(64, 32, seed=s))
+        model.thresholds.pop_rates("train")
+        model(tokens(64, 32, seed=99))
+    rates = model.thresholds.pop_rates("train")
+    kinds = ["attn", "mlp"] if blocks == "both" else [blocks]
+    assert {k for k, _ in rates} == set(kinds)
+    for kind in kinds:
+        vals = [r for (k, _), r in rates.items() if k == kind]
+        assert abs(sum(vals) / len(vals) - 0.3) < 0.02, (kind, vals)
+    for (kind, _), r in rates.items():
+        if kind == "mlp":  # a batch quantile per layer: exact up to ties
+            assert abs(r - 0.3) < 0.02
+
+
+@pytest.mark.parametrize("window", ["L", "SL"])
+def test_gathered_computation_equals_masked_full_computation(window):
+    torch.manual_seed(0)
+    cfg = dict(CFG, window_pattern=window, n_kv_head=1)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**cfg))
+    model.to_empty(device="cpu")
+    model.init_weights()
+    wake(model)
+    x = torch.randn(3, 32, 32)
+    execute = torch.rand(3, 32) > 0.4
+    execute[2] = False  # a row with nothing to run
+    execute[1, :] = True  # a row with everything
+    cos_sin = model.rotary(32)
+    for block, mask in zip(model.blocks, model.attention_masks(32, "cpu")):
+        want = block.attn(x, cos_sin, mask) * execute[..., None]
+        assert torch.allclose(attention_executed(block.attn, x, cos_sin, mask, execute), want, atol=1e-5)
+        assert torch.allclose(mlp_executed(block.mlp, x, execute), block.mlp(x) * execute[..., None], atol=1e-6)
+    # packed evaluation rows: positions and an allowed mask
+    positions = torch.arange(32).repeat(3, 1)
+    allowed = positions[:, :, None] >= positions[:, None, :]
+    cos_sin = model.rotary(32, positions)
+    mask = model.attention_masks(32, "cpu", positions, allowed)[0]
+    block = model.blocks[0]
+    want = block.attn(x, cos_sin, mask) * execute[..., None]
+    assert torch.allclose(attention_executed(block.attn, x, cos_sin, mask, execute), want, atol=1e-5)
+
+
+def test_skipped_tokens_take_exactly_the_x_path(monkeypatch):
+    model = wake(nag(ModConfig("both", 0.4)))
+    seen = []
+    fn = model.branch_fn
+    monkeypatch.setattr(model, "branch_fn", lambda res_dir, log_norm, out, *a: (seen.append((res_dir, out)), fn(res_dir, log_norm, out, *a))[1])
+    decisions = []
+    decide = model.thresholds.decide
+    monkeypatch.setattr(model.thresholds, "decide", lambda *a: (decisions.append(decide(*a)), decisions[-1])[1])
+    with torch.no_grad():
+        model(tokens())
+    cos_sin = model.rotary(32)
+    assert len(seen) == 6 and len(decisions) == 6
+    for l, ((res_dir, out), execute) in enumerate(zip(seen, decisions)):
+        block, kind = model.blocks[l // 2], ("attn", "mlp")[l % 2]
+        x_l = model.mod_base[f"{kind}_{l // 2}"]
+        assert 0 < (~execute).sum() < execute.numel()
+        assert torch.equal(out[~execute], x_l.expand(int((~execute).sum()), -1))  # exactly X_l
+        full = block.attn(res_dir, cos_sin, None) if kind == "attn" else block.mlp(res_dir)
+        assert torch.allclose(out[execute], full[execute] + x_l, atol=1e-5)
+
+
+def test_gradients_reach_x_gates_and_router():
+    model = wake(nag(ModConfig("both", 0.3)))
+    x = tokens()
+    model(x, x).backward()
+    for name, p in model.named_parameters():
+        if name.startswith(("mod_base", "gates")):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    router = wake(build(RouterMoDGPT, mod=ModConfig("both", 0.3)))
+    router(x, x).backward()
+    for name, p in router.routers.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("cls", ["nag", "router"])
+def test_eval_path_ignores_later_tokens_and_other_rows(cls):
+    model = wake(nag(ModConfig("both", 0.3)) if cls == "nag" else build(RouterMoDGPT, mod=ModConfig("both", 0.3)))
+    calibrate(model, iter([(tokens(8, 32, seed=s),) for s in range(4)]), 4)
+    assert model.thresholds.calibrated() and not model.training
+    x = tokens(4, 32, seed=7)
+    y = x.clone()
+    y[0, 16:] = tokens(1, 16, seed=8)  # later tokens of row 0
+    y[1:] = tokens(3, 32, seed=9)  # every other row
+    with torch.no_grad():
+        a, b = model(x), model(y)
+        alone = model(x[:1, :16])
+    rates = model.thresholds.pop_rates("eval")
+    assert sum(rates.values()) / len(rates) > 0.2 and all(r > 0 for r in rates.values())  # the tokens did skip
+    assert torch.allclose(a[0, :16], b[0, :16], atol=1e-5)
+    assert torch.allclose(a[0, :16], alone[0], atol=1e-5)
+
+
+def test_router_at_rate_zero_equals_gpt():
+    x = tokens()
+    gpt, router = wake(build(GPT)), wake(build(RouterMoDGPT, mod=ModConfig("both", 0.0)))
+    assert torch.allclose(gpt(x), router(x), atol=1e-6, rtol=0)
+
+
+def test_flop_accounting_for_a_known_configuration():
+    # d = 32, 2 heads of 16, T = 32, 3 layers. Skipping saves per token (training, 6 FLOPs per weight):
+    # attention: c_q + c_proj = 2·32·32 weights → 12,288, plus 12·2·16·32 = 12,288 of attention; MLP: 2·4·32·32 → 49,152
+    plain = nag()
+    full = plain.estimate_flops()
+    saved = savable_flops(plain)
+    assert saved[("attn", 0)] == 24_576 and saved[("mlp", 2)] == 49_152
+    assert nag(ModConfig("mlp", 0.25)).estimate_flops() == full - 3 * 12_288
+    assert nag(ModConfig("attn", 0.5)).estimate_flops() == full - 3 * 12_288
+    assert nag(ModConfig("both", 0.2)).estimate_flops() == full - round(0.2 * 3 * (24_576 + 49_152))
+    # realised rates, per sub-layer
+    skip = {("attn", 0): 0.5, ("mlp", 1): 0.1}
+    assert nag(ModConfig("both", 0.2)).estimate_flops(skip) == full - round(0.5 * 24_576 + 0.1 * 49_152)
+    router = build(RouterMoDGPT, mod=ModConfig("both", 0.2))
+    gpt_full = build(GPT).estimate_flops() + 6 * 6 * 32  # six routers of 32 weights
+    assert router.estimate_flops() == gpt_full - round(0.2 * 3 * (24_576 + 49_152))
+
+
+# ---------------------------------------------------------------------------
+# training, checkpoints, plans, bad input
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def test_iso_flop_plan_buys_more_steps(capsys):
+    common = ["--arch", "nag", "--depth", "4", "--head-dim", "64", "--max-seq-len", "256", "--device-batch-size", "16",
+              "--total-batch-size", "4096", "--target-flops", "1e13", "--dry-run", "1", "--dry-run-vocab", "4096"]
+    full = base_train.main(common)
+    mod = base_train.main(common + ["--mod-rate", "0.2"])
+    assert mod["flops_per_token"] < full["flops_per_token"]
+    assert mod["num_iterations"] == round(1e13 / (mod["flops_per_token"] * 4096)) > full["num_iterations"]
+    assert mod["mod_config"] == {"blocks": "both", "rate": 0.2, "momentum": 0.9}
+    router = base_train.main(common[2:] + ["--arch", "gpt", "--mod-router", "--mod-rate", "0.2", "--mod-blocks", "mlp"])
+    assert router["arch"] == "gpt-router" and router["run"] == "gpt-router-d4"
+
+
+@pytest.mark.parametrize("variant", ["nag", "router"])
+def test_training_records_skip_rates_and_checkpoint_round_trips_thresholds(run_base, variant):
+    flags = ["--arch", "nag"] if variant == "nag" else ["--arch", "gpt", "--mod-router"]
+    run_dir = base_train.main(TINY_TRAIN + flags + ["--mod-rate", "0.25", "--run", "m", "--num-iterations", "4",
+                                                    "--eval-every", "2", "--nag-gate-log-every", "2"])
+    rows = read_metrics(run_dir)
+    for r in rows[1:]:
+        assert set(r["mod"]["skip"]) == {"0.attn", "0.mlp", "1.attn", "1.mlp"}
+        assert abs(r["mod"]["skip_mlp"] - 0.25) < 0.02 and 0 < r["mod"]["skip_attn"] < 1
+        assert 0 < r["mod"]["flops_per_token"] < json.load(open(os.path.join(run_dir, "config.json")))["flops_per_token"] * 1.5
+    model, meta = archs.load_model(run_dir)
+    assert meta["mod_config"]["rate"] == 0.25 and meta["arch"] == ("nag" if variant == "nag" else "gpt-router")
+    saved = torch.load(os.path.join(run_dir, "model_000004.pt"), weights_only=False)["model"]
+    assert torch.equal(model.thresholds.values, saved["thresholds.values"]) and model.thresholds.calibrated()
+    assert model.thresholds.values.abs().sum() > 0
+    # the reload takes the same paths as the model that was saved
+    x = tokens(2, 64, seed=3) % meta["model_config"]["vocab_size"]
+    again, _ = archs.load_model(run_dir)
+    with torch.no_grad():
+        assert torch.equal(model(x), again(x))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arch", "nag", "--mod-rate", "0.95"], "--mod-rate must be in [0, 0.95) (got 0.95)"),
+    (["--arch", "nag", "--mod-rate", "-0.1"], "--mod-rate must be in [0, 0.95) (got -0.1)"),
+    (["--arch", "nag", "--mod-blocks", "attn"], "--mod-blocks needs --mod-rate"),
+    (["--arch", "nag", "--mod-router", "--mod-rate", "0.2"], "--mod-router is the GPT baseline's MoD"),
+    (["--arch", "gpt", "--mod-rate", "0.2"], "the GPT baseline has no score to skip tokens by"),
+])
+def test_bad_training_input_is_one_line(run_base, script_error, argv, message):
+    err = script_error(base_train.main, *TINY_TRAIN, "--run", "bad", "--num-iterations", "2", *argv)
+    assert message in err
+
+
+def test_mod_rate_at_eval_on_a_plain_gpt_checkpoint_is_one_line(run_base, script_error):
+    base_train.main(TINY_TRAIN + ["--arch", "gpt", "--run", "g", "--num-iterations", "1", "--eval-every", "-1"])
+    small = ["--split-tokens", "256", "--device-batch-size", "4", "--device-type", "cpu"]
+    err = script_error(base_eval.main, "--run", "g", "--eval", "bpb", "--mod-rate", "0.2", *small)
+    assert "has no router" in err
+    err = script_error(base_eval.main, "--run", "g", "--eval", "bpb", "--mod-rate", "0.2,1.5", *small)
+    assert "--mod-rate must be in [0, 0.95) (got 1.5)" in err
+
+
+def test_inference_curve_on_a_full_depth_nag_goes_into_eval_json_and_compare_plots_it(run_base, capsys):
+    from scripts import compare
+    for arch in ("gpt", "nag"):
+        base_train.main(TINY_TRAIN + ["--arch", arch, "--run", arch, "--num-iterations", "4", "--eval-every", "-1"])
+    splits = []
+    loader = base_eval.data_loader
+    with pytest.MonkeyPatch.context() as mp:  # which split each calibration and evaluation reads
+        mp.setattr(base_eval, "data_loader", lambda *a, **k: (splits.append(a[3]), loader(*a, **k))[1])
+        base_eval.main(["--run", "nag", "--eval", "bpb", "--mod-rate", "0.3,0.1", "--split-tokens", "1024",
+                        "--device-batch-size", "4", "--mod-calib-tokens", "1024", "--device-type", "cpu"])
+    # bpb (val, train), then per rate: calibration on train (rates > 0 only), evaluation on val
+    assert splits == ["val", "train", "val", "train", "val", "train", "val"]
+    ev = json.load(open(os.path.join(run_base, "runs", "nag", "eval.json")))
+    pts = ev["mod_curve"]["points"]
+    assert [p["rate"] for p in pts] == [0.0, 0.1, 0.3] and ev["mod_curve"]["blocks"] == "both"
+    assert pts[0]["flops_frac"] == 1.0 and pts[0]["skip"] == {} and pts[0]["calib_tokens"] == 0
+    assert 1.0 > pts[1]["flops_frac"] > pts[2]["flops_frac"]
+    assert pts[2]["calib_tokens"] == 1024 and set(pts[2]["skip"]) == {"0.attn", "0.mlp", "1.attn", "1.mlp"}
+    for p in pts[1:]:  # fixed thresholds on unseen tokens: near, not at, the target
+        assert abs((p["skip_attn"] + p["skip_mlp"]) / 2 - p["rate"]) < 0.1
+    assert ev["val_bpb"] is not None and abs(ev["val_bpb"] - pts[0]["val_bpb"]) < 1e-9  # rate 0 is the model itself
+    report = compare.compare(["gpt", "nag"], out_dir=str(run_base / "report"))
+    text = open(report).read()
+    assert "## Mixture-of-Depths at inference" in text and "mod_curve.png" in text
+    assert open(run_base / "report" / "mod_curve.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_exact_resume_with_thresholds(run_base):
+    common = TINY_TRAIN + ["--arch", "nag", "--mod-rate", "0.3", "--run", "r", "--num-iterations", "6", "--eval-every", "-1",
+                           "--save-every", "3"]
+    run_dir = base_train.main(common)
+    full = read_metrics(run_dir)
+    base_train.main(common + ["--resume", "3"])
+    again = read_metrics(run_dir)
+    assert [r["train_loss"] for r in again] == [r["train_loss"] for r in full]
+    assert [r["mod"]["skip"] for r in again[1:]] == [r["mod"]["skip"] for r in full[1:]]
+
+
+def test_bench_mod_prints_savings(capsys):
+    from scripts import bench_mod
+    rows = bench_mod.main(["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "32", "--vocab-size", "128",
+                           "--device-batch-size", "2", "--steps", "1", "--warmup", "1", "--rates", "0.4", "--blocks", "mlp,both"])
+    out = capsys.readouterr().out
+    assert "FLOPs saved" in out and "time saved" in out
+    flops = {(b, r): row["flops"] for b, r, row in rows}
+    assert flops[("none", 0.0)] > flops[("mlp", 0.4)] > flops[("both", 0.4)]
+
+
+def test_attention_threshold_keeps_the_average_rate_when_scores_drift():
+    # synthetic scores that rise every batch, as they do while the gates learn: the previous batch's
+    # quantile alone would skip too little; the accumulated shortfall brings the average back to the target
+    from nag.mod import Thresholds
+    th = Thresholds(2, ModConfig("attn", 0.3))
+    th.reset()
+    th.train()
+    g = torch.Generator().manual_seed(0)
+    for step in range(60):
+        for layer in range(2):
+            th.decide("attn", layer, torch.rand(8, 64, generator=g) + 0.02 * step)
+        th.finish()
+    rates = th.pop_rates("train")
+    assert abs(sum(rates.values()) / len(rates) - 0.3) < 0.01
