@@ -249,24 +249,24 @@ def attach(model, acc):
 
 def _attach_nag(model, acc, handles):
     from nag.functional import modulator
-    original = model.update
+    original = model.sublayer
     index = {id(br): l for l, br in model.branches()}
     root_d = math.sqrt(model.config.n_embd)
 
-    def update(res_dir, log_norm, branch_out, br):
+    def sublayer(kind, layer, block, br, res_dir, log_norm, cos_sin, mask):
         l = index[id(br)]
         if l == 1:
             acc.state(0, res_dir, root_d * log_norm.double().exp())
         m = modulator(br.m_down(res_dir), br.coef, br.beta_raw, model.nag.mod_floor)
         acc.gate(l, res_dir, m, br.alpha * model.alpha_warmup * m)
-        new_dir, new_log_norm = original(res_dir, log_norm, branch_out, br)
+        new_dir, new_log_norm = original(kind, layer, block, br, res_dir, log_norm, cos_sin, mask)
         acc.state(l, new_dir, root_d * new_log_norm.double().exp())  # ‖R‖ = √d·e^s
         return new_dir, new_log_norm
 
-    model.update = update  # an instance attribute shadows the method; deleting it restores the original
+    model.sublayer = sublayer  # an instance attribute shadows the method; deleting it restores the original
 
     def detach():
-        del model.update
+        del model.sublayer
         for h in handles:
             h.remove()
     return detach

@@ -4,7 +4,7 @@ skippable blocks, on random tokens. Compares the time saved with the FLOPs saved
 
     OMP_NUM_THREADS=1 python -m scripts.bench_mod                          # the CPU demo model (d4, dim 256, T 256)
     OMP_NUM_THREADS=1 python -m scripts.bench_mod --depth 8 --rates 0,0.2,0.4 --blocks attn,mlp,both
-    python -m scripts.bench_mod --arch gpt-router                            # the router baseline
+    python -m scripts.bench_mod --arch gpt-router --depth 2 --model-dim 64 --head-dim 32 --max-seq-len 64 --vocab-size 512 --steps 2   # the router baseline, tiny
 
 The reference is the same arch without MoD. The variants take their steps in turn, so that on a
 shared machine they all meet the same load; the median step time of each is shown. "FLOPs saved" is what the realised skip rates save in the
