@@ -168,6 +168,10 @@ class GPT(nn.Module):
         """A dict of per-step statistics for metrics.jsonl (or None), and the line to print; the baseline logs none."""
         return None, None
 
+    def nonfinite_origin(self, idx):
+        """Where a non-finite loss or gradient started, as a short phrase for the guard's line (or None)."""
+        return None
+
     # ----- init -----
 
     @torch.no_grad()
