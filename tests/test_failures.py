@@ -37,3 +37,49 @@ def test_guard_names_the_origin_of_a_nan(run_base, script_error, monkeypatch):
     run_dir = tiny_main(common + ["--run", "f1", "--nag-mod-floor", "1e-6"])
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert len(rows) == 4 and all(r["train_loss"] is None or r["train_loss"] == r["train_loss"] for r in rows)
+
+
+# ---------------------------------------------------------------------------
+# the gate-collapse verdict on synthetic metrics.jsonl
+
+
+def write_metrics(path, m_by_step):
+    """m_by_step: {step: [mean m per branch]}; a row per step, with gate telemetry only where given."""
+    with open(path, "w") as f:
+        for step in range(max(m_by_step) + 1):
+            row = {"step": step, "train_loss": 1.0}
+            if step in m_by_step:
+                ms = m_by_step[step]
+                row["gate"] = {"num_branches": len(ms), "branches": [{"name": f"{i // 2}.{('attn', 'mlp')[i % 2]}", "m_mean": m}
+                                                                      for i, m in enumerate(ms)]}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def test_collapse_verdict(tmp_path):
+    from nag.verdicts import collapse_verdict
+    n = 10
+    init = [0.5] * n
+    collapsed = write_metrics(tmp_path / "c.jsonl", {0: init, 50: [0.01] * 3 + [0.4] * 7, 100: [0.02] * 3 + [0.6] * 7})
+    v = collapse_verdict(collapsed)
+    assert v["verdict"] == "collapsed" and v["share"] == pytest.approx(0.3) and (v["mid_step"], v["end_step"]) == (50, 100)
+    # the same three shut at mid-run, but two reopen by the end: 1/10 stays shut
+    recovering = write_metrics(tmp_path / "r.jsonl", {0: init, 50: [0.01] * 3 + [0.4] * 7, 100: [0.01, 0.3, 0.3] + [0.6] * 7})
+    assert collapse_verdict(recovering)["verdict"] == "recovered"
+    # shutting only after mid-run is not the collapse of failure 2 (gates that slam shut early and stay shut)
+    late = write_metrics(tmp_path / "l.jsonl", {0: init, 50: init, 100: [0.01] * 3 + [0.6] * 7})
+    assert collapse_verdict(late)["verdict"] == "healthy"
+    healthy = write_metrics(tmp_path / "h.jsonl", {0: init, 40: [0.3] * n, 80: [0.2] * n, 100: [0.15] * n})
+    v = collapse_verdict(healthy)
+    assert v["verdict"] == "healthy" and v["share"] == 0 and v["mid_step"] == 80
+    # exactly the stated share counts; one fewer branch does not
+    assert collapse_verdict(write_metrics(tmp_path / "s.jsonl", {0: init, 100: [0.0] * 2 + [0.5] * 8}))["verdict"] == "collapsed"
+    assert collapse_verdict(write_metrics(tmp_path / "t.jsonl", {0: init, 100: [0.0] * 1 + [0.5] * 9}))["verdict"] == "healthy"
+    assert collapse_verdict(write_metrics(tmp_path / "g.jsonl", {0: init}))["verdict"] == "no telemetry"
+
+
+def test_tiny_run_telemetry_feeds_the_verdict(run_base):
+    run_dir = tiny_main(["--arch", "nag", "--run", "v", "--num-iterations", "4", "--eval-every", "100", "--nag-gate-log-every", "2"])
+    from nag.verdicts import collapse_verdict
+    v = collapse_verdict(os.path.join(run_dir, "metrics.jsonl"))
+    assert v["verdict"] == "healthy" and v["num_branches"] == 4 and v["end_step"] == 4
