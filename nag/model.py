@@ -205,16 +205,17 @@ class NAGGPT(GPT):
 
     def nonfinite_origin(self, idx):
         """Where a non-finite step started (failure 1), from a no-grad forward over idx (the last micro-batch; the
-        weights are still those of the failed step). The first branch in update order whose u reached 0 (with
-        floor 0 and β < 1 its backward is β·u^(β−1) = inf); failing that, the deepest branch with a non-finite
+        weights are still those of the failed step). The first branch in update order whose u reached 0 with β < 1
+        (with floor 0, the backward of u^β is then β·u^(β−1) = inf); failing that, the deepest branch with a non-finite
         gate gradient: the backward runs from the loss, so a NaN born in a branch spreads to every earlier one."""
         t = self.gate_telemetry(idx)
         branches = t["branches"]
         bad_grad = [i for i, (_, br) in enumerate(self.branches())
                     if any(p.grad is not None and not torch.isfinite(p.grad).all() for p in br.parameters())]
-        zero = [i for i, b in enumerate(branches) if b["u_min"] <= 0]
+        # β ≥ 1 keeps u^β's backward finite at u = 0 (0 or 1), so only a branch with β < 1 can start it
+        zero = [i for i, b in enumerate(branches) if b["u_min"] <= 0 and b["beta"] < 1]
         if zero:
-            i, why = zero[0], "u reached 0"
+            i, why = zero[0], "u reached 0 with β < 1"
         elif bad_grad:
             i, why = bad_grad[-1], "deepest non-finite gate gradient"
         else:

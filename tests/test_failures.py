@@ -15,28 +15,41 @@ def tiny_main(argv):
     return base_train.main(TINY_TRAIN + list(argv))
 
 
-def force_u_zero(monkeypatch, block, kind):
-    """Every σ of one branch underflows to exactly 0 (logits ≈ −200), so u = 0 for every token from step 1."""
+def force_u_zero(monkeypatch, *branches):
+    """Every σ of each (block, kind, beta_raw) branch underflows to exactly 0 (logits ≈ −200), so u = 0 for every
+    token from step 1."""
     original_init = NAGGPT.init_weights
 
     def init_shut(self):
         original_init(self)
         with torch.no_grad():
-            getattr(self.gates[block], f"{kind}_branch").m_down.bias.fill_(-200.0)
+            for block, kind, beta_raw in branches:
+                br = getattr(self.gates[block], f"{kind}_branch")
+                br.m_down.bias.fill_(-200.0)
+                br.beta_raw.fill_(beta_raw)
     monkeypatch.setattr(NAGGPT, "init_weights", init_shut)
 
 
 def test_guard_names_the_origin_of_a_nan(run_base, script_error, monkeypatch):
-    force_u_zero(monkeypatch, 0, "mlp")  # update 2 of 4: branches before it get NaN gradients, those after do not
+    # update 2 of 4 at β = 0.99998 (init): branches before it get NaN gradients, those after do not
+    force_u_zero(monkeypatch, (0, "mlp", 0.5413))
     common = ["--arch", "nag", "--num-iterations", "3", "--eval-every", "100", "--nag-gate-log-every", "0"]
     err = script_error(tiny_main, *common, "--run", "f0", "--nag-mod-floor", "0")
     # the NaN spreads backwards to the embedding and every earlier branch, so the parameter list alone misleads
     assert "step 1" in err and "wte.weight" in err and "gates.0.attn_branch.coef" in err
-    assert "origin: branch 0.mlp (update 2): u reached 0, min u 0, β 0.99998" in err, err
+    assert "origin: branch 0.mlp (update 2): u reached 0 with β < 1, min u 0, β 0.99998" in err, err
     # the fixed twin: the same shut branch with the floor stays finite
     run_dir = tiny_main(common + ["--run", "f1", "--nag-mod-floor", "1e-6"])
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert len(rows) == 4 and all(r["train_loss"] is None or r["train_loss"] == r["train_loss"] for r in rows)
+
+
+def test_origin_skips_u_zero_with_beta_above_one(run_base, script_error, monkeypatch):
+    # u = 0 with β ≥ 1 is harmless (the backward of u^β is 0 there): the origin is the later branch with β < 1
+    force_u_zero(monkeypatch, (0, "attn", 3.0), (1, "attn", 0.0))
+    err = script_error(tiny_main, "--arch", "nag", "--run", "f", "--num-iterations", "3", "--eval-every", "100",
+                       "--nag-gate-log-every", "0", "--nag-mod-floor", "0")
+    assert "origin: branch 1.attn (update 3): u reached 0 with β < 1, min u 0, β 0.69315" in err, err
 
 
 # ---------------------------------------------------------------------------
