@@ -61,6 +61,12 @@ def nag_config_from_args(args):
                      renorm=args.nag_renorm, alpha_warmup_tokens=args.nag_alpha_warmup_tokens)
 
 
+def pow_backward(u, beta):
+    """β·u^(β−1) in fp32, the derivative of the modulator's power at u (inf where it overflows)."""
+    u, beta = torch.tensor(u, dtype=torch.float32), torch.tensor(beta, dtype=torch.float32)
+    return (beta * u ** (beta - 1)).item()
+
+
 def branch_function(impl):
     """The NAG update implementation: all three give the same results (tests check it)."""
     if impl == "reference":
@@ -205,17 +211,17 @@ class NAGGPT(GPT):
 
     def nonfinite_origin(self, idx):
         """Where a non-finite step started (failure 1), from a no-grad forward over idx (the last micro-batch; the
-        weights are still those of the failed step). The first branch in update order whose u reached 0 with β < 1
-        (with floor 0, the backward of u^β is then β·u^(β−1) = inf); failing that, the deepest branch with a non-finite
-        gate gradient: the backward runs from the loss, so a NaN born in a branch spreads to every earlier one."""
+        weights are still those of the failed step). The first branch in update order whose smallest u makes the
+        backward of u^β, β·u^(β−1), overflow: u = 0 with β < 1, or, as β falls towards 0, any u below ~1e-38 (fp32
+        and bf16 share the range). Failing that, the deepest branch with a non-finite gate gradient: the backward
+        runs from the loss, so a NaN born in a branch spreads to every earlier one."""
         t = self.gate_telemetry(idx)
         branches = t["branches"]
         bad_grad = [i for i, (_, br) in enumerate(self.branches())
                     if any(p.grad is not None and not torch.isfinite(p.grad).all() for p in br.parameters())]
-        # β ≥ 1 keeps u^β's backward finite at u = 0 (0 or 1), so only a branch with β < 1 can start it
-        zero = [i for i, b in enumerate(branches) if b["u_min"] <= 0 and b["beta"] < 1]
-        if zero:
-            i, why = zero[0], "u reached 0 with β < 1"
+        overflow = [i for i, b in enumerate(branches) if not math.isfinite(pow_backward(b["u_min"], b["beta"]))]
+        if overflow:
+            i, why = overflow[0], "β·u^(β−1) overflows"
         elif bad_grad:
             i, why = bad_grad[-1], "deepest non-finite gate gradient"
         else:

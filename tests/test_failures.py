@@ -37,11 +37,18 @@ def test_guard_names_the_origin_of_a_nan(run_base, script_error, monkeypatch):
     err = script_error(tiny_main, *common, "--run", "f0", "--nag-mod-floor", "0")
     # the NaN spreads backwards to the embedding and every earlier branch, so the parameter list alone misleads
     assert "step 1" in err and "wte.weight" in err and "gates.0.attn_branch.coef" in err
-    assert "origin: branch 0.mlp (update 2): u reached 0 with β < 1, min u 0, β 0.99998" in err, err
+    assert "origin: branch 0.mlp (update 2): β·u^(β−1) overflows, min u 0, β 0.99998" in err, err
     # the fixed twin: the same shut branch with the floor stays finite
     run_dir = tiny_main(common + ["--run", "f1", "--nag-mod-floor", "1e-6"])
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert len(rows) == 4 and all(r["train_loss"] is None or r["train_loss"] == r["train_loss"] for r in rows)
+
+
+def test_pow_backward_overflow():
+    from nag.model import pow_backward
+    assert pow_backward(0.0, 0.99998) == float("inf") and pow_backward(0.0, 1.0) == 1.0 and pow_backward(0.0, 3.0) == 0.0
+    # the step-13 NaN of a CPU search run: u never reached 0, but β had fallen to 0.019
+    assert pow_backward(1.79e-41, 0.018925) == float("inf") and pow_backward(1e-30, 0.5) < 1e16
 
 
 def test_origin_skips_u_zero_with_beta_above_one(run_base, script_error, monkeypatch):
@@ -49,7 +56,7 @@ def test_origin_skips_u_zero_with_beta_above_one(run_base, script_error, monkeyp
     force_u_zero(monkeypatch, (0, "attn", 3.0), (1, "attn", 0.0))
     err = script_error(tiny_main, "--arch", "nag", "--run", "f", "--num-iterations", "3", "--eval-every", "100",
                        "--nag-gate-log-every", "0", "--nag-mod-floor", "0")
-    assert "origin: branch 1.attn (update 3): u reached 0 with β < 1, min u 0, β 0.69315" in err, err
+    assert "origin: branch 1.attn (update 3): β·u^(β−1) overflows, min u 0, β 0.69315" in err, err
 
 
 # ---------------------------------------------------------------------------
