@@ -103,3 +103,37 @@ def test_tiny_run_telemetry_feeds_the_verdict(run_base):
     from nag.verdicts import collapse_verdict
     v = collapse_verdict(os.path.join(run_dir, "metrics.jsonl"))
     assert v["verdict"] == "healthy" and v["num_branches"] == 4 and v["end_step"] == 4
+
+
+# ---------------------------------------------------------------------------
+# scripts/failures.py: the four runs and the verdict table
+
+
+def test_failures_table_and_rerun(run_base, monkeypatch, capsys):
+    from scripts import failures
+    # the tiny test model for seconds-long runs; branch 0.mlp shut from the start makes failure 1 certain
+    monkeypatch.setattr(failures, "CPU", ["--preset", "tiny", "--nag-gate-log-every", "2", "--eval-every", "100000", "--save-every", "2"])
+    monkeypatch.setattr(failures, "CPU_STEPS", {"fail1": 4, "fail2": 4})
+    force_u_zero(monkeypatch, (0, "mlp", 0.5413))
+    failures.main(["--scale", "cpu"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 6 and out[0].startswith("| case | seed | settings | outcome | verdict | number |")
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out[2:]]
+    assert [r[0] for r in rows] == ["fail1 broken", "fail1 fixed", "fail2 broken", "fail2 fixed"]
+    assert rows[0][3:] == ["non-finite at step 1", "reproduced", "branch 0.mlp (update 2): β·u^(β−1) overflows, min u 0, β 0.99998"]
+    assert rows[1][3:] == ["finite", "twin holds", "min u 0"]  # u still reaches 0; the floor keeps the step finite
+    # one shut branch of four is 25%, above the 20% share: both failure-2 runs count as collapsed here
+    assert rows[2][4] == "reproduced" and rows[2][5] == "collapsed: 25% of branches shut mid-run to end"
+    assert rows[3][4] == "twin fails"
+    # a rerun trains nothing: every run's outcome.json is reused
+    runs = os.path.join(run_base, "runs")
+    before = {f: os.stat(os.path.join(runs, f)).st_mtime_ns for f in os.listdir(runs)}
+    failures.main(["--scale", "cpu"])
+    assert capsys.readouterr().out.strip().splitlines() == out
+    assert {f: os.stat(os.path.join(runs, f)).st_mtime_ns for f in os.listdir(runs)} == before
+
+
+def test_failures_bad_scale(run_base, script_error):
+    from scripts import failures
+    assert "unknown --scale 'gpu' (expected cpu or published)" in script_error(failures.main, "--scale", "gpu")
+    assert "unknown arguments for --scale cpu: --gpus 8" in script_error(failures.main, "--scale", "cpu", "--gpus", "8")

@@ -1,0 +1,166 @@
+"""
+The two failure cases of the published NAG run (docs/failures.md), each beside its fixed twin, and a verdict table.
+
+    python -m scripts.failures --scale cpu                 # tiny runs in $NANOCHAT_BASE_DIR, minutes on a CPU
+    python -m scripts.failures --scale cpu --seeds 1,2,3
+    python -m scripts.failures --scale published --dry-run # the four published-scale runs, through speedrun.sh
+
+Failure 1 (NaN), faithful: floor 0, gate LR = matrix LR, no α warm-up; twin: the same with the floor (1e-6) back.
+Failure 2 (gate collapse): gate LR = matrix LR, no α warm-up; twin: gate LR = matrix LR / 12 (the published
+1e-3 against Muon's 0.012) and the α warm-up. A rerun reuses every finished run (outcome.json in its directory).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+from nanochat.common import UserError, exit_on_user_error, get_base_dir
+from nag.verdicts import collapse_verdict, gate_rows
+from scripts import base_train
+
+# The CPU scale, from the search in docs/failures.md: 8 blocks × 128 on the tiny preset's data and batch (256
+# tokens per step). A high matrix LR stands in for width: the published gates move ~d·lr per step in logit
+# (d = 640), the tiny ones only as fast as this.
+CPU_MATRIX_LR = 64.0
+CPU = ["--preset", "tiny", "--depth", "8", "--model-dim", "128", "--matrix-lr", str(CPU_MATRIX_LR), "--nag-gate-log-every", "10",
+       "--eval-every", "100000", "--save-every", "50"]
+CPU_STEPS = {"fail1": 200, "fail2": 100}
+CPU_WARMUP_TOKENS = 2560  # 10 steps of 256 tokens (published: ~300 of 9,400 steps)
+PUBLISHED_MATRIX_LR = 0.012
+PUBLISHED_WARMUP_TOKENS = 314_572_800
+
+FLOOR = 1e-6
+
+
+def settings(scale):
+    """[(case, role, label, base_train flags)]: each broken run, then its fixed twin."""
+    lr = CPU_MATRIX_LR if scale == "cpu" else PUBLISHED_MATRIX_LR
+    warm = CPU_WARMUP_TOKENS if scale == "cpu" else PUBLISHED_WARMUP_TOKENS
+    broken = ["--nag-gate-lr", f"{lr:g}", "--nag-alpha-warmup-tokens", "0"]
+    fixed_gates = ["--nag-gate-lr", f"{lr / 12:.4g}", "--nag-alpha-warmup-tokens", str(warm)]
+    return [
+        ("fail1", "broken", f"floor 0, gate LR {lr:g} = matrix, no warm-up", ["--nag-mod-floor", "0", *broken]),
+        ("fail1", "fixed", f"floor {FLOOR:g}, gate LR {lr:g} = matrix, no warm-up", ["--nag-mod-floor", f"{FLOOR:g}", *broken]),
+        ("fail2", "broken", f"floor {FLOOR:g}, gate LR {lr:g} = matrix, no warm-up", ["--nag-mod-floor", f"{FLOOR:g}", *broken]),
+        ("fail2", "fixed", f"floor {FLOOR:g}, gate LR {lr / 12:.4g} = matrix/12, warm-up {warm:,} tok",
+         ["--nag-mod-floor", f"{FLOOR:g}", *fixed_gates]),
+    ]
+
+
+def prepare_cpu_data(base):
+    """The offline corpus and tokenizer of runs/runcpu.sh, unless the base dir has data and a tokenizer already."""
+    from nanochat.dataset import build_offline_corpus, list_parquet_files
+    if not list_parquet_files(os.path.join(base, "base_data")):
+        build_offline_corpus(data_dir=os.path.join(base, "base_data"))
+    if not os.path.exists(os.path.join(base, "tokenizer", "tokenizer.pkl")):
+        subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "4096", "--max-chars", "20000000"], check=True)
+
+
+def run_cpu(case, role, flags, seed, base):
+    """Train one tiny run (or reuse its outcome.json); returns the outcome dict."""
+    name = f"fail-{case}-{role}-s{seed}"
+    run_dir = os.path.join(base, "runs", name)
+    done = os.path.join(run_dir, "outcome.json")
+    if os.path.exists(done):
+        return json.load(open(done))
+    argv = CPU + ["--num-iterations", str(CPU_STEPS[case]), "--arch", "nag", "--run", name, "--seed", str(seed),
+                  "--resume", "latest", *flags]
+    os.makedirs(os.path.join(base, "runs"), exist_ok=True)
+    error = None
+    with open(os.path.join(base, "runs", f"{name}.log"), "a") as log, contextlib.redirect_stdout(log):
+        try:
+            base_train.train(base_train.parse_args(argv))
+        except base_train.NonFiniteError as e:
+            error = str(e)
+    outcome = {"run": name, "seed": seed, "error": error, **summarise(os.path.join(run_dir, "metrics.jsonl"))}
+    with open(done, "w") as f:
+        json.dump(outcome, f)
+    return outcome
+
+
+def summarise(metrics_path):
+    rows = gate_rows(metrics_path)
+    u_min = min((b["u_min"] for r in rows for b in r["gate"]["branches"]), default=None)
+    return {"u_min": u_min, "collapse": collapse_verdict(metrics_path)}
+
+
+def verdict(case, role, out):
+    """(outcome, verdict, number) of one run."""
+    err = out["error"]
+    if err:
+        step = err.split(" at step ")[1].split()[0]
+        origin = err.split("origin: ")[1] if "origin: " in err else "origin not found"
+        outcome = f"non-finite at step {step}"
+    else:
+        outcome = "finite"
+    u_min = f"min u {out['u_min']:.3g}" if out["u_min"] is not None else "no gate telemetry"
+    c = out["collapse"]
+    share = f"{c['share']:.0%} of branches shut mid-run to end" if c["share"] is not None else "no gate telemetry"
+    if case == "fail1":
+        if role == "broken":
+            return outcome, "reproduced" if err else "not reproduced", origin if err else u_min
+        return outcome, "twin holds" if not err else "twin fails", u_min if not err else origin
+    if role == "broken":
+        return outcome, "reproduced" if c["verdict"] == "collapsed" else "not reproduced", f"{c['verdict']}: {share}"
+    return outcome, "twin holds" if c["verdict"] != "collapsed" and not err else "twin fails", f"{c['verdict']}: {share}"
+
+
+def table(rows):
+    lines = ["| case | seed | settings | outcome | verdict | number |", "|---|---:|---|---|---|---|"]
+    lines += [f"| {case} {role} | {seed} | {label} | {o} | {v} | {n} |" for case, role, seed, label, o, v, n in rows]
+    return "\n".join(lines)
+
+
+def published(dry_run, extra):
+    """The four runs at the published scale through speedrun.sh (run nag-published-<tag>), then the same table."""
+    base = get_base_dir()
+    rows = []
+    for case, role, label, flags in settings("published"):
+        tag = f"{case}-{role}"
+        cmd = ["bash", "speedrun.sh", "--preset", "published", "--arch", "nag", "--tag", tag, *extra, *(["--dry-run"] if dry_run else []),
+               "--", *flags]
+        print(" ".join(cmd), file=sys.stderr)
+        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(proc.stderr)
+        if dry_run:
+            continue
+        errors = [line[len("error: "):] for line in proc.stderr.splitlines() if line.startswith("error: non-finite")]
+        if proc.returncode and not errors:
+            raise UserError(f"the {tag} run failed for another reason (see above); rerun to resume it")
+        out = {"error": errors[0] if errors else None, **summarise(os.path.join(base, "runs", f"nag-published-{tag}", "metrics.jsonl"))}
+        rows.append((case, role, "-", label, *verdict(case, role, out)))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="NAG's two failure cases beside their fixed twins, with verdicts")
+    p.add_argument("--scale", default="cpu", help="cpu or published")
+    p.add_argument("--seeds", default="1", help="cpu: comma-separated seeds")
+    p.add_argument("--dry-run", action="store_true", help="published: the plans only")
+    args, extra = p.parse_known_args(argv)
+    with exit_on_user_error():
+        if args.scale == "published":
+            rows = published(args.dry_run, extra)
+        elif args.scale == "cpu":
+            if extra:
+                raise UserError(f"unknown arguments for --scale cpu: {' '.join(extra)}")
+            base = get_base_dir()
+            prepare_cpu_data(base)
+            seeds = [int(s) for s in args.seeds.split(",")]
+            rows = []
+            for case, role, label, flags in settings("cpu"):
+                for seed in seeds:
+                    out = run_cpu(case, role, flags, seed, base)
+                    rows.append((case, role, seed, label, *verdict(case, role, out)))
+                    print(f"{case} {role} seed {seed}: {' | '.join(rows[-1][4:])}", file=sys.stderr, flush=True)
+        else:
+            raise UserError(f"unknown --scale {args.scale!r} (expected cpu or published)")
+        if rows:
+            print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
