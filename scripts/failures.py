@@ -21,13 +21,13 @@ from nanochat.common import UserError, exit_on_user_error, get_base_dir
 from nag.verdicts import collapse_verdict, gate_rows
 from scripts import base_train
 
-# The CPU scale, from the search in docs/failures.md: 8 blocks × 128 on the tiny preset's data and batch (256
-# tokens per step). A high matrix LR stands in for width: the published gates move ~d·lr per step in logit
-# (d = 640), the tiny ones only as fast as this.
-CPU_MATRIX_LR = 64.0
-CPU = ["--preset", "tiny", "--depth", "8", "--model-dim", "128", "--matrix-lr", str(CPU_MATRIX_LR), "--nag-gate-log-every", "10",
+# The CPU scale, from the search in docs/failures.md: 8 blocks × 128 on the tiny preset's batch (256 tokens per
+# step). A high matrix LR (= gate LR in the broken runs) stands in for width: a gate's logit moves ~d·lr per step,
+# d = 640 published. Failure 1 needs u to underflow, so it gets twice failure 2's LR and twice the steps.
+CPU = ["--preset", "tiny", "--depth", "8", "--model-dim", "128", "--nag-gate-log-every", "10",
        "--eval-every", "100000", "--save-every", "50"]
 CPU_STEPS = {"fail1": 200, "fail2": 100}
+CPU_MATRIX_LR = {"fail1": 64.0, "fail2": 32.0}
 CPU_WARMUP_TOKENS = 2560  # 10 steps of 256 tokens (published: ~300 of 9,400 steps)
 PUBLISHED_MATRIX_LR = 0.012
 PUBLISHED_WARMUP_TOKENS = 314_572_800
@@ -37,17 +37,20 @@ FLOOR = 1e-6
 
 def settings(scale):
     """[(case, role, label, base_train flags)]: each broken run, then its fixed twin."""
-    lr = CPU_MATRIX_LR if scale == "cpu" else PUBLISHED_MATRIX_LR
-    warm = CPU_WARMUP_TOKENS if scale == "cpu" else PUBLISHED_WARMUP_TOKENS
-    broken = ["--nag-gate-lr", f"{lr:g}", "--nag-alpha-warmup-tokens", "0"]
-    fixed_gates = ["--nag-gate-lr", f"{lr / 12:.4g}", "--nag-alpha-warmup-tokens", str(warm)]
-    return [
-        ("fail1", "broken", f"floor 0, gate LR {lr:g} = matrix, no warm-up", ["--nag-mod-floor", "0", *broken]),
-        ("fail1", "fixed", f"floor {FLOOR:g}, gate LR {lr:g} = matrix, no warm-up", ["--nag-mod-floor", f"{FLOOR:g}", *broken]),
-        ("fail2", "broken", f"floor {FLOOR:g}, gate LR {lr:g} = matrix, no warm-up", ["--nag-mod-floor", f"{FLOOR:g}", *broken]),
-        ("fail2", "fixed", f"floor {FLOOR:g}, gate LR {lr / 12:.4g} = matrix/12, warm-up {warm:,} tok",
-         ["--nag-mod-floor", f"{FLOOR:g}", *fixed_gates]),
-    ]
+    out = []
+    for case in ("fail1", "fail2"):
+        lr = CPU_MATRIX_LR[case] if scale == "cpu" else PUBLISHED_MATRIX_LR
+        warm = CPU_WARMUP_TOKENS if scale == "cpu" else PUBLISHED_WARMUP_TOKENS
+        broken = ["--matrix-lr", f"{lr:g}", "--nag-gate-lr", f"{lr:g}", "--nag-alpha-warmup-tokens", "0"]
+        if case == "fail1":
+            out += [(case, "broken", f"floor 0, gate LR = matrix LR {lr:g}, no warm-up", ["--nag-mod-floor", "0", *broken]),
+                    (case, "fixed", f"floor {FLOOR:g}, gate LR = matrix LR {lr:g}, no warm-up", ["--nag-mod-floor", f"{FLOOR:g}", *broken])]
+        else:
+            fixed = ["--matrix-lr", f"{lr:g}", "--nag-gate-lr", f"{lr / 12:.4g}", "--nag-alpha-warmup-tokens", str(warm)]
+            out += [(case, "broken", f"floor {FLOOR:g}, gate LR = matrix LR {lr:g}, no warm-up", ["--nag-mod-floor", f"{FLOOR:g}", *broken]),
+                    (case, "fixed", f"floor {FLOOR:g}, gate LR {lr / 12:.4g} = matrix LR {lr:g} / 12, warm-up {warm:,} tokens",
+                     ["--nag-mod-floor", f"{FLOOR:g}", *fixed])]
+    return out
 
 
 def prepare_cpu_data(base):
