@@ -67,10 +67,13 @@ def run_cpu(case, role, flags, seed, base):
     name = f"fail-{case}-{role}-s{seed}"
     run_dir = os.path.join(base, "runs", name)
     done = os.path.join(run_dir, "outcome.json")
-    if os.path.exists(done):
-        return json.load(open(done))
     argv = CPU + ["--num-iterations", str(CPU_STEPS[case]), "--arch", "nag", "--run", name, "--seed", str(seed),
                   "--resume", "latest", *flags]
+    if os.path.exists(done):
+        out = json.load(open(done))
+        if out.get("argv") != argv:
+            raise UserError(f"{run_dir} was trained with other settings; delete it to run it again")
+        return out
     os.makedirs(os.path.join(base, "runs"), exist_ok=True)
     error = None
     with open(os.path.join(base, "runs", f"{name}.log"), "a") as log, contextlib.redirect_stdout(log):
@@ -78,7 +81,7 @@ def run_cpu(case, role, flags, seed, base):
             base_train.train(base_train.parse_args(argv))
         except base_train.NonFiniteError as e:
             error = str(e)
-    outcome = {"run": name, "seed": seed, "error": error, **summarise(os.path.join(run_dir, "metrics.jsonl"))}
+    outcome = {"run": name, "seed": seed, "argv": argv, "error": error, **summarise(os.path.join(run_dir, "metrics.jsonl"))}
     with open(done, "w") as f:
         json.dump(outcome, f)
     return outcome

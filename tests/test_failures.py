@@ -131,6 +131,14 @@ def test_failures_table_and_rerun(run_base, monkeypatch, capsys):
     failures.main(["--scale", "cpu"])
     assert capsys.readouterr().out.strip().splitlines() == out
     assert {f: os.stat(os.path.join(runs, f)).st_mtime_ns for f in os.listdir(runs)} == before
+    # other settings under the same run name: one line, nothing reused or overwritten
+    monkeypatch.setitem(failures.CPU_STEPS, "fail2", 6)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        failures.main(["--scale", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and err[-1].startswith("error: ") and "fail-fail2-broken-s1 was trained with other settings" in err[-1]
+    assert {f: os.stat(os.path.join(runs, f)).st_mtime_ns for f in os.listdir(runs)} == before
 
 
 def test_failures_bad_scale(run_base, script_error):
