@@ -30,7 +30,7 @@ CPU_STEPS = {"fail1": 200, "fail2": 100}
 CPU_MATRIX_LR = {"fail1": 64.0, "fail2": 32.0}
 CPU_WARMUP_TOKENS = 2560  # 10 steps of 256 tokens (published: ~300 of 9,400 steps)
 # the published NaN run used the code's higher defaults (matrix 0.02, embedding 0.3, unembedding 0.008), the
-# collapse and fixed runs 0.012 / 0.18 / 0.006 (docs/reproduce.md)
+# collapse and fixed runs 0.012 / 0.18 / 0.006 (docs/failures.md §3)
 PUBLISHED_MATRIX_LR = {"fail1": 0.02, "fail2": 0.012}
 # failure 1's extra flags. CPU: 8 preferred directions at width 128 keep the published C/d (32/640 = 0.05);
 # with 32, a token needs all 32 logits below −87, and runcpu's corpus gave no NaN in 3 seeds (docs/failures.md)
