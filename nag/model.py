@@ -21,6 +21,10 @@ from nag.mod import add_mod_args, ModConfig, Thresholds, mod_config_from_args, r
 
 BETA_RAW_INIT = 0.5413  # softplus⁻¹(1): the modulator starts linear in u
 DEAD_GAIN = 1e-3  # a branch whose mean |g| falls below this counts as dead in telemetry
+# the two dead counts of docs/design.md §5: the walkthrough's (mean α·m below 0.05; at init it already marks every
+# update past l = 100) and the relative one (mean m below 0.1 of the branch's own ceiling α), which means "shut"
+WALKTHROUGH_DEAD_GAIN = 0.05
+DEAD_MODULATOR = 0.1
 
 
 @dataclass
@@ -56,6 +60,12 @@ def nag_config_from_args(args):
         raise UserError(f"--nag-alpha-warmup-tokens must be >= 0 (got {args.nag_alpha_warmup_tokens})")
     return NAGConfig(directions=args.nag_directions, alpha_init_power=args.nag_alpha_init_power, mod_floor=args.nag_mod_floor,
                      renorm=args.nag_renorm, alpha_warmup_tokens=args.nag_alpha_warmup_tokens)
+
+
+def pow_backward(u, beta):
+    """β·u^(β−1) in fp32, the derivative of the modulator's power at u (inf where it overflows)."""
+    u, beta = torch.tensor(u, dtype=torch.float32), torch.tensor(beta, dtype=torch.float32)
+    return (beta * u ** (beta - 1)).item()
 
 
 def branch_function(impl):
@@ -248,6 +258,26 @@ class NAGGPT(GPT):
         return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, alpha,
                               self.nag.mod_floor, self.nag.renorm)
 
+    def nonfinite_origin(self, idx):
+        """Where a non-finite step started (failure 1), from a no-grad forward over idx (the last micro-batch; the
+        weights are still those of the failed step). The first branch in update order whose smallest u makes the
+        backward of u^β, β·u^(β−1), overflow: u = 0 with β < 1, or, as β falls towards 0, any u below ~1e-38 (fp32
+        and bf16 share the range). Failing that, the deepest branch with a non-finite gate gradient: the backward
+        runs from the loss, so a NaN born in a branch spreads to every earlier one."""
+        t = self.gate_telemetry(idx)
+        branches = t["branches"]
+        bad_grad = [i for i, (_, br) in enumerate(self.branches())
+                    if any(p.grad is not None and not torch.isfinite(p.grad).all() for p in br.parameters())]
+        overflow = [i for i, b in enumerate(branches) if not math.isfinite(pow_backward(b["u_min"], b["beta"]))]
+        if overflow:
+            i, why = overflow[0], "β·u^(β−1) overflows"
+        elif bad_grad:
+            i, why = bad_grad[-1], "deepest non-finite gate gradient"
+        else:
+            return None
+        b = branches[i]
+        return f"branch {b['name']} (update {i + 1}): {why}, min u {b['u_min']:.3g}, β {b['beta']:.5g}"
+
     # ----- telemetry -----
 
     @torch.no_grad()
@@ -257,7 +287,8 @@ class NAGGPT(GPT):
         u = (torch.sigmoid(mod_logits.float()) * w).sum(dim=-1)
         m = u.clamp(min=floor) ** F.softplus(br.beta_raw.float())
         gain = (alpha.float() * m).abs()
-        self.telemetry_rows.append(torch.stack([u.mean(), m.mean(), (u <= floor).float().mean(), gain.mean(), alpha.float().squeeze()]))
+        self.telemetry_rows.append(torch.stack([u.mean(), m.mean(), (u <= floor).float().mean(), gain.mean(), alpha.float().squeeze(),
+                                                u.min(), F.softplus(br.beta_raw.float()).squeeze()]))
 
     @torch.no_grad()
     def gate_telemetry(self, idx):
@@ -286,10 +317,15 @@ class NAGGPT(GPT):
         quartiles = [sum(gains[q * n // 4:(q + 1) * n // 4]) / max(1, len(gains[q * n // 4:(q + 1) * n // 4])) for q in range(4)]
         return {
             # u: the mixed sigmoid; m = max(u, floor)^β: the modulator; g = α·warmup·m: the realised gain
-            "branches": [{"name": nm, "u_mean": r[0], "m_mean": r[1], "floor_frac": r[2], "gain_abs_mean": r[3], "alpha": r[4]}
+            "branches": [{"name": nm, "u_mean": r[0], "m_mean": r[1], "floor_frac": r[2], "gain_abs_mean": r[3], "alpha": r[4],
+                          "u_min": r[5], "beta": r[6]}
                          for nm, r in zip(names, rows)],
             "dead_branches": sum(g < DEAD_GAIN for g in gains),
             "dead_threshold": DEAD_GAIN,
+            "dead_walkthrough": sum(g < WALKTHROUGH_DEAD_GAIN for g in gains),
+            "dead_walkthrough_threshold": WALKTHROUGH_DEAD_GAIN,
+            "dead_relative": sum(r[1] < DEAD_MODULATOR for r in rows),
+            "dead_relative_threshold": DEAD_MODULATOR,
             "num_branches": n,
             "gain_by_depth_quartile": quartiles,
             "alpha_min": min(alphas),
@@ -300,5 +336,6 @@ class NAGGPT(GPT):
     @staticmethod
     def format_telemetry(t):
         q = " ".join(f"{v:.3f}" for v in t["gain_by_depth_quartile"])
-        return (f"  gates | dead {t['dead_branches']}/{t['num_branches']} (mean |g| < {t['dead_threshold']:g}) | "
+        return (f"  gates | dead {t['dead_relative']}/{t['num_branches']} (mean m < {t['dead_relative_threshold']:g}), "
+                f"{t['dead_walkthrough']} (mean |g| < {t['dead_walkthrough_threshold']:g}) | "
                 f"|g| by depth quartile {q} | α {t['alpha_min']:.3f}..{t['alpha_max']:.3f} | at floor {100 * t['floor_frac_mean']:.2f}%")

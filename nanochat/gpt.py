@@ -172,6 +172,10 @@ class GPT(nn.Module):
         """A dict merged into every step's metrics.jsonl row (what the model measured during the step); the baseline has none."""
         return {}
 
+    def nonfinite_origin(self, idx):
+        """Where a non-finite loss or gradient started, as a short phrase for the guard's line (or None)."""
+        return None
+
     # ----- init -----
 
     @torch.no_grad()

@@ -354,8 +354,9 @@ class NonFiniteError(Exception):
     pass
 
 
-def check_finite(model, loss, step):
-    """Stop on a non-finite loss or gradient, naming the step and the offending parameters."""
+def check_finite(model, loss, step, idx):
+    """Stop on a non-finite loss or gradient, naming the step, the offending parameters and, where the model
+    can tell (model.nonfinite_origin over idx, the last micro-batch), where it started."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     total = torch.stack(torch._foreach_norm(grads)).sum() if grads else torch.zeros((), device=loss.device)
     if (torch.isfinite(loss) & torch.isfinite(total)).item():  # one host sync
@@ -363,7 +364,8 @@ def check_finite(model, loss, step):
     bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     shown = ", ".join(bad[:12]) + (f" (+{len(bad) - 12} more)" if len(bad) > 12 else "")
     raise NonFiniteError(f"non-finite {'loss' if not torch.isfinite(loss) else 'gradient'} at step {step} "
-                         f"(loss {loss.item():.4g}); non-finite gradients in: {shown or 'none'}")
+                         f"(loss {loss.item():.4g}); non-finite gradients in: {shown or 'none'}"
+                         + (f"; origin: {origin}" if (origin := model.nonfinite_origin(idx)) else ""))
 
 
 # ---------------------------------------------------------------------------
@@ -578,7 +580,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
             dist.all_reduce(loss_sum)
             loss_sum /= world_size
         train_loss = loss_sum / grad_accum
-        check_finite(model, train_loss, step + 1)
+        check_finite(model, train_loss, step + 1, x)
         lrm = lr_multiplier(step, plan)
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm

@@ -107,7 +107,7 @@ def test_telemetry_fields():
     assert t["branches"][3]["name"] == "1.mlp"
     assert t["alpha_max"] == pytest.approx(1.0) and t["alpha_min"] == pytest.approx(6 ** -0.5)
     assert len(t["gain_by_depth_quartile"]) == 4
-    assert t["dead_branches"] == 0
+    assert t["dead_branches"] == 0 and t["dead_relative"] == 0 and t["dead_walkthrough"] == 0
     # with m_down = 0 and bias b, u = σ(b) exactly, and the floor catches u below it
     with torch.no_grad():
         br = model.gates[1].attn_branch
@@ -123,7 +123,12 @@ def test_telemetry_fields():
     # a branch with α = 0 counts as dead
     with torch.no_grad():
         model.gates[2].mlp_branch.alpha.zero_()
-    assert model.gate_telemetry(torch.randint(0, 128, (2, 32)))["dead_branches"] == 2  # α = 0, and u at the floor
+    t = model.gate_telemetry(torch.randint(0, 128, (2, 32)))
+    assert t["dead_branches"] == 2  # α = 0, and u at the floor
+    # the walkthrough's count sees both; the relative one (mean m < 0.1) only the shut modulator, not α = 0
+    assert t["dead_walkthrough"] == 2 and t["dead_relative"] == 1
+    assert t["branches"][1]["u_min"] == pytest.approx(torch.sigmoid(torch.tensor(-30.0)).item(), rel=1e-4)
+    assert t["branches"][1]["beta"] == pytest.approx(0.99998, abs=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["gpt", "nag"])

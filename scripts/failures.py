@@ -1,0 +1,180 @@
+"""
+The two failure cases of the published NAG run (docs/failures.md), each beside its fixed twin, and a verdict table.
+
+    python -m scripts.failures --scale cpu                 # tiny runs in $NANOCHAT_BASE_DIR, minutes on a CPU
+    python -m scripts.failures --scale cpu --seeds 1,2,3
+    python -m scripts.failures --scale published --dry-run # the four published-scale runs, through speedrun.sh
+
+Failure 1 (NaN), faithful: floor 0, gate LR = matrix LR, no α warm-up; twin: the same with the floor (1e-6) back.
+Failure 2 (gate collapse): gate LR = matrix LR, no α warm-up; twin: gate LR = matrix LR / 12 (the published
+1e-3 against Muon's 0.012) and the α warm-up. A rerun reuses every finished run (outcome.json in its directory).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+from nanochat.common import UserError, exit_on_user_error, get_base_dir
+from nag.verdicts import collapse_verdict, gate_rows
+from scripts import base_train
+
+# The CPU scale, from the search in docs/failures.md: 8 blocks × 128 on the tiny preset's batch (256 tokens per
+# step). A high matrix LR (= gate LR in the broken runs) stands in for width: a gate's logit moves ~d·lr per step,
+# d = 640 published. Failure 1 needs u to underflow, so it gets twice failure 2's LR and twice the steps.
+CPU = ["--preset", "tiny", "--depth", "8", "--model-dim", "128", "--nag-gate-log-every", "10",
+       "--eval-every", "100000", "--save-every", "50"]
+CPU_STEPS = {"fail1": 200, "fail2": 100}
+CPU_MATRIX_LR = {"fail1": 64.0, "fail2": 32.0}
+CPU_WARMUP_TOKENS = 2560  # 10 steps of 256 tokens (published: ~300 of 9,400 steps)
+# the published NaN run used the code's higher defaults (matrix 0.02, embedding 0.3, unembedding 0.008), the
+# collapse and fixed runs 0.012 / 0.18 / 0.006 (docs/failures.md §3)
+PUBLISHED_MATRIX_LR = {"fail1": 0.02, "fail2": 0.012}
+# failure 1's extra flags. CPU: 8 preferred directions at width 128 keep the published C/d (32/640 = 0.05);
+# with 32, a token needs all 32 logits below −87, and runcpu's corpus gave no NaN in 3 seeds (docs/failures.md)
+FAIL1_EXTRA = {"cpu": ["--nag-directions", "8"], "published": ["--embedding-lr", "0.3", "--unembedding-lr", "0.008"]}
+PUBLISHED_WARMUP_TOKENS = 314_572_800
+
+FLOOR = 1e-6
+
+
+def settings(scale):
+    """[(case, role, label, base_train flags)]: each broken run, then its fixed twin."""
+    out = []
+    for case in ("fail1", "fail2"):
+        lr = (CPU_MATRIX_LR if scale == "cpu" else PUBLISHED_MATRIX_LR)[case]
+        warm = CPU_WARMUP_TOKENS if scale == "cpu" else PUBLISHED_WARMUP_TOKENS
+        broken = ["--matrix-lr", f"{lr:g}", "--nag-gate-lr", f"{lr:g}", "--nag-alpha-warmup-tokens", "0"]
+        if case == "fail1":
+            broken += FAIL1_EXTRA[scale]
+            more = ", C = 8" if scale == "cpu" else ", embedding LR 0.3, unembedding LR 0.008"
+            out += [(case, "broken", f"floor 0, gate LR = matrix LR {lr:g}, no warm-up{more}", ["--nag-mod-floor", "0", *broken]),
+                    (case, "fixed", f"floor {FLOOR:g}, gate LR = matrix LR {lr:g}, no warm-up{more}",
+                     ["--nag-mod-floor", f"{FLOOR:g}", *broken])]
+        else:
+            fixed = ["--matrix-lr", f"{lr:g}", "--nag-gate-lr", f"{lr / 12:.4g}", "--nag-alpha-warmup-tokens", str(warm)]
+            out += [(case, "broken", f"floor {FLOOR:g}, gate LR = matrix LR {lr:g}, no warm-up", ["--nag-mod-floor", f"{FLOOR:g}", *broken]),
+                    (case, "fixed", f"floor {FLOOR:g}, gate LR {lr / 12:.4g} = matrix LR {lr:g} / 12, warm-up {warm:,} tokens",
+                     ["--nag-mod-floor", f"{FLOOR:g}", *fixed])]
+    return out
+
+
+def prepare_cpu_data(base):
+    """The offline corpus and tokenizer of runs/runcpu.sh, unless the base dir has data and a tokenizer already."""
+    from nanochat.dataset import build_offline_corpus, list_parquet_files
+    if not list_parquet_files(os.path.join(base, "base_data")):
+        build_offline_corpus(data_dir=os.path.join(base, "base_data"))
+    if not os.path.exists(os.path.join(base, "tokenizer", "tokenizer.pkl")):
+        subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "4096", "--max-chars", "20000000"], check=True)
+
+
+def run_cpu(case, role, flags, seed, base):
+    """Train one tiny run (or reuse its outcome.json); returns the outcome dict."""
+    name = f"fail-{case}-{role}-s{seed}"
+    run_dir = os.path.join(base, "runs", name)
+    done = os.path.join(run_dir, "outcome.json")
+    argv = CPU + ["--num-iterations", str(CPU_STEPS[case]), "--arch", "nag", "--run", name, "--seed", str(seed),
+                  "--resume", "latest", *flags]
+    if os.path.exists(done):
+        out = json.load(open(done))
+        if out.get("argv") != argv:
+            raise UserError(f"{run_dir} was trained with other settings; delete it to run it again")
+        return out
+    os.makedirs(os.path.join(base, "runs"), exist_ok=True)
+    error = None
+    with open(os.path.join(base, "runs", f"{name}.log"), "a") as log, contextlib.redirect_stdout(log):
+        try:
+            base_train.train(base_train.parse_args(argv))
+        except base_train.NonFiniteError as e:
+            error = str(e)
+    outcome = {"run": name, "seed": seed, "argv": argv, "error": error, **summarise(os.path.join(run_dir, "metrics.jsonl"))}
+    with open(done, "w") as f:
+        json.dump(outcome, f)
+    return outcome
+
+
+def summarise(metrics_path):
+    rows = gate_rows(metrics_path)
+    u_min = min((b["u_min"] for r in rows for b in r["gate"]["branches"]), default=None)
+    return {"u_min": u_min, "collapse": collapse_verdict(metrics_path)}
+
+
+def verdict(case, role, out):
+    """(outcome, verdict, number) of one run."""
+    err = out["error"]
+    if err:
+        step = err.split(" at step ")[1].split()[0]
+        origin = err.split("origin: ")[1] if "origin: " in err else "origin not found"
+        outcome = f"non-finite at step {step}"
+    else:
+        outcome = "finite"
+    u_min = f"min u {out['u_min']:.3g}" if out["u_min"] is not None else "no gate telemetry"
+    c = out["collapse"]
+    share = f"{c['share']:.0%} of branches shut mid-run to end" if c["share"] is not None else "no gate telemetry"
+    if case == "fail1":
+        if role == "broken":
+            return outcome, "reproduced" if err else "not reproduced", origin if err else u_min
+        return outcome, "twin holds" if not err else "twin fails", u_min if not err else origin
+    if role == "broken":
+        return outcome, "reproduced" if c["verdict"] == "collapsed" else "not reproduced", f"{c['verdict']}: {share}"
+    return outcome, "twin holds" if c["verdict"] != "collapsed" and not err else "twin fails", f"{c['verdict']}: {share}"
+
+
+def table(rows):
+    lines = ["| case | seed | settings | outcome | verdict | number |", "|---|---:|---|---|---|---|"]
+    lines += [f"| {case} {role} | {seed} | {label} | {o} | {v} | {n} |" for case, role, seed, label, o, v, n in rows]
+    return "\n".join(lines)
+
+
+def published(dry_run, extra):
+    """The four runs at the published scale through speedrun.sh (run nag-published-<tag>), then the same table."""
+    base = get_base_dir()
+    rows = []
+    for case, role, label, flags in settings("published"):
+        tag = f"{case}-{role}"
+        cmd = ["bash", "speedrun.sh", "--preset", "published", "--arch", "nag", "--tag", tag, *extra, *(["--dry-run"] if dry_run else []),
+               "--", *flags]
+        print(" ".join(cmd), file=sys.stderr)
+        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(proc.stderr)
+        if dry_run:
+            continue
+        errors = [line[len("error: "):] for line in proc.stderr.splitlines() if line.startswith("error: non-finite")]
+        if proc.returncode and not errors:
+            raise UserError(f"the {tag} run failed for another reason (see above); rerun to resume it")
+        out = {"error": errors[0] if errors else None, **summarise(os.path.join(base, "runs", f"nag-published-{tag}", "metrics.jsonl"))}
+        rows.append((case, role, "-", label, *verdict(case, role, out)))
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="NAG's two failure cases beside their fixed twins, with verdicts")
+    p.add_argument("--scale", default="cpu", help="cpu or published")
+    p.add_argument("--seeds", default="1", help="cpu: comma-separated seeds")
+    p.add_argument("--dry-run", action="store_true", help="published: the plans only")
+    args, extra = p.parse_known_args(argv)
+    with exit_on_user_error():
+        if args.scale == "published":
+            rows = published(args.dry_run, extra)
+        elif args.scale == "cpu":
+            if extra:
+                raise UserError(f"unknown arguments for --scale cpu: {' '.join(extra)}")
+            base = get_base_dir()
+            prepare_cpu_data(base)
+            seeds = [int(s) for s in args.seeds.split(",")]
+            rows = []
+            for case, role, label, flags in settings("cpu"):
+                for seed in seeds:
+                    out = run_cpu(case, role, flags, seed, base)
+                    rows.append((case, role, seed, label, *verdict(case, role, out)))
+                    print(f"{case} {role} seed {seed}: {' | '.join(rows[-1][4:])}", file=sys.stderr, flush=True)
+        else:
+            raise UserError(f"unknown --scale {args.scale!r} (expected cpu or published)")
+        if rows:
+            print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
