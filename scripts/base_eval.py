@@ -14,7 +14,7 @@ With --mod-rate (a NAG checkpoint, or a router-MoD GPT one) it also evaluates th
 trade-off: at each rate the skip thresholds are calibrated on train-split tokens, held fixed, and the
 val bpb (and CORE, when --eval has it) is measured with the FLOPs actually executed (docs/mod.md):
 
-    python -m scripts.base_eval --run nag-tiny --eval bpb --split-tokens 4096 --device-batch-size 4 --mod-rate 0.05,0.1,0.2,0.3,0.4 --mod-blocks both
+    python -m scripts.base_eval --run nag-tiny --eval bpb --split-tokens 4096 --device-batch-size 4 --mod-rate 0.05,0.1,0.2,0.3,0.4 --mod-blocks both --mod-calib-tokens 8192
 
 Sections not run this time (say `--eval sample`) keep their results from an earlier eval.json
 of the same checkpoint step; an eval.json of another step is replaced whole.
