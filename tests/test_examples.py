@@ -18,7 +18,7 @@ needs_venv = pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv", "
                                 reason="the bash recipes source runs/setup_env.sh, which would install .venv")
 MARKERS = ("(GPU)", "(network)")
 # shown, but run elsewhere: the suite itself, and the ~15-minute CPU demo made of the commands below
-NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.sh": "15 minutes; docs/LOG.md records its runs",
+NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.sh": "~7 minutes; docs/LOG.md records its runs",
                **{c: "minutes of training; tests/test_failures.py runs the same code on a tiny model"
                   for c in ("bash runs/failures.sh --scale cpu", "bash runs/failures.sh --scale cpu --seeds 1,2,3",
                             "python -m scripts.failures --scale cpu", "python -m scripts.failures --scale cpu --seeds 1,2,3")}}
