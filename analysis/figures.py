@@ -13,7 +13,11 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
-def _save(fig, out_dir, name, caption, made):
+def _save(fig, out_dir, name, caption, made, legend_ax=None):
+    """Write one figure; legend_ax (a single-panel line plot) also gets the shared legend and grid."""
+    if legend_ax is not None:
+        legend_ax.legend(fontsize=8)
+        legend_ax.grid(alpha=0.3)
     for ax in fig.axes:
         if ax.images:  # heatmaps keep their own ticks
             continue
@@ -40,9 +44,7 @@ def norm_vs_depth(runs, out_dir, made):
     ax.set_yscale("log")
     ax.set_xlabel("residual state k (0 = embedding; 2i+1 after attention i, 2i+2 after MLP i)")
     ax.set_ylabel("residual norm ‖x_k‖ (NAG: √d·e^s)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    _save(fig, out_dir, "norm_depth.png", "Residual norm vs depth: mean, mean without BOS (dashed), p10-p90 band (paper Fig. 3a-b)", made)
+    _save(fig, out_dir, "norm_depth.png", "Residual norm vs depth: mean, mean without BOS (dashed), p10-p90 band (paper Fig. 3a-b)", made, legend_ax=ax)
 
 
 def rotation(runs, out_dir, made):
@@ -52,9 +54,7 @@ def rotation(runs, out_dir, made):
         ax.plot(np.arange(1, len(cum) + 1), cum, color=f"C{i}", marker=".", label=f"{name} ({r['arch']})")
     ax.set_xlabel("residual update k")
     ax.set_ylabel("cumulative rotation Σθ (degrees)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    _save(fig, out_dir, "rotation.png", "Cumulative rotation of the residual direction (paper Fig. 3c)", made)
+    _save(fig, out_dir, "rotation.png", "Cumulative rotation of the residual direction (paper Fig. 3c)", made, legend_ax=ax)
 
 
 def spectrum(runs, out_dir, made):
@@ -82,9 +82,7 @@ def nag_gates(runs, out_dir, made):
         ax.plot(l, g["gain_mean"], color=f"C{i}", marker=".", label=f"{name}: mean realised gain α·warm-up·m")
     ax.set_xlabel("sub-layer l (odd: attention, even: MLP)")
     ax.set_ylabel("gain (tan of the rotation angle)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    _save(fig, out_dir, "nag_gains.png", "NAG: learned α, α·warm-up and mean realised gain per sub-layer (paper Fig. 5)", made)
+    _save(fig, out_dir, "nag_gains.png", "NAG: learned α, α·warm-up and mean realised gain per sub-layer (paper Fig. 5)", made, legend_ax=ax)
 
 
 def preferred_directions(runs, out_dir, made):
@@ -131,9 +129,7 @@ def attention(runs, out_dir, made):
     ax.axhline(50, color="gray", lw=0.8)
     ax.set_xlabel("layer")
     ax.set_ylabel("attention on BOS (%)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    _save(fig, out_dir, "bos_share.png", "Attention share on BOS (key 0) by layer", made)
+    _save(fig, out_dir, "bos_share.png", "Attention share on BOS (key 0) by layer", made, legend_ax=ax)
 
 
 def confidence(runs, out_dir, made):

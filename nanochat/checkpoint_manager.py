@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import UserError, atomic_torch_save, atomic_write_json
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.gpt import GPTConfig
 
 
 def get_run_dir(run, base_dir=None):
