@@ -32,15 +32,9 @@ else
 fi
 python -m scripts.tok_eval --max-chars 1000000
 
-# A depth-4 model (dim 256, 4 heads of 64), 256-token context, 4096 tokens per step.
-# At this tiny batch the muP rule scales every LR by sqrt(4096 / 2^19) ≈ 0.09, so the base LRs are raised.
-# NAG, same treatment: the alpha warm-up shrinks to 10 steps' worth of tokens (published: ~300 steps), and the
-# gate and temperature-gain LRs go up, since in ~90 steps log G_encode (NAG's inverse temperature) must still
-# grow by a few units; at the default 0.005 × 0.09 it moves by ~0.01 and caps how confident NAG can get.
-MODEL=(--depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 --total-batch-size 4096
-       --target-flops "$TARGET_FLOPS" --warmup-steps 5 --matrix-lr 0.2 --embedding-lr 2.0 --unembedding-lr 0.1
-       --eval-every 30 --eval-tokens 16384 --save-every 30 --nag-alpha-warmup-tokens 40960 --nag-gate-log-every 10
-       --nag-gate-lr 0.01 --nag-temp-gain-lr 1.0)
+# The demo model, preset "demo" in scripts/presets.py: 4 blocks × 256, 256-token context, 4096 tokens per step,
+# LRs raised against the tiny batch; for NAG a 10-step α warm-up and faster gate and temperature-gain LRs.
+MODEL=(--preset demo --target-flops "$TARGET_FLOPS")
 
 # --resume latest: a finished run is left alone, an interrupted one continues from its newest checkpoint
 stage "train the GPT baseline"

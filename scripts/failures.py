@@ -20,6 +20,7 @@ import sys
 from nanochat.common import UserError, exit_on_user_error, get_base_dir
 from nag.verdicts import collapse_verdict, gate_rows
 from scripts import base_train
+from scripts.tok_train import prepare_cpu_data
 
 # The CPU scale, from the search in docs/failures.md: 8 blocks × 128 on the tiny preset's batch (256 tokens per
 # step). A high matrix LR (= gate LR in the broken runs) stands in for width: a gate's logit moves ~d·lr per step,
@@ -59,15 +60,6 @@ def settings(scale):
                     (case, "fixed", f"floor {FLOOR:g}, gate LR {lr / 12:.4g} = matrix LR {lr:g} / 12, warm-up {warm:,} tokens",
                      ["--nag-mod-floor", f"{FLOOR:g}", *fixed])]
     return out
-
-
-def prepare_cpu_data(base):
-    """The offline corpus and tokenizer of runs/runcpu.sh, unless the base dir has data and a tokenizer already."""
-    from nanochat.dataset import build_offline_corpus, list_parquet_files
-    if not list_parquet_files(os.path.join(base, "base_data")):
-        build_offline_corpus(data_dir=os.path.join(base, "base_data"))
-    if not os.path.exists(os.path.join(base, "tokenizer", "tokenizer.pkl")):
-        subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "4096", "--max-chars", "20000000"], check=True)
 
 
 def run_cpu(case, role, flags, seed, base):

@@ -30,6 +30,22 @@ PRESETS = {
                   "--device-batch-size", "32"],
         "nag": [], "eval": [], "analysis": ["--tokens", str(2 ** 20)], "vocab": 32768,
     },
+    # the CPU demo of runs/runcpu.sh: 4 blocks × 256 (4 heads of 64), seq 256, 4096 tokens per step, 1e13 FLOPs
+    # (~90 steps). At this batch the batch rule scales every LR by √(4096/2^19) ≈ 0.09, so the base LRs are raised.
+    # NAG, same treatment: the α warm-up shrinks to 10 steps' worth of tokens (published: ~300 steps), and the gate
+    # and temperature-gain LRs go up, since in ~90 steps log G_encode (NAG's inverse temperature) must still grow
+    # by a few units; at the default 0.005 × 0.09 it moves by ~0.01 and caps how confident NAG can get.
+    "demo": {
+        "train": ["--depth", "4", "--head-dim", "64", "--max-seq-len", "256", "--device-batch-size", "16",
+                  "--total-batch-size", "4096", "--target-flops", "1e13", "--warmup-steps", "5", "--matrix-lr", "0.2",
+                  "--embedding-lr", "2.0", "--unembedding-lr", "0.1", "--eval-every", "30", "--eval-tokens", "16384",
+                  "--save-every", "30"],
+        "nag": ["--nag-alpha-warmup-tokens", "40960", "--nag-gate-log-every", "10", "--nag-gate-lr", "0.01",
+                "--nag-temp-gain-lr", "1.0"],
+        "eval": ["--split-tokens", "65536", "--device-batch-size", "16"],
+        "analysis": ["--tokens", "65536"],
+        "vocab": 4096,
+    },
     # a CPU smoke test of the whole pipeline: 2 layers × 64, 256 tokens per step, LRs raised against the
     # tiny-batch LR scale (√(256/2^19) ≈ 0.022)
     "tiny": {

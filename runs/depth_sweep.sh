@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The paper's depth claim as a sweep (docs/failures.md §4): FLOP-matched GPT / NAG pairs at several depths, the
+# width shrinking with depth so the blocks keep about the same number of parameters; val bpb of every run, the
+# NAG − GPT gap against depth as a table and a plot.
+#
+#   bash runs/depth_sweep.sh --scale cpu                       # depths 2, 4, 8 of the CPU demo model, ~25 minutes
+#   bash runs/depth_sweep.sh --scale published --dry-run       # depths 16 … 64 at the published size: the plan
+#   bash runs/depth_sweep.sh --scale published --gpus 8        # further flags go to speedrun.sh
+#
+# A rerun reuses finished runs and evaluations and resumes an interrupted run from its newest checkpoint.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
+python -m scripts.depth_sweep "$@"

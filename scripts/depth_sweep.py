@@ -1,0 +1,288 @@
+"""
+The paper's depth claim (its Fig. 2: NAG's loss advantage over the baseline grows as the same parameter
+budget is spent on more, narrower layers) as a FLOP-matched sweep. At each depth a GPT / NAG pair trains on
+one FLOP budget; the width is chosen so that the blocks hold about as many parameters at every depth as at
+the reference shape. Each run's val bpb is measured with base_eval, and the NAG - GPT gap is tabulated and
+plotted against depth, with a 95% interval from the paired val batches (docs/failures.md §4).
+
+    python -m scripts.depth_sweep --scale cpu --dry-run          # the CPU plan: widths, parameters, steps
+    python -m scripts.depth_sweep --scale cpu                    # 3 depths x 2 archs on a CPU, ~25 minutes
+    python -m scripts.depth_sweep --scale published --dry-run    # the published-size plan with GPU hours
+    python -m scripts.depth_sweep --scale published --gpus 8     # one speedrun.sh pair per depth   (GPU)
+
+A rerun reuses finished runs and evaluations and resumes an interrupted run from its newest checkpoint.
+Writes $NANOCHAT_BASE_DIR/reports/depth_sweep-<scale>/: depth_sweep.md, depth_sweep.json, depth_gap.png.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+
+from nanochat import checkpoint_manager as ckpt
+from nanochat.common import UserError, exit_on_user_error, get_base_dir, ensure_writable_dir, atomic_write_json
+from nanochat.stats import bpb_delta_interval
+from scripts import base_eval, base_train
+from scripts.archs import ARCHS
+from scripts.presets import get_preset
+from scripts.speedrun import MFU, PEAK_FLOPS
+from scripts.tok_train import prepare_cpu_data
+
+ARCH_PAIR = ("gpt", "nag")
+# Each scale: a preset, the reference shape whose block parameters every depth matches, the depths and the
+# per-run FLOP budget. CPU: the demo model of runcpu.sh (4 x 256) at half, once and twice its depth, three
+# depths so that six runs fit in about half an hour on two cores.
+# Published: the walkthrough's 64 x 640 pair, and the depths at which the paper's width-to-depth ratios
+# 80 / 60 / 40 / 30 / 20 give that block size (16 x 1280 ... 40 x 768), so the pair itself is the ratio-10 end.
+SCALES = {
+    "cpu": {"preset": "demo", "reference": (4, 256), "depths": [2, 4, 8], "flops": 1e13, "head_dim": 64},
+    "published": {"preset": "published", "reference": (64, 640), "depths": [16, 20, 25, 32, 40, 64], "flops": 3e19,
+                  "head_dim": 128},
+}
+MAX_PARAM_MISMATCH = 0.15  # tested: every depth's blocks within 15% of the reference's
+EVAL_SPLIT_TOKENS = {"cpu": 65536}  # published: the preset's eval tokens, through speedrun.sh
+
+
+def block_params(model):
+    """Matmul parameters inside the blocks: what depth and width trade (embedding and lm_head excluded)."""
+    return model.num_scaling_params() - model.lm_head.weight.numel()
+
+
+def train_argv(scale, arch, depth, dim, flops, run):
+    s = SCALES[scale]
+    return ["--preset", s["preset"], "--arch", arch, "--depth", str(depth), "--model-dim", str(dim),
+            "--head-dim", str(s["head_dim"]), "--target-flops", f"{flops:g}", "--save-every", "-1",
+            "--run", run, "--resume", "latest"]
+
+
+def width_for(scale, depth, target, vocab):
+    """The multiple of the head dim whose blocks at this depth come closest to `target` parameters (in ratio)."""
+    head = SCALES[scale]["head_dim"]
+    guess = math.sqrt(target / (12 * depth))  # a block holds ~12·d² matmul parameters (4d² attention, 8d² MLP)
+    best = None
+    for k in range(max(1, int(guess // head) - 1), int(guess // head) + 3):
+        config = base_train.model_config_from_args(base_train.parse_args(train_argv(scale, "gpt", depth, k * head, 1, "x")), vocab)
+        with torch.device("meta"):
+            p = block_params(ARCHS["gpt"](config))
+        err = abs(math.log(p / target))
+        if best is None or err < best[0]:
+            best = (err, k * head, p)
+    return best[1], best[2]
+
+
+def plan_sweep(scale, depths, flops, vocab, nproc):
+    """One row per depth: width, aspect ratio, block parameters (GPT) and both archs' plan records."""
+    ref_depth, ref_dim = SCALES[scale]["reference"]
+    ref_args = base_train.parse_args(train_argv(scale, "gpt", ref_depth, ref_dim, 1, "x"))
+    with torch.device("meta"):
+        target = block_params(ARCHS["gpt"](base_train.model_config_from_args(ref_args, vocab)))
+    rows = []
+    for depth in depths:
+        dim, params = width_for(scale, depth, target, vocab)
+        row = {"depth": depth, "dim": dim, "aspect_ratio": dim / depth, "block_params": params,
+               "block_params_vs_reference": params / target, "runs": {}}
+        for arch in ARCH_PAIR:
+            args = base_train.parse_args(train_argv(scale, arch, depth, dim, flops, "x"))
+            rec = base_train.make_plan(args, vocab, nproc).record(args)
+            row["runs"][arch] = {k: rec[k] for k in ("num_params", "flops_per_token", "num_iterations", "total_tokens", "total_flops")}
+        rows.append(row)
+    return {"scale": scale, "reference": {"depth": ref_depth, "dim": ref_dim, "block_params": target},
+            "flops_per_run": flops, "nproc": nproc, "depths": rows}
+
+
+def hours(flops, gpus):
+    return flops / (gpus * PEAK_FLOPS * MFU) / 3600
+
+
+def plan_table(plan):
+    lines = ["| depth | dim | width/depth | block params (vs ref) | arch | params | FLOPs/token | steps | tokens | FLOPs |"
+             + (" est. hours |" if plan["scale"] == "published" else ""),
+             "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|" + ("---:|" if plan["scale"] == "published" else "")]
+    for row in plan["depths"]:
+        for arch, r in row["runs"].items():
+            cells = [row["depth"], row["dim"], f"{row['aspect_ratio']:.0f}", f"{row['block_params']:,} ({row['block_params_vs_reference']:.2f}x)",
+                     arch, f"{r['num_params']:,}", f"{r['flops_per_token']:,}", f"{r['num_iterations']:,}", f"{r['total_tokens']:,}",
+                     f"{r['total_flops']:.3g}"]
+            if plan["scale"] == "published":
+                cells.append(f"{hours(r['total_flops'], plan['nproc']):.1f}")
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    total = sum(r["total_flops"] for row in plan["depths"] for r in row["runs"].values())
+    foot = f"\n{len(plan['depths']) * 2} runs, {total:.3g} FLOPs in all"
+    if plan["scale"] == "published":
+        foot += f", about {hours(total, plan['nproc']):.0f} hours on {plan['nproc']} GPUs at {MFU:.0%} MFU (evaluation not included)"
+    return "\n".join(lines) + foot
+
+
+# ---------------------------------------------------------------------------
+# running the sweep
+
+
+def run_name(scale, arch, depth):
+    return f"{arch}-{SCALES[scale]['preset']}-d{depth}" if scale == "published" else f"sweep-{arch}-d{depth}"
+
+
+def has_bpb(run_dir, step):
+    path = os.path.join(run_dir, "eval.json")
+    if not os.path.exists(path):
+        return False
+    ev = json.load(open(path))
+    return ev.get("step") == step and ev.get("val_batches") is not None
+
+
+def run_cpu(row, flops, base):
+    """Train (or resume) and evaluate the pair at one depth; the logs go to runs/<run>.log."""
+    os.makedirs(os.path.join(base, "runs"), exist_ok=True)
+    for arch in ARCH_PAIR:
+        run = run_name("cpu", arch, row["depth"])
+        run_dir = os.path.join(base, "runs", run)
+        steps = row["runs"][arch]["num_iterations"]
+        log_path = os.path.join(base, "runs", f"{run}.log")
+        done = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, steps)
+        if not (done and has_bpb(run_dir, steps)):
+            print(f"depth {row['depth']} {arch}: {'evaluating' if done else f'training {steps} steps'} (log: {log_path})", file=sys.stderr, flush=True)
+        with open(log_path, "a") as log, contextlib.redirect_stdout(log):
+            if not done:
+                base_train.train(base_train.parse_args(train_argv("cpu", arch, row["depth"], row["dim"], flops, run)))
+            if not has_bpb(run_dir, steps):
+                preset_eval = get_preset(SCALES["cpu"]["preset"])["eval"]
+                base_eval.evaluate(base_eval.build_parser().parse_args(
+                    ["--run", run, "--eval", "bpb", *preset_eval, "--split-tokens", str(EVAL_SPLIT_TOKENS["cpu"])]))
+
+
+def run_published(row, flops, extra, base):
+    """One speedrun.sh pair at this depth (it trains, evaluates CORE + bpb and writes the pair's report)."""
+    cmd = ["bash", "speedrun.sh", "--preset", SCALES["published"]["preset"], "--tag", f"d{row['depth']}", "--flops", f"{flops:g}",
+           *extra, "--", "--depth", str(row["depth"]), "--model-dim", str(row["dim"]), "--head-dim", str(SCALES["published"]["head_dim"])]
+    print(" ".join(cmd), file=sys.stderr, flush=True)
+    if subprocess.run(cmd).returncode:
+        raise UserError(f"speedrun.sh failed at depth {row['depth']} (see above); rerun to resume it")
+
+
+def results(plan, base):
+    """Per depth: each arch's val bpb and the NAG - GPT interval from the shared val batches."""
+    out = []
+    for row in plan["depths"]:
+        evs = {}
+        for arch in ARCH_PAIR:
+            path = os.path.join(base, "runs", run_name(plan["scale"], arch, row["depth"]), "eval.json")
+            evs[arch] = json.load(open(path)) if os.path.exists(path) else None
+        res = {"depth": row["depth"], "dim": row["dim"], "aspect_ratio": row["aspect_ratio"]}
+        if all(evs.values()):
+            va, vb = evs["gpt"]["val_batches"], evs["nag"]["val_batches"]
+            r = bpb_delta_interval(va["nats"], vb["nats"], va["bytes"], seed=0)
+            res.update(gpt_bpb=r["bpb_a"], nag_bpb=r["bpb_b"], gap=r["delta"], ci=r["ci"], batches=r["batches"])
+        out.append(res)
+    return out
+
+
+def results_table(rows):
+    lines = ["| depth | dim | width/depth | GPT val bpb | NAG val bpb | NAG - GPT | 95% interval |",
+             "|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "gap" in r:
+            lines.append(f"| {r['depth']} | {r['dim']} | {r['aspect_ratio']:.0f} | {r['gpt_bpb']:.4f} | {r['nag_bpb']:.4f} | "
+                         f"{r['gap']:+.4f} | {r['ci'][0]:+.4f} … {r['ci'][1]:+.4f} |")
+        else:
+            lines.append(f"| {r['depth']} | {r['dim']} | {r['aspect_ratio']:.0f} | - | - | - | not evaluated |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if "gap" in r]
+    depths = [r["depth"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    gaps = [r["gap"] for r in rows]
+    err = [[r["gap"] - r["ci"][0] for r in rows], [r["ci"][1] - r["gap"] for r in rows]]
+    ax1.errorbar(depths, gaps, yerr=err, marker="o", capsize=4)
+    ax1.axhline(0, color="gray", lw=0.8)
+    ax1.set(xscale="log", xlabel="depth (width shrinks to hold the block parameters)", ylabel="NAG - GPT val bpb (below 0: NAG better)",
+            title="NAG - GPT gap against depth, 95% interval")
+    for arch in ARCH_PAIR:
+        ax2.plot(depths, [r[f"{arch}_bpb"] for r in rows], marker="o", label=arch.upper())
+    ax2.set(xscale="log", xlabel="depth", ylabel="val bpb", title="val bpb of each run (one FLOP budget)")
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_depths(text):
+    try:
+        depths = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise UserError(f"--depths takes comma-separated layer counts, got {text!r}") from None
+    if len(depths) < 2 or any(d < 1 for d in depths) or len(set(depths)) != len(depths):
+        raise UserError(f"--depths needs at least two different positive depths, got {text!r}")
+    return sorted(depths)
+
+
+def vocab_size(scale, base):
+    if scale == "published":
+        return get_preset("published")["vocab"]
+    path = os.path.join(base, "tokenizer", "tokenizer.pkl")
+    if os.path.exists(path):
+        from nanochat.tokenizer import get_tokenizer
+        return get_tokenizer().get_vocab_size()
+    return get_preset(SCALES["cpu"]["preset"])["vocab"]  # a dry run before the tokenizer exists
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="FLOP-matched GPT / NAG pairs across depths at a fixed block size")
+    p.add_argument("--scale", default="cpu", help="cpu or published")
+    p.add_argument("--depths", default="", help="comma-separated depths (default: the scale's)")
+    p.add_argument("--flops", type=float, default=None, help="FLOP budget of every run (default: the scale's)")
+    p.add_argument("--gpus", type=int, default=8, help="published: processes per run (the plan's hours)")
+    p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is trained or written")
+    args, extra = p.parse_known_args(argv)
+    with exit_on_user_error():
+        if args.scale not in SCALES:
+            raise UserError(f"unknown --scale {args.scale!r} (expected cpu or published)")
+        if args.scale == "cpu" and extra:
+            raise UserError(f"unknown arguments for --scale cpu: {' '.join(extra)}")
+        s = SCALES[args.scale]
+        depths = parse_depths(args.depths) if args.depths else s["depths"]
+        flops = args.flops if args.flops is not None else s["flops"]
+        if not (math.isfinite(flops) and flops > 0):
+            raise UserError(f"--flops must be a positive number (got {flops:g})")
+        base = get_base_dir()
+        nproc = args.gpus if args.scale == "published" else 1
+        plan = plan_sweep(args.scale, depths, flops, vocab_size(args.scale, base), nproc)
+        print(plan_table(plan), file=sys.stderr, flush=True)
+        if args.dry_run:
+            return plan
+        out_dir = os.path.join(base, "reports", f"depth_sweep-{args.scale}")
+        ensure_writable_dir(out_dir)
+        if args.scale == "cpu":
+            prepare_cpu_data(base)
+            plan = plan_sweep(args.scale, depths, flops, vocab_size(args.scale, base), nproc)  # the tokenizer's own vocab
+        for row in plan["depths"]:
+            if args.scale == "cpu":
+                run_cpu(row, flops, base)
+            else:
+                run_published(row, flops, ["--gpus", str(args.gpus), *extra], base)
+        rows = results(plan, base)
+        text = results_table(rows)
+        plot(rows, os.path.join(out_dir, "depth_gap.png"))
+        atomic_write_json(os.path.join(out_dir, "depth_sweep.json"), {"plan": plan, "results": rows})
+        with open(os.path.join(out_dir, "depth_sweep.md"), "w") as f:
+            f.write(f"# Depth sweep ({args.scale})\n\nPlan:\n\n{plan_table(plan)}\n\nResults (val bpb, base_eval):\n\n{text}\n\n"
+                    "![NAG - GPT gap against depth](depth_gap.png)\n")
+        print(text)
+        print(f"report: {os.path.join(out_dir, 'depth_sweep.md')}", file=sys.stderr)
+        return rows
+
+
+if __name__ == "__main__":
+    main()
