@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's depth claim as a sweep (docs/failures.md §4): FLOP-matched GPT / NAG pairs at several depths, the
+# The paper's depth claim as a sweep (docs/failures.md §5): FLOP-matched GPT / NAG pairs at several depths, the
 # width shrinking with depth so the blocks keep about the same number of parameters; val bpb of every run, the
 # NAG − GPT gap against depth as a table and a plot.
 #

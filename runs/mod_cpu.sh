@@ -22,17 +22,14 @@ if [ ! -f "$BASE/runs/cpu-gpt/eval.json" ] || [ ! -f "$BASE/runs/cpu-nag/eval.js
     bash "$HERE/runcpu.sh"
 fi
 
-# runcpu.sh's model and schedule, unchanged; the router trains at --nag-gate-lr like NAG's gates
-MODEL=(--depth 4 --head-dim 64 --max-seq-len 256 --device-batch-size 16 --total-batch-size 4096
-       --target-flops "$TARGET_FLOPS" --warmup-steps 5 --matrix-lr 0.2 --embedding-lr 2.0 --unembedding-lr 0.1
-       --eval-every 30 --eval-tokens 16384 --save-every 30 --nag-alpha-warmup-tokens 40960 --nag-gate-log-every 10
-       --nag-gate-lr 0.01 --nag-temp-gain-lr 1.0)
+# runcpu.sh's model and schedule (preset demo), unchanged; the router trains at the demo's NAG gate LR
+MODEL=(--preset demo --target-flops "$TARGET_FLOPS")
 TAG="$(awk "BEGIN { print int($RATE * 100 + 0.5) }")"   # 0.2 → 20
 
 stage "NAG-MoD at ${RATE} (both blocks, iso-FLOP)"
 python -m scripts.base_train --arch nag --mod-rate "$RATE" --mod-blocks both --run "cpu-nag-mod$TAG" "${MODEL[@]}" --resume latest
 stage "router GPT-MoD at ${RATE} (paper eq. 40)"
-python -m scripts.base_train --arch gpt --mod-router --mod-rate "$RATE" --mod-blocks both --run "cpu-gpt-router$TAG" "${MODEL[@]}" --resume latest
+python -m scripts.base_train --arch gpt --mod-router --nag-gate-lr 0.01 --mod-rate "$RATE" --mod-blocks both --run "cpu-gpt-router$TAG" "${MODEL[@]}" --resume latest
 
 stage "evaluate (bpb) and the inference curve of the full-depth NAG model"
 for run in "cpu-nag-mod$TAG" "cpu-gpt-router$TAG"; do

@@ -3,7 +3,7 @@ The paper's depth claim (its Fig. 2: NAG's loss advantage over the baseline grow
 budget is spent on more, narrower layers) as a FLOP-matched sweep. At each depth a GPT / NAG pair trains on
 one FLOP budget; the width is chosen so that the blocks hold about as many parameters at every depth as at
 the reference shape. Each run's val bpb is measured with base_eval, and the NAG - GPT gap is tabulated and
-plotted against depth, with a 95% interval from the paired val batches (docs/failures.md §4).
+plotted against depth, with a 95% interval from the paired val batches (docs/failures.md §5).
 
     python -m scripts.depth_sweep --scale cpu --dry-run          # the CPU plan: widths, parameters, steps
     python -m scripts.depth_sweep --scale cpu                    # 3 depths x 2 archs on a CPU, ~25 minutes
