@@ -58,13 +58,17 @@ class UserError(Exception):
 
 
 @contextlib.contextmanager
-def exit_on_user_error(*also):
-    """Wrap a script's body: a UserError (or one of `also`) becomes one `error: ...` line on stderr, exit status 1."""
+def exit_on_user_error(*also, interrupted="interrupted"):
+    """Wrap a script's body: a UserError (or one of `also`) becomes one `error: ...` line on stderr, exit status 1;
+    Ctrl-C becomes the one line `interrupted` (say what a rerun does), exit status 130, no traceback."""
     try:
         yield
     except (UserError, *also) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        sys.exit(130)
 
 
 def ensure_writable_dir(path):

@@ -638,7 +638,8 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
 
 
 def main(argv=None):
-    with exit_on_user_error(NonFiniteError):
+    with exit_on_user_error(NonFiniteError, interrupted="interrupted: every checkpoint written so far is complete; "
+                            "continue from the newest with --resume latest"):
         return train(parse_args(argv))
 
 

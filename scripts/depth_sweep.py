@@ -246,7 +246,8 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, default=8, help="published: processes per run (the plan's hours)")
     p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is trained or written")
     args, extra = p.parse_known_args(argv)
-    with exit_on_user_error():
+    with exit_on_user_error(interrupted="interrupted: finished runs and evaluations are kept; the same command "
+                            "resumes the sweep (an unfinished run from its newest checkpoint)"):
         if args.scale not in SCALES:
             raise UserError(f"unknown --scale {args.scale!r} (expected cpu or published)")
         if args.scale == "cpu" and extra:

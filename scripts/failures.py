@@ -147,7 +147,8 @@ def main(argv=None):
     p.add_argument("--seeds", default="1", help="cpu: comma-separated seeds")
     p.add_argument("--dry-run", action="store_true", help="published: the plans only")
     args, extra = p.parse_known_args(argv)
-    with exit_on_user_error():
+    with exit_on_user_error(interrupted="interrupted: finished runs are kept; the same command resumes (an unfinished "
+                            "run from its newest checkpoint)"):
         if args.scale == "published":
             rows = published(args.dry_run, extra)
         elif args.scale == "cpu":

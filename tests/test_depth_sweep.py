@@ -110,3 +110,17 @@ def test_sweep_bad_input(run_base, script_error, monkeypatch):
     assert "--flops must be a positive number (got -1)" in script_error(depth_sweep.main, "--flops", "-1")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", "/proc/no-such-base")
     assert "cannot create the base dir /proc/no-such-base" in script_error(depth_sweep.main, "--scale", "cpu", "--dry-run")
+
+
+def test_sweep_interrupted_is_one_line(run_base, capsys, monkeypatch):
+    tiny_scale(monkeypatch)
+
+    def ctrl_c(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(depth_sweep.base_train, "train", ctrl_c)
+    with pytest.raises(SystemExit) as e:
+        depth_sweep.main(["--scale", "cpu"])
+    assert e.value.code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("interrupted: finished runs and evaluations are kept; the same command resumes the sweep")
+    assert not any("Traceback" in line for line in err)

@@ -253,6 +253,26 @@ def test_unwritable_base_dir_is_one_line(run_base, tmp_path, monkeypatch, script
     assert "cannot write to" in script_error(cli, "--run", "w", "--num-iterations", "1")
 
 
+def test_ctrl_c_is_one_line_and_the_run_resumes(run_base):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(run_base), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "scripts.base_train", *TINY_TRAIN, "--run", "r", "--num-iterations", "120", "--save-every", "5",
+           "--eval-every", "-1", "--resume", "latest"]
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith("step 00012"):
+            break
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert err.strip().splitlines() == ["interrupted: every checkpoint written so far is complete; continue from the newest with --resume latest"]
+    run_dir = os.path.join(run_base, "runs", "r")
+    last = ckpt.latest_step(run_dir)
+    assert 10 <= last < 120 and not [f for f in os.listdir(run_dir) if f.startswith(".tmp-")]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and f"resumed from step {last}" in out.stdout, out.stderr
+    assert steps_of(os.path.join(run_dir, "metrics.jsonl")) == list(range(121))
+
+
 # ---------------------------------------------------------------------------
 # fault injection: kill -9 at random moments, resume, and end where an uninterrupted run ends
 
