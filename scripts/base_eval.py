@@ -36,6 +36,7 @@ from nanochat.common import UserError, exit_on_user_error, script_argv, print0, 
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import evaluate_bpb
+from nanochat.stats import bpb_delta_interval, core_delta_interval
 from nanochat.core_eval import ensure_eval_bundle, evaluate_core, save_records
 from nanochat import checkpoint_manager as ckpt
 from scripts.archs import load_model
@@ -169,8 +170,8 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
     B, T = args.device_batch_size, model.config.sequence_len
     steps = max(1, args.split_tokens // (B * T * world_size))
     calib_steps = max(1, args.mod_calib_tokens // (B * T * world_size))
-    points = []
-    for rate in parse_rates(args.mod_rate):
+    points, full_depth = [], {}
+    for rate in parse_rates(args.mod_rate):  # 0 first: every other point is paired with it
         model.configure_mod(ModConfig(blocks=args.mod_blocks, rate=rate))
         if rate > 0:
             calibrate(model, data_loader(tokenizer, B, T, "train", device=device, rank=rank, world_size=world_size), calib_steps)
@@ -179,24 +180,39 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
                 model.thresholds.values /= world_size
         model.eval()
         val = data_loader(tokenizer, B, T, "val", device=device, rank=rank, world_size=world_size)
+        batches = {}
         with torch.no_grad():
-            bpb = evaluate_bpb(model, val, steps, token_bytes)
+            bpb = evaluate_bpb(model, val, steps, token_bytes, per_batch=batches)
         rates = model.thresholds.pop_rates("eval") if model.thresholds is not None else {}
         flops = model.estimate_flops(rates) // 3  # forward only: a third of the training convention
         point = {"rate": rate, "blocks": args.mod_blocks, "val_bpb": bpb, **skip_summary(rates),
                  "forward_flops_per_token": flops, "calib_tokens": calib_steps * B * T * world_size if rate > 0 else 0}
+        # the same val batches and CORE items at every rate: each point's cost against full depth, paired
+        if rate == 0:
+            full_depth["bpb"] = batches
+        else:
+            r = bpb_delta_interval(full_depth["bpb"]["nats"], batches["nats"], batches["bytes"])
+            point["val_bpb_delta"], point["val_bpb_delta_ci"] = r["delta"], r["ci"]
         if bundle is not None:
             core = evaluate_core(model, tokenizer, device, bundle, max_per_task=args.max_per_task, batch_size=args.device_batch_size,
                                  log=lambda *a: None)
             point["core"] = core["core_metric"] if core["core_metric"] is not None else core["partial_core"]
             point["core_label"] = "CORE" if core["core_metric"] is not None else core["partial_label"]
+            records = {k: [rec[k] for rec in core["records"]] for k in ("task", "idx", "correct")}
+            if rate == 0:
+                full_depth["core"] = records
+            elif core["records"]:
+                r = core_delta_interval(full_depth["core"], records, core["settings"])
+                point["core_delta"], point["core_delta_ci"] = r["delta"], r["ci"]
         points.append(point)
     full = points[0]["forward_flops_per_token"]
     for p in points:
         p["flops_frac"] = p["forward_flops_per_token"] / full
         print0(f"MoD {p['blocks']} rate {p['rate']:.2f}: val bpb {p['val_bpb']:.4f} | skipped attn {100 * p.get('skip_attn', 0):.1f}% "
                f"mlp {100 * p.get('skip_mlp', 0):.1f}% | forward FLOPs {100 * p['flops_frac']:.1f}% of full depth"
-               + (f" | {p['core_label']} {p['core']:.4f}" if "core" in p else ""))
+               + (f" (Δ {p['val_bpb_delta']:+.4f}, 95% CI {p['val_bpb_delta_ci'][0]:+.4f} … {p['val_bpb_delta_ci'][1]:+.4f})" if "val_bpb_delta" in p else "")
+               + (f" | {p['core_label']} {p['core']:.4f}" if "core" in p else "")
+               + (f" (Δ {p['core_delta']:+.4f}, 95% CI {p['core_delta_ci'][0]:+.4f} … {p['core_delta_ci'][1]:+.4f})" if "core_delta" in p else ""))
     return {"mod_curve": {"blocks": args.mod_blocks, "split_tokens": steps * B * T * world_size, "points": points}}
 
 

@@ -468,14 +468,16 @@ def make_figures(runs, out_dir, beta, pairs=()):
     ax.legend()
     save_figure(fig, ax, out_dir, "train_loss_vs_flops.png", "Train loss vs training FLOPs", figures)
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r, c in zip(runs, colors):
-        pts = [(row["flops"], row["val_bpb"]) for row in r["metrics"] if row.get("val_bpb") is not None and row.get("flops") is not None]
-        if pts:
-            ax.plot(*zip(*pts), color=c, marker="o", markersize=3, label=r["name"])
-    ax.set(xlabel="training FLOPs", ylabel="val bits per byte", title="Validation bpb vs training FLOPs")
-    ax.legend()
-    save_figure(fig, ax, out_dir, "val_bpb_vs_flops.png", "Validation bpb vs training FLOPs", figures)
+    val_points = [(r, c, [(row["flops"], row["val_bpb"]) for row in r["metrics"] if row.get("val_bpb") is not None and row.get("flops") is not None])
+                  for r, c in zip(runs, colors)]
+    if any(pts for _, _, pts in val_points):  # runs trained with --eval-every -1 log no val bpb: no empty figure
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for r, c, pts in val_points:
+            if pts:
+                ax.plot(*zip(*pts), color=c, marker="o", markersize=3, label=r["name"])
+        ax.set(xlabel="training FLOPs", ylabel="val bits per byte", title="Validation bpb vs training FLOPs")
+        ax.legend()
+        save_figure(fig, ax, out_dir, "val_bpb_vs_flops.png", "Validation bpb vs training FLOPs", figures)
 
     gated = [(r, [row for row in r["metrics"] if isinstance(row.get("gate"), dict)]) for r in runs]
     gated = [(r, rows) for r, rows in gated if rows]
@@ -536,12 +538,19 @@ def mod_section(runs, figures):
     curves = mod_curves(runs)
     if not curves:
         return ""
-    rows = [[f"`{r['name']}`", c["blocks"], f"{100 * p['rate']:.0f}%", fmt(p["val_bpb"]), f"{100 * p.get('skip_attn', 0):.1f}%",
-             f"{100 * p.get('skip_mlp', 0):.1f}%", f"{100 * p['flops_frac']:.1f}%", fmt(p.get("core"))]
+    def delta(p, key):  # a point's cost against full depth, paired on the same val batches / CORE items
+        if f"{key}_delta" not in p:
+            return "—"
+        lo, hi = p[f"{key}_delta_ci"]
+        return f"{p[f'{key}_delta']:+.4f} ({lo:+.4f} … {hi:+.4f})"
+
+    rows = [[f"`{r['name']}`", c["blocks"], f"{100 * p['rate']:.0f}%", fmt(p["val_bpb"]), delta(p, "val_bpb"), f"{100 * p.get('skip_attn', 0):.1f}%",
+             f"{100 * p.get('skip_mlp', 0):.1f}%", f"{100 * p['flops_frac']:.1f}%", fmt(p.get("core")), delta(p, "core")]
             for r, c in curves for p in c["points"]]
     text = ("## Mixture-of-Depths at inference\n\nThresholds calibrated on train-split tokens at each rate, then fixed "
-            "(base_eval --mod-rate).\n\n" + table(["run", "blocks", "target", "val bpb", "skipped attn", "skipped mlp",
-                                                  "forward FLOPs", "CORE"], rows))
+            "(base_eval --mod-rate). Δ: against the same model at full depth, with a 95% interval over the shared val "
+            "batches / CORE items.\n\n" + table(["run", "blocks", "target", "val bpb", "Δ val bpb", "skipped attn", "skipped mlp",
+                                                   "forward FLOPs", "CORE", "Δ CORE"], rows))
     if "mod_curve.png" in figures:
         text += f"\n\n![{figures['mod_curve.png']}](mod_curve.png)\n"
     return text

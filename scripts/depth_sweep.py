@@ -203,14 +203,14 @@ def plot(rows, path):
     err = [[r["gap"] - r["ci"][0] for r in rows], [r["ci"][1] - r["gap"] for r in rows]]
     ax1.errorbar(depths, gaps, yerr=err, marker="o", capsize=4)
     ax1.axhline(0, color="gray", lw=0.8)
-    ax1.set(xscale="log", xlabel="depth (width shrinks to hold the block parameters)", ylabel="NAG - GPT val bpb (below 0: NAG better)",
+    ax1.set(xscale="log", xlabel="depth × width (block parameters held)", ylabel="NAG - GPT val bpb (below 0: NAG better)",
             title="NAG - GPT gap against depth, 95% interval")
     for arch in ARCH_PAIR:
         ax2.plot(depths, [r[f"{arch}_bpb"] for r in rows], marker="o", label=arch.upper())
-    ax2.set(xscale="log", xlabel="depth", ylabel="val bpb", title="val bpb of each run (one FLOP budget)")
+    ax2.set(xscale="log", xlabel="depth × width", ylabel="val bpb", title="val bpb of each run (one FLOP budget)")
     ax2.legend()
     for ax in (ax1, ax2):
-        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.set_xticks(depths, [f"{r['depth']}\n×{r['dim']}" for r in rows])
         ax.minorticks_off()
         ax.grid(alpha=0.3)
     fig.tight_layout()

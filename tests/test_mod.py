@@ -268,10 +268,29 @@ def test_inference_curve_on_a_full_depth_nag_goes_into_eval_json_and_compare_plo
     for p in pts[1:]:  # fixed thresholds on unseen tokens: near, not at, the target
         assert abs((p["skip_attn"] + p["skip_mlp"]) / 2 - p["rate"]) < 0.1
     assert ev["val_bpb"] is not None and abs(ev["val_bpb"] - pts[0]["val_bpb"]) < 1e-9  # rate 0 is the model itself
+    for p in pts[1:]:  # each rate's cost against full depth, paired on the same val batches
+        assert p["val_bpb_delta"] == pytest.approx(p["val_bpb"] - pts[0]["val_bpb"], abs=1e-9)
+        assert p["val_bpb_delta_ci"][0] <= p["val_bpb_delta"] <= p["val_bpb_delta_ci"][1]
+    assert "val_bpb_delta" not in pts[0] and "core" not in pts[0]  # no bundle: no CORE along the curve
     report = compare.compare(["gpt", "nag"], out_dir=str(run_base / "report"))
     text = open(report).read()
     assert "## Mixture-of-Depths at inference" in text and "mod_curve.png" in text
+    d = pts[2]
+    assert f"{d['val_bpb_delta']:+.4f} ({d['val_bpb_delta_ci'][0]:+.4f} … {d['val_bpb_delta_ci'][1]:+.4f})" in text
     assert open(run_base / "report" / "mod_curve.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_core_along_the_curve_with_paired_intervals(run_base, tmp_path, write_eval_bundle):
+    items = [{"query": f"Layer {i} of the", "choices": [" model", " data", " norm"], "gold": i % 3} for i in range(12)]
+    bundle = write_eval_bundle(tmp_path / "bundle", [("mc", "multiple_choice", 0, 33.3, items)])
+    base_train.main(TINY_TRAIN + ["--arch", "nag", "--run", "nag", "--num-iterations", "4", "--eval-every", "-1"])
+    base_eval.main(["--run", "nag", "--eval", "core,bpb", "--eval-bundle", bundle, "--mod-rate", "0.4", "--split-tokens", "1024",
+                    "--device-batch-size", "4", "--mod-calib-tokens", "1024", "--device-type", "cpu"])
+    ev = json.load(open(os.path.join(run_base, "runs", "nag", "eval.json")))
+    full, skip = ev["mod_curve"]["points"]
+    assert full["core"] == pytest.approx(ev["partial_core"], abs=1e-12)  # rate 0 scores what the model itself scores
+    assert skip["core_delta"] == pytest.approx(skip["core"] - full["core"], abs=1e-9)
+    assert skip["core_delta_ci"][0] <= skip["core_delta"] <= skip["core_delta_ci"][1] and skip["core_label"] == full["core_label"]
 
 
 def test_exact_resume_with_thresholds(run_base):
