@@ -35,8 +35,8 @@ from scripts.tok_train import prepare_cpu_data
 
 ARCH_PAIR = ("gpt", "nag")
 # Each scale: a preset, the reference shape whose block parameters every depth matches, the depths and the
-# per-run FLOP budget. CPU: the demo model of runcpu.sh (4 x 256) at half, once and twice its depth, three
-# depths so that six runs fit in about half an hour on two cores.
+# per-run FLOP budget. CPU: the demo model of runcpu.sh (4 x 256) at half, once and twice its depth: six
+# runs of about 2 minutes each on two cores (docs/failures.md §5).
 # Published: the walkthrough's 64 x 640 pair, and the depths at which the paper's width-to-depth ratios
 # 80 / 60 / 40 / 30 / 20 give that block size (16 x 1280 ... 40 x 768), so the pair itself is the ratio-10 end.
 SCALES = {
@@ -142,6 +142,13 @@ def run_cpu(row, flops, base):
         run_dir = os.path.join(base, "runs", run)
         steps = row["runs"][arch]["num_iterations"]
         log_path = os.path.join(base, "runs", f"{run}.log")
+        cfg_path = os.path.join(run_dir, "config.json")
+        if os.path.exists(cfg_path):  # a run of this name from a sweep with other --flops or widths: never mix them
+            old = json.load(open(cfg_path))
+            if (old.get("num_iterations"), old.get("model_config", {}).get("n_embd")) != (steps, row["dim"]):
+                raise UserError(f"{run_dir} holds a run of other settings ({old.get('num_iterations')} steps at width "
+                                f"{old.get('model_config', {}).get('n_embd')}, this sweep plans {steps} at {row['dim']}); "
+                                "move it away to rerun this depth")
         done = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, steps)
         if not (done and has_bpb(run_dir, steps)):
             print(f"depth {row['depth']} {arch}: {'evaluating' if done else f'training {steps} steps'} (log: {log_path})", file=sys.stderr, flush=True)

@@ -100,6 +100,12 @@ def test_tiny_sweep_table_report_and_rerun(run_base, monkeypatch, capsys):
     assert "resumed from step" in log  # the first training of this run did not resume
     after = stamp()
     assert {k: v for k, v in after.items() if k[0] != "sweep-gpt-d2"} == {k: v for k, v in before.items() if k[0] != "sweep-gpt-d2"}
+    # another budget under the same run names: one line, nothing trained or overwritten
+    with pytest.raises(SystemExit):
+        depth_sweep.main(["--scale", "cpu", "--flops", "3e9"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "sweep-gpt-d1 holds a run of other settings (8 steps at width 96, this sweep plans" in err[-1]
+    assert stamp() == after
 
 
 def test_sweep_bad_input(run_base, script_error, monkeypatch):
