@@ -3,7 +3,7 @@
 # width shrinking with depth so the blocks keep about the same number of parameters; val bpb of every run, the
 # NAG − GPT gap against depth as a table and a plot.
 #
-#   bash runs/depth_sweep.sh --scale cpu                       # depths 2, 4, 8 of the CPU demo model, ~25 minutes
+#   bash runs/depth_sweep.sh --scale cpu                       # depths 2, 4, 8 of the CPU demo model, ~16 minutes
 #   bash runs/depth_sweep.sh --scale published --dry-run       # depths 16 … 64 at the published size: the plan
 #   bash runs/depth_sweep.sh --scale published --gpus 8        # further flags go to speedrun.sh
 #

@@ -6,7 +6,7 @@ the reference shape. Each run's val bpb is measured with base_eval, and the NAG 
 plotted against depth, with a 95% interval from the paired val batches (docs/failures.md §5).
 
     python -m scripts.depth_sweep --scale cpu --dry-run          # the CPU plan: widths, parameters, steps
-    python -m scripts.depth_sweep --scale cpu                    # 3 depths x 2 archs on a CPU, ~25 minutes
+    python -m scripts.depth_sweep --scale cpu                    # 3 depths x 2 archs on a CPU, ~16 minutes
     python -m scripts.depth_sweep --scale published --dry-run    # the published-size plan with GPU hours
     python -m scripts.depth_sweep --scale published --gpus 8     # one speedrun.sh pair per depth   (GPU)
 

@@ -22,7 +22,7 @@ NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.
                **{c: "minutes of training; tests/test_failures.py runs the same code on a tiny model"
                   for c in ("bash runs/failures.sh --scale cpu", "bash runs/failures.sh --scale cpu --seeds 1,2,3",
                             "python -m scripts.failures --scale cpu", "python -m scripts.failures --scale cpu --seeds 1,2,3")},
-               **{c: "~25 minutes of training; tests/test_depth_sweep.py runs the same code on a tiny model"
+               **{c: "~16 minutes of training; tests/test_depth_sweep.py runs the same code on a tiny model"
                   for c in ("bash runs/depth_sweep.sh --scale cpu", "python -m scripts.depth_sweep --scale cpu")}}
 LIMIT_S = 300  # per command, generous for a contended 2-core machine
 # what must run before what: data, tokenizer, training, evaluation, comparison, the rest
