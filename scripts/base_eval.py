@@ -206,13 +206,18 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
                 point["core_delta"], point["core_delta_ci"] = r["delta"], r["ci"]
         points.append(point)
     full = points[0]["forward_flops_per_token"]
+
+    def delta(p, key):
+        if f"{key}_delta" not in p:
+            return ""
+        lo, hi = p[f"{key}_delta_ci"]
+        return f" (Δ {p[f'{key}_delta']:+.4f}, 95% CI {lo:+.4f} … {hi:+.4f})"
+
     for p in points:
         p["flops_frac"] = p["forward_flops_per_token"] / full
         print0(f"MoD {p['blocks']} rate {p['rate']:.2f}: val bpb {p['val_bpb']:.4f} | skipped attn {100 * p.get('skip_attn', 0):.1f}% "
                f"mlp {100 * p.get('skip_mlp', 0):.1f}% | forward FLOPs {100 * p['flops_frac']:.1f}% of full depth"
-               + (f" (Δ {p['val_bpb_delta']:+.4f}, 95% CI {p['val_bpb_delta_ci'][0]:+.4f} … {p['val_bpb_delta_ci'][1]:+.4f})" if "val_bpb_delta" in p else "")
-               + (f" | {p['core_label']} {p['core']:.4f}" if "core" in p else "")
-               + (f" (Δ {p['core_delta']:+.4f}, 95% CI {p['core_delta_ci'][0]:+.4f} … {p['core_delta_ci'][1]:+.4f})" if "core_delta" in p else ""))
+               + delta(p, "val_bpb") + (f" | {p['core_label']} {p['core']:.4f}" if "core" in p else "") + delta(p, "core"))
     return {"mod_curve": {"blocks": args.mod_blocks, "split_tokens": steps * B * T * world_size, "points": points}}
 
 

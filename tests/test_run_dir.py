@@ -97,8 +97,9 @@ def test_a_run_that_died_before_its_first_checkpoint_restarts(run_base, monkeypa
         return real_step(self)
     with monkeypatch.context() as mp:
         mp.setattr(base_train.MuonAdamW, "step", dying_step)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(SystemExit) as e:
             main(*COMMON[:-4], "--save-every", "0", "--eval-every", "-1")
+    assert e.value.code == 130
     run_dir = os.path.join(run_base, "runs", "r")
     assert steps_of(os.path.join(run_dir, "metrics.jsonl")) == [0, 1, 2] and not ckpt.complete_steps(run_dir)
     main(*COMMON[:-4], "--save-every", "0", "--eval-every", "-1")  # the same command again: starts over
@@ -254,8 +255,9 @@ def test_unwritable_base_dir_is_one_line(run_base, tmp_path, monkeypatch, script
 
 
 def test_ctrl_c_is_one_line_and_the_run_resumes(run_base):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(run_base), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "scripts.base_train", *TINY_TRAIN, "--run", "r", "--num-iterations", "120", "--save-every", "5",
+    # unbuffered: the step lines arrive as they are printed, so the signal lands early in the run
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(run_base), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "scripts.base_train", *TINY_TRAIN, "--run", "r", "--num-iterations", "400", "--save-every", "5",
            "--eval-every", "-1", "--resume", "latest"]
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in p.stdout:
@@ -267,10 +269,10 @@ def test_ctrl_c_is_one_line_and_the_run_resumes(run_base):
     assert err.strip().splitlines() == ["interrupted: every checkpoint written so far is complete; continue from the newest with --resume latest"]
     run_dir = os.path.join(run_base, "runs", "r")
     last = ckpt.latest_step(run_dir)
-    assert 10 <= last < 120 and not [f for f in os.listdir(run_dir) if f.startswith(".tmp-")]
+    assert 10 <= last < 400 and not [f for f in os.listdir(run_dir) if f.startswith(".tmp-")]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and f"resumed from step {last}" in out.stdout, out.stderr
-    assert steps_of(os.path.join(run_dir, "metrics.jsonl")) == list(range(121))
+    assert steps_of(os.path.join(run_dir, "metrics.jsonl")) == list(range(401))
 
 
 # ---------------------------------------------------------------------------
