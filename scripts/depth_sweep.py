@@ -207,7 +207,8 @@ def plot(rows, path):
     depths = [r["depth"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     gaps = [r["gap"] for r in rows]
-    err = [[r["gap"] - r["ci"][0] for r in rows], [r["ci"][1] - r["gap"] for r in rows]]
+    # clipped at 0: a bootstrap interval of identical differences can miss its centre by a rounding error
+    err = [[max(0.0, r["gap"] - r["ci"][0]) for r in rows], [max(0.0, r["ci"][1] - r["gap"]) for r in rows]]
     ax1.errorbar(depths, gaps, yerr=err, marker="o", capsize=4)
     ax1.axhline(0, color="gray", lw=0.8)
     ax1.set(xscale="log", xlabel="depth × width (block parameters held)", ylabel="NAG - GPT val bpb (below 0: NAG better)",

@@ -130,3 +130,31 @@ def test_sweep_interrupted_is_one_line(run_base, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("interrupted: finished runs and evaluations are kept; the same command resumes the sweep")
     assert not any("Traceback" in line for line in err)
+
+
+def test_published_sweep_runs_one_speedrun_pair_per_depth(run_base, monkeypatch, capsys):
+    calls = []
+
+    def fake_speedrun(cmd):  # stands in for speedrun.sh: records the command, writes what its evaluation would
+        calls.append(cmd)
+        tag = cmd[cmd.index("--tag") + 1]
+        for i, arch in enumerate(("gpt", "nag")):
+            run_dir = os.path.join(run_base, "runs", f"{arch}-published-{tag}")
+            os.makedirs(run_dir, exist_ok=True)
+            nats = [100.0 + i + int(tag[1:]) / 100, 101.0 + i]
+            with open(os.path.join(run_dir, "eval.json"), "w") as f:
+                json.dump({"val_batches": {"nats": nats, "bytes": [200, 200]}}, f)
+        return type("Done", (), {"returncode": 0})()
+    monkeypatch.setattr(depth_sweep.subprocess, "run", fake_speedrun)
+    rows = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--gpus", "4", "--flops", "1e19", "--offline"])
+    assert calls == [["bash", "speedrun.sh", "--preset", "published", "--tag", f"d{d}", "--flops", "1e+19", "--gpus", "4", "--offline",
+                      "--", "--depth", str(d), "--model-dim", str(w), "--head-dim", "128"] for d, w in ((16, 1280), (64, 640))]
+    assert [r["depth"] for r in rows] == [16, 64]
+    for r in rows:  # each pair's gap from the shared val batches its eval.json holds
+        assert r["gap"] == pytest.approx((1.0 + 1.0) / (400 * math.log(2)), abs=1e-12)
+    assert "| 16 | 1280 | 80 |" in capsys.readouterr().out
+    # speedrun.sh failing at a depth stops the sweep with one line
+    monkeypatch.setattr(depth_sweep.subprocess, "run", lambda cmd: type("Failed", (), {"returncode": 1})())
+    with pytest.raises(SystemExit):
+        depth_sweep.main(["--scale", "published", "--depths", "16,64"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: speedrun.sh failed at depth 16 (see above); rerun to resume it"
