@@ -45,7 +45,6 @@ SCALES = {
                   "head_dim": 128},
 }
 MAX_PARAM_MISMATCH = 0.15  # tested: every depth's blocks within 15% of the reference's
-EVAL_SPLIT_TOKENS = {"cpu": 65536}  # published: the preset's eval tokens, through speedrun.sh
 
 
 def block_params(model):
@@ -156,12 +155,11 @@ def run_cpu(row, flops, base):
             if not done:
                 base_train.train(base_train.parse_args(train_argv("cpu", arch, row["depth"], row["dim"], flops, run)))
             if not has_bpb(run_dir, steps):
-                preset_eval = get_preset(SCALES["cpu"]["preset"])["eval"]
-                base_eval.evaluate(base_eval.build_parser().parse_args(
-                    ["--run", run, "--eval", "bpb", *preset_eval, "--split-tokens", str(EVAL_SPLIT_TOKENS["cpu"])]))
+                preset_eval = get_preset(SCALES["cpu"]["preset"])["eval"]  # the demo's 65,536 tokens, as runcpu.sh
+                base_eval.evaluate(base_eval.build_parser().parse_args(["--run", run, "--eval", "bpb", *preset_eval]))
 
 
-def run_published(row, flops, extra, base):
+def run_published(row, flops, extra):
     """One speedrun.sh pair at this depth (it trains, evaluates CORE + bpb and writes the pair's report)."""
     cmd = ["bash", "speedrun.sh", "--preset", SCALES["published"]["preset"], "--tag", f"d{row['depth']}", "--flops", f"{flops:g}",
            *extra, "--", "--depth", str(row["depth"]), "--model-dim", str(row["dim"]), "--head-dim", str(SCALES["published"]["head_dim"])]
@@ -280,7 +278,7 @@ def main(argv=None):
             if args.scale == "cpu":
                 run_cpu(row, flops, base)
             else:
-                run_published(row, flops, ["--gpus", str(args.gpus), *extra], base)
+                run_published(row, flops, ["--gpus", str(args.gpus), *extra])
         rows = results(plan, base)
         text = results_table(rows)
         plot(rows, os.path.join(out_dir, "depth_gap.png"))

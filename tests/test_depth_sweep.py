@@ -59,7 +59,6 @@ def test_published_plan_ends_at_the_published_pair():
 
 def tiny_scale(monkeypatch):
     monkeypatch.setitem(depth_sweep.SCALES, "cpu", {"preset": "tiny", "reference": (2, 64), "depths": [1, 2], "flops": 2e9, "head_dim": 32})
-    monkeypatch.setitem(depth_sweep.EVAL_SPLIT_TOKENS, "cpu", 512)
 
 
 def test_tiny_sweep_table_report_and_rerun(run_base, monkeypatch, capsys):
