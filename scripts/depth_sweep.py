@@ -264,16 +264,16 @@ def main(argv=None):
         if not (math.isfinite(flops) and flops > 0):
             raise UserError(f"--flops must be a positive number (got {flops:g})")
         base = get_base_dir()
+        out_dir = os.path.join(base, "reports", f"depth_sweep-{args.scale}")
+        if not args.dry_run:
+            ensure_writable_dir(out_dir)
+            if args.scale == "cpu":
+                prepare_cpu_data(base)  # first, so that the plan has the tokenizer's own vocab
         nproc = args.gpus if args.scale == "published" else 1
         plan = plan_sweep(args.scale, depths, flops, vocab_size(args.scale, base), nproc)
         print(plan_table(plan), file=sys.stderr, flush=True)
         if args.dry_run:
             return plan
-        out_dir = os.path.join(base, "reports", f"depth_sweep-{args.scale}")
-        ensure_writable_dir(out_dir)
-        if args.scale == "cpu":
-            prepare_cpu_data(base)
-            plan = plan_sweep(args.scale, depths, flops, vocab_size(args.scale, base), nproc)  # the tokenizer's own vocab
         for row in plan["depths"]:
             if args.scale == "cpu":
                 run_cpu(row, flops, base)

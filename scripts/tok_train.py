@@ -7,8 +7,6 @@ Train the BPE tokenizer on the train split and save it to <base_dir>/tokenizer/.
 
 import argparse
 import os
-import sys
-import subprocess
 import time
 
 from nanochat.common import UserError, exit_on_user_error
@@ -31,13 +29,13 @@ def text_iterator(max_chars, doc_cap):
 
 
 def prepare_cpu_data(base):
-    """What runs/runcpu.sh builds first, for scripts that run tiny models: the offline corpus and a vocab-4096
-    tokenizer, each unless the base dir already has one."""
+    """What runs/runcpu.sh builds first, for scripts that run tiny models: the offline corpus and the demo's
+    tokenizer (the command in this module's docstring), each unless the base dir already has one."""
     from nanochat.dataset import build_offline_corpus, list_parquet_files
     if not list_parquet_files(os.path.join(base, "base_data")):
         build_offline_corpus(data_dir=os.path.join(base, "base_data"))
     if not os.path.exists(os.path.join(base, "tokenizer", "tokenizer.pkl")):
-        subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", "4096", "--max-chars", "20000000"], check=True)
+        main(["--vocab-size", "4096", "--max-chars", "20000000"])
 
 
 def main(argv=None):
