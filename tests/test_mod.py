@@ -281,14 +281,18 @@ def test_inference_curve_on_a_full_depth_nag_goes_into_eval_json_and_compare_plo
 
 
 def test_core_along_the_curve_with_paired_intervals(run_base, tmp_path, write_eval_bundle):
-    items = [{"query": f"Layer {i} of the", "choices": [" model", " data", " norm"], "gold": i % 3} for i in range(12)]
+    words = "the of and model data token train loss layer weight gradient norm residual attention head vector".split()
+    # varied contexts and choices, so that skipping 90% of the sub-layers changes some answers
+    items = [{"query": " ".join(words[(i * 7 + j) % 16] for j in range(4 + i % 5)).capitalize(),
+              "choices": [" " + words[(i * 3 + k * 5) % 16] for k in range(3)], "gold": i % 3} for i in range(40)]
     bundle = write_eval_bundle(tmp_path / "bundle", [("mc", "multiple_choice", 0, 33.3, items)])
     base_train.main(TINY_TRAIN + ["--arch", "nag", "--run", "nag", "--num-iterations", "4", "--eval-every", "-1"])
-    base_eval.main(["--run", "nag", "--eval", "core,bpb", "--eval-bundle", bundle, "--mod-rate", "0.4", "--split-tokens", "1024",
+    base_eval.main(["--run", "nag", "--eval", "core,bpb", "--eval-bundle", bundle, "--mod-rate", "0.9", "--split-tokens", "1024",
                     "--device-batch-size", "4", "--mod-calib-tokens", "1024", "--device-type", "cpu"])
     ev = json.load(open(os.path.join(run_base, "runs", "nag", "eval.json")))
     full, skip = ev["mod_curve"]["points"]
     assert full["core"] == pytest.approx(ev["partial_core"], abs=1e-12)  # rate 0 scores what the model itself scores
+    assert skip["core"] != full["core"]  # skipping changed answers: the sign of the delta below is visible
     assert skip["core_delta"] == pytest.approx(skip["core"] - full["core"], abs=1e-9)
     assert skip["core_delta_ci"][0] <= skip["core_delta"] <= skip["core_delta_ci"][1] and skip["core_label"] == full["core_label"]
 
