@@ -27,7 +27,7 @@ exec > >(tee -a "$BASE/speedrun.log") 2>&1
 # 2. the fused NAG kernel against the reference on this GPU (seconds), before hours of GPT training
 if [ "$PREFLIGHT" = 1 ]; then
     stage "preflight: fused NAG kernel vs reference"
-    python -m pytest -q -x tests/test_nag_kernels.py -k cuda
+    python -m pytest -q -x tests/test_nag_kernels.py -k cuda --require-cuda  # fails if no CUDA test ran
 fi
 
 # 3. data: the tokenizer's shards now, the rest in the background while it trains

@@ -1,28 +1,41 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv at the repo root with torch + the project installed.
-# Source it: `source runs/setup_env.sh`. A GPU node (nvidia-smi sees a GPU) gets a
-# CUDA build of torch; any other machine gets the CPU build of torch 2.13.0.
+# Create (or reuse) .venv at the repo root with torch + the project installed, then check that torch
+# sees the GPUs. Source it: `source runs/setup_env.sh`.
+#
+# torch is pinned to 2.13.0 everywhere, the release the CPU test suite runs on:
+#   - no GPU (nvidia-smi lists none): the CPU build;
+#   - a GPU node whose driver is 580 or newer: PyPI's build (CUDA 13.0, which needs driver >= 580);
+#   - an older driver (many rented H100 nodes run 550-575): the CUDA 12.8 build from PyTorch's index.
+# NANOCHAT_TORCH_INDEX=URL picks another index (e.g. https://download.pytorch.org/whl/cu126).
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${NANOCHAT_VENV:-$REPO_ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
+TORCH="torch==2.13.0"
+GPU_NODE=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then GPU_NODE=1; fi
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating virtual environment in $VENV"
     "$PYTHON" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        echo "[setup] GPU found: installing a CUDA build of torch"
-        "$VENV/bin/pip" install -q "torch>=2.9"
+    if [ "$GPU_NODE" = 1 ]; then
+        DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+        INDEX="${NANOCHAT_TORCH_INDEX:-}"
+        if [ -z "$INDEX" ] && [ "${DRIVER%%.*}" -lt 580 ]; then INDEX="https://download.pytorch.org/whl/cu128"; fi
+        echo "[setup] GPU found (driver $DRIVER): installing $TORCH from ${INDEX:-PyPI (CUDA 13.0 build)}"
+        "$VENV/bin/pip" install -q "$TORCH" ${INDEX:+--index-url "$INDEX"}
     else
-        echo "[setup] no GPU: installing the CPU build of torch 2.13.0"
-        "$VENV/bin/pip" install -q "torch==2.13.0"
+        echo "[setup] no GPU: installing the CPU build of $TORCH"
+        "$VENV/bin/pip" install -q "$TORCH"
     fi
 fi
-if ! "$VENV/bin/python" -c "import nanochat, tiktoken, rustbpe, pyarrow, matplotlib, pytest" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import nanochat, tiktoken, rustbpe, pyarrow, matplotlib, pytest, yaml" 2>/dev/null; then
     echo "[setup] installing the project and its dependencies"
     "$VENV/bin/pip" install -q -e "$REPO_ROOT[test]"
 fi
 export PATH="$VENV/bin:$PATH"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$REPO_ROOT"
+# a GPU node whose torch cannot see its GPUs would train on the CPU: stop here, with one line
+if [ "$GPU_NODE" = 1 ]; then python -m scripts.check_cuda; fi

@@ -449,6 +449,9 @@ def train(args):
     if args.dry_run:
         return dry_run(args)
     validate_args(args)
+    if PRESETS.get(args.preset, {}).get("gpu") and not args.device_type and not torch.cuda.is_available():
+        raise UserError(f"--preset {args.preset} is a GPU configuration and torch {torch.__version__} sees no CUDA device here; "
+                        f"see its plan with --dry-run N, or pass --device-type cpu to train it on the CPU anyway")
     device_type = args.device_type or autodetect_device_type()
     is_ddp, rank, local_rank, world_size, device = dist_init(device_type)
     is_master = rank == 0
@@ -459,6 +462,10 @@ def train(args):
         torch.backends.cudnn.allow_tf32 = True
 
     tokenizer = get_tokenizer()
+    preset = PRESETS.get(args.preset, {})
+    if preset.get("gpu") and tokenizer.get_vocab_size() != preset["vocab"]:  # its plan and published numbers assume that vocab
+        raise UserError(f"--preset {args.preset} trains with a {preset['vocab']:,}-token tokenizer, but the one in the base dir has "
+                        f"{tokenizer.get_vocab_size():,}; use a fresh NANOCHAT_BASE_DIR, or retrain it with scripts.tok_train --vocab-size {preset['vocab']}")
     token_bytes = get_token_bytes(device=device)
     plan = make_plan(args, tokenizer.get_vocab_size(), world_size)
     record = plan.record(args)

@@ -3,7 +3,8 @@ Named configurations for base_train (`--preset NAME`), and the matching base_eva
 arguments that speedrun.sh passes.
 
 A preset is a list of flags placed before the command line's own, so any flag given
-after it wins. The published preset reproduces the FLOP-matched pair of the NAG
+after it wins. A preset marked "gpu" is refused where torch sees no CUDA device (unless
+--device-type cpu is given), and trains only with a tokenizer of its "vocab". The published preset reproduces the FLOP-matched pair of the NAG
 walkthrough (docs/reproduce.md has every value with its source).
 """
 
@@ -23,12 +24,13 @@ PRESETS = {
         "eval": ["--split-tokens", str(80 * 2 ** 19)],
         "analysis": ["--tokens", str(2 ** 20)],
         "vocab": 32768,
+        "gpu": True,
     },
     # nanochat-d20-like: dim 1280, 10 heads × 128, batch and horizon from the size rules
     "d20": {
         "train": ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "L",
                   "--device-batch-size", "32"],
-        "nag": [], "eval": [], "analysis": ["--tokens", str(2 ** 20)], "vocab": 32768,
+        "nag": [], "eval": [], "analysis": ["--tokens", str(2 ** 20)], "vocab": 32768, "gpu": True,
     },
     # the CPU demo of runs/runcpu.sh: 4 blocks × 256 (4 heads of 64), seq 256, 4096 tokens per step, 1e13 FLOPs
     # (~90 steps). At this batch the batch rule scales every LR by √(4096/2^19) ≈ 0.09, so the base LRs are raised.

@@ -20,6 +20,7 @@ import sys
 from nanochat.common import UserError, exit_on_user_error
 from nanochat import checkpoint_manager as ckpt
 from scripts import base_train
+from scripts.check_cuda import cuda_problem
 from scripts.presets import PRESETS, get_preset
 
 # Estimates, not measurements: a ClimbMix shard holds ~250M characters ≈ 55M tokens of a 32K-vocab
@@ -152,12 +153,18 @@ def plan_and_check(args):
         if not args.dry_run:
             raise UserError("no NVIDIA GPU found (nvidia-smi); see the plan with --dry-run, or smoke-test on CPU with --preset tiny")
         gpus = 8
-    tokenizer_there = os.path.exists(os.path.join(args.base_dir, "tokenizer", "tokenizer.pkl"))
+    if not args.dry_run and args.preset != "tiny":  # nvidia-smi may list GPUs that this torch cannot use
+        problem = cuda_problem(gpus)
+        if problem:
+            raise UserError(problem)
     vocab = get_preset(args.preset)["vocab"]
-    if tokenizer_there:  # plan with the vocab the runs will really have
+    if os.path.exists(os.path.join(args.base_dir, "tokenizer", "tokenizer.pkl")):  # it would be reused: it must be the preset's
         os.environ["NANOCHAT_BASE_DIR"] = args.base_dir
         from nanochat.tokenizer import get_tokenizer
-        vocab = get_tokenizer().get_vocab_size()
+        have_vocab = get_tokenizer().get_vocab_size()
+        if have_vocab != vocab:
+            raise UserError(f"the tokenizer in {args.base_dir}/tokenizer has {have_vocab:,} tokens but --preset {args.preset} trains with "
+                            f"{vocab:,}; use a fresh --base-dir, or delete that tokenizer folder so speedrun trains the right one")
     with contextlib.redirect_stdout(sys.stderr):  # base_train's notes are for the user, not for the shell
         records = plans(args, vocab, gpus)
     say(f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es)"
@@ -203,8 +210,6 @@ def plan_and_check(args):
     if not args.dry_run:
         if not enough:
             raise UserError(f"not enough disk in {args.base_dir}: need ≈ {need_gib:.1f} GiB, {free_gib:.0f} GiB free (see --dry-run)")
-        if args.preset != "tiny" and have < gpus:
-            raise UserError(f"asked for {gpus} GPU(s) but nvidia-smi sees {have}; pass --gpus N, or use --preset tiny on CPU")
     launch = ["python", "-m"] if gpus == 1 else ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "-m"]
     shell = {"BASE": args.base_dir, "DRY_RUN": int(args.dry_run), "OFFLINE": int(args.offline), "SHARDS": args.shards_needed,
              "TOK_SHARDS": min(TOK_SHARDS, args.shards_needed), "VOCAB": get_preset(args.preset)["vocab"],

@@ -11,6 +11,33 @@ import nag  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 
 torch.set_num_threads(2)  # tests assume a small shared CPU; more threads only add contention for tiny models
 
+
+# --require-cuda: the GPU preflight (speedrun.sh, runs/gpu_checks.sh). A CUDA test skipped for want of a GPU
+# passes in an ordinary run; here it must not, or a preflight on a machine where torch sees no GPU says "ok".
+def pytest_addoption(parser):
+    parser.addoption("--require-cuda", action="store_true",
+                     help="fail unless at least one CUDA test passed and none was skipped")
+
+
+CUDA_TESTS = {"passed": 0, "skipped": 0}
+
+
+def pytest_runtest_logreport(report):
+    if "cuda" in report.nodeid.lower():
+        if report.passed and report.when == "call":
+            CUDA_TESTS["passed"] += 1
+        elif report.skipped:
+            CUDA_TESTS["skipped"] += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("--require-cuda") and (not CUDA_TESTS["passed"] or CUDA_TESTS["skipped"]):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter:
+            reporter.write_line(f"error: --require-cuda: {CUDA_TESTS['passed']} CUDA test(s) passed, {CUDA_TESTS['skipped']} skipped "
+                                f"(torch CUDA available: {torch.cuda.is_available()}); the preflight did not test the GPU")
+        session.exitstatus = 1
+
 WORDS = (
     "the of and to in is was that for on with as by at from it an be this which or are have not but had "
     "model data token train loss layer weight gradient norm residual attention head vector matrix batch "

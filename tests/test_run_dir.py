@@ -175,6 +175,17 @@ def test_cuda_without_cuda_is_one_line(run_base, script_error):
     assert "sees no CUDA device" in script_error(cli, "--run", "v", "--num-iterations", "2", "--device-type", "cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_preset_on_cpu_is_one_line_unless_asked_for(run_base, script_error):
+    # published: 64 × 640, 322M matrix parameters; without a GPU it would train for weeks without a word
+    err = script_error(base_train.main, "--preset", "published", "--arch", "nag", "--run", "p")
+    assert "--preset published is a GPU configuration" in err and "--device-type cpu" in err
+    # asked for explicitly, the next check is the tokenizer: the session's has 512 tokens, the preset 32,768
+    err = script_error(base_train.main, "--preset", "published", "--arch", "nag", "--run", "p", "--device-type", "cpu")
+    assert "32,768-token tokenizer" in err and "has 512" in err
+    assert not os.path.exists(os.path.join(run_base, "runs", "p"))
+
+
 def test_a_run_path_is_a_directory_everywhere(run_base, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_dir = main("--run", "mine/r1", "--num-iterations", "1", "--eval-every", "-1")

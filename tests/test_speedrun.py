@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -64,8 +65,71 @@ def test_disk_is_checked_before_any_download(tmp_path):
     # stops it, with one line, before any data is fetched
     r = speedrun(tmp_path, "--gpus", "8", "--arch", "gpt", "--base-dir", str(tmp_path))
     assert r.returncode == 1
-    assert re.search(r"^error: (not enough disk|asked for 8 GPU)", r.stdout + r.stderr, re.M), r.stdout + r.stderr
+    assert re.search(r"^error: (not enough disk|torch sees \d CUDA device)", r.stdout + r.stderr, re.M), r.stdout + r.stderr
     assert not (tmp_path / "base_data").exists() and not (tmp_path / "tokenizer").exists()
+
+
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+# stands in for a node with 8 H100s on driver 570 (CUDA 12.8)
+case "$1" in
+  -L) for i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-0000000$i)"; done ;;
+  --query-gpu=driver_version) echo "570.86.15" ;;
+  *) echo "| NVIDIA-SMI 570.86.15    Driver Version: 570.86.15    CUDA Version: 12.8 |" ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_gpu_node(tmp_path, monkeypatch):
+    """PATH with an nvidia-smi that lists 8 H100s, while torch here is the CPU build."""
+    if torch_sees_cuda():
+        pytest.skip("torch sees a real GPU here")
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def torch_sees_cuda():
+    import torch
+    return torch.cuda.is_available()
+
+
+@needs_venv
+def test_gpu_node_with_cpu_torch_stops_before_any_stage(tmp_path, fake_gpu_node):
+    base = tmp_path / "base"
+    r = speedrun(base, "--base-dir", str(base))
+    err = one_line_error(r)
+    assert "torch sees 0 CUDA device(s), 8 needed" in err and "CPU build" in err and "driver 570.86.15" in err, err
+    assert "===" not in r.stdout and not base.exists()  # no stage started, nothing written
+
+
+def test_speedrun_plan_checks_torch_not_just_nvidia_smi(tmp_path, fake_gpu_node, script_error):
+    from scripts import speedrun as speedrun_py
+    base = tmp_path / "base"
+    err = script_error(speedrun_py.main, "--base-dir", str(base))
+    assert "torch sees 0 CUDA device(s), 8 needed" in err and "nvidia-smi lists 8 GPU(s)" in err
+    assert not base.exists()
+
+
+def test_preflight_fails_when_no_cuda_test_ran():
+    if torch_sees_cuda():
+        pytest.skip("torch sees a real GPU here")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_nag_kernels.py", "-k", "cuda"]
+    plain = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and "skipped" in plain.stdout  # every CUDA test skipped: an ordinary run passes
+    preflight = subprocess.run(cmd + ["--require-cuda"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert preflight.returncode == 1 and "0 CUDA test(s) passed" in preflight.stdout, preflight.stdout[-2000:]
+    assert "--require-cuda" in open(SPEEDRUN).read()  # and the preflight uses it
+
+
+def test_tokenizer_of_another_size_is_refused(tiny_base_dir, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    os.symlink(os.path.join(tiny_base_dir, "tokenizer"), base / "tokenizer")  # 512 tokens; the published preset wants 32,768
+    err = one_line_error(speedrun(base, "--dry-run", "--base-dir", str(base)))
+    assert "512" in err and "32,768" in err and "fresh --base-dir" in err, err
 
 
 def write_bundle(root):
