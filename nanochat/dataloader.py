@@ -57,6 +57,7 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
             tokens[(epoch, pos, d)] = doc
             insort(keys, (len(doc), epoch, pos, d))
 
+    dropped = 0 if resume_state is None else resume_state.get("dropped_tokens", 0)  # cropped away so far: the data budget's loss
     if resume_state is None:
         epoch, next_pos = 0, 0
     else:
@@ -88,7 +89,9 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
                 if i >= 0:
                     row.extend(tokens.pop(keys.pop(i)[1:]))
                 else:
-                    row.extend(tokens.pop(keys.pop(0)[1:])[:remaining])  # crop the shortest
+                    doc = tokens.pop(keys.pop(0)[1:])  # crop the shortest
+                    row.extend(doc[:remaining])
+                    dropped += len(doc) - remaining
             rows.append(row)
         batch = torch.tensor(rows, dtype=torch.long)
         if device.type == "cuda":
@@ -98,9 +101,19 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
         state = {
             "version": STATE_VERSION, "split": split, "rank": rank, "world_size": world_size,
             "num_row_groups": len(row_groups), "epoch": epoch, "next_pos": next_pos,
-            "buffer": [k[1:] for k in keys],
+            "buffer": [k[1:] for k in keys], "dropped_tokens": dropped,
         }
         yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), state
+
+
+def packing_kept_fraction(tokenizer, B, T, split="train", num_batches=50):
+    """Of the tokens the loader reads, the fraction that reaches a batch (the rest is cropped away):
+    how many tokens of text a run of N training tokens consumes is N / this."""
+    loader = data_loader(tokenizer, B, T, split)
+    for _ in range(num_batches):
+        _, _, state = next(loader)
+    kept = num_batches * B * (T + 1)
+    return kept / (kept + state["dropped_tokens"])
 
 
 def split_tokens(tokenizer, split, rank=0, world_size=1, limit=None, tokenizer_threads=4):

@@ -608,6 +608,10 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         eta = (num_iterations - step) * sum(recent) / len(recent)
         row = {"step": step, "tokens": step * total_batch, "flops": step * total_batch * flops_per_token,
                "train_loss": train_loss, "lr_mult": lrm, "tok_per_sec": tok_per_sec, "elapsed": elapsed}
+        # the packing's kept fraction on this rank's shards (the data budget assumes one: docs/reproduce.md), and the epoch
+        read_into_rows = step * grad_accum * args.device_batch_size * (args.max_seq_len + 1)
+        dropped = sum(s.get("dropped_tokens", 0) for s in loader_states)
+        row.update(data_kept=read_into_rows / (read_into_rows + dropped), data_epoch=max(s["epoch"] for s in loader_states))
         mfu = None
         if peak:
             mfu = flops_per_token * tok_per_sec / (peak * world_size)

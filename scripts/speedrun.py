@@ -24,11 +24,15 @@ from scripts.check_cuda import cuda_problem
 from scripts.presets import PRESETS, get_preset
 
 # Estimates, not measurements: a ClimbMix shard holds ~250M characters ≈ 55M tokens of a 32K-vocab
-# tokenizer (400B tokens / 6,543 shards ≈ 61M) in ~100 MB; 20% more shards than the tokens trained on
-# cover the text that BOS-aligned packing crops away. The tokenizer trains on the first 8 shards.
+# tokenizer (400B tokens / 6,543 shards ≈ 61M) in ~100 MB. BOS-aligned best-fit packing crops the tail of a
+# document when nothing else fits a row, and a run reads 1/PACKING_KEPT tokens of text per token trained:
+# nanochat states ~35% cropped at T = 2048 on web text; our offline corpus of short documents loses 0.2% at
+# T = 2048 and 27% at T = 256 (docs/LOG.md, 2026-12-01). The plan assumes 40% and adds 5%, so neither
+# published run reaches a second epoch; every run logs its measured fraction (metrics.jsonl: data_kept).
 TOKENS_PER_SHARD = 55_000_000
 SHARD_MB = 100
-DATA_MARGIN = 1.2
+PACKING_KEPT = 0.60
+DATA_MARGIN = 1.05
 TOK_SHARDS = 8
 VAL_SHARD = 6542
 TOKENIZER_CHARS = {"tiny": 2_000_000}  # default 2B characters
@@ -86,6 +90,16 @@ def visible_gpus():
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(line.startswith("GPU") for line in out.splitlines())
+
+
+def shards_for(tokens):
+    """ClimbMix train shards for a run of `tokens` training tokens, packing losses and a margin included."""
+    return math.ceil(tokens * DATA_MARGIN / (TOKENS_PER_SHARD * PACKING_KEPT))
+
+
+def expected_epochs(tokens, shards):
+    """Passes over the train shards that a run of `tokens` training tokens makes (≤ 1: no document twice)."""
+    return tokens / (shards * TOKENS_PER_SHARD * PACKING_KEPT)
 
 
 def run_name(args, arch):
@@ -173,7 +187,7 @@ def plan_and_check(args):
     say(f"{'run':<24}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  {'checkpoints':<22}est. time")
     need_gib, total_s = 0.0, 0.0
     tokens = max(p["total_tokens"] for p in records.values())
-    args.shards_needed = 0 if args.offline else (args.shards or max(TOK_SHARDS, math.ceil(tokens * DATA_MARGIN / TOKENS_PER_SHARD)))
+    args.shards_needed = 0 if args.offline else (args.shards or max(TOK_SHARDS, shards_for(tokens)))
     done = status(args, records)
     for arch, p in records.items():
         saves = math.ceil(p["num_iterations"] / p["save_every"]) if p["save_every"] else 1
@@ -189,7 +203,10 @@ def plan_and_check(args):
         say("data: offline corpus (python -m nanochat.dataset --offline), no download")
     else:
         say(f"data: {args.shards_needed} ClimbMix train shards + 1 val shard ≈ {(args.shards_needed + 1) * SHARD_MB / 1024:.1f} GiB "
-            f"(assuming ~{TOKENS_PER_SHARD / 1e6:.0f}M tokens, ~{SHARD_MB} MB per shard, +{DATA_MARGIN - 1:.0%} for packing; {tokens:,} tokens trained)")
+            f"(assuming ~{TOKENS_PER_SHARD / 1e6:.0f}M tokens, ~{SHARD_MB} MB per shard; {tokens:,} tokens trained)")
+        epochs = expected_epochs(tokens, args.shards_needed)
+        say(f"data: expected epochs {epochs:.2f} (packing keeps ~{PACKING_KEPT:.0%} of the text it reads)"
+            + ("" if epochs <= 1 else f"; MORE THAN ONE: the last {1 - 1 / epochs:.0%} of the longest run repeats data, raise --shards"))
         if not done["data"]:
             need_gib += (args.shards_needed + 1) * SHARD_MB / 1024
     for p in records.values():  # base_train's full plan, optimizer included: diff two configurations with these lines

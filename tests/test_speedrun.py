@@ -43,10 +43,27 @@ def test_dry_run_published_plan(tmp_path):
         assert num(row[0]) > 350e6 and abs(float(row[4]) / 3e19 - 1) < 1e-3
         assert num(row[1]) * num(row[3]) == pytest.approx(float(row[4]), rel=1e-4)
     assert re.search(r"^data: \d+ ClimbMix train shards", r.stdout, re.M)
+    epochs = float(re.search(r"^data: expected epochs ([\d.]+)", r.stdout, re.M).group(1))
+    assert 0.8 < epochs <= 1.0  # the download covers the longest run once, packing losses included, and not much more
     for line in ("checkpoints:", "training time:", "disk: need", "dry run: nothing was started"):
         assert line in r.stdout
     assert "40% MFU" in r.stdout and "[to do]" in r.stdout
     assert not base.exists()  # a dry run writes nothing
+
+
+def test_data_budget_arithmetic():
+    from scripts import speedrun as sr
+    for tokens in (9474 * 2 ** 20, 9425 * 2 ** 20, 10 ** 8, 3 * 10 ** 11):
+        shards = sr.shards_for(tokens)
+        assert sr.expected_epochs(tokens, shards) <= 1 / sr.DATA_MARGIN + 1e-9  # the margin is left over
+        assert sr.expected_epochs(tokens, shards - 1) > sr.expected_epochs(tokens, shards)
+        # the text read: tokens trained / kept fraction, which the shards hold
+        assert shards * sr.TOKENS_PER_SHARD >= tokens / sr.PACKING_KEPT
+
+
+def test_too_few_shards_are_flagged(tmp_path):
+    r = speedrun(tmp_path / "none", "--dry-run", "--shards", "100", "--base-dir", str(tmp_path / "none"))
+    assert r.returncode == 0 and re.search(r"expected epochs 3\.\d\d .*MORE THAN ONE", r.stdout), r.stdout
 
 
 @pytest.mark.parametrize("args, message", [
