@@ -225,9 +225,15 @@ def _fused_branch(
     return new_res.view(res_dir.shape), new_log_norm.view(log_norm.shape)
 
 
+def _fresh(t):
+    # what the real ops allocate: t's shape, dtype and device, contiguous whatever t's strides
+    # (empty_like alone keeps a dense input's strides, a transposed one's included)
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 @_fused_branch.register_fake
 def _(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm):
-    return torch.empty_like(res_dir), torch.empty_like(log_norm)
+    return _fresh(res_dir), _fresh(log_norm)
 
 
 @torch.library.custom_op("nag::fused_branch_backward", mutates_args=())
@@ -281,10 +287,8 @@ def _fused_branch_backward(
 
 @_fused_branch_backward.register_fake
 def _(grad_new_dir, grad_new_log_norm, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm):
-    return (
-        torch.empty_like(res_dir), torch.empty_like(branch_out), torch.empty_like(mod_logits),
-        torch.empty_like(coef), torch.empty_like(beta_raw), torch.empty_like(alpha),
-    )
+    # each gradient in its input's dtype and shape (the parameter ones are reduced in fp32, then cast)
+    return _fresh(res_dir), _fresh(branch_out), _fresh(mod_logits), _fresh(coef), _fresh(beta_raw), _fresh(alpha)
 
 
 def _setup_context(ctx, inputs, output):

@@ -170,6 +170,17 @@ class NAGGPT(GPT):
                     self.mod_base[f"{kind}_{i}"] = nn.Parameter(torch.zeros(self.config.n_embd, device=device))
         self.thresholds = Thresholds(self.config.n_layer, mod, device)
 
+    def num_scaling_params(self):
+        """S of the batch, weight-decay and --target-param-data-ratio rules, counted as the published code counts it:
+        every parameter under the blocks plus lm_head. Its gates live inside its blocks, ours in self.gates, so S takes
+        them whole (m_down weight and bias, coef, β_raw, α), not just the m_down matrices. MoD's X_l stays out, so a
+        MoD run keeps the S, and so the batch and decay, of its base model."""
+        return super().num_scaling_params() + self.gate_vector_params()
+
+    def gate_vector_params(self):
+        """The gate parameters that are not matrices (m_down's bias, coef, β_raw, α): in S, but no matmul (no FLOPs)."""
+        return sum(p.numel() for p in self.gates.parameters() if p.ndim != 2)
+
     def estimate_flops(self, skip=None):
         """Training FLOPs per token; with MoD, less what the skips save (at the target rate unless skip gives the realised ones)."""
         return flops_with_skips(self, super().estimate_flops(), self.mod, skip)

@@ -219,7 +219,7 @@ class GPT(nn.Module):
         h, q = self.config.n_head, self.config.n_embd // self.config.n_head
         t = self.config.sequence_len
         attn = sum(12 * h * q * min(w, t) for w in self.windows)
-        return 6 * self.num_scaling_params() + attn
+        return 6 * sum(p.numel() for p in self.matmul_params()) + attn
 
     # ----- optimizer -----
 

@@ -190,6 +190,36 @@ def test_custom_op_registration(device):
     torch.library.opcheck(torch.ops.nag.fused_branch.default, (*inputs, 1e-6, "measured"))
 
 
+def non_contiguous(t, layout):
+    """The same values in a non-contiguous layout: "transposed" (last two dims, 1-D tensors sliced instead)
+    or "sliced" (every other element of a twice-as-large buffer, in every dim)."""
+    if layout == "transposed" and t.ndim >= 2:
+        return t.mT.contiguous().mT
+    return torch.stack([t, torch.zeros_like(t)], dim=-1)[..., 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+@pytest.mark.parametrize("op", ["forward", "backward"])
+def test_custom_ops_on_non_contiguous_inputs(device, layout, op):
+    # the real ops return contiguous tensors whatever the inputs' strides: the fake (meta) kernels must say
+    # the same, or a compiled graph plans the wrong strides for every tensor downstream. A transposed input
+    # is dense, so empty_like would keep its strides; a sliced one is not, so empty_like would not
+    inputs = [non_contiguous(t.detach(), layout) for t in make_inputs((4,), 8, 4, device=device)]
+    assert not inputs[0].is_contiguous() and not inputs[3].is_contiguous() and not inputs[4].is_contiguous()
+    if op == "forward":
+        torch.library.opcheck(torch.ops.nag.fused_branch.default, (*[t.requires_grad_() for t in inputs], 1e-6, "measured"))
+        return
+    gen = torch.Generator().manual_seed(2)
+    grads = [non_contiguous(torch.randn(t.shape, generator=gen).to(device), layout) for t in (inputs[0], inputs[1])]
+    res_dir, _, branch_out, mod_logits, coef, beta_raw, alpha = inputs
+    # the backward op has no autograd formula of its own (no double backward), so the autograd check,
+    # which needs inputs that require grad, does not apply
+    torch.library.opcheck(torch.ops.nag.fused_branch_backward.default,
+                          (*grads, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, 1e-6, "predicted"),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiles_without_graph_break(device):
     def step(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha):

@@ -31,9 +31,10 @@ def meta_model(cls, config):
 def test_gate_params_are_counted_as_matmuls():
     gpt = meta_model(GPT, GPTConfig(**CFG))
     nag = meta_model(NAGGPT, GPTConfig(**CFG))
-    extra = nag.num_scaling_params() - gpt.num_scaling_params()
-    assert extra == 2 * 3 * 32 * 32  # 2 branches × 3 blocks × (d=32 → C=32)
-    assert nag.estimate_flops() - gpt.estimate_flops() == 6 * extra
+    matmuls = 2 * 3 * 32 * 32  # 2 branches × 3 blocks × m_down (d=32 → C=32)
+    assert nag.estimate_flops() - gpt.estimate_flops() == 6 * matmuls
+    # S of the size rules takes the gates whole, as the published code does: m_down's bias, coef (C), β_raw, α too
+    assert nag.num_scaling_params() - gpt.num_scaling_params() == matmuls + 2 * 3 * (32 + 32 + 1 + 1)
 
 
 def test_init_values():

@@ -21,10 +21,22 @@ def test_published_horizon_and_weight_decay(arch, steps, decay):
     assert (plan.total_batch, plan.num_iterations) == (2 ** 20, steps)
     assert plan.lr_scale == pytest.approx(math.sqrt(2))
     assert plan.weight_decay == pytest.approx(decay, abs=1e-6)
-    # the rule by hand: 0.28 · √(B/2^19) · S_ref/S, with S_ref the 12-layer model of the same width and arch
-    per_layer = 12 * 640 ** 2 + (2 * 640 * 32 if arch == "nag" else 0)
+    # the rule by hand: 0.28 · √(B/2^19) · S_ref/S, with S_ref the 12-layer model of the same width and arch;
+    # a NAG block adds two gates: m_down (640 → 32, with bias), coef (32), β_raw, α
+    per_layer = 12 * 640 ** 2 + (2 * (640 * 32 + 32 + 32 + 1 + 1) if arch == "nag" else 0)
     head = 32768 * 640
     assert plan.weight_decay == pytest.approx(0.28 * math.sqrt(2) * (12 * per_layer + head) / (64 * per_layer + head), rel=1e-12)
+
+
+@pytest.mark.parametrize("arch,count,decay", [("gpt", 335_544_320, 0.0943546), ("nag", 338_174_208, 0.0941982)])
+def test_published_scaling_params_as_the_published_code_counts_them(arch, count, decay):
+    # S = every parameter under the blocks + lm_head (github.com/AlxSp/nag-nanochat: transformer_matrices + lm_head);
+    # NAG's gate vectors included, whose 8,448 parameters move the decay in its 7th digit (0.0941987 without them)
+    _, plan = published(arch)
+    assert plan.model.num_scaling_params() == count
+    assert round(plan.weight_decay, 7) == decay
+    # the FLOPs stay 6 × matmul parameters + attention: the gate vectors do no matmul, and the FLOP-matched horizon holds
+    assert plan.flops_per_token == {"gpt": 3_019_898_880, "nag": 3_035_627_520}[arch]
 
 
 def test_published_preset_keeps_the_momentum_schedule():
