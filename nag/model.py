@@ -58,6 +58,9 @@ def nag_config_from_args(args):
         raise UserError(f"--nag-directions must be >= 1 (got {args.nag_directions})")
     if args.nag_alpha_warmup_tokens < 0:
         raise UserError(f"--nag-alpha-warmup-tokens must be >= 0 (got {args.nag_alpha_warmup_tokens})")
+    for flag, lr in (("--nag-gate-lr", args.nag_gate_lr), ("--nag-temp-gain-lr", args.nag_temp_gain_lr)):
+        if not lr > 0:  # as --matrix-lr: a zero LR freezes the gates, a negative one climbs the loss
+            raise UserError(f"{flag} must be positive (got {lr})")
     return NAGConfig(directions=args.nag_directions, alpha_init_power=args.nag_alpha_init_power, mod_floor=args.nag_mod_floor,
                      renorm=args.nag_renorm, alpha_warmup_tokens=args.nag_alpha_warmup_tokens)
 

@@ -108,12 +108,20 @@ def save_checkpoint(run_dir, step, model, meta, train_state, rank=0):
     """Per-rank train state first; once every rank has written its own, rank 0 writes the model file and
     then the meta json, which marks the checkpoint complete. A crash mid-save leaves the previous
     checkpoint as the latest complete one."""
-    atomic_torch_save(train_state, optim_path(run_dir, step, rank))
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        atomic_torch_save({"model": model.state_dict(), "meta": meta}, model_path(run_dir, step))
-        atomic_write_json(meta_path(run_dir, step), meta)
+    try:
+        atomic_torch_save(train_state, optim_path(run_dir, step, rank))
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == 0:
+            atomic_torch_save({"model": model.state_dict(), "meta": meta}, model_path(run_dir, step))
+            atomic_write_json(meta_path(run_dir, step), meta)
+    except OSError as e:  # a full disk, typically: leave no part of this checkpoint behind to fill it further
+        for path in glob.glob(os.path.join(run_dir, f"optim_{step:06d}_rank*.pt")) + [model_path(run_dir, step)]:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        earlier = [s for s in complete_steps(run_dir) if s < step]
+        raise UserError(f"cannot save the checkpoint of step {step} in {run_dir} ({e.strerror or e}); the newest complete one is "
+                        f"{f'step {earlier[-1]}' if earlier else 'none'}: free space, then continue with --resume latest") from None
 
 
 def missing_step_error(run_dir, step):
@@ -194,8 +202,21 @@ def load_model(run_dir, step, device, model_class):
     return model, ckpt["meta"]
 
 
+def fingerprints(tokenizer, splits=("train", "val")):
+    """What a number depends on besides the weights: the tokenizer and the data (nanochat/tokenizer.py and
+    nanochat/dataset.py say what is hashed). Recorded in config.json, every checkpoint's meta and eval.json."""
+    from nanochat.dataset import data_fingerprint
+    return {"tokenizer": tokenizer.fingerprint(), **{f"data_{s}": data_fingerprint(s) for s in splits}}
+
+
 def check_vocab(meta, tokenizer):
+    """The tokenizer must be the one the checkpoint was trained with: same size, and same merges where the
+    checkpoint recorded them (checkpoints from before fingerprints are checked on the size alone)."""
     v_model, v_tok = meta["model_config"]["vocab_size"], tokenizer.get_vocab_size()
     if v_model != v_tok:
         raise UserError(f"checkpoint vocab {v_model} does not match the tokenizer's {v_tok}; "
                         "use the tokenizer the model was trained with (NANOCHAT_BASE_DIR)")
+    trained = meta.get("fingerprints", {}).get("tokenizer")
+    if trained and trained != tokenizer.fingerprint():
+        raise UserError(f"the tokenizer in the base dir (fingerprint {tokenizer.fingerprint()}) is not the one this checkpoint was "
+                        f"trained with ({trained}), though both have {v_tok:,} tokens; use the base dir the model was trained in")

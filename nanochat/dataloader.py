@@ -38,10 +38,17 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
     docs_per_epoch = sum(row_group_sizes(row_groups))
     if docs_per_epoch == 0:
         raise UserError(f"the {split} split has no documents for rank {rank}; re-create the data")
+    if resume_state is not None:
+        _check_state(resume_state, split, rank, world_size, len(row_groups))
+    # the checks above run now, at the call; the batches come from a generator, read on demand
+    return _packed_batches(tokenizer, B, T, split, torch.device(device), row_groups, docs_per_epoch, rank, world_size, resume_state,
+                           buffer_size, tokenizer_threads)
+
+
+def _packed_batches(tokenizer, B, T, split, device, row_groups, docs_per_epoch, rank, world_size, resume_state, buffer_size, tokenizer_threads):
     # a small split is buffered once, not many times over
     buffer_target = max(1, min(buffer_size, docs_per_epoch))
     bos = tokenizer.get_bos_token_id()
-    device = torch.device(device)
     row_len = T + 1
 
     # buffer: keys (num_tokens, epoch, row_group_pos, doc_index) kept sorted, so best fit is a bisect
@@ -61,7 +68,7 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
     if resume_state is None:
         epoch, next_pos = 0, 0
     else:
-        epoch, next_pos = _check_state(resume_state, split, rank, world_size, len(row_groups))
+        epoch, next_pos = resume_state["epoch"], resume_state["next_pos"]
         wanted = defaultdict(list)
         for doc_epoch, pos, d in resume_state["buffer"]:
             wanted[(doc_epoch, pos)].append(d)

@@ -9,6 +9,7 @@ which turns a summed loss into bits per byte.
 
 import os
 import pickle
+import hashlib
 
 import torch
 
@@ -81,6 +82,16 @@ class Tokenizer:
 
     def get_vocab_size(self):
         return self.enc.n_vocab
+
+    def fingerprint(self):
+        """A short hash of what decides every token id: the split pattern, the merges (token bytes and rank)
+        and the special tokens. Two tokenizers of one vocab size trained on other text differ here."""
+        h = hashlib.sha256(self.enc._pat_str.encode())
+        for token, rank in sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1]):
+            h.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
+        for name, rank in sorted(self.enc._special_tokens.items()):
+            h.update(name.encode() + rank.to_bytes(4, "little"))
+        return h.hexdigest()[:16]
 
     def get_bos_token_id(self):
         return self.bos_token_id

@@ -79,6 +79,8 @@ def build_parser():
     p.add_argument("--save-every", type=int, default=-1, help=f"checkpoint every N steps (-1: auto, ~{SAVES_PER_RUN} per run; 0: the last step only)")
     p.add_argument("--resume", type=str, default="", help="'latest' (newest complete checkpoint; starts the run if it has none) or a step")
     p.add_argument("--change-horizon", action="store_true", help="with --resume: allow a different number of steps than the run was planned with")
+    p.add_argument("--change-settings", action="store_true",
+                   help="with --resume: accept settings that differ from the run's, recorded in config.json's segments from this step on")
     p.add_argument("--dry-run", type=int, default=0, metavar="NPROC",
                    help="print the plan for NPROC processes (params, FLOPs, steps, tokens, optimizer) and exit; needs no data or GPU")
     p.add_argument("--dry-run-vocab", type=int, default=32768, help="vocab size assumed by --dry-run (0 = the trained tokenizer's)")
@@ -126,13 +128,24 @@ def validate_args(args):
         raise UserError(f"--eval-tokens must be positive (got {args.eval_tokens})")
     if args.resume not in ("", "latest") and not args.resume.isdigit():
         raise UserError(f"--resume takes 'latest' or a step number, got {args.resume!r}")
-    if args.change_horizon and not args.resume:
-        raise UserError("--change-horizon only applies with --resume")
+    if (args.change_horizon or args.change_settings) and not args.resume:
+        raise UserError(f"--change-{'horizon' if args.change_horizon else 'settings'} only applies with --resume")
     if args.device_type not in ("", "cpu", "cuda", "mps"):
         raise UserError(f"--device-type must be cpu, cuda or mps (got {args.device_type!r})")
+    if args.run is not None and args.run.strip() in ("", ".", ".."):
+        raise UserError(f"{args.run!r} is not a run name; give a name like gpt-d20, or leave --run out for <arch>-d<depth>")
     if args.device_type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise UserError("--device-type cuda, but torch sees no CUDA device here (use --device-type cpu, or a CUDA build of torch)")
     arch_for_args(args)
+
+
+def ignored_nag_flags(args):
+    """NAG flags set on another arch. Not an error: speedrun.sh passes one flag list to both runs of a pair;
+    but never silent either."""
+    if args.arch == "nag":
+        return []
+    defaults = build_parser().parse_args([])
+    return [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if k.startswith("nag_") and v != getattr(defaults, k)]
 
 
 def model_config_from_args(args, vocab_size, depth=None):
@@ -375,6 +388,31 @@ def check_finite(model, loss, step, idx):
 RESUME_KEYS = ("arch", "model_config", "total_batch_size", "world_size", "grad_accum_steps")
 
 
+# flags that change no number a run trains: where and how often it reports and saves, how it is launched
+NOT_SETTINGS = {"run", "resume", "dry_run", "dry_run_vocab", "change_horizon", "change_settings", "preset", "device_type", "compile",
+                "eval_every", "eval_tokens", "save_every", "nag_gate_log_every", "nag_impl",
+                "num_iterations", "target_flops", "target_param_data_ratio"}  # the horizon has its own check (--change-horizon)
+
+
+def settings_changes(old_cfg, record):
+    """{flag: (then, now)} for every setting that differs from the run's current one (model, optimizer, schedule, data)."""
+    then, now = old_cfg.get("args", {}), record["args"]
+    defaults = vars(build_parser().parse_args([]))
+    then = {k: then.get(k, defaults.get(k)) for k in now}  # a flag newer than the run: it ran with the default
+    return {f"--{k.replace('_', '-')}": (then[k], now[k]) for k in sorted(set(now) - NOT_SETTINGS) if then[k] != now[k]}
+
+
+def settings_segments(old_cfg, record, start):
+    """config.json's history of settings: one segment per start with other settings, oldest first, never rewritten."""
+    segments = list(old_cfg.get("segments", [])) or [{"start_step": 0, "command": old_cfg.get("command", record["command"]),
+                                                        "git_commit": old_cfg.get("git_commit", record["git_commit"])}]
+    changes = settings_changes(old_cfg, record) if old_cfg else {}
+    if start > 0 and (changes or old_cfg.get("git_commit") != record["git_commit"]):
+        segments.append({"start_step": start, "command": record["command"], "git_commit": record["git_commit"],
+                         "changes": {k: {"then": a, "now": b} for k, (a, b) in changes.items()}})
+    return segments
+
+
 def start_step(run_dir, args, record, tokenizer):
     """The step to start from, after every check that can refuse the command (nothing is written here).
     Returns None for a finished run resumed with --resume latest (nothing to do)."""
@@ -398,6 +436,17 @@ def start_step(run_dir, args, record, tokenizer):
     for key in RESUME_KEYS:
         if key in old_cfg and old_cfg[key] != record.get(key):
             raise UserError(f"cannot resume {run_dir}: its {key} was {old_cfg[key]} but this command gives {record.get(key)}")
+    for key, old in old_cfg.get("fingerprints", {}).items():
+        if record["fingerprints"].get(key) != old:
+            what = "tokenizer" if key == "tokenizer" else f"{key[5:]} data"
+            raise UserError(f"cannot resume {run_dir}: its {what} changed (fingerprint {old} then, {record['fingerprints'].get(key)} now); "
+                            "resume with the base dir it was trained in")
+    changed = settings_changes(old_cfg, record)
+    if changed and not args.change_settings:
+        listed = "; ".join(f"{k} {a} → {b}" for k, (a, b) in changed.items())
+        finished = step == old_cfg.get("num_iterations") and args.resume == "latest"
+        raise UserError(f"cannot {'reuse the finished run' if finished else 'resume'} {run_dir} with other settings ({listed}): "
+                        + ("pick another --run" if finished else "drop them, pick another --run, or add --change-settings to record the change from this step on"))
     planned = old_cfg.get("num_iterations", record["num_iterations"])
     if planned != record["num_iterations"] and not args.change_horizon:
         raise UserError(f"cannot resume {run_dir}: it was planned for {planned} steps but this command gives {record['num_iterations']} "
@@ -449,6 +498,8 @@ def train(args):
     if args.dry_run:
         return dry_run(args)
     validate_args(args)
+    if ignored := ignored_nag_flags(args):
+        print0(f"note: {', '.join(ignored)} apply only with --arch nag; this {args.arch} run ignores them")
     if PRESETS.get(args.preset, {}).get("gpu") and not args.device_type and not torch.cuda.is_available():
         raise UserError(f"--preset {args.preset} is a GPU configuration and torch {torch.__version__} sees no CUDA device here; "
                         f"see its plan with --dry-run N, or pass --device-type cpu to train it on the CPU anyway")
@@ -470,7 +521,8 @@ def train(args):
     plan = make_plan(args, tokenizer.get_vocab_size(), world_size)
     record = plan.record(args)
     record.update(args=vars(args), device_type=device_type, compute_dtype=str(compute_dtype).replace("torch.", ""),
-                  seed=args.seed, git_commit=git_commit(), torch_version=torch.__version__, command=" ".join(sys.argv))
+                  seed=args.seed, git_commit=git_commit(), torch_version=torch.__version__, command=" ".join(sys.argv),
+                  fingerprints=ckpt.fingerprints(tokenizer))
     run_dir = ckpt.resolve_run_dir(plan.run)
     with contextlib.ExitStack() as stack:
         if is_master:
@@ -521,7 +573,10 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         if first == 0 and os.path.exists(os.path.join(run_dir, "config.json")):
             print0(f"note: {run_dir} has no complete checkpoint: starting it again")
         keep_history(metrics_path, first)
-        atomic_write_json(os.path.join(run_dir, "config.json"), record)
+        cfg_path = os.path.join(run_dir, "config.json")
+        old_cfg = json.load(open(cfg_path)) if first > 0 and os.path.exists(cfg_path) else {}
+        record["segments"] = settings_segments(old_cfg, record, first)
+        atomic_write_json(cfg_path, record)
     if first > 0:
         print0(f"resumed from step {first} of {run_dir}")
     if is_ddp:
@@ -537,7 +592,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
 
     flops_per_token = plan.flops_per_token
     print0(f"run {plan.run} → {run_dir}")
-    print0(f"arch {plan.arch} | {record['num_params']:,} params ({record['num_scaling_params']:,} matmul) | "
+    print0(f"arch {plan.arch} | {record['num_params']:,} params (S = {record['num_scaling_params']:,} for the size rules) | "
            f"d{plan.config.n_layer} dim {plan.config.n_embd} heads {plan.config.n_head} | device {device_type} × {world_size} | {record['compute_dtype']}")
     print0(f"horizon: {num_iterations:,} steps × {total_batch:,} tokens = {record['total_tokens']:,} tokens | "
            f"{flops_per_token:,} FLOPs/token | {record['total_flops']:.3e} FLOPs | grad accum {grad_accum} | "
@@ -636,7 +691,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
             train_state = {"optimizer": optimizer.state_dict() if is_master else None, "dataloader": loader_states, "elapsed": elapsed,
                            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
             meta = {"arch": plan.arch, "model_config": plan.config.to_dict(), **model.extra_meta(),
-                    "step": step, "tokens": step * total_batch, "world_size": world_size}
+                    "step": step, "tokens": step * total_batch, "world_size": world_size, "fingerprints": record["fingerprints"]}
             ckpt.save_checkpoint(run_dir, step, model, meta, train_state, rank)
             print0(f"saved checkpoint at step {step} in {run_dir}")
 

@@ -86,6 +86,74 @@ def test_a_failed_resume_keeps_history_and_a_real_one_keeps_the_removed_rows(run
     assert json.load(open(os.path.join(run_dir, "config.json")))["num_iterations"] == 12
 
 
+def test_nag_flags_on_gpt_are_named(run_base, capsys):
+    main("--arch", "gpt", "--run", "g", "--num-iterations", "1", "--eval-every", "-1", "--nag-mod-floor", "0")
+    out = capsys.readouterr().out
+    assert "note: --nag-alpha-warmup-tokens, --nag-mod-floor apply only with --arch nag; this gpt run ignores them" in out
+
+
+def test_settings_cannot_drift_on_resume(run_base, script_error):
+    nag = ["--arch", "nag", *COMMON]
+    run_dir = main(*nag)
+    cfg_path = os.path.join(run_dir, "config.json")
+    for f in ("model_000008.pt", "meta_000008.json", "optim_000008_rank0.pt"):
+        os.remove(os.path.join(run_dir, f))  # as if it had stopped after the checkpoint of step 4
+    before = open(cfg_path).read()
+    err = script_error(cli, *nag, "--resume", "latest", "--nag-mod-floor", "0", "--nag-gate-lr", "0.5")
+    assert "cannot resume" in err and "--nag-gate-lr 0.001 → 0.5" in err and "--nag-mod-floor 1e-06 → 0.0" in err
+    assert "--change-settings" in err and open(cfg_path).read() == before
+    main(*nag, "--resume", "latest", "--nag-mod-floor", "0", "--change-settings")
+    cfg = json.load(open(cfg_path))
+    assert cfg["args"]["nag_mod_floor"] == 0.0
+    assert [seg["start_step"] for seg in cfg["segments"]] == [0, 4]
+    assert cfg["segments"][1]["changes"] == {"--nag-mod-floor": {"then": 1e-06, "now": 0.0}}
+    # the finished run with yet other settings: refused, not "nothing to do"
+    err = script_error(cli, *nag, "--resume", "latest", "--nag-mod-floor", "1e-3")
+    assert "cannot reuse the finished run" in err and "--nag-mod-floor 0.0 → 0.001" in err and "another --run" in err
+
+
+def test_resume_on_other_data_is_refused(run_base, tiny_base_dir, script_error, monkeypatch):
+    import shutil
+    run_dir = main(*COMMON[:3], "4", *COMMON[4:])
+    cfg = json.load(open(os.path.join(run_dir, "config.json")))
+    assert set(cfg["fingerprints"]) == {"tokenizer", "data_train", "data_val"}
+    assert ckpt.load_meta(run_dir, 4)["fingerprints"] == cfg["fingerprints"]
+    # the same corpus with one train shard rewritten (one document fewer)
+    import pyarrow.parquet as pq
+    data = os.path.join(run_base, "base_data")
+    os.remove(data)
+    shutil.copytree(os.path.join(tiny_base_dir, "base_data"), data)
+    shard = os.path.join(data, "shard_00000.parquet")
+    table = pq.read_table(shard)
+    pq.write_table(table.slice(0, table.num_rows - 1), shard, row_group_size=8)
+    err = script_error(cli, *COMMON, "--resume", "latest", "--change-horizon")
+    assert "its train data changed" in err and cfg["fingerprints"]["data_train"] in err
+
+
+def test_data_too_small_for_the_ranks_is_refused_before_anything_is_written(run_base, script_error):
+    # 64 micro-batches per step: more shards of the train split than it has row groups
+    err = script_error(cli, "--run", "v", "--num-iterations", "2", "--total-batch-size", str(256 * 64))
+    assert "row groups, fewer than the 64 ranks" in err
+    assert not os.path.exists(os.path.join(run_base, "runs", "v", "config.json"))
+    assert not os.path.exists(os.path.join(run_base, "runs", "v", "metrics.jsonl"))
+
+
+def test_a_full_disk_while_saving_is_one_line_and_leaves_no_partial_checkpoint(run_base, script_error, monkeypatch):
+    import errno
+    real_save = ckpt.atomic_torch_save
+
+    def full_at_step_8(obj, path):
+        if "model_000008" in path:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path)
+    monkeypatch.setattr(ckpt, "atomic_torch_save", full_at_step_8)
+    err = script_error(cli, *COMMON)
+    assert "cannot save the checkpoint of step 8" in err and "No space left on device" in err and "step 4" in err
+    run_dir = os.path.join(run_base, "runs", "r")
+    assert not [f for f in os.listdir(run_dir) if "000008" in f]  # no orphaned optimizer file
+    assert ckpt.complete_steps(run_dir) == [4]
+
+
 def test_a_run_that_died_before_its_first_checkpoint_restarts(run_base, monkeypatch, capsys):
     calls = {"n": 0}
     real_step = base_train.MuonAdamW.step
@@ -164,9 +232,14 @@ def test_leftover_temp_files_are_cleaned_on_the_next_start(run_base):
     (["--run", ".."], "'..' is not a run name"),
     (["--arch", "nag", "--nag-mod-floor", "-1"], "--nag-mod-floor must be >= 0"),
     (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+    (["--run", ""], "'' is not a run name"),
+    (["--arch", "nag", "--nag-gate-lr", "0"], "--nag-gate-lr must be positive"),
+    (["--arch", "nag", "--nag-temp-gain-lr", "-1"], "--nag-temp-gain-lr must be positive"),
+    (["--change-settings"], "--change-settings only applies with --resume"),
 ])
 def test_bad_values_are_one_line(run_base, script_error, argv, message):
     assert message in script_error(cli, "--run", "v", "--num-iterations", "2", *argv)
+    assert not os.path.exists(os.path.join(run_base, "runs", "v", "config.json"))
     assert not os.path.exists(os.path.join(run_base, "runs", "v", "metrics.jsonl"))
 
 
