@@ -3,7 +3,8 @@
 # sees the GPUs. Source it: `source runs/setup_env.sh`.
 #
 # torch is pinned to 2.13.0 everywhere, the release the CPU test suite runs on:
-#   - no GPU (nvidia-smi lists none): the CPU build;
+#   - no GPU (nvidia-smi lists none): the CPU build (PyTorch's CPU index on Linux; PyPI's on macOS, or
+#     where that index is unreachable: on Linux PyPI's is the large CUDA build, which also runs on a CPU);
 #   - a GPU node whose driver is 580 or newer: PyPI's build (CUDA 13.0, which needs driver >= 580);
 #   - an older driver (many rented H100 nodes run 550-575): the CUDA 12.8 build from PyTorch's index.
 # NANOCHAT_TORCH_INDEX=URL picks another index (e.g. https://download.pytorch.org/whl/cu126).
@@ -25,8 +26,11 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
         if [ -z "$INDEX" ] && [ "${DRIVER%%.*}" -lt 580 ]; then INDEX="https://download.pytorch.org/whl/cu128"; fi
         echo "[setup] GPU found (driver $DRIVER): installing $TORCH from ${INDEX:-PyPI (CUDA 13.0 build)}"
         "$VENV/bin/pip" install -q "$TORCH" ${INDEX:+--index-url "$INDEX"}
-    else
-        echo "[setup] no GPU: installing the CPU build of $TORCH"
+    elif [ "$(uname -s)" = Linux ] && curl -sfI --max-time 5 https://download.pytorch.org/whl/cpu/ >/dev/null 2>&1; then
+        echo "[setup] no GPU: installing the CPU build of $TORCH from PyTorch's CPU index"
+        "$VENV/bin/pip" install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu
+    else  # macOS (PyPI's build is the CPU/MPS one), or no route to PyTorch's index: PyPI or a local wheel
+        echo "[setup] no GPU: installing $TORCH"
         "$VENV/bin/pip" install -q "$TORCH"
     fi
 fi

@@ -48,3 +48,31 @@ def test_nothing_points_outside_the_repo():
     for path in sources():
         text = open(path).read()
         assert OUTSIDE not in text and "DESIGN.md" not in text, os.path.relpath(path, REPO)
+
+
+def read(name):
+    return open(os.path.join(REPO, name)).read()
+
+
+def test_numbers_the_docs_quote_are_the_codes():
+    """Figures the docs state about the code, recomputed from it: a change to the code that leaves a doc stale fails here."""
+    from scripts import base_train, speedrun
+    reproduce, design, readme = read("docs/reproduce.md"), read("docs/design.md"), read("README.md")
+    # the two momentum schedules differ only when the warm-down starts before the momentum peak
+    peak, warmdown = base_train.MOMENTUM["peak_step"], 0.65
+    assert f"< ~{round(peak / (1 - warmdown)):,} steps" in reproduce
+    # the published data budget: shards and expected epochs of the longer run (GPT, 9,474 steps of 2^20 tokens)
+    tokens = 9474 * 2 ** 20
+    shards = speedrun.shards_for(tokens)
+    assert f"{shards} shards" in reproduce and f"expected epochs ({speedrun.expected_epochs(tokens, shards):.2f}" in reproduce
+    assert f"{1 - speedrun.PACKING_KEPT:.0%} cropped" in reproduce
+    # the published Muon weight decays
+    for arch in ("gpt", "nag"):
+        plan = base_train.make_plan(base_train.parse_args(["--preset", "published", "--arch", arch]), 32768, 8)
+        assert f"{plan.weight_decay:.7f}" in design, (arch, plan.weight_decay)
+    # README's NAG flag table: the defaults base_train really has
+    defaults = base_train.build_parser().parse_args([])
+    for flag, shown in re.findall(r"^\| `(--nag-[\w-]+)` \| ([^|]+) \|", readme, re.M):
+        value = getattr(defaults, flag[2:].replace("-", "_"))
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            assert float(shown.strip()) == value, (flag, shown, value)
