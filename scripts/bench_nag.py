@@ -15,6 +15,7 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
 """
 
 import sys
+import json
 import math
 import time
 import argparse
@@ -45,6 +46,7 @@ def parse():
                    help="comma list of the parts to run: steps (1), op (2), activations (3)")
     p.add_argument("--op-rows", type=int, default=16 * 2048 if on_cuda else 2048)
     p.add_argument("--op-dim", type=int, default=640)
+    p.add_argument("--json", type=str, default="", help="also write the figures of the sections run here")
     return p.parse_args()
 
 
@@ -92,6 +94,8 @@ def bench_op(args, impls):
     bw = copy_bandwidth(device, device_type, 2 ** 30 if device_type == "cuda" else 2 ** 26)
     print(f"\nbranch op: {N:,} rows × D={D}, C={C}, {str(dtype).replace('torch.', '')} on {device_type}; "
           f"measured copy bandwidth {bw / 1e9:,.1f} GB/s")
+    figures = {"rows": N, "dim": D, "directions": C, "dtype": str(dtype).replace("torch.", ""), "device": device_type,
+               "copy_gbps": bw / 1e9, "impls": {}}
     iters = 20 if device_type == "cuda" else 3
     for impl in impls:
         if impl == "fused" and device_type != "cuda":
@@ -109,6 +113,9 @@ def bench_op(args, impls):
         t_bwd = max(t_all - t_fwd, 1e-9)
         print(f"  {impl:9s} forward {1e3 * t_fwd:8.3f} ms ({fwd_bytes / t_fwd / 1e9:8.1f} GB/s, {100 * fwd_bytes / t_fwd / bw:5.1f}% of copy) | "
               f"backward {1e3 * t_bwd:8.3f} ms ({bwd_bytes / t_bwd / 1e9:8.1f} GB/s, {100 * bwd_bytes / t_bwd / bw:5.1f}% of copy)")
+        figures["impls"][impl] = {"forward_ms": 1e3 * t_fwd, "forward_gbps": fwd_bytes / t_fwd / 1e9, "forward_of_copy": fwd_bytes / t_fwd / bw,
+                                  "backward_ms": 1e3 * t_bwd, "backward_gbps": bwd_bytes / t_bwd / 1e9, "backward_of_copy": bwd_bytes / t_bwd / bw}
+    return figures
 
 
 def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled):
@@ -183,6 +190,7 @@ def main():
     sections = {x.strip() for x in args.sections.split(",") if x.strip()}
     if sections - set(SECTIONS):
         sys.exit(f"error: unknown sections {sorted(sections - set(SECTIONS))} (choose from {', '.join(SECTIONS)})")
+    figures = {}
     if "steps" in sections:
         from scripts import bench_train
         for shape in args.shapes.split(","):
@@ -196,10 +204,15 @@ def main():
             variants = ["gpt"] + [f"nag:{i}" for i in impls]
             results = bench_train.benchmark(bench_train.parse(argv), variants, argv)
             bench_train.print_ratios(results)
+            figures.setdefault("steps", {})[shape] = {"results": results, "ratios": bench_train.ratios(results)}
     if "op" in sections:
-        bench_op(args, impls)
+        figures["op"] = bench_op(args, impls)
     if "activations" in sections:
-        activation_memory(args, impls)
+        per_layer = activation_memory(args, impls)
+        figures["activations"] = [{"variant": v, "compiled": c, "bytes_per_token_per_layer": b} for (v, c), b in per_layer.items()]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,14 +7,22 @@ Training throughput and peak memory, GPT vs NAG, eager vs compiled, on random to
 Each variant runs in its own process so peak memory is its own (CUDA: max allocated;
 CPU: peak resident set size). Ratios to the first variant are measured in the same
 invocation, which is what to compare on a noisy machine.
+
+--compile takes a comma list: off (eager), on (torch.compile of the whole model), blocks (each
+transformer block compiled on its own, so identical blocks share one graph and compile once; NAG's
+forward never calls a block whole, so there each sub-layer update is the unit: gate, attention or
+MLP, branch op). The first step's extra time over a timed step is reported as compile seconds;
+--fresh-cache gives every process empty Inductor and Triton caches so those seconds are cold ones.
 """
 
 import os
 import sys
 import json
 import time
+import shutil
 import argparse
 import resource
+import tempfile
 import subprocess
 
 import torch
@@ -23,7 +31,7 @@ import torch
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=str, default="gpt,nag", help="comma list of gpt, nag, or nag:IMPL (reference|compiled|fused)")
-    p.add_argument("--compile", type=str, default="off", choices=["off", "on", "both"])
+    p.add_argument("--compile", type=str, default="off", help="comma list of off, on (whole model), blocks (each block on its own); both = off,on")
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--aspect-ratio", type=int, default=64)
     p.add_argument("--model-dim", type=int, default=-1)
@@ -32,8 +40,10 @@ def parse(argv=None):
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--device-batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, at least one (compilation happens in the first)")
     p.add_argument("--device-type", type=str, default="")
+    p.add_argument("--json", type=str, default="", help="also write the results here")
+    p.add_argument("--fresh-cache", action="store_true", help="empty Inductor and Triton caches in every process (cold compile seconds)")
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -52,7 +62,18 @@ def build_variant(variant, train_argv, vocab_size, device):
     return model
 
 
-def run_variant(args, variant, compiled):
+def compile_blocks(model):
+    """torch.compile each block on its own (in place). Identical blocks hit one cached graph, so the compile
+    cost does not grow with depth; the embedding, the head and the loss stay eager."""
+    if hasattr(model, "sublayer"):  # NAG calls block.attn and block.mlp between branch updates, never block(x)
+        model.sublayer = torch.compile(model.sublayer, dynamic=False)
+    else:
+        for block in model.blocks:
+            block.compile(dynamic=False)
+
+
+def run_variant(args, variant, mode):
+    from torch._dynamo.utils import counters
     from nanochat.common import autodetect_device_type, compute_dtype_for
     from scripts.base_train import PEAK_FLOPS
     device_type = args.device_type or autodetect_device_type()
@@ -62,10 +83,16 @@ def run_variant(args, variant, compiled):
                                     "--max-seq-len", str(args.max_seq_len)], args.vocab_size, device)
     model.set_compute_dtype(compute_dtype_for(device_type))
     optimizer = model.setup_optimizer()
-    fwd = torch.compile(model, dynamic=False) if compiled else model
+    fwd = torch.compile(model, dynamic=False) if mode == "on" else model
+    if mode == "blocks":
+        compile_blocks(model)
     B, T = args.device_batch_size, args.max_seq_len
     x = torch.randint(0, args.vocab_size, (B, T), device=device)
     y = torch.randint(0, args.vocab_size, (B, T), device=device)
+
+    def sync():
+        if device_type == "cuda":
+            torch.cuda.synchronize()
 
     def step():
         loss = fwd(x, y)
@@ -75,25 +102,30 @@ def run_variant(args, variant, compiled):
         model.zero_grad(set_to_none=True)
         return loss.item()  # syncs
 
-    for _ in range(args.warmup):
+    sync()
+    t0 = time.time()
+    first_loss = step()  # compiles, if anything does
+    first_step_s = time.time() - t0
+    last_loss = first_loss
+    for _ in range(args.warmup - 1):
         step()
-    if device_type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     t0 = time.time()
     for _ in range(args.steps):
-        step()
-    if device_type == "cuda":
-        torch.cuda.synchronize()
+        last_loss = step()
+    sync()
     dt = (time.time() - t0) / args.steps
     tok_per_sec = B * T / dt
-    result = {"arch": variant, "compiled": compiled, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
+    result = {"arch": variant, "compile": mode, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
+              "first_step_s": first_step_s, "compile_s": max(first_step_s - dt, 0.0),
+              "graphs": counters["stats"]["unique_graphs"], "first_loss": first_loss, "last_loss": last_loss,
               "params": sum(p.numel() for p in model.parameters()), "flops_per_token": model.estimate_flops(),
-              "device": device_type, "dim": model.config.n_embd}
+              "device": device_type, "depth": args.depth, "dim": model.config.n_embd, "tokens_per_step": B * T}
     if device_type == "cuda":
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-        peak = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
-        if peak:
-            result["mfu"] = model.estimate_flops() * tok_per_sec / peak
+        result["peak_flops"] = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
+        if result["peak_flops"]:
+            result["mfu"] = model.estimate_flops() * tok_per_sec / result["peak_flops"]
     else:
         result["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB → GiB
     return result
@@ -102,48 +134,88 @@ def run_variant(args, variant, compiled):
 def main():
     args = parse()
     if args.worker:
-        variant, compiled = args.worker.rsplit("@", 1)
-        print("RESULT " + json.dumps(run_variant(args, variant, compiled == "1")), flush=True)
+        variant, mode = args.worker.rsplit("@", 1)
+        print("RESULT " + json.dumps(run_variant(args, variant, mode)), flush=True)
         return
-    results = benchmark(args, [a.strip() for a in args.arch.split(",") if a.strip()], sys.argv[1:])
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    results = benchmark(args, archs, sys.argv[1:])
     print_ratios(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv[1:], "results": results, "ratios": ratios(results)}, f, indent=1)
+    if len(results) < len(archs) * len(compile_modes(args.compile)):
+        sys.exit(1)  # a variant failed (its error is printed above)
 
 
 VARIANTS = ("gpt", "nag", "nag:reference", "nag:compiled", "nag:fused")
+COMPILE_MODES = ("off", "on", "blocks")
+
+
+def compile_modes(spec):
+    modes = [m.strip() for m in spec.replace("both", "off,on").split(",") if m.strip()]
+    bad = [m for m in modes if m not in COMPILE_MODES]
+    if bad or not modes:
+        sys.exit(f"error: unknown --compile {spec!r} (a comma list of {', '.join(COMPILE_MODES)}, or both)")
+    return modes
 
 
 def benchmark(args, archs, argv):
-    """Run every (variant, compiled) pair in its own process; print a line each; return the results."""
+    """Run every (variant, compile mode) pair in its own process; print a line each; return the results."""
     bad = [a for a in archs if a not in VARIANTS]
     if bad:
         sys.exit(f"error: unknown arch {bad} (choose from {', '.join(VARIANTS)})")
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     results = []
-    for compiled in modes:
+    for mode in compile_modes(args.compile):
         for arch in archs:
-            cmd = [sys.executable, "-m", "scripts.bench_train", "--worker", f"{arch}@{int(compiled)}"] + list(argv)
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            cmd = [sys.executable, "-m", "scripts.bench_train", "--worker", f"{arch}@{mode}"] + list(argv)
+            env = dict(os.environ)
+            cache = tempfile.mkdtemp(prefix="bench_train_cache_") if args.fresh_cache else None
+            if cache:
+                env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            finally:
+                if cache:
+                    shutil.rmtree(cache, ignore_errors=True)
             line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
             if line is None:
-                print(f"{arch} compiled={compiled}: failed\n{out.stderr[-2000:]}")
+                print(f"{arch} compile={mode}: failed\n{out.stderr[-2000:]}", flush=True)
                 continue
             r = json.loads(line[len("RESULT "):])
             results.append(r)
-            print(f"{arch:13s} {'compiled' if compiled else 'eager   '} | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
-                  f"peak {r['peak_mem_gib']:.2f} GiB" + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""), flush=True)
+            print(f"{arch:13s} {LABELS[mode]} | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
+                  f"peak {r['peak_mem_gib']:.2f} GiB | first step {r['first_step_s']:.1f} s, {r['graphs']} graph(s)"
+                  + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""), flush=True)
     if results:
         print(f"config: depth {args.depth}, dim {results[0]['dim']}, batch {args.device_batch_size}×{args.max_seq_len}, device {results[0]['device']}")
     return results
 
 
+LABELS = {"off": "eager   ", "on": "compiled", "blocks": "blocks  "}
+NAMES = {"off": "eager", "on": "compiled", "blocks": "compiled per block"}
+
+
+def ratios(results):
+    """Every variant against the GPT baseline compiled the same way, and every compiled-per-block variant
+    against the same arch compiled whole: (what, of, to, step time ratio, peak memory ratio)."""
+    out = []
+    for r in results:
+        gpt = next((g for g in results if g["arch"] == "gpt" and g["compile"] == r["compile"]), None)
+        if gpt and r is not gpt:
+            out.append((f"{r['arch']} / gpt ({NAMES[r['compile']]})", r, gpt))
+    for r in results:
+        whole = next((w for w in results if w["arch"] == r["arch"] and w["compile"] == "on"), None)
+        if whole and r["compile"] == "blocks":
+            out.append((f"{r['arch']} per block / whole", r, whole))
+    return [{"what": what, "step_time": r["step_ms"] / base["step_ms"], "peak_mem": r["peak_mem_gib"] / base["peak_mem_gib"],
+             "compile_s": [r["compile_s"], base["compile_s"]]} for what, r, base in out]
+
+
 def print_ratios(results):
-    """Every variant against the GPT baseline compiled the same way."""
-    for compiled in (False, True):
-        gpt = next((r for r in results if r["arch"] == "gpt" and r["compiled"] == compiled), None)
-        for r in results:
-            if gpt and r is not gpt and r["compiled"] == compiled:
-                print(f"{r['arch']} / gpt ({'compiled' if compiled else 'eager'}): step time {r['step_ms'] / gpt['step_ms']:.3f}×, "
-                      f"peak memory {r['peak_mem_gib'] / gpt['peak_mem_gib']:.3f}×")
+    for q in ratios(results):
+        print(f"{q['what']}: step time {q['step_time']:.3f}×, peak memory {q['peak_mem']:.3f}×"
+              + (f", compile {q['compile_s'][0]:.1f} s vs {q['compile_s'][1]:.1f} s" if q["what"].endswith("whole") else ""))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,344 @@
+"""
+The measurements only a GPU can make, sized for a GPU borrowed for a few minutes (no network, no data:
+the benchmarks use random tokens).
+
+    bash runs/gpu_checks.sh --quick    # (GPU) at most 8 minutes on one H100/H200, compiles included
+    bash runs/gpu_checks.sh            # (GPU) also the published shape at full depth and CORE batching (with EVAL_BUNDLE=DIR)
+    python -m scripts.gpu_checks --quick --dry-run   # the stages, their time limits and expected times; needs no GPU
+
+Without a GPU it says so in one line and stops. Otherwise each stage runs in its own process under its
+own time limit (and all of them under --budget), writes $OUT/<stage>.json and $OUT/<stage>.log, and
+appends its line to $OUT/summary.md the moment it ends, so a run cut short keeps every stage that
+finished. A stage that fails or runs out of time is marked FAILED and the exit status is 1. summary.md
+ends with the headline figures; $OUT/env.json records the GPU, driver and versions.
+"""
+
+import os
+import sys
+import json
+import time
+import signal
+import argparse
+import subprocess
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIN_STAGE_S = 20  # a stage is not started with less of the budget left: it could not finish
+PUBLISHED = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
+D20 = ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
+TIMED = ["--steps", "10", "--warmup", "3", "--fresh-cache"]  # fresh caches: every compile is a cold one
+
+
+@dataclass
+class Stage:
+    name: str
+    what: str
+    cmd: list  # "{json}" stands for the stage's JSON path
+    timeout: float  # seconds
+    expect: float  # seconds expected on one H100, cold
+    figures: object = None  # the stage's JSON -> a short text for its summary line
+    writes_json: bool = True  # False: the runner writes the JSON (the end of the log)
+
+
+def bench_train(*argv):
+    return [sys.executable, "-m", "scripts.bench_train", *argv, *TIMED, "--json", "{json}"]
+
+
+def stages(quick, eval_bundle=None):
+    py = sys.executable
+    out = [
+        Stage("kernel_tests", "fused-kernel CUDA tests: vs the reference, inductor compile, sm_90 build",
+              [py, "-m", "scripts.gpu_checks", "--kernel-tests", "{json}"], 180, 100, kernel_figures),
+        Stage("branch_op", "branch op alone, 16 × 2048 rows × 640, bf16: GB/s against a copy",
+              [py, "-m", "scripts.bench_nag", "--sections", "op", "--impls", "reference,compiled,fused",
+               "--op-rows", str(16 * 2048), "--op-dim", "640", "--json", "{json}"], 120, 45, op_figures),
+        Stage("step", "GPT vs NAG-fused, published shape at depth 8, compiled whole",
+              bench_train("--depth", "8", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "on"), 150, 80, step_figures),
+        Stage("depth", "the same at depth 4: per-layer cost, extrapolation to 64, compile time per depth",
+              bench_train("--depth", "4", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "on"), 120, 65, step_figures),
+        Stage("blocks", "the same at depth 8 with each block compiled on its own (compare with step)",
+              bench_train("--depth", "8", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "blocks"), 120, 60, step_figures),
+        Stage("mfu", "GPT d20-like (20 × 1280, 32 × 2048), compiled whole: MFU",
+              bench_train(*D20, "--arch", "gpt", "--compile", "on"), 150, 80, step_figures),
+    ]
+    if quick:
+        return out
+    out += [
+        Stage("published_gpt", "GPT at the published shape, depth 64, compiled whole",
+              bench_train("--depth", "64", *PUBLISHED, "--arch", "gpt", "--compile", "on"), 420, 200, step_figures),
+        Stage("published_nag", "NAG-fused at the published shape, depth 64, compiled whole",
+              bench_train("--depth", "64", *PUBLISHED, "--arch", "nag:fused", "--compile", "on"), 480, 240, step_figures),
+        Stage("published_blocks", "GPT vs NAG-fused at depth 64, each block compiled on its own",
+              bench_train("--depth", "64", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "blocks"), 240, 100, step_figures),
+    ]
+    if eval_bundle:
+        out.append(Stage("core_batching", "CORE scoring batched vs one at a time on the GPU",
+                         [py, "-m", "scripts.bench_core", "--eval-bundle", eval_bundle, "--depth", "12", "--dim", "768",
+                          "--seq-len", "2048", "--threads", "0"], 300, 120, writes_json=False))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the runner
+
+
+def run_stages(stage_list, out, budget):
+    """Run the stages in order, each under min(its time limit, what is left of the budget); append each
+    one's line to summary.md as soon as it ends. Returns the names of the stages that failed."""
+    deadline = time.time() + budget
+    failed = []
+    for st in stage_list:
+        left = deadline - time.time()
+        if os.path.exists(os.path.join(out, st.name + ".json")):
+            os.remove(os.path.join(out, st.name + ".json"))  # an earlier run's figures must not stand in for this one's
+        print(f"=== {st.name}: {st.what} (limit {min(st.timeout, max(left, 0)):.0f} s) ===", flush=True)
+        if left < MIN_STAGE_S:
+            ok, seconds, note = False, 0.0, f"not started: {max(left, 0):.0f} s of the {budget:.0f} s budget left"
+        else:
+            ok, seconds, note = run_stage(st, out, min(st.timeout, left))
+        if not ok:
+            failed.append(st.name)
+            print("\n".join(log_tail(os.path.join(out, st.name + ".log"), 20)))
+        line = f"| {st.name} | {'ok' if ok else 'FAILED'} | {seconds:.0f} | {note} |"
+        with open(os.path.join(out, "summary.md"), "a") as f:
+            f.write(line + "\n")
+        print(line, flush=True)
+    return failed
+
+
+def run_stage(st, out, limit):
+    """(ok, seconds, note). The stage runs in a process group of its own, so a timeout ends its children too."""
+    json_path = os.path.join(out, st.name + ".json")
+    log_path = os.path.join(out, st.name + ".log")
+    cmd = [json_path if a == "{json}" else a for a in st.cmd]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    seconds = time.time() - t0
+    last = (log_tail(log_path, 1) or [""])[0][:200]
+    if rc is None:
+        return False, seconds, f"timed out after {limit:.0f} s"
+    if rc != 0:
+        return False, seconds, f"exit {rc}: {last}"
+    if not st.writes_json:
+        with open(json_path, "w") as f:
+            json.dump({"log_tail": log_tail(log_path, 30)}, f, indent=1)
+    if not os.path.exists(json_path):
+        return False, seconds, f"exit 0 but no {st.name}.json"
+    try:
+        with open(json_path) as f:
+            data = json.load(f)
+        return True, seconds, st.figures(data) if st.figures else last
+    except Exception as e:  # a malformed JSON fails this stage, not the run
+        return False, seconds, f"figures unreadable: {type(e).__name__}: {e}"
+
+
+def log_tail(path, n):
+    try:
+        with open(path, errors="replace") as f:
+            return [l.rstrip("\n") for l in f.readlines()[-n:]]
+    except OSError:
+        return []
+
+
+# ---------------------------------------------------------------------------
+# the kernel tests stage: pytest, then a check that the GPU was really tested
+
+
+def kernel_tests(json_path):
+    """The fused kernel's CUDA tests. Ok only if pytest passed, at least one CUDA test passed and none was
+    skipped: without a GPU torch sees, the CUDA tests skip themselves and pytest alone would say "passed"."""
+    xml = json_path + ".xml"
+    rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_nag_kernels.py",
+                         "-k", "cuda or hopper", f"--junitxml={xml}"], cwd=REPO).returncode
+    tests = []
+    if os.path.exists(xml):
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+            reason = next((c.get("message", "") for c in case if c.tag in ("failure", "error", "skipped")), "")
+            tests.append({"name": case.get("name"), "result": kind, "reason": reason[:300]})
+        os.remove(xml)
+    count = {k: sum(t["result"] == k for t in tests) for k in ("passed", "failure", "error", "skipped")}
+    cuda_passed = sum(t["result"] == "passed" and "cuda" in t["name"].lower() for t in tests)
+    cuda_skipped = sum(t["result"] == "skipped" and "cuda" in t["name"].lower() for t in tests)
+    ok = rc == 0 and cuda_passed > 0 and cuda_skipped == 0
+    with open(json_path, "w") as f:
+        json.dump({"pytest_exit": rc, **count, "cuda_passed": cuda_passed, "cuda_skipped": cuda_skipped, "ok": ok, "tests": tests}, f, indent=1)
+    if not ok:
+        print(f"error: kernel tests: pytest exit {rc}, {cuda_passed} CUDA test(s) passed, {cuda_skipped} skipped, "
+              f"{count['failure'] + count['error']} failed", file=sys.stderr)
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------
+# figures: one short text per stage, and the headline block
+
+
+def kernel_figures(d):
+    skipped = [t["name"] for t in d["tests"] if t["result"] == "skipped"]
+    return f"{d['passed']} passed ({d['cuda_passed']} CUDA), {d['skipped']} skipped" + (f": {', '.join(skipped)}" if skipped else "")
+
+
+def op_figures(d):
+    op = d["op"]
+    cells = [f"{impl} fwd {r['forward_gbps']:.0f} GB/s ({100 * r['forward_of_copy']:.0f}%), bwd {r['backward_gbps']:.0f} GB/s "
+             f"({100 * r['backward_of_copy']:.0f}%)" for impl, r in op["impls"].items()]
+    return f"copy {op['copy_gbps']:.0f} GB/s; " + "; ".join(cells)
+
+
+def step_figures(d):
+    rs = d["results"]
+    cells = [f"{r['arch']} {r['step_ms']:.1f} ms, {r['peak_mem_gib']:.1f} GiB, compile {r['compile_s']:.0f} s"
+             + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "") for r in rs]
+    cells += [f"{q['what']}: {q['step_time']:.3f}× time, {q['peak_mem']:.3f}× memory" for q in d["ratios"]]
+    return f"depth {rs[0]['depth']} × {rs[0]['dim']}: " + "; ".join(cells)
+
+
+def load(out, name):
+    try:
+        with open(os.path.join(out, name + ".json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def result(d, arch, mode="on"):
+    return next((r for r in (d or {}).get("results", []) if r["arch"] == arch and r["compile"] == mode), None)
+
+
+def to_depth(lo, hi, key, depth=64):
+    """hi[key] carried linearly to `depth` along the slope from lo to hi (two depths of one width)."""
+    slope = (hi[key] - lo[key]) / (hi["depth"] - lo["depth"])
+    return hi[key] + (depth - hi["depth"]) * slope
+
+
+def headline(out):
+    """The figures to quote (README, docs/LOG.md), from whichever stage JSONs exist."""
+    lines = []
+    step, depth, blocks, mfu = (load(out, n) for n in ("step", "depth", "blocks", "mfu"))
+    archs = ("gpt", "nag:fused")
+    g8, n8 = (result(step, a) for a in archs)
+    g4, n4 = (result(depth, a) for a in archs)
+    g64 = result(load(out, "published_gpt"), "gpt")
+    n64 = result(load(out, "published_nag"), "nag:fused")
+    if g8 and n8:
+        lines.append(f"- NAG / GPT at the published shape (640 wide, 16 × 2048 tokens, compiled whole), depth 8: "
+                     f"step time {n8['step_ms'] / g8['step_ms']:.3f}×, peak memory {n8['peak_mem_gib'] / g8['peak_mem_gib']:.3f}× "
+                     f"(GPT {g8['step_ms']:.1f} ms, {g8['peak_mem_gib']:.1f} GiB)")
+    if g8 and n8 and g4 and n4:
+        t = {a: to_depth(lo, hi, "step_ms") for a, lo, hi in (("gpt", g4, g8), ("nag", n4, n8))}
+        m = {a: to_depth(lo, hi, "peak_mem_gib") for a, lo, hi in (("gpt", g4, g8), ("nag", n4, n8))}
+        flops = to_depth(g4, g8, "flops_per_token")
+        lines.append(f"- the same at 64 blocks, carried linearly from depths 4 and 8 (per-layer cost = the difference / 4): "
+                     f"step time {t['nag'] / t['gpt']:.3f}× (GPT {t['gpt']:.0f} ms, NAG {t['nag']:.0f} ms), "
+                     f"peak memory {m['nag'] / m['gpt']:.3f}× (GPT {m['gpt']:.1f} GiB, NAG {m['nag']:.1f} GiB)"
+                     + (f", GPT MFU {100 * flops * g8['tokens_per_step'] / (t['gpt'] / 1e3) / g8['peak_flops']:.1f}%" if g8.get("peak_flops") else ""))
+    if g64 and n64:
+        lines.append(f"- measured at 64 blocks: step time {n64['step_ms'] / g64['step_ms']:.3f}× (GPT {g64['step_ms']:.0f} ms, "
+                     f"NAG {n64['step_ms']:.0f} ms), peak memory {n64['peak_mem_gib'] / g64['peak_mem_gib']:.3f}×"
+                     + (f", GPT MFU {100 * g64['mfu']:.1f}%" if "mfu" in g64 else ""))
+    op = (load(out, "branch_op") or {}).get("op")
+    if op and "fused" in op["impls"]:
+        f = op["impls"]["fused"]
+        lines.append(f"- branch op, fused, {op['rows']:,} rows × {op['dim']} {op['dtype']}: forward {f['forward_gbps']:.0f} GB/s "
+                     f"({100 * f['forward_of_copy']:.0f}% of copy), backward {f['backward_gbps']:.0f} GB/s "
+                     f"({100 * f['backward_of_copy']:.0f}% of copy); copy {op['copy_gbps']:.0f} GB/s")
+    d20 = result(mfu, "gpt")
+    if d20:
+        lines.append(f"- GPT d20-like (20 × {d20['dim']}, {d20['tokens_per_step']:,} tokens per step), compiled: "
+                     + (f"MFU {100 * d20['mfu']:.1f}%, " if "mfu" in d20 else "") + f"{d20['step_ms']:.0f} ms per step")
+    cells = [f"depth {r['depth']} × {r['dim']}: {r['arch']} {r['compile_s']:.0f} s"
+             for r in (g4, n4, g8, n8, d20, g64, n64) if r]
+    if cells:
+        lines.append("- cold compile, whole model (first step minus a timed step): " + ", ".join(cells))
+    for depth, per_block_run, wholes in ((8, blocks, (g8, n8)), (64, load(out, "published_blocks"), (g64, n64))):
+        for arch, whole in zip(archs, wholes):
+            per_block = result(per_block_run, arch, "blocks")
+            if per_block and whole:
+                ratio = per_block["step_ms"] / whole["step_ms"]
+                lines.append(f"- {arch} compiled per block / whole, depth {depth}: step time {ratio:.3f}× "
+                             f"({'within' if ratio <= 1.02 else 'outside'} 2%), peak memory {per_block['peak_mem_gib'] / whole['peak_mem_gib']:.3f}×, "
+                             f"compile {per_block['compile_s']:.0f} s ({per_block['graphs']} graph(s)) vs {whole['compile_s']:.0f} s")
+    return lines or ["- no figures: every benchmark stage failed"]
+
+
+# ---------------------------------------------------------------------------
+
+
+def environment():
+    import torch
+    import triton
+    env = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version(), "python": sys.version.split()[0],
+           "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+           "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2 ** 30, "gpus": torch.cuda.device_count()}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        env["driver"] = smi[0] if smi else None
+    except (OSError, subprocess.SubprocessError):
+        env["driver"] = None
+    return env
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the stages that fit 8 minutes on one GPU")
+    p.add_argument("--out", type=str, default="", help="output folder ($OUT wins when set; default gpu_checks/)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 480 with --quick, else 2400)")
+    p.add_argument("--dry-run", action="store_true", help="print the stages and stop (no GPU needed)")
+    p.add_argument("--kernel-tests", type=str, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    t_start = time.time()
+    args = parse(argv)
+    if args.kernel_tests:
+        return kernel_tests(args.kernel_tests)
+    budget = args.budget or (480 if args.quick else 2400)
+    bundle = os.environ.get("EVAL_BUNDLE", "")
+    plan = stages(args.quick, bundle if bundle and os.path.isdir(bundle) else None)
+    if args.dry_run:
+        for st in plan:
+            print(f"{st.name:16s} limit {st.timeout:4.0f} s, expected {st.expect:4.0f} s  {st.what}")
+        print(f"expected {sum(st.expect for st in plan):.0f} s in all; budget {budget:.0f} s")
+        return
+    import torch
+    if not torch.cuda.is_available():
+        print(f"error: no GPU: torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'}) at {sys.executable} sees no "
+              f"CUDA device; run this on a GPU node, with PYTHON= pointing at a CUDA build of torch if .venv has none", file=sys.stderr)
+        sys.exit(1)
+    out = os.environ.get("OUT") or args.out or "gpu_checks"
+    os.makedirs(out, exist_ok=True)
+    out = os.path.abspath(out)
+    env = environment()
+    with open(os.path.join(out, "env.json"), "w") as f:
+        json.dump(env, f, indent=1)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(f"# GPU checks{' (quick)' if args.quick else ''}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+                f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; "
+                f"budget {budget:.0f} s\n\n| stage | result | seconds | figures |\n|---|---|---:|---|\n")
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, driver {env['driver']}; writing {out}", flush=True)
+    failed = run_stages(plan, out, budget - (time.time() - t_start))  # the budget counts from the start
+    with open(os.path.join(out, "summary.md"), "a") as f:
+        f.write("\n## Headline figures\n\n" + "\n".join(headline(out)) + "\n")
+        if failed:
+            f.write(f"\nFAILED: {', '.join(failed)} (logs: <stage>.log)\n")
+    print(open(os.path.join(out, "summary.md")).read())
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

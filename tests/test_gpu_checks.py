@@ -1,0 +1,178 @@
+"""runs/gpu_checks.sh and scripts/gpu_checks.py on a CPU: the one-line stop without a GPU, the stage runner
+with fake stages (ok, failing, timed out, out of budget), the kernel-test verdict when no CUDA test can run,
+the headline arithmetic, and bench_train's per-block compile against eager on a tiny model."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from scripts import gpu_checks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the machine without a GPU")
+WRITE_JSON = "import json, sys; json.dump({'x': 1}, open(sys.argv[1], 'w')); print('wrote it')"
+
+
+def fake(name, code, timeout=60):
+    return gpu_checks.Stage(name, f"fake {name}", [sys.executable, "-c", code, "{json}"], timeout, 1,
+                            figures=lambda d: f"x = {d['x']}")
+
+
+def rows(out):
+    """(stage, result, note) of each table row of summary.md."""
+    lines = [l for l in open(os.path.join(out, "summary.md")).read().splitlines() if l.startswith("| ") and "---" not in l]
+    return [tuple(c.strip() for c in l.strip("|").split("|")[:4]) for l in lines if not l.startswith("| stage ")]
+
+
+@no_gpu
+def test_without_a_gpu_one_line_within_seconds(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    t0 = time.time()
+    r = subprocess.run(["bash", os.path.join(REPO, "runs", "gpu_checks.sh"), "--quick"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    elapsed = time.time() - t0
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no GPU: torch " + torch.__version__), r.stderr
+    assert f"CUDA build {torch.version.cuda or 'none'}" in err[0] and "PYTHON=" in err[0]
+    assert r.stdout == "" and not out.exists()  # no benchmark started, nothing written
+    assert elapsed < 30, elapsed  # torch's import is most of it (~2-5 s on the shared 2-core box)
+
+
+def test_runner_marks_failures_and_keeps_every_line(tmp_path, monkeypatch):
+    out = str(tmp_path)
+    # the grandchild shows that a timeout ends the stage's whole process group
+    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+             f"open({str(tmp_path / 'grandchild.pid')!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    # the last stage checks that the four lines before it were written as their stages ended
+    check = ("import json, sys; rows = [l for l in open(sys.argv[1].replace('last.json', 'summary.md')) if l.startswith('| ')]; "
+             "assert len(rows) == 4, rows; json.dump({'x': 2}, open(sys.argv[1], 'w'))")
+    stages = [fake("first", WRITE_JSON), fake("fails", "import sys; print('boom'); sys.exit(3)"),
+              fake("slow", spawn, timeout=3), fake("no_json", "print('forgot')"), fake("last", check)]
+    t0 = time.time()
+    failed = gpu_checks.run_stages(stages, out, budget=100)
+    assert time.time() - t0 < 30
+    assert failed == ["fails", "slow", "no_json"]
+    got = rows(out)
+    assert [r[:2] for r in got] == [("first", "ok"), ("fails", "FAILED"), ("slow", "FAILED"), ("no_json", "FAILED"), ("last", "ok")]
+    assert got[0][3] == "x = 1" and got[4][3] == "x = 2"
+    assert got[1][3] == "exit 3: boom" and "timed out after 3 s" in got[2][3] and "no no_json.json" in got[3][3]
+    assert all(os.path.exists(os.path.join(out, f"{n}.json")) for n in ("first", "last"))
+    assert not any(os.path.exists(os.path.join(out, f"{n}.json")) for n in ("fails", "slow", "no_json"))
+    assert "boom" in open(os.path.join(out, "fails.log")).read()
+    pid = int((tmp_path / "grandchild.pid").read_text())
+    time.sleep(0.5)
+    try:
+        state = open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"the timed-out stage's child {pid} is still running ({state})"
+
+
+def test_budget_stops_starting_stages(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_checks, "MIN_STAGE_S", 2)
+    stages = [fake("slow", "import time; time.sleep(60)"), fake("after", WRITE_JSON)]
+    (tmp_path / "after.json").write_text('{"x": 0}')  # an earlier run's: it must not count as this run's figures
+    t0 = time.time()
+    failed = gpu_checks.run_stages(stages, str(tmp_path), budget=3)
+    assert time.time() - t0 < 15  # the budget, not the stage's own 60 s limit, ended it
+    assert failed == ["slow", "after"]
+    got = rows(str(tmp_path))
+    assert "timed out after 3 s" in got[0][3] and got[1][3].startswith("not started")
+    assert not (tmp_path / "after.json").exists()
+
+
+def test_main_exit_status_and_summary(tmp_path, monkeypatch):
+    # main with a GPU faked: env.json, the summary's table and headline block, exit status 1 on a failed stage
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_checks, "environment", lambda: {"gpu": "Fake GPU", "driver": "0", "torch": "t", "triton": "t", "cuda": "c"})
+    monkeypatch.setattr(gpu_checks, "stages", lambda quick, bundle: [fake("ok", WRITE_JSON), fake("bad", "raise SystemExit(2)")])
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    with pytest.raises(SystemExit) as e:
+        gpu_checks.main(["--quick", "--out", str(tmp_path / "ignored")])
+    assert e.value.code == 1
+    out = tmp_path / "out"
+    assert json.loads((out / "env.json").read_text())["gpu"] == "Fake GPU" and not (tmp_path / "ignored").exists()
+    summary = (out / "summary.md").read_text()
+    assert [r[:2] for r in rows(str(out))] == [("ok", "ok"), ("bad", "FAILED")]
+    assert "## Headline figures" in summary and summary.rstrip().endswith("FAILED: bad (logs: <stage>.log)")
+
+
+@no_gpu
+def test_kernel_tests_fail_when_no_cuda_test_ran(tmp_path):
+    # on a CPU every CUDA test skips itself and pytest exits 0; the stage must still fail
+    path = tmp_path / "kernel_tests.json"
+    r = subprocess.run([sys.executable, "-m", "scripts.gpu_checks", "--kernel-tests", str(path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    d = json.loads(path.read_text())
+    assert d["pytest_exit"] == 0 and d["cuda_passed"] == 0 and d["cuda_skipped"] > 0 and not d["ok"]
+    assert "0 CUDA test(s) passed" in r.stderr.strip().splitlines()[-1]
+    assert "(0 CUDA)" in gpu_checks.kernel_figures(d)
+
+
+def result(arch, depth, step_ms, mem, compile_s=30.0, mode="on", **extra):
+    return {"arch": arch, "compile": mode, "depth": depth, "dim": 640, "step_ms": step_ms, "peak_mem_gib": mem,
+            "compile_s": compile_s, "graphs": 1, "flops_per_token": 1e8 * depth, "tokens_per_step": 32768, "peak_flops": 1e16, **extra}
+
+
+def test_headline_carries_two_depths_to_64(tmp_path):
+    runs = {"depth": [result("gpt", 4, 10.0, 4.0, 20), result("nag:fused", 4, 11.0, 4.2, 25)],
+            "step": [result("gpt", 8, 14.0, 6.0, 30), result("nag:fused", 8, 16.0, 6.4, 40)],
+            "blocks": [result("gpt", 8, 14.2, 5.9, 9, "blocks"), result("nag:fused", 8, 16.8, 6.3, 12, "blocks")]}
+    for name, rs in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({"results": rs, "ratios": []}))
+    text = "\n".join(gpu_checks.headline(str(tmp_path)))
+    # per layer: GPT 1 ms and 0.5 GiB, NAG 1.25 ms and 0.55 GiB; at 64: GPT 70 ms, 34 GiB; NAG 86 ms, 37.2 GiB
+    assert "step time 1.143×" in text  # depth 8 as measured: 16 / 14
+    assert "step time 1.229× (GPT 70 ms, NAG 86 ms)" in text and "peak memory 1.094× (GPT 34.0 GiB, NAG 37.2 GiB)" in text
+    assert "GPT MFU 30.0%" in text  # 6.4e9 FLOPs per token × 32768 tokens / 70 ms / 1e16 FLOP/s
+    assert "gpt compiled per block / whole, depth 8: step time 1.014× (within 2%)" in text
+    assert "nag:fused compiled per block / whole, depth 8: step time 1.050× (outside 2%)" in text
+    assert "compile 12 s (1 graph(s)) vs 40 s" in text and "depth 4 × 640: gpt 20 s" in text
+
+
+def test_quick_plan_fits_eight_minutes():
+    quick = gpu_checks.stages(quick=True)
+    assert [s.name for s in quick] == ["kernel_tests", "branch_op", "step", "depth", "blocks", "mfu"]
+    assert sum(s.expect for s in quick) <= 480 and all(s.timeout < 240 for s in quick)
+    full = gpu_checks.stages(quick=False, eval_bundle="/bundle")
+    assert full[-1].name == "core_batching" and len(full) == len(quick) + 4
+    assert all(s.timeout <= 480 for s in full)  # the 64-layer whole-model compiles: minutes each
+
+
+def test_branch_op_json(tmp_path):
+    path = tmp_path / "op.json"
+    r = subprocess.run([sys.executable, "-m", "scripts.bench_nag", "--sections", "op", "--op-rows", "64", "--impls", "reference",
+                        "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(path.read_text())
+    assert d["op"]["rows"] == 64 and d["op"]["impls"]["reference"]["forward_gbps"] > 0
+    assert gpu_checks.op_figures(d).startswith("copy ")
+
+
+@pytest.mark.slow
+def test_per_block_compile_matches_eager(tmp_path):
+    # the CPU twin of --compile blocks: the same first loss as eager (same weights, same batch), the model
+    # really compiled, and identical blocks sharing one graph (NAG: one per sub-layer kind)
+    path = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "scripts.bench_train", "--depth", "3", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64",
+           "--vocab-size", "512", "--device-batch-size", "4", "--steps", "1", "--warmup", "1", "--arch", "gpt,nag",
+           "--compile", "off,blocks", "--json", str(path)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(path.read_text())
+    got = {(x["arch"], x["compile"]): x for x in d["results"]}
+    for arch, graphs in (("gpt", 1), ("nag", 2)):
+        eager, blocks = got[arch, "off"], got[arch, "blocks"]
+        assert eager["graphs"] == 0 and blocks["graphs"] == graphs, (arch, blocks["graphs"])
+        assert blocks["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-5)
+        assert blocks["last_loss"] == pytest.approx(eager["last_loss"], rel=1e-4)
+    assert "nag / gpt (compiled per block)" in r.stdout
+    assert gpu_checks.step_figures(d).startswith("depth 3 × 64: gpt ")
