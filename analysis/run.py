@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 
-from nanochat.common import UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes
+from nanochat.common import UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes, ensure_writable_dir
 from nanochat import checkpoint_manager as ckpt
 from nanochat.dataloader import split_tokens
 from scripts.archs import load_model
@@ -146,11 +146,20 @@ def write_outputs(results, out_dir, cmdline):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_writable(out_dir):
+    """write_outputs can do its work (a temp folder next to out_dir, then moved into it): checked before the
+    pass, so that no analysis is thrown away for want of a place to put it."""
+    ensure_writable_dir(os.path.dirname(os.path.abspath(out_dir)))
+    if os.path.exists(out_dir):
+        ensure_writable_dir(out_dir)
+
+
 def analyse(args, cmdline):
     from nanochat.tokenizer import get_tokenizer
     tokenizer = get_tokenizer()
     plans = check_runs(args, tokenizer)
     out_dir = args.out or os.path.join(get_base_dir(), "reports", "analysis_" + "_vs_".join(p["name"] for p in plans))
+    check_writable(out_dir)
     device = torch.device(args.device or autodetect_device_type())
     results = {}
     for plan in plans:

@@ -5,20 +5,27 @@ Compare training runs, typically a FLOP-matched GPT / NAG pair: one markdown rep
     python -m scripts.compare gpt-tiny nag-tiny --out /tmp/nag-chat-report
 
 Each RUN is a run name under $NANOCHAT_BASE_DIR/runs or a path to a run directory. Reads
-config.json, metrics.jsonl and (if base_eval has run) eval.json and core_records.parquet of each;
-writes report.md and PNG figures into --out (default $NANOCHAT_BASE_DIR/reports/<run1>_vs_<run2>).
+config.json, metrics.jsonl and (if base_eval has run) eval.json, eval/step_*.json and
+core_records.parquet of each; writes report.md, PNG figures and inputs.json (what the report was made
+from) into --out. The default, $NANOCHAT_BASE_DIR/reports/<run1>@<step>_vs_<run2>@<step>, is named
+after the runs and their evaluated steps only, so a report there of other inputs (other run
+directories of the same names, a re-evaluation) is never replaced: compare stops and asks for --out.
 
 Every delta against the first run comes with a paired 95% bootstrap interval (nanochat/stats.py):
-CORE resampled over items within each task, val bpb over the shared evaluation batches. Runs
-evaluated on different CORE items or settings are refused: their scores do not compare.
+CORE resampled over items within each task, val bpb over the shared evaluation batches, each only
+with enough of them (stats.MIN_UNITS). Runs evaluated on different CORE items or settings are
+refused; runs whose val bpb was measured with another tokenizer, val data, number of val tokens or
+of processes, or that were trained on other data, get both numbers, the reason, and no interval.
 """
 
 import io
 import os
+import re
 import json
+import hashlib
 import argparse
 
-from nanochat.common import UserError, exit_on_user_error, get_base_dir, atomic_write_bytes
+from nanochat.common import UserError, exit_on_user_error, get_base_dir, atomic_write_bytes, atomic_write_json, ensure_writable_dir
 from nanochat.checkpoint_manager import resolve_run_dir, get_run_dir
 from nanochat.core_eval import NUM_CORE_TASKS, load_records
 from nanochat import stats
@@ -26,6 +33,8 @@ from nanochat import stats
 N_RESAMPLES = 10000
 
 SKIP_ARGS = {"run"}  # differs by construction; the report's columns already name the runs
+STEP_FILE = re.compile(r"step_(\d+)\.json")  # base_eval's history: eval/step_000123.json, one per evaluated step
+INPUTS = "inputs.json"  # in the report folder: the inputs it was made from
 
 
 # ---------------------------------------------------------------------------
@@ -91,6 +100,27 @@ def load_core_records(run_dir, ev):
     return cols, settings
 
 
+def history_files(run_dir):
+    folder = os.path.join(run_dir, "eval")
+    names = sorted(f for f in os.listdir(folder) if STEP_FILE.fullmatch(f)) if os.path.isdir(folder) else []
+    return [os.path.join(folder, f) for f in names]
+
+
+def eval_history(run_dir, ev):
+    """[(step, record)] of every evaluated step, by step: eval/step_*.json, plus eval.json where the
+    history lacks its step (an evaluation from before base_eval kept one)."""
+    by_step = {}
+    for path in history_files(run_dir):
+        rec = read_json(path)
+        if not isinstance(rec, dict):
+            raise UserError(f"{path} is not an evaluation record (a JSON object); rerun scripts.base_eval at that step")
+        step = rec.get("step") if isinstance(rec.get("step"), int) else int(STEP_FILE.fullmatch(os.path.basename(path))[1])
+        by_step[step] = rec
+    if ev and isinstance(ev.get("step"), int):
+        by_step.setdefault(ev["step"], ev)
+    return sorted(by_step.items())
+
+
 def load_run(arg):
     run_dir = existing_run_dir(arg)
     cfg_path = os.path.join(run_dir, "config.json")
@@ -100,15 +130,94 @@ def load_run(arg):
     eval_path = os.path.join(run_dir, "eval.json")
     metrics, notes = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     ev = read_json(eval_path) if os.path.exists(eval_path) else None
+    if ev is not None and not isinstance(ev, dict):
+        raise UserError(f"{eval_path} is not an evaluation record (a JSON object); rerun scripts.base_eval")
     return {
         "dir": run_dir,
         "name": config.get("run") or os.path.basename(run_dir),
         "config": config,
         "metrics": metrics,
         "eval": ev,
+        "history": eval_history(run_dir, ev),
         "records": load_core_records(run_dir, ev),
         "notes": notes,
     }
+
+
+# ---------------------------------------------------------------------------
+# the report folder and what it was made from
+
+
+def eval_files(run_dir):
+    """The files a report's evaluation numbers come from."""
+    named = [os.path.join(run_dir, f) for f in ("eval.json", "core_records.parquet")]
+    return [p for p in named if os.path.isfile(p)] + history_files(run_dir)
+
+
+def report_inputs(run_dirs):
+    """What a report is made from: each run's directory, evaluated step and a hash of its evaluation files.
+    A hash, not mtimes: a re-evaluation that gives the same numbers is the same input."""
+    runs = []
+    for run_dir in run_dirs:
+        h, step = hashlib.sha256(), None
+        for path in eval_files(run_dir):
+            with open(path, "rb") as f:
+                data = f.read()
+            h.update(f"{os.path.relpath(path, run_dir)}\0{len(data)}\0".encode() + data)
+            if os.path.basename(path) == "eval.json":
+                try:
+                    step = json.loads(data).get("step")
+                except (ValueError, AttributeError):
+                    step = None
+        runs.append({"dir": os.path.realpath(run_dir), "step": step, "eval_sha256": h.hexdigest()})
+    return {"runs": runs}
+
+
+def read_inputs(out_dir):
+    """The inputs recorded in a report folder, or None (none recorded, or unreadable)."""
+    try:
+        with open(os.path.join(out_dir, INPUTS), encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return old if isinstance(old, dict) else None
+
+
+def report_is_current(out_dir, run_dirs):
+    """Whether out_dir holds a report of these runs as they are evaluated now (speedrun skips the stage then)."""
+    return os.path.isfile(os.path.join(out_dir, "report.md")) and read_inputs(out_dir) == report_inputs(run_dirs)
+
+
+def run_step(run):
+    """The step a run is compared at: its evaluated step, else the last one it logged."""
+    ev = run["eval"] or {}
+    return ev["step"] if isinstance(ev.get("step"), int) else run["metrics"][-1]["step"]
+
+
+def default_out_dir(runs, base_dir=None):
+    parts = [f"{r['name'].replace(os.sep, '_')}@{run_step(r)}" for r in runs]
+    return os.path.join(base_dir or get_base_dir(), "reports", "_vs_".join(parts))
+
+
+def check_report_folder(out_dir, inputs):
+    """The default folder is named after the runs and steps only: refuse to replace a report of other inputs there."""
+    if not os.path.exists(os.path.join(out_dir, "report.md")) and not os.path.exists(os.path.join(out_dir, INPUTS)):
+        return
+    old = read_inputs(out_dir)
+    if old == inputs:
+        return
+    if old is None or len(old.get("runs") or []) != len(inputs["runs"]):
+        what = "inputs not recorded" if old is None else "other runs"
+    else:
+        changes = []
+        for o, n in zip(old["runs"], inputs["runs"]):
+            if o.get("dir") != n["dir"]:
+                changes.append(f"{o.get('dir')} where this is {n['dir']}")
+            elif o != n:
+                changes.append(f"an earlier evaluation of {n['dir']}")
+        what = "; ".join(changes)
+    raise UserError(f"{out_dir} holds a report of other inputs ({what}); pass --out DIR to write this one elsewhere, "
+                    f"or --out {out_dir} to replace it")
 
 
 # ---------------------------------------------------------------------------
@@ -170,7 +279,98 @@ def core_cells(ev):
     n = ev.get("num_tasks_scored", len(ev["tasks"]))
     if ev.get("core_metric") is not None:
         return f"{ev['core_metric']:.4f}", f"{ev['core_metric']:.4f} ({n}/{NUM_CORE_TASKS})"
-    return "— (partial only)", f"{ev['partial_core']:.4f} ({n}/{NUM_CORE_TASKS})"
+    cut = ", interrupted" if ev.get("interrupted") else ""
+    return "— (partial only)", f"{ev['partial_core']:.4f} ({n}/{NUM_CORE_TASKS}{cut})"
+
+
+# ---------------------------------------------------------------------------
+# what the numbers were measured with
+
+
+# label -> (where it is read, key): what a run's numbers depend on besides its weights. A fingerprint
+# is read from "fingerprints" of that record; the evaluation's tokenizer is the training one where the
+# evaluation did not record it (base_eval refuses a tokenizer other than the checkpoint's).
+MEASURED_WITH = {
+    "training data": ("config", "data_train"),
+    "training processes": ("config", "world_size"),
+    "tokenizer": ("eval", "tokenizer"),
+    "val data": ("eval", "data_val"),
+    "val tokens": ("eval", "split_tokens"),
+    "evaluation processes": ("eval", "world_size"),
+}
+KEY_NAMES = {"data_train": "data_train fingerprint", "data_val": "data_val fingerprint", "tokenizer": "tokenizer fingerprint",
+             "split_tokens": "split_tokens", "world_size": "world_size"}
+FINGERPRINTS = ("tokenizer", "data_train", "data_val")
+# differences that make two val bpb numbers measure different things: no interval between them
+BPB_DEPENDS_ON = ("training data", "tokenizer", "val data", "val tokens", "evaluation processes")
+
+
+def measured_with(run):
+    """label -> value (None: not recorded) of what the run's numbers depend on; eval-side labels only
+    where base_eval measured val bpb."""
+    records = {"config": run["config"], "eval": run["eval"] or {}}
+    out = {}
+    for label, (source, key) in MEASURED_WITH.items():
+        if source == "eval" and records["eval"].get("val_bpb") is None:
+            continue
+        rec = records[source]
+        value = (rec.get("fingerprints") or {}).get(key) if key in FINGERPRINTS else rec.get(key)
+        if value is None and key == "tokenizer":
+            value = (run["config"].get("fingerprints") or {}).get(key)
+        out[label] = value
+    return out
+
+
+def pair_differences(a, b):
+    """(differ, unknown) of run b against run a: {label: 'key x vs y'} for what both recorded and differs,
+    {label: [names of the runs that did not record it]} for what cannot be checked."""
+    ma, mb = measured_with(a), measured_with(b)
+    differ, unknown = {}, {}
+    for label in ma:
+        if label not in mb:
+            continue
+        x, y = ma[label], mb[label]
+        if x is None or y is None:
+            unknown[label] = [r["name"] for r, v in ((a, x), (b, y)) if v is None]
+        elif x != y:
+            differ[label] = f"{KEY_NAMES[MEASURED_WITH[label][1]]} {x} vs {y}"
+    return differ, unknown
+
+
+def difference_lines(ps):
+    """The pair's differences in what its numbers were measured with, and what could not be checked, in words."""
+    a, b = ps["a"]["name"], ps["b"]["name"]
+    lines = []
+    if ps["differ"]:
+        what = "; ".join(f"{label} ({text})" for label, text in ps["differ"].items())
+        lines.append(f"`{b}` vs `{a}` differ in {what}")
+        if "training data" in ps["differ"]:
+            lines.append(f"`{b}` and `{a}` were trained on different data: their differences mix the architecture with the corpus")
+        if "training processes" in ps["differ"]:
+            lines.append(f"`{b}` and `{a}` were trained with different numbers of processes: NAG gate telemetry and the "
+                         "training log's val bpb are measured per process count and do not compare exactly")
+    if ps["unknown"]:
+        runs = sorted({n for names in ps["unknown"].values() for n in names})
+        lines.append(f"not recorded for {', '.join(f'`{n}`' for n in runs)} (written before compare could check them): "
+                     f"{', '.join(ps['unknown'])}; compare cannot tell whether `{b}` and `{a}` share them")
+    return lines
+
+
+def measured_section(runs, pairs):
+    labels = [label for label in MEASURED_WITH if any(label in measured_with(r) for r in runs)]
+    cols = [measured_with(r) for r in runs]
+
+    def value(col, label):
+        if label not in col:
+            return "—"
+        return "not recorded" if col[label] is None else f"`{col[label]}`"
+
+    rows = [[label, *[value(c, label) for c in cols]] for label in labels]
+    out = "## What the numbers were measured with\n\n" + table(["", *[f"`{r['name']}`" for r in runs]], rows)
+    lines = [line for ps in pairs for line in difference_lines(ps)]
+    if lines:
+        out += "\n\n" + "\n".join(f"- {line}" for line in lines)
+    return out + "\n"
 
 
 # ---------------------------------------------------------------------------
@@ -317,46 +517,78 @@ def items_text(task_stats):
 
 
 def sentence(a, b, what, r, where):
-    """The verdict in words: the delta, its interval, and whether it stands out of the noise."""
+    """The verdict in words: the delta, its interval, and whether it stands out of the noise; without
+    enough units (stats.MIN_UNITS) the delta alone and why there is no interval."""
+    if r.get("too_few"):  # the delta, but no interval, p-value or verdict
+        return f"{b} − {a} {what} = {r['delta']:+.4f}: {r['too_few']}"
     lo, hi = r["ci"]
     call = "distinguishable from noise" if lo > 0 or hi < 0 else "not distinguishable from noise"
     return f"{b} − {a} {what} = {r['delta']:+.4f} (95% CI {lo:+.4f} … {hi:+.4f}, p = {r['p']:.3g}): {call} {where}"
+
+
+def core_stats(a, b):
+    """CORE interval of b against a, per task and aggregate, each marked too_few where it has too few items."""
+    check_same_items(a, b)
+    (cols_a, settings), (cols_b, _) = a["records"], b["records"]
+    r = stats.core_delta_interval(cols_a, cols_b, settings, n_resamples=N_RESAMPLES, seed=0)
+    T = len(settings["tasks"])
+    full = T == NUM_CORE_TASKS and a["eval"].get("core_metric") is not None and b["eval"].get("core_metric") is not None
+    r["label"] = "CORE" if full else f"partial CORE ({T}/{NUM_CORE_TASKS})"
+    # each task's interval resamples its items; the aggregate sums them, so it rests on all the items
+    for t in r["tasks"].values():
+        t["too_few"] = stats.too_few_units(t["n"], "items")
+    r["too_few"] = stats.too_few_units(sum(t["n"] for t in r["tasks"].values()), "items")
+    # the smallest difference this evaluation resolves, from how often the two runs disagree per task
+    disc, sizes, bases = {}, {}, {}
+    for label, info in settings["tasks"].items():
+        ca = {i: c for t, i, c in zip(cols_a["task"], cols_a["idx"], cols_a["correct"]) if t == label}
+        cb = {i: c for t, i, c in zip(cols_b["task"], cols_b["idx"], cols_b["correct"]) if t == label}
+        disc[label] = sum(ca[i] != cb[i] for i in ca) / len(ca)
+        sizes[label], bases[label] = len(ca), info["random_baseline"]
+    r["mde"], r["se"] = stats.min_detectable_core_diff(sizes, bases, discordance=disc)
+    return r
 
 
 def pair_stats(a, b):
     """Intervals of run b against run a: CORE (with per-task deltas) and val bpb, each where both runs
     have what it needs; `sentences` says what was found, `notes` why something is missing."""
     out = {"a": a, "b": b, "core": None, "bpb": None, "sentences": [], "notes": []}
+    out["differ"], out["unknown"] = pair_differences(a, b)
     if a["records"] and b["records"]:
-        check_same_items(a, b)
-        (cols_a, settings), (cols_b, _) = a["records"], b["records"]
-        r = stats.core_delta_interval(cols_a, cols_b, settings, n_resamples=N_RESAMPLES, seed=0)
-        T = len(settings["tasks"])
-        full = T == NUM_CORE_TASKS and a["eval"].get("core_metric") is not None and b["eval"].get("core_metric") is not None
-        r["label"] = "CORE" if full else f"partial CORE ({T}/{NUM_CORE_TASKS})"
-        # the smallest difference this evaluation resolves, from how often the two runs disagree per task
-        disc, sizes, bases = {}, {}, {}
-        for label, info in settings["tasks"].items():
-            ca = {i: c for t, i, c in zip(cols_a["task"], cols_a["idx"], cols_a["correct"]) if t == label}
-            cb = {i: c for t, i, c in zip(cols_b["task"], cols_b["idx"], cols_b["correct"]) if t == label}
-            disc[label] = sum(ca[i] != cb[i] for i in ca) / len(ca)
-            sizes[label], bases[label] = len(ca), info["random_baseline"]
-        r["mde"], r["se"] = stats.min_detectable_core_diff(sizes, bases, discordance=disc)
-        out["core"] = r
+        r = out["core"] = core_stats(a, b)
         out["sentences"].append(sentence(a["name"], b["name"], r["label"], r, f"at {items_text(r['tasks'])}"))
     elif (a["eval"] or {}).get("tasks") or (b["eval"] or {}).get("tasks"):
         out["notes"].append("only one of the runs has CORE results: no CORE interval")
-    va, vb = (a["eval"] or {}).get("val_batches"), (b["eval"] or {}).get("val_batches")
-    if va and vb and va.get("bytes") == vb.get("bytes"):
+    ea, eb = a["eval"] or {}, b["eval"] or {}
+    if ea.get("val_bpb") is None or eb.get("val_bpb") is None:
+        return out
+    va, vb = ea.get("val_batches"), eb.get("val_batches")
+    both = f"{b['name']} − {a['name']} val bpb = {eb['val_bpb'] - ea['val_bpb']:+.4f} ({a['name']} {ea['val_bpb']:.4f}, {b['name']} {eb['val_bpb']:.4f})"
+    refuse = [f"{label} ({out['differ'][label]})" for label in BPB_DEPENDS_ON if label in out["differ"]]
+    if refuse:  # both numbers, and the true reason they do not pair
+        out["sentences"].append(f"{both}: no interval, the runs differ in {'; '.join(refuse)}")
+    elif not (isinstance(va, dict) and isinstance(vb, dict) and va.get("nats") and vb.get("nats")):
+        out["notes"].append("an eval.json without per-batch val losses (from before they were kept): no bpb interval; rerun base_eval")
+    elif va.get("bytes") != vb.get("bytes"):
+        unknown = [label for label in BPB_DEPENDS_ON if label in out["unknown"]]
+        why = (f"{', '.join(unknown)} not recorded" if unknown else
+               "with the same tokenizer, val data, val tokens and processes: another --device-batch-size or sequence length")
+        out["sentences"].append(f"{both}: no interval, the runs' val batches differ ({len(va['nats'])} vs {len(vb['nats'])} batches, "
+                                f"other byte counts; {why})")
+    else:
         r = stats.bpb_delta_interval(va["nats"], vb["nats"], va["bytes"], n_resamples=N_RESAMPLES, seed=0)
+        r["too_few"] = stats.too_few_units(r["batches"], "batches")
         out["bpb"] = r
         out["sentences"].append(sentence(a["name"], b["name"], "val bpb", r, f"on {r['batches']} shared val batches (lower is better)"))
-    elif va and vb:
-        out["notes"].append("the runs' val bpb was measured on different batches (other --split-tokens, batch size or "
-                            "sequence length): no bpb interval")
-    elif (a["eval"] or {}).get("val_bpb") is not None and (b["eval"] or {}).get("val_bpb") is not None:
-        out["notes"].append("an eval.json without per-batch val losses (from before they were kept): no bpb interval; rerun base_eval")
     return out
+
+
+def interval_cells(r):
+    """Δ (starred where the interval excludes 0), interval and p cells of one row; too few items: the reason."""
+    if r.get("too_few"):
+        return [f"{r['delta']:+.4f}", r["too_few"], "—"]
+    mark = " \\*" if r["ci"][0] > 0 or r["ci"][1] < 0 else ""
+    return [f"{r['delta']:+.4f}{mark}", f"{r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}", f"{r['p']:.3g}"]
 
 
 def significance_section(pairs):
@@ -368,19 +600,32 @@ def significance_section(pairs):
         r = ps["core"]
         if r is None:
             continue
-        rows = []
-        for label, t in r["tasks"].items():
-            mark = " \\*" if t["ci"][0] > 0 or t["ci"][1] < 0 else ""
-            rows.append([f"`{label}`", f"{t['delta']:+.4f}{mark}", f"{t['ci'][0]:+.4f} … {t['ci'][1]:+.4f}", f"{t['p']:.3g}",
-                         f"{t['se_a']:.4f}", f"{t['se_b']:.4f}", t["n"]])
-        mark = " \\*" if r["ci"][0] > 0 or r["ci"][1] < 0 else ""
-        rows.append([f"**{r['label']}**", f"{r['delta']:+.4f}{mark}", f"{r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}", f"{r['p']:.3g}", "", "", ""])
+        rows = [[f"`{label}`", *interval_cells(t), f"{t['se_a']:.4f}", f"{t['se_b']:.4f}", t["n"]] for label, t in r["tasks"].items()]
+        rows.append([f"**{r['label']}**", *interval_cells(r), "", "", ""])
         out.append(table(["task", f"Δ centred (`{b}` − `{a}`)", "95% CI", "p", f"SE `{a}`", f"SE `{b}`", "items"], rows))
-        out.append(f"\\* the 95% interval excludes 0. Items are resampled within each task ({N_RESAMPLES:,} resamples, seed 0); "
+        out.append(f"\\* the 95% interval excludes 0. Items are resampled within each task ({N_RESAMPLES:,} resamples, seed 0), "
+                   f"where a task has at least {stats.MIN_UNITS} (the aggregate: all items together); "
                    f"SE is one run's standard error of the centred accuracy. With these items and how often the two runs "
                    f"disagree, the smallest {r['label']} difference found 80% of the time at the 5% level is "
                    f"±{r['mde']:.4f} (SE {r['se']:.4f}).")
     return "\n\n".join(out) + "\n"
+
+
+def history_notes(runs):
+    """A run whose evaluated steps were measured differently: its curve over steps mixes them."""
+    lines = []
+    for r in runs:
+        for key in ("split_tokens", "world_size", "tokenizer", "data_val"):
+            seen = {}
+            for step, rec in r["history"]:
+                if rec.get("val_bpb") is None:
+                    continue
+                value = (rec.get("fingerprints") or {}).get(key) if key in FINGERPRINTS else rec.get(key)
+                seen.setdefault("not recorded" if value is None else str(value), step)
+            if len(seen) > 1:
+                where = ", ".join(f"{v} at step {step}" for v, step in seen.items())
+                lines.append(f"`{r['name']}`: its evaluated steps differ in {KEY_NAMES[key]} ({where}); its val bpb over steps mixes them.")
+    return lines
 
 
 def notes(runs, figures):
@@ -394,7 +639,11 @@ def notes(runs, figures):
             continue
         if ev.get("tasks") and ev.get("core_metric") is None:
             missing = ", ".join(ev.get("missing_tasks") or []) or "none"
-            lines.append(f"`{name}`: CORE was scored on {ev.get('num_tasks_scored')} of {NUM_CORE_TASKS} tasks, so only a "
+            why = ""
+            if ev.get("interrupted"):  # base_eval resumes it at the first task not reached
+                left = ", ".join(ev.get("interrupted_tasks") or []) or "not recorded"
+                why = f"the CORE evaluation was interrupted (tasks not reached: {left}; rerun base_eval to resume it): "
+            lines.append(f"`{name}`: {why}CORE was scored on {ev.get('num_tasks_scored')} of {NUM_CORE_TASKS} tasks, so only a "
                          f"partial CORE is shown (missing: {missing}).")
         if not ev.get("tasks") and ev.get("core_error"):
             lines.append(f"`{name}`: CORE was not evaluated ({ev['core_error']}).")
@@ -402,6 +651,7 @@ def notes(runs, figures):
             lines.append(f"`{name}`: eval.json is of step {ev.get('step')}, the training log ends at step {r['metrics'][-1]['step']}.")
         if (ev.get("max_per_task") or -1) > 0 and ev.get("tasks"):
             lines.append(f"`{name}`: CORE used at most {ev['max_per_task']} examples per task, a subset of the full protocol.")
+    lines += history_notes(runs)
     limits = {json.dumps(r["eval"].get("max_per_task")) for r in runs if r["eval"] and r["eval"].get("tasks")}
     if len(limits) > 1:
         lines.append("The runs' CORE scores used different --max-per-task limits and do not compare exactly.")
@@ -434,18 +684,88 @@ def forest_plot(pairs, out_dir, figures):
     labels = list(pairs[0]["core"]["tasks"]) + [pairs[0]["core"]["label"]]
     fig, ax = plt.subplots(figsize=(8, 1.5 + 0.35 * len(labels)))
     for k, ps in enumerate(pairs):
-        r = ps["core"]
+        r, color = ps["core"], f"C{(k + 1) % 10}"
         rows = [r["tasks"][t] for t in labels[:-1]] + [r]
         y = [len(labels) - 1 - i + 0.15 * (k - (len(pairs) - 1) / 2) for i in range(len(labels))]
-        d = [x["delta"] for x in rows]
-        err = [[x["delta"] - x["ci"][0] for x in rows], [x["ci"][1] - x["delta"] for x in rows]]
-        ax.errorbar(d, y, xerr=err, fmt="o", color=f"C{(k + 1) % 10}", capsize=3, label=f"{ps['b']['name']} − {ps['a']['name']}")
-        ax.plot(d[-1], y[-1], "D", color=f"C{(k + 1) % 10}", markersize=9)  # the aggregate stands out
+        shown = [(x, yy) for x, yy in zip(rows, y) if not x.get("too_few")]
+        bare = [(x, yy) for x, yy in zip(rows, y) if x.get("too_few")]  # too few items: the delta, hollow, no bar
+        if shown:
+            err = [[x["delta"] - x["ci"][0] for x, _ in shown], [x["ci"][1] - x["delta"] for x, _ in shown]]
+            ax.errorbar([x["delta"] for x, _ in shown], [yy for _, yy in shown], xerr=err, fmt="o", color=color, capsize=3)
+        if bare:
+            ax.plot([x["delta"] for x, _ in bare], [yy for _, yy in bare], "o", color=color, markerfacecolor="none")
+        ax.plot(rows[-1]["delta"], y[-1], "D", color=color, markersize=9, markerfacecolor="none" if r.get("too_few") else color,
+                label=f"{ps['b']['name']} − {ps['a']['name']}")  # the aggregate stands out
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(labels)), labels[::-1])
-    ax.set(xlabel="Δ centred accuracy (95% CI)", title="CORE deltas per task against the first run")
+    ax.set(xlabel=f"Δ centred accuracy (95% CI; hollow: fewer than {stats.MIN_UNITS} items, no interval)",
+           title="CORE deltas per task against the first run")
     ax.legend(fontsize=8)
     save_figure(fig, ax, out_dir, "core_deltas.png", "CORE deltas per task with 95% intervals", figures)
+
+
+def core_value(rec):
+    """(score, tasks scored, full) of one evaluation record's CORE, or None without CORE results."""
+    if not rec.get("tasks"):
+        return None
+    n = rec.get("num_tasks_scored", len(rec["tasks"]))
+    if rec.get("core_metric") is not None:
+        return rec["core_metric"], n, True
+    return (rec["partial_core"], n, False) if rec.get("partial_core") is not None else None
+
+
+def several_steps(runs):
+    return any(len(r["history"]) > 1 for r in runs)
+
+
+def step_plot(runs, out_dir, figures):
+    """base_eval's val bpb and CORE at every evaluated step, one point per step; a partial CORE is hollow."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    if not several_steps(runs):
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for k, r in enumerate(runs):
+        color = f"C{k % 10}"
+        bpb = [(step, rec["val_bpb"]) for step, rec in r["history"] if rec.get("val_bpb") is not None]
+        if bpb:
+            left.plot(*zip(*bpb), color=color, marker="o", label=r["name"])
+        core = [(step, core_value(rec), rec.get("interrupted")) for step, rec in r["history"] if core_value(rec)]
+        if core:
+            right.plot([s for s, _, _ in core], [c[0] for _, c, _ in core], color=color, label=r["name"])
+            for step, (score, n, full), cut in core:
+                right.plot(step, score, "o", color=color, markerfacecolor=color if full else "none")
+                if not full:
+                    right.annotate(f"{n}/{NUM_CORE_TASKS}" + (" interrupted" if cut else ""), (step, score), fontsize=7,
+                                   textcoords="offset points", xytext=(4, 4))
+    left.set(xlabel="step", ylabel="val bits per byte", title="val bpb (base_eval) per evaluated step")
+    right.set(xlabel="step", ylabel="CORE (centred)", title=f"CORE per evaluated step (hollow: partial, tasks of {NUM_CORE_TASKS})")
+    for ax in (left, right):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax.lines:
+            ax.legend(fontsize=8)
+    right.grid(alpha=0.3)
+    save_figure(fig, left, out_dir, "eval_vs_step.png", "val bpb and CORE at every evaluated step (hollow: partial CORE)", figures)
+
+
+def steps_section(runs, figures):
+    """Every evaluated step of every run: val bpb and CORE, a partial or interrupted CORE said so."""
+    rows = []
+    for r in runs:
+        for step, rec in r["history"]:
+            core = core_value(rec)
+            if core is None:
+                cell = "—"
+            elif core[2]:
+                cell = f"{core[0]:.4f}"
+            else:
+                cut = ", interrupted" if rec.get("interrupted") else ""
+                cell = f"{core[0]:.4f} (partial, {core[1]}/{NUM_CORE_TASKS}{cut})"
+            rows.append([f"`{r['name']}`", f"{step:,}", fmt(rec.get("val_bpb")), cell])
+    text = "## Evaluated steps\n\n" + table(["run", "step", "val bpb", "CORE"], rows)
+    if "eval_vs_step.png" in figures:
+        text += f"\n\n![{figures['eval_vs_step.png']}](eval_vs_step.png)"
+    return text + "\n"
 
 
 def make_figures(runs, out_dir, beta, pairs=()):
@@ -506,6 +826,7 @@ def make_figures(runs, out_dir, beta, pairs=()):
         ax.legend()
         save_figure(fig, ax, out_dir, "gate_dead_branches.png", "NAG dead-branch count", figures)
     forest_plot(pairs, out_dir, figures)
+    step_plot(runs, out_dir, figures)
     mod_curve_plot(runs, out_dir, figures)
     return figures
 
@@ -568,19 +889,25 @@ def compare(run_args, out_dir=None, beta=0.95):
         seen[r["name"]] = seen.get(r["name"], 0) + 1
         if seen[r["name"]] > 1:
             r["name"] = f"{r['name']}#{seen[r['name']]}"
-    out_dir = out_dir or os.path.join(get_base_dir(), "reports", "_vs_".join(r["name"] for r in runs))
+    inputs = report_inputs([r["dir"] for r in runs])
+    if out_dir is None:  # named after the runs and steps only: it must not replace a report of other inputs
+        out_dir = default_out_dir(runs)
+        check_report_folder(out_dir, inputs)
     pairs = [pair_stats(runs[0], r) for r in runs[1:]]  # before any output: refused pairs write nothing
-    os.makedirs(out_dir, exist_ok=True)
+    ensure_writable_dir(out_dir)
+    atomic_write_json(os.path.join(out_dir, INPUTS), inputs)  # first: a report cut short is still known as of these inputs
     figures = make_figures(runs, out_dir, beta, pairs)
 
     title = " vs ".join(f"`{r['name']}`" for r in runs)
     parts = [f"# {title}", "\n".join(f"- `{r['name']}` ({r['config'].get('arch', '?')}): {r['dir']}" for r in runs),
-             summary_section(runs, beta), config_section(runs), core_section(runs)]
+             summary_section(runs, beta), measured_section(runs, pairs), config_section(runs), core_section(runs)]
     if pairs:
         parts.append(significance_section(pairs))
         if "core_deltas.png" in figures:
             parts[-1] += f"\n![{figures['core_deltas.png']}](core_deltas.png)\n"
-    curves = [f"![{cap}]({name})" for name, cap in figures.items() if not name.startswith(("gate_", "core_deltas", "mod_"))]
+    if several_steps(runs):
+        parts.append(steps_section(runs, figures))
+    curves = [f"![{cap}]({name})" for name, cap in figures.items() if not name.startswith(("gate_", "core_deltas", "mod_", "eval_vs_step"))]
     parts.append("## Training curves\n\n" + "\n\n".join(curves))
     gates = [f"![{cap}]({name})" for name, cap in figures.items() if name.startswith("gate_")]
     if gates:
@@ -596,8 +923,9 @@ def compare(run_args, out_dir=None, beta=0.95):
         parts.append(note)
     report = os.path.join(out_dir, "report.md")
     atomic_write_bytes(report, ("\n\n".join(p.rstrip("\n") for p in parts) + "\n").encode())
-    print(parts[2])  # the side-by-side summary (steps, tokens, FLOPs, loss, bpb, CORE), the verdicts, then where the rest is
-    for line in [s for ps in pairs for s in ps["sentences"]] + [n for r in runs for n in r["notes"]]:
+    print(parts[2])  # the side-by-side summary (steps, tokens, FLOPs, loss, bpb, CORE), what differs, the verdicts, then where the rest is
+    warnings = [f"warning: {line}" for ps in pairs for line in difference_lines(ps)]
+    for line in warnings + [s for ps in pairs for s in ps["sentences"]] + [n for r in runs for n in r["notes"]]:
         print(line)
     print(f"\nreport with figures: {report}")
     return report
@@ -606,7 +934,8 @@ def compare(run_args, out_dir=None, beta=0.95):
 def main(argv=None):
     p = argparse.ArgumentParser(description="Compare training runs (e.g. a FLOP-matched GPT / NAG pair): report.md + figures.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
-    p.add_argument("--out", type=str, default=None, help="output directory (default: $NANOCHAT_BASE_DIR/reports/<run1>_vs_<run2>)")
+    p.add_argument("--out", type=str, default=None, help="output directory, replacing a report there (default: $NANOCHAT_BASE_DIR/reports/"
+                   "<run1>@<step>_vs_<run2>@<step>, never replacing a report of other inputs)")
     p.add_argument("--ema", type=float, default=0.95, help="EMA factor that smooths the train loss curve")
     args = p.parse_args(argv)
     with exit_on_user_error():

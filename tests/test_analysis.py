@@ -314,6 +314,30 @@ def test_bad_input_is_one_line_and_writes_nothing(pair, tmp_path, monkeypatch, s
     assert not out.exists() and not list(tmp_path.glob(".analysis-tmp-*"))
 
 
+@pytest.mark.parametrize("how", ["file in the way", "read-only"])
+def test_unwritable_output_is_one_line_before_the_pass(pair, tmp_path, monkeypatch, script_error, how):
+    from analysis.run import main
+    base = tmp_path / "base"  # the pair's runs, corpus and tokenizer, with a reports/ that takes no folder
+    os.makedirs(base)
+    for name in ("base_data", "tokenizer", "runs"):
+        os.symlink(os.path.join(pair, name), base / name)
+    if how == "file in the way":  # works as root too: no directory can be made under a regular file
+        open(base / "reports", "w").close()
+    else:
+        os.makedirs(base / "reports")
+        os.chmod(base / "reports", 0o555)
+        if os.access(base / "reports", os.W_OK):
+            os.chmod(base / "reports", 0o755)
+            pytest.skip("running as root: a read-only mode does not stop writes")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    try:  # one line and nothing else on stderr: the pass, whose progress goes there, never started
+        err = script_error(main, "gpt", "nag", "--tokens", "256", "--clusters", "2", "--state-sample", "16",
+                           "--device-batch-size", "2", "--device", "cpu")
+    finally:
+        os.chmod(base / "reports", 0o755)
+    assert "cannot write to" in err and str(base / "reports") in err
+
+
 def test_compare_links_the_analysis(pair, tmp_path, monkeypatch, capsys):
     from analysis.run import main
     from scripts import compare

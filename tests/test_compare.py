@@ -2,8 +2,10 @@
 
 import os
 import json
+import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,8 +18,9 @@ from nanochat.core_eval import load_records, save_records, centered_accuracy
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-MC_ITEMS = [{"query": f"Document {i}. The", "choices": ["model is", "of and", "to"], "gold": i % 3} for i in range(5)]
-SCHEMA_ITEMS = [{"context_options": [f"The head {i}", f"The layer {i}"], "continuation": "is data.", "gold": i % 2} for i in range(5)]
+# 32 items: each task's interval needs stats.MIN_UNITS; 20: the schema task has too few for its own
+MC_ITEMS = [{"query": f"Document {i}. The", "choices": ["model is", "of and", "to"], "gold": i % 3} for i in range(32)]
+SCHEMA_ITEMS = [{"context_options": [f"The head {i}", f"The layer {i}"], "continuation": "is data.", "gold": i % 2} for i in range(20)]
 # two scored tasks (multiple choice, schema) and one listed in core.yaml without its file
 TASKS = [("mc_task", "multiple_choice", 0, 25.0, MC_ITEMS), ("schema_task", "schema", 0, 50.0, SCHEMA_ITEMS),
          ("gone_task", "multiple_choice", 0, 25.0, None)]
@@ -55,7 +58,7 @@ def table_row(report, first_cell):
 
 def test_report_of_a_pair(pair, capsys):
     path = compare.main(["gpt", "nag"])
-    assert path == os.path.join(pair["base"], "reports", "gpt_vs_nag", "report.md")
+    assert path == os.path.join(pair["base"], "reports", "gpt@6_vs_nag@6", "report.md")
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].endswith(path)
     assert "| steps |" in out and "| final val bpb (training log) |" in out  # the side-by-side table on stdout
@@ -132,18 +135,19 @@ def test_intervals_verdict_and_forest_plot(pair, tmp_path, capsys):
     report = open(path).read()
     recs = {a: load_records(os.path.join(d, "core_records.parquet")) for a, d in pair["runs"].items()}
     r = stats.core_delta_interval(recs["gpt"][0], recs["nag"][0], recs["gpt"][1])
-    for task in ("mc_task", "schema_task"):
-        t = r["tasks"][task]
-        assert table_row(report, f"`{task}`")[1:3] == [f"{t['ci'][0]:+.4f} … {t['ci'][1]:+.4f}", f"{t['p']:.3g}"]
+    t = r["tasks"]["mc_task"]
+    assert table_row(report, "`mc_task`")[1:3] == [f"{t['ci'][0]:+.4f} … {t['ci'][1]:+.4f}", f"{t['p']:.3g}"]
+    assert table_row(report, "`schema_task`")[1:3] == ["too few items for an interval (20 < 30)", "—"]
     assert table_row(report, "**partial CORE (2/22)**")[:2] == [f"{r['delta']:+.4f}" + (" \\*" if r["ci"][0] > 0 or r["ci"][1] < 0 else ""),
                                                                 f"{r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}"]
     out = capsys.readouterr().out
     assert f"nag − gpt partial CORE (2/22) = {r['delta']:+.4f} (95% CI {r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}" in out
-    assert "at 5 items per task" in out and "(95% CI" in report
+    assert "at 52 items over 2 tasks" in out and "(95% CI" in report
     evs = {a: json.load(open(os.path.join(d, "eval.json"))) for a, d in pair["runs"].items()}
     b = stats.bpb_delta_interval(evs["gpt"]["val_batches"]["nats"], evs["nag"]["val_batches"]["nats"], evs["gpt"]["val_batches"]["bytes"])
     assert b["delta"] == pytest.approx(evs["nag"]["val_bpb"] - evs["gpt"]["val_bpb"], rel=1e-9)
-    assert f"nag − gpt val bpb = {b['delta']:+.4f} (95% CI {b['ci'][0]:+.4f} … {b['ci'][1]:+.4f}" in report and "on 4 shared val batches" in report
+    # 4 val batches: the delta, no interval
+    assert f"nag − gpt val bpb = {b['delta']:+.4f}: too few batches for an interval (4 < 30)" in report
     data = open(tmp_path / "real" / "core_deltas.png", "rb").read()
     assert data.startswith(PNG_MAGIC) and len(data) > 5000 and "](core_deltas.png)" in report
 
@@ -153,8 +157,8 @@ def test_intervals_verdict_and_forest_plot(pair, tmp_path, capsys):
     g = evs["gpt"]["tasks"]["mc_task"]
     delta = (1 - g["accuracy"]) / 0.75
     assert g["accuracy"] < 1 and table_row(report, "`mc_task`")[0] == f"{delta:+.4f} \\*"  # marked: the interval excludes 0
-    assert table_row(report, "`schema_task`")[:3] == ["+0.0000", "+0.0000 … +0.0000", "1"]  # identical verdicts: no noise, p = 1
-    assert "gpt#2 − gpt partial CORE (2/22) = " in report and ": distinguishable from noise at 5 items per task" in report
+    assert table_row(report, "`schema_task`")[:3] == ["+0.0000", "too few items for an interval (20 < 30)", "—"]
+    assert "gpt#2 − gpt partial CORE (2/22) = " in report and ": distinguishable from noise at 52 items over 2 tasks" in report
     # the usual CORE table shows the same deltas
     assert table_row(report, "mc_task")[2] == f"{delta:+.4f}"
 
@@ -223,3 +227,177 @@ def test_config_table_shows_optimizer_differences():
     assert "polar_norm_factor" not in section and "muon_momentum" not in section  # equal: not listed
     runs[1]["config"]["optimizer"]["muon_momentum"]["end"] = 0.95
     assert "`optimizer.muon_momentum.end`" in compare.config_section(runs)
+
+
+# ---------------------------------------------------------------------------
+# hand-written run directories: config.json, metrics.jsonl, eval.json and eval/step_*.json as base_train and
+# base_eval write them, so that what the numbers were measured with can be set at will
+
+FP = {"tokenizer": "70ce" * 4, "data_train": "da7a" * 4, "data_val": "0a1a" * 4}
+
+
+def eval_record(step, bpb, batches=40, seed=0, fingerprints=FP, world_size=1, core=None, interrupted=False):
+    """An eval record of `batches` val batches around `bpb`, with CORE from {task: 0/1 verdicts} if given."""
+    rng = np.random.default_rng(seed)
+    nbytes = [1000] * batches
+    nats = [n * math.log(2) * (bpb + 0.02 * rng.standard_normal()) for n in nbytes]
+    rec = {"step": step, "val_bpb": sum(nats) / (math.log(2) * sum(nbytes)), "train_bpb": None, "split_tokens": batches * 256,
+           "val_batches": {"nats": nats, "bytes": nbytes}, "world_size": world_size, "fingerprints": fingerprints,
+           "tasks": {}, "core_metric": None, "partial_core": None, "num_tasks_scored": 0, "missing_tasks": None, "core_records": None}
+    if fingerprints is None:  # an evaluation from before they were recorded
+        for key in ("world_size", "fingerprints"):
+            rec.pop(key)
+    if core:
+        rec["tasks"] = {t: {"accuracy": sum(v) / len(v), "centered": centered_accuracy(sum(v) / len(v), 25.0), "num_examples": len(v)}
+                        for t, v in core.items()}
+        rec.update(partial_core=sum(t["centered"] for t in rec["tasks"].values()) / len(core), num_tasks_scored=len(core),
+                   missing_tasks=[], core_records="core_records.parquet", max_per_task=-1)
+        if interrupted:
+            rec["interrupted"] = True
+    return rec
+
+
+def write_run(root, name, evals, arch="gpt", train_fingerprints=FP, core=None):
+    """A run directory evaluated at each record of evals (the last is eval.json); core: its CORE verdicts."""
+    run_dir = os.path.join(root, name)
+    os.makedirs(os.path.join(run_dir, "eval"))
+    last = evals[-1]["step"]
+    config = {"run": name, "arch": arch, "world_size": 1, "num_iterations": last, "args": {"arch": arch}}
+    if train_fingerprints:
+        config["fingerprints"] = train_fingerprints
+    json.dump(config, open(os.path.join(run_dir, "config.json"), "w"))
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for step in range(last + 1):
+            f.write(json.dumps({"step": step, "train_loss": 5.0 - step / 10, "flops": 1e9 * step, "tokens": 256 * step}) + "\n")
+    for rec in evals:
+        json.dump(rec, open(os.path.join(run_dir, "eval", f"step_{rec['step']:06d}.json"), "w"))
+    json.dump(evals[-1], open(os.path.join(run_dir, "eval.json"), "w"))
+    if evals[-1]["tasks"]:
+        rows = [{"task": t, "idx": i, "correct": bool(c), "margin": 0.0, "item": f"{t}-{i}"}
+                for t, verdicts in core.items() for i, c in enumerate(verdicts)]
+        settings = {"max_per_task": -1, "step": last, "tasks": {t: {"random_baseline": 25.0, "num_fewshot": 0} for t in core}}
+        save_records(os.path.join(run_dir, "core_records.parquet"), rows, settings, atomic_write_bytes)
+    return run_dir
+
+
+@pytest.fixture
+def hand_base(tmp_path, monkeypatch):
+    base = tmp_path / "base"
+    os.makedirs(base / "runs")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    return base
+
+
+def test_runs_on_two_corpora_name_the_data_difference(hand_base, capsys):
+    other = {**FP, "data_train": "beef" * 4, "data_val": "f00d" * 4}
+    write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
+    write_run(hand_base / "runs", "b", [eval_record(6, 1.20, seed=1, fingerprints=other)], arch="nag", train_fingerprints=other)
+    report = open(compare.main(["a", "b"])).read()
+    out = capsys.readouterr().out
+    for text in (report, out):
+        assert f"training data (data_train fingerprint {FP['data_train']} vs {'beef' * 4})" in text
+        assert f"val data (data_val fingerprint {FP['data_val']} vs {'f00d' * 4})" in text
+        assert "b − a val bpb = " in text and ": no interval, the runs differ in training data" in text
+    assert "--split-tokens" not in report and "val bpb = " in out and "95% CI" not in out  # both numbers, no interval
+    assert table_row(report, "val data") == [f"`{FP['data_val']}`", f"`{'f00d' * 4}`"]
+
+
+def test_evaluation_process_count_is_flagged(hand_base, capsys):
+    write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
+    write_run(hand_base / "runs", "b", [eval_record(6, 1.20, seed=1, world_size=8)])
+    report = open(compare.main(["a", "b"])).read()
+    out = capsys.readouterr().out
+    assert "warning: `b` vs `a` differ in evaluation processes (world_size 1 vs 8)" in out
+    assert "no interval, the runs differ in evaluation processes (world_size 1 vs 8)" in report and "95% CI" not in report
+
+
+def test_unrecorded_fingerprints_are_said_not_guessed(hand_base, capsys):
+    write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
+    write_run(hand_base / "runs", "old", [eval_record(6, 1.20, seed=1, fingerprints=None)], train_fingerprints=None)
+    report = open(compare.main(["a", "old"])).read()
+    assert table_row(report, "training data") == [f"`{FP['data_train']}`", "not recorded"]
+    assert "not recorded for `old`" in report and "training data, tokenizer, val data, evaluation processes" in report
+    assert "(95% CI" in report  # what was recorded agrees, and the batches pair: the interval stands
+
+
+def test_intervals_need_enough_batches(hand_base, capsys):
+    write_run(hand_base / "runs", "a", [eval_record(6, 1.30, batches=2)])
+    write_run(hand_base / "runs", "b", [eval_record(6, 1.20, batches=2, seed=1)])
+    report = open(compare.main(["a", "b"])).read()
+    out = capsys.readouterr().out
+    delta = eval_record(6, 1.20, batches=2, seed=1)["val_bpb"] - eval_record(6, 1.30, batches=2)["val_bpb"]
+    assert f"b − a val bpb = {delta:+.4f}: too few batches for an interval (2 < 30)" in out
+    assert "95% CI" not in report and "distinguishable" not in report and "p = " not in report
+    write_run(hand_base / "runs", "c", [eval_record(6, 1.30, batches=30)])
+    write_run(hand_base / "runs", "d", [eval_record(6, 1.20, batches=30, seed=1)])
+    compare.main(["c", "d"])
+    assert "(95% CI" in capsys.readouterr().out and ": distinguishable from noise on 30 shared val batches" in open(
+        os.path.join(hand_base, "reports", "c@6_vs_d@6", "report.md")).read()
+
+
+def test_core_intervals_need_enough_items(hand_base, capsys):
+    rng = np.random.default_rng(0)
+    few = {t: list(rng.integers(0, 2, 10)) for t in ("t1", "t2")}
+    more = {t: list(rng.integers(0, 2, 20)) for t in ("t1", "t2")}
+    for name, core in (("a", few), ("b", {t: [1] * 10 for t in few}), ("c", more), ("d", {t: [1] * 20 for t in more})):
+        write_run(hand_base / "runs", name, [eval_record(6, 1.3, core=core)], core=core)
+    report = open(compare.main(["a", "b"])).read()
+    assert "partial CORE (2/22) = " in report and "too few items for an interval (20 < 30)" in report
+    assert table_row(report, "`t1`")[1:3] == ["too few items for an interval (10 < 30)", "—"]
+    report = open(compare.main(["c", "d"])).read()  # 40 items in all: the aggregate has its interval, each task not
+    assert "distinguishable from noise at 20 items per task" in report and table_row(report, "`t1`")[1] == "too few items for an interval (20 < 30)"
+    assert "…" in table_row(report, "**partial CORE (2/22)**")[1]
+
+
+def test_default_folder_never_replaces_a_report_of_other_inputs(hand_base, tmp_path, script_error):
+    a = write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
+    write_run(hand_base / "runs", "b", [eval_record(6, 1.20, seed=1)])
+    path = compare.main(["a", "b"])
+    folder = os.path.join(hand_base, "reports", "a@6_vs_b@6")
+    assert path == os.path.join(folder, "report.md") and compare.report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
+    os.utime(path, (0, 0))
+    assert compare.main(["a", "b"]) == path and os.path.getmtime(path) > 0  # the same inputs: rewritten
+    # runs of the same names in another base dir
+    elsewhere = tmp_path / "other"
+    write_run(elsewhere, "a", [eval_record(6, 1.25, seed=2)])
+    write_run(elsewhere, "b", [eval_record(6, 1.21, seed=3)])
+    err = script_error(compare.main, str(elsewhere / "a"), str(elsewhere / "b"))
+    assert f"{folder} holds a report of other inputs" in err and "pass --out" in err and str(elsewhere / "a") in err
+    # a re-evaluation of the first run at the same step
+    json.dump(eval_record(6, 1.29, seed=4), open(os.path.join(a, "eval.json"), "w"))
+    err = script_error(compare.main, "a", "b")
+    assert f"an earlier evaluation of {os.path.realpath(a)}" in err
+    assert not compare.report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
+    assert compare.main(["a", "b", "--out", folder]) == path  # asked for: replaced
+    assert compare.report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
+
+
+def test_several_evaluated_steps_are_plotted(hand_base, capsys):
+    core = {f"t{i}": [1, 0] * 20 for i in range(3)}
+    write_run(hand_base / "runs", "a", [eval_record(2, 1.5, core=core), eval_record(4, 1.4, core=core, interrupted=True),
+                                        eval_record(6, 1.3, core=core)], core=core)
+    write_run(hand_base / "runs", "b", [eval_record(3, 1.45, seed=1), eval_record(6, 1.25, seed=2, core=core)], core=core)
+    report = open(compare.main(["a", "b"])).read()
+    data = open(os.path.join(hand_base, "reports", "a@6_vs_b@6", "eval_vs_step.png"), "rb").read()
+    assert data.startswith(PNG_MAGIC) and "](eval_vs_step.png)" in report
+    assert table_row(report, "`a` | 4")[1] == f"{eval_record(4, 1.4)['val_bpb']:.4f}"
+    assert "(partial, 3/22, interrupted)" in table_row(report, "`a` | 4")[2] and table_row(report, "`b` | 3")[2] == "—"
+    assert "## Evaluated steps" in report
+
+
+@pytest.mark.parametrize("how", ["file in the way", "read-only"])
+def test_unwritable_base_dir_is_one_line(hand_base, script_error, how):
+    write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
+    if how == "file in the way":  # works as root too: no directory can be made under a regular file
+        open(hand_base / "reports", "w").close()
+    else:
+        os.makedirs(hand_base / "reports")
+        os.chmod(hand_base / "reports", 0o555)
+        if os.access(hand_base / "reports", os.W_OK):
+            os.chmod(hand_base / "reports", 0o755)
+            pytest.skip("running as root: a read-only mode does not stop writes")
+    try:
+        err = script_error(compare.main, "a")
+    finally:
+        os.chmod(hand_base / "reports", 0o755)
+    assert "cannot write to" in err and "reports" in err

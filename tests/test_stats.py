@@ -128,3 +128,14 @@ def test_min_detectable_difference():
     assert stats.min_detectable_core_diff({"t": 1000}, {"t": 50})[1] == pytest.approx(2 * se)
     # measured discordance (paired runs agree on most items) replaces the independent-runs variance
     assert stats.min_detectable_core_diff({"t": 1000}, {"t": 0}, discordance=0.1)[1] == pytest.approx(math.sqrt(0.1 / 1000))
+
+
+def test_too_few_units_gives_the_reason_instead_of_an_interval():
+    assert stats.MIN_UNITS == 30
+    assert stats.too_few_units(2, "batches") == "too few batches for an interval (2 < 30)"
+    assert stats.too_few_units(29, "items") == "too few items for an interval (29 < 30)"
+    assert stats.too_few_units(30, "batches") is None and stats.too_few_units(10_000, "items") is None
+    # why: 2 batches whose deltas share a sign (half the time with no true difference) give a "95% interval"
+    # excluding 0 and the smallest p-value there is, however far apart the two deltas are
+    r = stats.bpb_delta_interval([1.0, 1.0], [0.99, 0.5], [1, 1])
+    assert r["ci"][1] < 0 and r["p"] == pytest.approx(1 / 10001)
