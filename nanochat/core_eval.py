@@ -580,14 +580,16 @@ def item_key(item):
     return hashlib.sha1(json.dumps(item, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def core_summary(results, missing, settings, records):
-    """The CORE dict of the tasks scored so far (evaluate_core's return value)."""
+def core_summary(results, missing, settings, records, unfinished=()):
+    """The CORE dict of the tasks scored so far (evaluate_core's return value). missing: tasks whose file the
+    bundle lacks; unfinished: tasks of the bundle not scored yet (all of them scored: empty)."""
     n = len(results)
     partial = sum(r["centered"] for r in results.values()) / n if n else None
     complete = n == NUM_CORE_TASKS and not missing
     return {
         "tasks": dict(results),
         "missing_tasks": list(missing),
+        "unfinished_tasks": list(unfinished),
         "num_tasks_scored": n,
         "core_metric": partial if complete else None,
         "partial_core": partial,
@@ -598,23 +600,48 @@ def core_summary(results, missing, settings, records):
     }
 
 
+def records_by_task(columns):
+    """Record dicts of a records file's columns (load_records), grouped by task."""
+    out = {}
+    for row in zip(*(columns[k] for k in RECORD_COLUMNS)):
+        rec = dict(zip(RECORD_COLUMNS, row))
+        out.setdefault(rec["task"], []).append(rec)
+    return out
+
+
+def reusable(done, label, task_settings, data):
+    """The records of `label` from an earlier unfinished run when they were scored with these very settings on these
+    very items (index and content hash, after the shuffle and the cut), else None."""
+    if done is None or label not in done["tasks"] or done["settings"].get("tasks", {}).get(label) != task_settings:
+        return None
+    recs = sorted(done["records"].get(label, []), key=lambda r: r["idx"])
+    if [(r["idx"], r["item"]) for r in recs] != [(i, item_key(x)) for i, x in enumerate(data)]:
+        return None
+    return recs
+
+
 def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_size=32, log=print,
-                  batched=True, max_tokens=None, margin=None, on_task=None):
+                  batched=True, max_tokens=None, margin=None, on_task=None, done=None):
     """Every task of core.yaml; missing task files are skipped and listed. Fewer than 22 tasks scored
     gives core_metric None and a partial CORE under its own label.
     Besides the scores, the result holds `records` (one per scored example: task, idx after the shuffle,
     correct, margin, item hash) and `settings` (what decides which items are scored and how), so two runs
-    can be compared item by item. on_task(summary) is called after each task, for partial saves.
+    can be compared item by item. on_task(summary) is called after each task, for partial saves; its
+    `unfinished_tasks` are the tasks a stop at that point would leave unscored.
+    done: an earlier, unfinished run ({"tasks": {label: result}, "records": {label: [record]}, "settings"}):
+    a task it scored with the same settings on the same items is taken from it instead of scored again.
     A task with too few items for its few-shot count (small --max-per-task) gets fewer shots, noted once."""
     bundle_dir = ensure_eval_bundle(bundle_dir)
     tasks = load_core_tasks(bundle_dir)
-    results, missing, records, fewer = {}, [], [], []
+    path_of = {t["label"]: os.path.join(bundle_dir, "eval_data", t["dataset_uri"]) for t in tasks}
+    missing = [t["label"] for t in tasks if not os.path.isfile(path_of[t["label"]])]
+    unfinished = [t["label"] for t in tasks if t["label"] not in missing]
+    results, records, fewer, kept = {}, [], [], []
     settings = {"max_per_task": max_per_task, "tasks": {}}
     for task in tasks:
         label = task["label"]
-        path = os.path.join(bundle_dir, "eval_data", task["dataset_uri"])
-        if not os.path.isfile(path):
-            missing.append(label)
+        path = path_of[label]
+        if label in missing:
             log(f"{label:<34} missing ({task['dataset_uri']}), skipped")
             continue
         t0 = time.time()
@@ -628,20 +655,31 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_s
         if shots < task["num_fewshot"]:
             fewer.append(f"{label} {task['num_fewshot']}->{shots}")
         task_meta = {"task_type": task["task_type"], "num_fewshot": shots, "continuation_delimiter": task["continuation_delimiter"]}
-        verdicts = task_verdicts(model, tokenizer, data, device, task_meta, batched=batched,
-                                 batch_size=batch_size, max_tokens=max_tokens, margin=margin)
-        accuracy = sum(v["correct"] for v in verdicts) / len(data)
-        centered = centered_accuracy(accuracy, task["random_baseline"])
-        seconds = time.time() - t0
-        results[label] = {"accuracy": accuracy, "centered": centered, "num_examples": len(data), "num_fewshot": shots, "seconds": seconds}
-        settings["tasks"][label] = {"task_type": task["task_type"], "num_fewshot": shots, "num_examples": len(data),
-                                    "continuation_delimiter": task["continuation_delimiter"], "random_baseline": task["random_baseline"]}
-        records += [{"task": label, "idx": v["idx"], "correct": bool(v["correct"]), "margin": float(v["margin"]),
-                     "item": item_key(data[v["idx"]])} for v in verdicts]
+        task_settings = {"task_type": task["task_type"], "num_fewshot": shots, "num_examples": len(data),
+                         "continuation_delimiter": task["continuation_delimiter"], "random_baseline": task["random_baseline"]}
+        earlier = reusable(done, label, task_settings, data)
+        if earlier is not None:
+            results[label], task_records = done["tasks"][label], earlier
+            kept.append(label)
+        else:
+            verdicts = task_verdicts(model, tokenizer, data, device, task_meta, batched=batched,
+                                     batch_size=batch_size, max_tokens=max_tokens, margin=margin)
+            accuracy = sum(v["correct"] for v in verdicts) / len(data)
+            results[label] = {"accuracy": accuracy, "centered": centered_accuracy(accuracy, task["random_baseline"]),
+                              "num_examples": len(data), "num_fewshot": shots, "seconds": time.time() - t0}
+            task_records = [{"task": label, "idx": v["idx"], "correct": bool(v["correct"]), "margin": float(v["margin"]),
+                             "item": item_key(data[v["idx"]])} for v in verdicts]
+        settings["tasks"][label] = task_settings
+        records += task_records
+        unfinished.remove(label)
+        r = results[label]
         log(f"{label:<34} {shots:>2}-shot {task['task_type']:<17} n={len(data):<6} "
-            f"accuracy {accuracy:.4f}  centered {centered:+.4f}  {seconds:6.1f}s")
+            f"accuracy {r['accuracy']:.4f}  centered {r['centered']:+.4f}  "
+            + ("kept from the interrupted run" if earlier is not None else f"{r['seconds']:6.1f}s"))
         if on_task is not None:
-            on_task(core_summary(results, missing, settings, records))
+            on_task(core_summary(results, missing, settings, records, unfinished))
+    if kept:
+        log(f"resumed: {len(kept)} task(s) kept from the interrupted run with the same settings ({', '.join(kept)})")
     if fewer:
         log(f"note: fewer few-shot examples than the protocol's, as the tasks hold too few items "
             f"(max_per_task {max_per_task}): {', '.join(fewer)}")

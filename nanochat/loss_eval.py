@@ -4,15 +4,27 @@ import math
 import torch
 import torch.distributed as dist
 
+from nanochat.dataloader import split_tokens
+
+
+def batch_loss(model, x, y, token_bytes):
+    """(summed nats, bytes) of one batch's targets: float64 and int64 scalars. Special tokens (0 bytes)
+    and ignored targets (-1) are left out."""
+    loss = model(x, y, loss_reduction="none").view(-1)
+    y = y.view(-1)
+    nbytes = torch.where(y >= 0, token_bytes[y.clamp_min(0)], 0)
+    return (loss.double() * (nbytes > 0)).sum(), nbytes.sum()
+
 
 @torch.no_grad()
 def evaluate_bpb(model, batches, steps, token_bytes, per_batch=None):
     """
     Sum the per-token loss (nats) over `steps` batches and divide by the bytes those
-    targets stand for. Special tokens (0 bytes) and ignored targets (-1) are left out.
-    Summed across ranks when distributed. If per_batch is a dict, it receives the summed
-    nats and bytes of each step ("nats", "bytes": lists), so that two models evaluated on the
-    same batches can be compared batch by batch (nanochat.stats.bpb_delta_interval).
+    targets stand for. Summed across ranks when distributed, each rank on its own batches
+    (so the result depends on the number of ranks: evaluate_bpb_shared does not). If per_batch
+    is a dict, it receives the summed nats and bytes of each step ("nats", "bytes": lists), so
+    that two models evaluated on the same batches can be compared batch by batch
+    (nanochat.stats.bpb_delta_interval).
     """
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
@@ -20,12 +32,7 @@ def evaluate_bpb(model, batches, steps, token_bytes, per_batch=None):
     step_nats, step_bytes = [], []
     for _ in range(steps):
         x, y, *_ = next(batches)
-        loss = model(x, y, loss_reduction="none").view(-1)
-        y = y.view(-1)
-        valid = y >= 0
-        nbytes = torch.where(valid, token_bytes[y.clamp_min(0)], 0)
-        counted = nbytes > 0
-        nats, nb = (loss.double() * counted).sum(), nbytes.sum()
+        nats, nb = batch_loss(model, x, y, token_bytes)
         total_nats += nats
         total_bytes += nb
         if per_batch is not None:
@@ -43,3 +50,51 @@ def evaluate_bpb(model, batches, steps, token_bytes, per_batch=None):
     if total_bytes.item() == 0:
         return float("nan")
     return total_nats.item() / (math.log(2) * total_bytes.item())
+
+
+def held_batches(tokenizer, B, T, split, wanted):
+    """`wanted`, or fewer when the split holds fewer batches of B rows of T+1 tokens (the cap training's eval
+    applies): a small split is not cycled over, so no token is counted twice."""
+    row_tokens = B * (T + 1)
+    return min(wanted, split_tokens(tokenizer, split, limit=wanted * row_tokens) // row_tokens)
+
+
+def shared_batches(batches, n, rank=0, world_size=1, device="cpu"):
+    """
+    This rank's share of the first n batches of a stream every rank reads whole (a one-process data_loader):
+    (index, inputs, targets) of batches rank, rank + W, ..., moved to device. The batches, and a bpb over them
+    (evaluate_bpb_shared), are then the same whatever the number of processes W.
+    """
+    for i in range(n):
+        x, y, *_ = next(batches)
+        if i % world_size == rank:
+            yield i, x.to(device), y.to(device)
+
+
+@torch.no_grad()
+def evaluate_bpb_shared(model, batches, token_bytes, per_batch=None):
+    """
+    Bits per byte over the batches of a stream shared by all ranks, `batches` yielding (index, inputs,
+    targets) of this rank's share (shared_batches). Each batch's nats and bytes are gathered into stream
+    order and summed in that order, so the result does not depend on the number of processes. If per_batch
+    is a dict, it receives those lists ("nats", "bytes"), one entry per batch, for paired comparisons
+    (nanochat.stats.bpb_delta_interval).
+    """
+    device = token_bytes.device
+    mine = [(i, *batch_loss(model, x, y, token_bytes)) for i, x, y in batches]
+    n = torch.tensor(max((i + 1 for i, _, _ in mine), default=0), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    nats = torch.zeros(int(n), dtype=torch.float64, device=device)
+    nbytes = torch.zeros(int(n), dtype=torch.int64, device=device)
+    for i, batch_nats, batch_bytes in mine:
+        nats[i], nbytes[i] = batch_nats, batch_bytes
+    if dist.is_initialized():  # every entry is filled by one rank, zero on the others: the sum is exact
+        dist.all_reduce(nats)
+        dist.all_reduce(nbytes)
+    nats, nbytes = nats.tolist(), nbytes.tolist()
+    if per_batch is not None:
+        per_batch["nats"], per_batch["bytes"] = nats, nbytes
+    if sum(nbytes) == 0:
+        return float("nan")
+    return math.fsum(nats) / (math.log(2) * sum(nbytes))

@@ -6,25 +6,35 @@ the CORE score (DCLM protocol, nanochat/core_eval.py) and a few fixed-prompt sam
     python -m scripts.base_eval --run nag-tiny --step 20 --eval bpb --split-tokens 4096 --device-batch-size 4
     torchrun --nproc_per_node=8 -m scripts.base_eval -- --run gpt-published   (GPU)
 
-Writes into the run directory: eval.json (all results, with the per-batch val losses that
-scripts.compare turns into a bpb interval), core_tasks.csv (one row per CORE task) and
-core_records.parquet (every scored CORE example with the eval settings, for paired comparisons).
-CORE results are saved after every task, so a crash keeps the tasks already finished.
+Each evaluated step keeps its results in the run directory's eval/: step_NNNNNN.json (all results, with
+the per-batch val losses that scripts.compare turns into a bpb interval, the tokenizer and data
+fingerprints they were measured with and the number of processes), step_NNNNNN_core_tasks.csv (one row
+per CORE task) and step_NNNNNN_core_records.parquet (every scored CORE example with the eval settings, for
+paired comparisons). eval.json, core_tasks.csv and core_records.parquet at the top of the run directory
+are copies of the highest step evaluated: evaluating an earlier step changes neither them nor any other
+step's files. The bpb batches are those one process reads, whatever the number of processes, and never
+more than the split holds. CORE results are saved after every task: a run stopped early (Ctrl-C, SIGTERM,
+a crash) is marked "interrupted", and the same command resumes it at the first unfinished task.
 With --mod-rate (a NAG checkpoint, or a router-MoD GPT one) it also evaluates the Mixture-of-Depths
 trade-off: at each rate the skip thresholds are calibrated on train-split tokens, held fixed, and the
 val bpb (and CORE, when --eval has it) is measured with the FLOPs actually executed (docs/mod.md):
 
     python -m scripts.base_eval --run nag-tiny --eval bpb --split-tokens 4096 --device-batch-size 4 --mod-rate 0.05,0.1,0.2,0.3,0.4 --mod-blocks both --mod-calib-tokens 8192
 
-Sections not run this time (say `--eval sample`) keep their results from an earlier eval.json
-of the same checkpoint step; an eval.json of another step is replaced whole.
+Sections not run this time (say `--eval sample`) keep their results from an earlier evaluation of the
+same step, unless that one was measured with another tokenizer or data (fingerprints): then the step's
+earlier files move to eval/replaced/ and its results are replaced whole.
 A small --max-per-task (say 5) works: tasks then use fewer few-shot examples, with a note.
 """
 
 import os
 import io
+import re
 import csv
 import json
+import time
+import shutil
+import signal
 import argparse
 import tempfile
 import contextlib
@@ -35,16 +45,18 @@ import torch.distributed as dist
 from nanochat.common import UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
-from nanochat.loss_eval import evaluate_bpb
+from nanochat.loss_eval import held_batches, shared_batches, evaluate_bpb_shared
 from nanochat.stats import bpb_delta_interval, core_delta_interval
-from nanochat.core_eval import ensure_eval_bundle, evaluate_core, save_records
+from nanochat.core_eval import ensure_eval_bundle, evaluate_core, save_records, load_records, records_by_task
 from nanochat import checkpoint_manager as ckpt
 from scripts.archs import load_model
 from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
 
 EVALS = ("core", "bpb", "sample")
+EVAL_DIR = "eval"  # one set of files per evaluated step
 RECORDS = "core_records.parquet"
-OUTPUTS = ("eval.json", "core_tasks.csv", RECORDS)
+CSV = "core_tasks.csv"
+TOP = {"json": "eval.json", "records": RECORDS, "csv": CSV}  # copies of the highest step evaluated
 PROMPTS = [
     "The capital of France is",
     "The chemical symbol of gold is",
@@ -55,12 +67,14 @@ PROMPTS = [
 SAMPLE_TEMPERATURE = 0.8
 SAMPLE_SEED = 42
 
-# every field eval.json has, grouped by the --eval section that fills it
+# every field of a step's results, grouped by the --eval section that fills it (besides run, step, arch, tokens,
+# fingerprints, checkpoint_fingerprints and world_size, which every evaluation sets)
 SECTION_FIELDS = {
-    "bpb": {"val_bpb": None, "train_bpb": None, "split_tokens": None, "val_batches": None},
+    "bpb": {"val_bpb": None, "train_bpb": None, "split_tokens": None, "train_split_tokens": None, "num_val_batches": None,
+            "bpb_batch_shape": None, "val_batches": None},
     "core": {"tasks": {}, "core_metric": None, "partial_core": None, "partial_label": None, "num_tasks_scored": 0,
              "missing_tasks": None, "max_per_task": None, "eval_bundle": None, "core_error": None,
-             "core_records": None, "core_finished": None},
+             "core_records": None, "core_finished": None, "interrupted": None, "interrupted_tasks": None},
     "sample": {"samples": [], "sample_tokens": None, "sample_temperature": None, "sample_seed": None},
     "mod": {"mod_curve": None},
 }
@@ -107,15 +121,33 @@ def parse_evals(text):
 # the three evaluations
 
 
+def split_batches(tokenizer, B, T, split, args, device, rank, world_size, note=True):
+    """(n, this rank's share) of the --split-tokens batches of a split as one process reads it (nanochat.loss_eval):
+    the same batches whatever the number of processes, and no more than the split holds (with a note)."""
+    wanted = max(1, args.split_tokens // (B * T))
+    n = held_batches(tokenizer, B, T, split, wanted)
+    if n == 0:
+        raise UserError(f"the {split} split holds less than one batch of {B}×{T} tokens; lower --device-batch-size")
+    if n < wanted and note:
+        print0(f"note: the {split} split holds about {n * B * T:,} tokens ({n} batches of {B}×{T}), fewer than "
+               f"--split-tokens {args.split_tokens:,}; its bpb uses those")
+    # every rank reads the whole stream on the CPU; only its own batches go to the device
+    return n, shared_batches(data_loader(tokenizer, B, T, split), n, rank, world_size, device)
+
+
 def eval_bpb(model, tokenizer, token_bytes, args, device, rank, world_size):
     B, T = args.device_batch_size, model.config.sequence_len
-    steps = max(1, args.split_tokens // (B * T * world_size))
-    out = {"split_tokens": steps * B * T * world_size, "val_batches": {}}
+    out = {"bpb_batch_shape": [B, T]}
     for split in ("val", "train"):
-        batches = data_loader(tokenizer, B, T, split, device=device, rank=rank, world_size=world_size)
-        # val: per-batch losses too, on batches every run shares, for compare's paired interval
-        out[f"{split}_bpb"] = evaluate_bpb(model, batches, steps, token_bytes, per_batch=out["val_batches"] if split == "val" else None)
-        print0(f"{split} bpb: {out[f'{split}_bpb']:.4f} ({out['split_tokens']:,} tokens)")
+        per_batch = {}
+        n, batches = split_batches(tokenizer, B, T, split, args, device, rank, world_size)
+        bpb = evaluate_bpb_shared(model, batches, token_bytes, per_batch)
+        out[f"{split}_bpb"] = bpb
+        if split == "val":  # per-batch losses too, on batches every run shares, for compare's paired interval
+            out.update(split_tokens=n * B * T, num_val_batches=n, val_batches=per_batch)
+        else:
+            out["train_split_tokens"] = n * B * T
+        print0(f"{split} bpb: {bpb:.4f} ({n * B * T:,} tokens)")
     return out
 
 
@@ -150,15 +182,19 @@ def find_bundle(eval_bundle):
         return None, str(e)
 
 
-def eval_core(model, tokenizer, device, bundle, args, save):
-    """CORE fields of eval.json; save(fields, records, settings) is called after every task and at the end."""
+def eval_core(model, tokenizer, device, bundle, args, save, records_name, done=None):
+    """CORE fields of a step's results; save(fields, records, settings) is called after every task and at the end.
+    Until the last task is done the saved fields say "interrupted": true, with the tasks not reached yet, so
+    that a run stopped any way (Ctrl-C, SIGTERM, a crash, a kill) is never read as a finished one.
+    done: the unfinished run to resume (unfinished_core)."""
     def fields(core, finished):
         keys = ("tasks", "core_metric", "partial_core", "partial_label", "num_tasks_scored", "missing_tasks")
         return {**{k: core[k] for k in keys}, "max_per_task": args.max_per_task, "eval_bundle": bundle,
-                "core_error": None, "core_records": RECORDS, "core_finished": finished}
+                "core_error": None, "core_records": records_name, "core_finished": finished,
+                "interrupted": not finished, "interrupted_tasks": [] if finished else core["unfinished_tasks"]}
 
     core = evaluate_core(model, tokenizer, device, bundle, max_per_task=args.max_per_task, batch_size=args.device_batch_size,
-                         log=print0, on_task=lambda c: save(fields(c, False), c["records"], c["settings"]))
+                         log=print0, on_task=lambda c: save(fields(c, False), c["records"], c["settings"]), done=done)
     out = fields(core, True)
     save(out, core["records"], core["settings"])
     return out
@@ -168,7 +204,6 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
     """The MoD trade-off: at each rate, thresholds calibrated on train-split tokens (never on the val tokens
     scored here) and then fixed, val bpb (and CORE), realised skip rates and the forward FLOPs executed."""
     B, T = args.device_batch_size, model.config.sequence_len
-    steps = max(1, args.split_tokens // (B * T * world_size))
     calib_steps = max(1, args.mod_calib_tokens // (B * T * world_size))
     points, full_depth = [], {}
     for rate in parse_rates(args.mod_rate):  # 0 first: every other point is paired with it
@@ -179,10 +214,10 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
                 dist.all_reduce(model.thresholds.values)
                 model.thresholds.values /= world_size
         model.eval()
-        val = data_loader(tokenizer, B, T, "val", device=device, rank=rank, world_size=world_size)
+        steps, val = split_batches(tokenizer, B, T, "val", args, device, rank, world_size, note=rate == 0)  # the same at every rate
         batches = {}
         with torch.no_grad():
-            bpb = evaluate_bpb(model, val, steps, token_bytes, per_batch=batches)
+            bpb = evaluate_bpb_shared(model, val, token_bytes, per_batch=batches)
         rates = model.thresholds.pop_rates("eval") if model.thresholds is not None else {}
         flops = model.estimate_flops(rates) // 3  # forward only: a third of the training convention
         point = {"rate": rate, "blocks": args.mod_blocks, "val_bpb": bpb, **skip_summary(rates),
@@ -218,11 +253,11 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
         print0(f"MoD {p['blocks']} rate {p['rate']:.2f}: val bpb {p['val_bpb']:.4f} | skipped attn {100 * p.get('skip_attn', 0):.1f}% "
                f"mlp {100 * p.get('skip_mlp', 0):.1f}% | forward FLOPs {100 * p['flops_frac']:.1f}% of full depth"
                + delta(p, "val_bpb") + (f" | {p['core_label']} {p['core']:.4f}" if "core" in p else "") + delta(p, "core"))
-    return {"mod_curve": {"blocks": args.mod_blocks, "split_tokens": steps * B * T * world_size, "points": points}}
+    return {"mod_curve": {"blocks": args.mod_blocks, "split_tokens": steps * B * T, "points": points}}
 
 
 # ---------------------------------------------------------------------------
-# output
+# output: eval/step_NNNNNN.* per evaluated step, and top-level copies of the highest one
 
 
 def core_csv(tasks):
@@ -234,16 +269,132 @@ def core_csv(tasks):
     return buf.getvalue()
 
 
-def previous_results(path, step):
-    """The earlier eval.json of this same step (its sections not re-run are kept), else {}."""
-    if not os.path.exists(path):
-        return {}
+def step_files(step):
+    """The run-dir-relative names of one step's results: its json, CORE records and per-task CSV."""
+    stem = os.path.join(EVAL_DIR, f"step_{step:06d}")
+    return {"json": stem + ".json", "records": f"{stem}_{RECORDS}", "csv": f"{stem}_{CSV}"}
+
+
+def evaluated_steps(run_dir):
+    d = os.path.join(run_dir, EVAL_DIR)
+    names = os.listdir(d) if os.path.isdir(d) else []
+    return sorted(int(m.group(1)) for m in map(re.compile(r"step_(\d+)\.json$").match, names) if m)
+
+
+def read_record(path):
+    """A results json as a dict, or None when absent or unreadable (then it is rewritten from scratch)."""
     try:
         with open(path) as f:
-            old = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return {}  # unreadable: it is rewritten from scratch
-    return old if isinstance(old, dict) and old.get("step") == step else {}
+            record = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def adopt_legacy(run_dir):
+    """A top-level eval.json from before eval/ existed (one per run) becomes its step's entry in eval/, with its
+    records and CSV, so that evaluating another step does not lose it."""
+    old = read_record(os.path.join(run_dir, TOP["json"]))
+    if old is None or not isinstance(old.get("step"), int) or os.path.exists(os.path.join(run_dir, step_files(old["step"])["json"])):
+        return
+    names = step_files(old["step"])
+    os.makedirs(os.path.join(run_dir, EVAL_DIR), exist_ok=True)
+    if old.get("core_records"):
+        try:
+            _, settings = load_records(os.path.join(run_dir, TOP["records"]))
+            ok = settings.get("step") == old["step"]
+        except UserError:
+            ok = False
+        if ok:
+            shutil.copyfile(os.path.join(run_dir, TOP["records"]), os.path.join(run_dir, names["records"]))
+        old["core_records"] = names["records"] if ok else None
+    atomic_write_bytes(os.path.join(run_dir, names["csv"]), core_csv(old.get("tasks") or {}).encode())
+    atomic_write_json(os.path.join(run_dir, names["json"]), old)
+    print0(f"kept the earlier eval.json of step {old['step']} as {names['json']}")
+
+
+def current_fingerprints(tokenizer):
+    """The tokenizer and data the numbers are measured with (nanochat.checkpoint_manager.fingerprints); the data
+    ones are None where the base dir has no data (a CORE-only evaluation needs none)."""
+    try:
+        return ckpt.fingerprints(tokenizer)
+    except UserError:
+        return {"tokenizer": tokenizer.fingerprint(), "data_train": None, "data_val": None}
+
+
+def mergeable(old, new):
+    """Whether results measured with fingerprints `old` may be merged with ones measured with `new`: the same
+    tokenizer, and the same data where both know it. Results without fingerprints (from before they were
+    recorded) may not: nothing says what they were measured with."""
+    if not isinstance(old, dict) or old.get("tokenizer") != new["tokenizer"]:
+        return False
+    return all(old.get(k) is None or v is None or old[k] == v for k, v in new.items())
+
+
+def previous_results(run_dir, step, fingerprints):
+    """The earlier results of this step, to keep the sections not re-run, else {}. Results measured with another
+    tokenizer or data are not merged with the new ones: their files move to eval/replaced/ (never deleted)."""
+    names = step_files(step)
+    old = read_record(os.path.join(run_dir, names["json"]))
+    if old is None or old.get("step") != step:
+        return {}
+    if mergeable(old.get("fingerprints"), fingerprints):
+        return old
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = os.path.join(run_dir, EVAL_DIR, "replaced")
+    os.makedirs(moved, exist_ok=True)
+    for name in names.values():
+        if os.path.exists(os.path.join(run_dir, name)):
+            base = os.path.basename(name).replace(f"step_{step:06d}", f"step_{step:06d}_{stamp}", 1)
+            os.replace(os.path.join(run_dir, name), os.path.join(moved, base))
+    print0(f"note: the results of step {step} were measured with other fingerprints ({old.get('fingerprints')}, now "
+           f"{fingerprints}): they are replaced, not merged, and kept in {os.path.join(EVAL_DIR, 'replaced')}/")
+    return {}
+
+
+def unfinished_core(run_dir, old, args, bundle):
+    """The earlier CORE run of this step to resume (evaluate_core's `done`): one that stopped before its last task,
+    with the same --max-per-task and bundle; else None (and a note when its settings differ)."""
+    if old.get("core_finished") is not False or not old.get("tasks"):
+        return None
+    if old.get("max_per_task") != args.max_per_task or old.get("eval_bundle") != bundle:
+        print0(f"note: the interrupted CORE evaluation of step {old['step']} used --max-per-task {old.get('max_per_task')} "
+               f"and the bundle {old.get('eval_bundle')}; this one starts over")
+        return None
+    try:
+        cols, settings = load_records(os.path.join(run_dir, old.get("core_records") or ""))
+    except UserError:
+        return None
+    if settings.get("max_per_task") != args.max_per_task:
+        return None
+    print0(f"resuming the interrupted CORE evaluation of step {old['step']}: {len(old['tasks'])} task(s) already scored")
+    return {"tasks": old["tasks"], "records": records_by_task(cols), "settings": settings}
+
+
+def write_results(run_dir, record, records=None, settings=None):
+    """Write one step's results into eval/ (its CORE records first, when given, with the settings), then the
+    top-level copies when it is the highest step evaluated. Every file is written atomically."""
+    step = record["step"]
+    names = step_files(step)
+    path = {k: os.path.join(run_dir, v) for k, v in names.items()}
+    top = {k: os.path.join(run_dir, v) for k, v in TOP.items()}
+    if records is not None:
+        meta = {**settings, "step": step, "run": record["run"], "fingerprints": record["fingerprints"]}
+        save_records(path["records"], records, meta, atomic_write_bytes)
+    elif record["core_records"] is None and os.path.exists(path["records"]):
+        os.remove(path["records"])  # records of an earlier CORE run no longer described by the json
+    # rewritten every time, so it always matches the json (a header alone when CORE has no results)
+    atomic_write_bytes(path["csv"], core_csv(record["tasks"]).encode())
+    atomic_write_json(path["json"], record)
+    if step < max(evaluated_steps(run_dir)):
+        return  # an earlier step: the top-level copies stay those of the highest one
+    if record["core_records"]:
+        with open(path["records"], "rb") as f:
+            atomic_write_bytes(top["records"], f.read())
+    elif os.path.exists(top["records"]):
+        os.remove(top["records"])  # a copy of another step's records (its own file in eval/ stays)
+    atomic_write_bytes(top["csv"], core_csv(record["tasks"]).encode())
+    atomic_write_json(top["json"], record)
 
 
 def print_table(record):
@@ -254,10 +405,13 @@ def print_table(record):
             lines.append(f"{label:<34} {r['accuracy']:>9.4f} {r['centered']:>+9.4f}")
         for label in record["missing_tasks"] or []:
             lines.append(f"{label:<34} {'missing':>9} {'':>9}")
+        for label in record["interrupted_tasks"] or []:
+            lines.append(f"{label:<34} {'not run':>9} {'':>9}")
         if record["core_metric"] is not None:
             lines.append(f"{'CORE':<34} {'':>9} {record['core_metric']:>9.4f}")
         else:  # fewer than 22 tasks: never call it CORE
-            lines.append(f"{record['partial_label']:<34} {'':>9} {record['partial_core']:>9.4f}")
+            lines.append(f"{record['partial_label']:<34} {'':>9} {record['partial_core']:>9.4f}"
+                         + ("  (interrupted: rerun to finish)" if record["interrupted"] else ""))
     elif record["core_error"]:
         lines.append(f"CORE not evaluated: {record['core_error']}")
     for key in ("val_bpb", "train_bpb"):
@@ -266,19 +420,31 @@ def print_table(record):
     print0("\n".join(lines))
 
 
-def check_writable(run_dir):
-    """Every output of base_eval can be written (a temp file in run_dir, renamed over each): checked
-    before any work, so that no evaluation is thrown away at the end."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".tmp-write-check-")
-        os.close(fd)
-        os.remove(tmp)
-    except OSError as e:
-        raise UserError(f"cannot write into {run_dir} ({e.strerror}); base_eval writes its results there") from None
-    for name in OUTPUTS:
+def check_writable(run_dir, step=None):
+    """Every output of base_eval can be written (a temp file in run_dir and in eval/, renamed over each): checked
+    before any work, so that no evaluation is thrown away at the end. With a step, that step's files too."""
+    for d in (run_dir, os.path.join(run_dir, EVAL_DIR)):
+        if d != run_dir and not os.path.exists(d):
+            continue  # made at the first write, in a directory just proven writable
+        try:
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-write-check-")
+            os.close(fd)
+            os.remove(tmp)
+        except OSError as e:
+            raise UserError(f"cannot write into {d} ({e.strerror}); base_eval writes its results there") from None
+    for name in list(TOP.values()) + (list(step_files(step).values()) if step is not None else []):
         path = os.path.join(run_dir, name)
         if os.path.isdir(path):
             raise UserError(f"cannot write {path}: it is a directory; move it away and retry")
+
+
+def broadcast(obj):
+    """rank 0's obj on every rank: what it read from the run directory decides what every rank does."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def evaluate(args):
@@ -320,30 +486,35 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     if core_error:
         print0(f"CORE skipped: {core_error}")
 
-    eval_path = os.path.join(run_dir, "eval.json")
-    records_path = os.path.join(run_dir, RECORDS)
-    record = {"run": os.path.basename(os.path.normpath(run_dir)), "step": step, "arch": meta["arch"], "tokens": meta.get("tokens")}
-    old = previous_results(eval_path, step)
+    fingerprints = current_fingerprints(tokenizer)
+    trained = meta.get("fingerprints") or {}
+    other_data = [k[5:] for k in ("data_train", "data_val") if trained.get(k) and fingerprints[k] and trained[k] != fingerprints[k]]
+    if other_data:  # allowed (evaluating on other data is a choice), never silent
+        print0(f"note: the {' and '.join(other_data)} data in the base dir differ from those this checkpoint was trained with; "
+               "the results record both fingerprints")
+    check_writable(run_dir, step)  # on every rank, so that all of them stop
+    old, done = {}, None
+    if rank == 0:
+        adopt_legacy(run_dir)
+        old = previous_results(run_dir, step, fingerprints)
+        done = unfinished_core(run_dir, old, args, bundle) if bundle is not None else None
+    old, done = broadcast((old, done))  # every rank resumes CORE at the same task
+    record = {"run": os.path.basename(os.path.normpath(run_dir)), "step": step, "arch": meta["arch"], "tokens": meta.get("tokens"),
+              "fingerprints": {k: v if v is not None else (old.get("fingerprints") or {}).get(k) for k, v in fingerprints.items()},
+              "checkpoint_fingerprints": meta.get("fingerprints"), "world_size": world_size}
     for fields in SECTION_FIELDS.values():
         record.update({k: old.get(k, default) for k, default in fields.items()})
 
     def save(results, records=None, settings=None):
-        """Merge results into the record and write it; CORE records go next to it, with the settings."""
+        """Merge results into the record and write it (rank 0); CORE records go next to it, with the settings."""
         record.update(results)
-        if rank != 0:
-            return
-        if records is not None:
-            save_records(records_path, records, {**settings, "step": step, "run": record["run"]}, atomic_write_bytes)
-        elif record["core_records"] is None and os.path.exists(records_path):
-            os.remove(records_path)  # records of another step or an earlier CORE run: they no longer match eval.json
-        atomic_write_json(eval_path, record)
-        # rewritten every time, so it always matches eval.json (a header alone when CORE has no results)
-        atomic_write_bytes(os.path.join(run_dir, "core_tasks.csv"), core_csv(record["tasks"]).encode())
+        if rank == 0:
+            write_results(run_dir, record, records, settings)
 
     if "bpb" in evals:
         save(eval_bpb(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size))
     if bundle is not None:
-        eval_core(model, tokenizer, device, bundle, args, save)
+        eval_core(model, tokenizer, device, bundle, args, save, step_files(step)["records"], done)
     elif core_error:
         save({"core_error": core_error})
     if "sample" in evals:
@@ -352,13 +523,33 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
         save(eval_mod_curve(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size, bundle))
     if rank == 0:
         print_table(record)
-        print0(f"wrote {eval_path}")
+        top = "" if step < max(evaluated_steps(run_dir)) else f" (and {TOP['json']}, the highest step evaluated)"
+        print0(f"wrote {os.path.join(run_dir, step_files(step)['json'])}{top}")
     return record
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (torchrun stopping its workers, a job scheduler, `kill`) ends base_eval like Ctrl-C: one line, exit
+    status 130, the CORE tasks finished so far kept for a rerun to resume from."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv=None):
     args = build_parser().parse_args(script_argv(argv))
-    with exit_on_user_error():
+    with exit_on_user_error(interrupted="interrupted: the results saved so far are kept (CORE after every task, marked "
+                            "interrupted); the same command resumes CORE at the first unfinished task"), sigterm_as_interrupt():
         return evaluate(args)
 
 

@@ -317,6 +317,8 @@ def measured_with(run):
         value = (rec.get("fingerprints") or {}).get(key) if key in FINGERPRINTS else rec.get(key)
         if value is None and key == "tokenizer":
             value = (run["config"].get("fingerprints") or {}).get(key)
+        if label == "evaluation processes" and "num_val_batches" in rec:
+            value = "any"  # base_eval's val batches are the same under any process count since it records num_val_batches
         out[label] = value
     return out
 

@@ -100,12 +100,12 @@ def test_earlier_step_and_eval_subset(pair, capsys, monkeypatch):
     record = base_eval.main(["--run", pair["runs"]["gpt"], "--step", "3", "--eval", "bpb"] + EVAL)
     assert record["step"] == 3 and record["tokens"] == 3 * 256 and record["val_bpb"] > 0
     assert record["tasks"] == {} and record["samples"] == [] and record["core_metric"] is None  # another step: nothing kept
-    assert open(os.path.join(pair["runs"]["gpt"], "core_tasks.csv")).read() == "task,accuracy,centered,num_examples\n"
+    assert open(os.path.join(pair["runs"]["gpt"], "eval", "step_000003_core_tasks.csv")).read() == "task,accuracy,centered,num_examples\n"
 
     # a NAG checkpoint inside the alpha warm-up (768 of 1024 tokens) is evaluated with its warm-up factor
     seen = []
-    real = base_eval.evaluate_bpb
-    monkeypatch.setattr(base_eval, "evaluate_bpb", lambda model, *a, **kw: seen.append(model.alpha_warmup.item()) or real(model, *a, **kw))
+    real = base_eval.evaluate_bpb_shared
+    monkeypatch.setattr(base_eval, "evaluate_bpb_shared", lambda model, *a, **kw: seen.append(model.alpha_warmup.item()) or real(model, *a, **kw))
     base_eval.main(["--run", "nag", "--step", "3", "--eval", "bpb"] + EVAL)
     assert seen == [0.75, 0.75]
 
@@ -137,7 +137,9 @@ def test_records_and_per_batch_losses_are_saved(pair):
     record = base_eval.main(["--run", "gpt", "--eval", "core,bpb", "--eval-bundle", pair["bundle"]] + EVAL)
     run_dir = pair["runs"]["gpt"]
     cols, settings = core_eval.load_records(os.path.join(run_dir, "core_records.parquet"))
-    assert record["core_records"] == "core_records.parquet" and record["core_finished"] is True
+    assert record["core_records"] == "eval/step_000006_core_records.parquet" and record["core_finished"] is True
+    assert record["interrupted"] is False and record["interrupted_tasks"] == []
+    assert open(os.path.join(run_dir, record["core_records"]), "rb").read() == open(os.path.join(run_dir, "core_records.parquet"), "rb").read()
     assert settings["step"] == 6 and settings["max_per_task"] == 4 and set(settings["tasks"]) == set(record["tasks"])
     assert settings["tasks"]["tiny_lm"]["num_fewshot"] == 2 and settings["tasks"]["tiny_mc"]["random_baseline"] == 33.3
     for label, t in record["tasks"].items():
@@ -147,11 +149,15 @@ def test_records_and_per_batch_losses_are_saved(pair):
         assert all(math.isfinite(cols["margin"][i]) for i in rows) and len({cols["item"][i] for i in rows}) == 4
     # val bpb is the per-batch losses summed, so compare can resample the very same batches
     vb = record["val_batches"]
-    assert len(vb["nats"]) == len(vb["bytes"]) == 512 // (4 * 64)
+    assert len(vb["nats"]) == len(vb["bytes"]) == record["num_val_batches"] == 512 // (4 * 64)
     assert sum(vb["nats"]) / (math.log(2) * sum(vb["bytes"])) == pytest.approx(record["val_bpb"], rel=1e-12)
-    # a later eval of another step without CORE drops the records file with the CORE results it matched
+    assert record["split_tokens"] == record["train_split_tokens"] == 512 and record["bpb_batch_shape"] == [4, 64]
+    assert record["world_size"] == 1 and set(record["fingerprints"]) == {"tokenizer", "data_train", "data_val"}
+    assert settings["fingerprints"] == record["fingerprints"]
+    # a later eval of another step without CORE keeps the records of this one, and the top-level copy
     base_eval.main(["--run", "gpt", "--step", "3", "--eval", "bpb"] + EVAL)
-    assert not os.path.exists(os.path.join(run_dir, "core_records.parquet"))
+    assert core_eval.load_records(os.path.join(run_dir, "core_records.parquet"))[1]["step"] == 6
+    assert os.path.exists(os.path.join(run_dir, record["core_records"]))
 
 
 def test_a_crash_keeps_the_finished_tasks(pair, monkeypatch):
@@ -170,6 +176,8 @@ def test_a_crash_keeps_the_finished_tasks(pair, monkeypatch):
     run_dir = pair["runs"]["nag"]
     saved = json.load(open(os.path.join(run_dir, "eval.json")))
     assert list(saved["tasks"]) == ["tiny_mc"] and saved["core_finished"] is False and saved["core_metric"] is None
+    assert saved["interrupted"] is True and saved["interrupted_tasks"] == ["tiny_schema", "tiny_lm"] and saved["missing_tasks"] == ["absent_task"]
+    assert saved == json.load(open(os.path.join(run_dir, "eval", "step_000006.json")))
     cols, settings = core_eval.load_records(os.path.join(run_dir, "core_records.parquet"))
     assert set(cols["task"]) == {"tiny_mc"} and list(settings["tasks"]) == ["tiny_mc"]
     assert [r["task"] for r in csv.DictReader(open(os.path.join(run_dir, "core_tasks.csv")))] == ["tiny_mc"]

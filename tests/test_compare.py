@@ -311,6 +311,17 @@ def test_evaluation_process_count_is_flagged(hand_base, capsys):
     assert "no interval, the runs differ in evaluation processes (world_size 1 vs 8)" in report and "95% CI" not in report
 
 
+
+def test_process_count_does_not_matter_once_val_batches_are_shared(hand_base, capsys):
+    # base_eval records num_val_batches since every process reads a one-process run's batches: val bpb is the same
+    # under any process count, so the pair keeps its interval
+    new = lambda *a, **k: dict(eval_record(*a, **k), num_val_batches=40)
+    write_run(hand_base / "runs", "a", [new(6, 1.30)])
+    write_run(hand_base / "runs", "b", [new(6, 1.20, seed=1, world_size=8)])
+    report = open(compare.main(["a", "b"])).read()
+    assert "evaluation processes" not in capsys.readouterr().out and "95% CI" in report
+
+
 def test_unrecorded_fingerprints_are_said_not_guessed(hand_base, capsys):
     write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
     write_run(hand_base / "runs", "old", [eval_record(6, 1.20, seed=1, fingerprints=None)], train_fingerprints=None)

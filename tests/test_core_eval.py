@@ -475,6 +475,50 @@ def test_partial_core_is_labelled_and_lists_missing_tasks(tmp_path, write_eval_b
     assert out["settings"]["max_per_task"] == 8 and set(out["settings"]["tasks"]) == {"mc", "wino", "lam"}
 
 
+def test_an_unfinished_run_is_resumed_task_by_task(tmp_path, monkeypatch, write_eval_bundle):
+    data = {"mc": mixed_items("multiple_choice", 12), "wino": mixed_items("schema", 10), "lam": mixed_items("language_modeling", 9)}
+    tasks = [("mc", "multiple_choice", 2, 25, data["mc"]), ("gone", "multiple_choice", 0, 25, None),
+             ("wino", "schema", 0, 50, data["wino"]), ("lam", "language_modeling", 1, 0, data["lam"])]
+    root = write_eval_bundle(tmp_path / "b", tasks)
+    model, tok = TinyCausalLM(seq_len=96), ByteTokenizer()
+    full = evaluate_core(model, tok, "cpu", root, max_per_task=8, log=lambda line: None)
+    assert full["unfinished_tasks"] == [] and full["missing_tasks"] == ["gone"]
+    # a run stopped after its first task: the summary it saved says which tasks it did not reach
+    partial = []
+    real, scored = core_eval.task_verdicts, []
+
+    def stops_after_one(model, tokenizer, data, *a, **kw):
+        if scored:
+            raise KeyboardInterrupt
+        scored.append(data)
+        return real(model, tokenizer, data, *a, **kw)
+
+    monkeypatch.setattr(core_eval, "task_verdicts", stops_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_core(model, tok, "cpu", root, max_per_task=8, log=lambda line: None, on_task=partial.append)
+    assert [p["unfinished_tasks"] for p in partial] == [["wino", "lam"]] and partial[0]["missing_tasks"] == ["gone"]
+    by_task = {}
+    for r in partial[0]["records"]:
+        by_task.setdefault(r["task"], []).append(r)
+    done = {"tasks": partial[0]["tasks"], "records": by_task, "settings": partial[0]["settings"]}
+    # resumed: the first task is taken from it, the others scored, and the result is the uninterrupted one
+    scored.clear()
+    monkeypatch.setattr(core_eval, "task_verdicts", lambda *a, **kw: scored.append(a[2]) or real(*a, **kw))
+    lines = []
+    out = evaluate_core(model, tok, "cpu", root, max_per_task=8, log=lines.append, done=done)
+    assert len(scored) == 2 and any(line.startswith("mc") and line.endswith("kept from the interrupted run") for line in lines)
+    timeless = lambda tasks: {k: {f: v for f, v in t.items() if f != "seconds"} for k, t in tasks.items()}  # (nan margins: compared as JSON)
+    assert timeless(out["tasks"]) == timeless(full["tasks"]) and json.dumps(out["records"]) == json.dumps(full["records"]) and out["unfinished_tasks"] == []
+    # other items (another cut of the task) or other settings: scored again
+    scored.clear()
+    evaluate_core(model, tok, "cpu", root, max_per_task=7, log=lambda line: None, done=done)
+    assert len(scored) == 3
+    scored.clear()
+    write_eval_bundle(root, [("mc", "multiple_choice", 2, 25, data["mc"][::-1])] + tasks[1:])
+    evaluate_core(model, tok, "cpu", root, max_per_task=8, log=lambda line: None, done=done)
+    assert len(scored) == 3
+
+
 def test_few_shot_fits_a_small_max_per_task(tmp_path, write_eval_bundle):
     # a 10-shot task cut to 5 items draws its shots from the 4 others, with one note for all such tasks
     data = {"mc": mixed_items("multiple_choice", 12), "lam": mixed_items("language_modeling", 12)}

@@ -1,0 +1,261 @@
+"""base_eval's results per evaluated step (eval/step_NNNNNN.*), what they record, and the numbers that must not
+depend on how the evaluation ran: the number of processes, a --split-tokens larger than the split, an interruption."""
+
+import os
+import sys
+import json
+import signal
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from conftest import TINY_TRAIN, linked_base, tiny_documents
+from scripts import base_eval
+from nanochat import core_eval
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EVAL = ["--split-tokens", "512", "--device-batch-size", "4", "--sample-tokens", "4", "--max-per-task", "4"]
+ITEMS = {
+    "tiny_mc": [{"query": f"Document {i}. The model", "choices": ["is the data.", "of weight gradient", "and"], "gold": i % 3} for i in range(6)],
+    "tiny_schema": [{"context_options": [f"The layer {i} was", f"The head {i} is"], "continuation": "the attention.", "gold": i % 2} for i in range(6)],
+    "tiny_lm": [{"context": f"Document {i}. The", "continuation": " model"} for i in range(6)],
+}
+TASKS = [("tiny_mc", "multiple_choice", 1, 33.3, ITEMS["tiny_mc"]), ("tiny_schema", "schema", 0, 50.0, ITEMS["tiny_schema"]),
+         ("absent_task", "multiple_choice", 0, 25.0, None), ("tiny_lm", "language_modeling", 2, 0.0, ITEMS["tiny_lm"])]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_base_dir, tmp_path_factory, write_eval_bundle):
+    """A 6-step gpt run (checkpoints at 3 and 6) in a base dir sharing the session corpus and tokenizer, and a bundle."""
+    from scripts import base_train
+    base = linked_base(tiny_base_dir, tmp_path_factory.mktemp("hist_base"))
+    bundle = write_eval_bundle(tmp_path_factory.mktemp("bundle"), TASKS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_BASE_DIR", str(base))
+        run_dir = base_train.main(TINY_TRAIN + ["--num-iterations", "6", "--eval-every", "3", "--save-every", "3",
+                                                "--arch", "gpt", "--run", "gpt"])
+    return {"base": str(base), "bundle": bundle, "run_dir": run_dir}
+
+
+@pytest.fixture
+def run(trained, tmp_path, monkeypatch):
+    """A fresh copy of the trained run (no evaluation yet): its directory path, which base_eval takes as --run."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", trained["base"])
+    run_dir = str(tmp_path / "gpt")
+    shutil.copytree(trained["run_dir"], run_dir, ignore=shutil.ignore_patterns(".lock"))
+    return run_dir
+
+
+def evaluate(run_dir, bundle, *argv):
+    return base_eval.main(["--run", run_dir, "--eval-bundle", bundle, *EVAL, *argv])
+
+
+def files(run_dir, names):
+    return {n: open(os.path.join(run_dir, n), "rb").read() for n in names}
+
+
+def load(run_dir, name):
+    return json.load(open(os.path.join(run_dir, name)))
+
+
+TOP = ["eval.json", "core_records.parquet", "core_tasks.csv"]
+
+
+def step_names(step):
+    return [f"eval/step_{step:06d}.json", f"eval/step_{step:06d}_core_records.parquet", f"eval/step_{step:06d}_core_tasks.csv"]
+
+
+def test_each_step_keeps_its_results_and_eval_json_is_the_highest(run, trained):
+    final = evaluate(run, trained["bundle"], "--eval", "core,bpb")
+    assert final["step"] == 6 and load(run, "eval.json") == load(run, "eval/step_000006.json") == json.loads(json.dumps(final))
+    assert final["core_records"] == "eval/step_000006_core_records.parquet"
+    top, six = files(run, TOP), files(run, step_names(6))
+    assert top == dict(zip(TOP, six.values()))  # the top-level files are copies of step 6's
+
+    # an earlier step afterwards: its own files, and nothing of step 6 changes, at the top or in eval/
+    early = evaluate(run, trained["bundle"], "--step", "3", "--eval", "core,bpb")
+    assert early["step"] == 3 and early["val_bpb"] != final["val_bpb"] and set(early["tasks"]) == set(final["tasks"])
+    assert files(run, TOP) == top and files(run, step_names(6)) == six
+    assert load(run, "eval/step_000003.json") == json.loads(json.dumps(early))
+    assert core_eval.load_records(os.path.join(run, "eval/step_000003_core_records.parquet"))[1]["step"] == 3
+
+    # a section of one step re-run: merged with that step's other sections only
+    again = evaluate(run, trained["bundle"], "--step", "3", "--eval", "sample")
+    assert again["tasks"] == early["tasks"] and again["val_bpb"] == early["val_bpb"] and again["samples"]
+    assert files(run, TOP) == top
+    latest = evaluate(run, trained["bundle"], "--eval", "bpb")  # step 6, the highest: the top copies follow it
+    assert latest["tasks"] == final["tasks"] and latest["samples"] == [] and load(run, "eval.json") == json.loads(json.dumps(latest))
+    assert files(run, ["core_records.parquet"]) == {"core_records.parquet": six[step_names(6)[1]]}
+    # what every record says it was measured with
+    for rec in (final, early, latest):
+        assert rec["world_size"] == 1 and rec["num_val_batches"] == 2 and rec["split_tokens"] == 512
+        assert rec["fingerprints"] == rec["checkpoint_fingerprints"] and set(rec["fingerprints"]) == {"tokenizer", "data_train", "data_val"}
+
+
+def test_results_of_other_fingerprints_are_replaced_not_merged(run, trained, monkeypatch, capsys):
+    first = evaluate(run, trained["bundle"], "--eval", "core,bpb")
+    real = base_eval.current_fingerprints
+    monkeypatch.setattr(base_eval, "current_fingerprints", lambda tok: {**real(tok), "data_val": "0123456789abcdef"})
+    other = evaluate(run, trained["bundle"], "--eval", "bpb")
+    assert other["tasks"] == {} and other["core_records"] is None and other["fingerprints"]["data_val"] == "0123456789abcdef"
+    assert not os.path.exists(os.path.join(run, "core_records.parquet"))  # the top copy follows step 6, which has no CORE now
+    assert "measured with other fingerprints" in capsys.readouterr().out
+    # the replaced results are kept, not deleted
+    moved = sorted(os.listdir(os.path.join(run, "eval", "replaced")))
+    assert len(moved) == 3 and all(n.startswith("step_000006_") for n in moved)
+    kept = json.load(open(os.path.join(run, "eval", "replaced", next(n for n in moved if n.endswith(".json")))))
+    assert kept["tasks"] == first["tasks"] and kept["fingerprints"] == first["fingerprints"]
+
+    # results from before fingerprints were recorded are not merged either
+    monkeypatch.setattr(base_eval, "current_fingerprints", real)
+    path = os.path.join(run, "eval", "step_000006.json")
+    old = json.load(open(path))
+    del old["fingerprints"]
+    json.dump(old, open(path, "w"))
+    assert evaluate(run, trained["bundle"], "--eval", "sample")["val_bpb"] is None
+
+
+def test_an_eval_json_from_before_eval_dir_is_kept(run, trained):
+    # the one-file-per-run layout: eval.json and core_records.parquet at the top, no eval/
+    evaluate(run, trained["bundle"], "--eval", "core,bpb")
+    legacy = load(run, "eval.json")
+    shutil.rmtree(os.path.join(run, "eval"))
+    evaluate(run, trained["bundle"], "--step", "3", "--eval", "bpb")
+    adopted = load(run, "eval/step_000006.json")
+    assert adopted["tasks"] == legacy["tasks"] and adopted["val_batches"] == legacy["val_batches"]
+    assert core_eval.load_records(os.path.join(run, adopted["core_records"]))[1]["step"] == 6
+    assert load(run, "eval.json") == adopted
+
+
+def test_a_tokenizer_retrained_to_the_same_size_is_refused(tiny_base_dir, tmp_path, monkeypatch, script_error):
+    from scripts import base_train
+    from nanochat.tokenizer import Tokenizer
+    base = tmp_path / "base"
+    base.mkdir()
+    os.symlink(os.path.join(tiny_base_dir, "base_data"), base / "base_data")
+    shutil.copytree(os.path.join(tiny_base_dir, "tokenizer"), base / "tokenizer")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    base_train.main(TINY_TRAIN + ["--num-iterations", "2", "--eval-every", "0", "--arch", "gpt", "--run", "gpt"])
+    trained_with = Tokenizer.from_directory(str(base / "tokenizer"))
+    # another tokenizer of the same vocab size, trained on other text, in its place
+    other = Tokenizer.train_from_iterator(iter([d[::-1] for d in tiny_documents(seed=1)]), trained_with.get_vocab_size())
+    shutil.rmtree(base / "tokenizer")
+    other.save(str(base / "tokenizer"))
+    assert other.get_vocab_size() == trained_with.get_vocab_size() and other.fingerprint() != trained_with.fingerprint()
+    err = script_error(base_eval.main, "--run", "gpt", "--eval", "bpb", *EVAL)
+    assert other.fingerprint() in err and trained_with.fingerprint() in err
+    assert not os.path.exists(os.path.join(base, "runs", "gpt", "eval.json"))
+
+
+def test_split_tokens_beyond_the_split_are_capped(run, trained, capsys):
+    from nanochat.dataloader import split_tokens
+    from nanochat.tokenizer import get_tokenizer
+    held = split_tokens(get_tokenizer(), "val") // (4 * 65)  # batches of rows of 64 + 1 tokens the val split holds
+    assert held > 2
+    asked = 3 * held * 4 * 64  # three times that
+    record = base_eval.main(["--run", run, "--eval", "bpb", "--split-tokens", str(asked), "--device-batch-size", "4"])
+    assert record["num_val_batches"] == held == len(record["val_batches"]["nats"]) and record["split_tokens"] == held * 256
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: the val split holds")]
+    assert len(notes) == 1 and f"fewer than --split-tokens {asked:,}" in notes[0]
+
+
+def launch_eval(base, nproc, *args):
+    """base_eval in one process or under torchrun (gloo); its stdout."""
+    env = dict(os.environ, NANOCHAT_BASE_DIR=base, OMP_NUM_THREADS="1")
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "scripts.base_eval"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "scripts.base_eval", "--"]
+    out = subprocess.run(cmd + list(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_bpb_is_the_same_under_one_and_two_processes(run, trained):
+    # 3 batches: the two ranks get 2 and 1; the per-batch losses come back in the order of one process
+    argv = ["--run", run, "--eval", "bpb", "--split-tokens", str(3 * 256), "--device-batch-size", "4", "--device-type", "cpu"]
+    records = {}
+    for nproc in (1, 2):
+        launch_eval(trained["base"], nproc, *argv)
+        records[nproc] = load(run, "eval/step_000006.json")
+    one, two = records[1], records[2]
+    print(f"val bpb: 1 process {one['val_bpb']:.6f}, 2 processes {two['val_bpb']:.6f} (differ by {abs(one['val_bpb'] - two['val_bpb']):.1e}); "
+          f"train bpb: {one['train_bpb']:.6f}, {two['train_bpb']:.6f}")
+    assert one["world_size"] == 1 and two["world_size"] == 2 and one["num_val_batches"] == two["num_val_batches"] == 3
+    assert abs(one["val_bpb"] - two["val_bpb"]) < 1e-6 and abs(one["train_bpb"] - two["train_bpb"]) < 1e-6
+    assert one["val_batches"]["bytes"] == two["val_batches"]["bytes"]
+    assert max(abs(a - b) for a, b in zip(one["val_batches"]["nats"], two["val_batches"]["nats"])) < 1e-6
+
+
+def test_an_interrupted_core_run_is_marked_and_resumed(run, trained, monkeypatch, capsys):
+    real = core_eval.task_verdicts
+    scored = []
+
+    def stops_at(n, how):
+        def verdicts(model, tokenizer, data, *a, **kw):
+            if len(scored) == n:
+                how()
+            scored.append(data)
+            return real(model, tokenizer, data, *a, **kw)
+        return verdicts
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    # Ctrl-C during the second task: exit 130, the first task saved, the record says what the stop left out
+    monkeypatch.setattr(core_eval, "task_verdicts", stops_at(1, ctrl_c))
+    with pytest.raises(SystemExit) as e:
+        evaluate(run, trained["bundle"], "--eval", "core")
+    assert e.value.code == 130 and "the same command resumes" in capsys.readouterr().err
+    cut = load(run, "eval/step_000006.json")
+    assert cut["interrupted"] is True and cut["core_finished"] is False and list(cut["tasks"]) == ["tiny_mc"]
+    assert cut["interrupted_tasks"] == ["tiny_schema", "tiny_lm"] and cut["missing_tasks"] == ["absent_task"]
+    assert load(run, "eval.json") == cut
+
+    # SIGTERM (torchrun, a scheduler) during the third task: the same, with two tasks saved
+    scored.clear()
+    monkeypatch.setattr(core_eval, "task_verdicts", stops_at(1, lambda: os.kill(os.getpid(), signal.SIGTERM)))
+    with pytest.raises(SystemExit) as e:
+        evaluate(run, trained["bundle"], "--eval", "core")
+    assert e.value.code == 130
+    out = capsys.readouterr().out
+    assert "resuming the interrupted CORE evaluation of step 6: 1 task(s) already scored" in out
+    cut = load(run, "eval/step_000006.json")
+    assert list(cut["tasks"]) == ["tiny_mc", "tiny_schema"] and cut["interrupted_tasks"] == ["tiny_lm"] and cut["interrupted"] is True
+
+    # the rerun scores only the task left, and ends where an uninterrupted evaluation does
+    scored.clear()
+    monkeypatch.setattr(core_eval, "task_verdicts", stops_at(-1, None))
+    done = evaluate(run, trained["bundle"], "--eval", "core")
+    assert len(scored) == 1 and all(item in ITEMS["tiny_lm"] for item in scored[0])
+    assert done["interrupted"] is False and done["interrupted_tasks"] == [] and done["core_finished"] is True
+    fresh_dir = run + "-fresh"
+    shutil.copytree(run, fresh_dir, ignore=shutil.ignore_patterns("eval*", "core_*", ".lock"))
+    fresh = evaluate(fresh_dir, trained["bundle"], "--eval", "core")
+    assert done["tasks"].keys() == fresh["tasks"].keys()
+    assert all(done["tasks"][k]["accuracy"] == fresh["tasks"][k]["accuracy"] for k in fresh["tasks"])
+    cols = core_eval.load_records(os.path.join(run, "core_records.parquet"))[0]
+    fresh_cols = core_eval.load_records(os.path.join(fresh_dir, "core_records.parquet"))[0]
+    assert cols == fresh_cols
+
+    # other settings: an interrupted run is not resumed, it starts over
+    scored.clear()
+    monkeypatch.setattr(core_eval, "task_verdicts", stops_at(1, ctrl_c))
+    with pytest.raises(SystemExit):
+        evaluate(run, trained["bundle"], "--eval", "core")
+    scored.clear()
+    monkeypatch.setattr(core_eval, "task_verdicts", stops_at(-1, None))
+    capsys.readouterr()
+    other = evaluate(run, trained["bundle"], "--eval", "core", "--max-per-task", "3")
+    assert len(scored) == 3 and all(t["num_examples"] == 3 for t in other["tasks"].values())
+    assert "starts over" in capsys.readouterr().out
