@@ -6,18 +6,21 @@
 #   bash speedrun.sh --preset d20 --arch nag  one nanochat-d20-like run
 #   bash speedrun.sh --preset tiny            CPU smoke test of the whole pipeline (offline corpus, minutes)
 #   bash speedrun.sh --arch nag --tag nofloor -- --nag-mod-floor 0    anything after -- goes to base_train
+#   bash speedrun.sh --help                   the flags
 #
-# Flags (python -m scripts.speedrun --help): --preset published|d20|tiny, --arch gpt,nag, --flops X,
-# --gpus N, --tag T, --base-dir DIR, --shards N, --offline, --eval-bundle DIR, --dry-run.
+# Flags: --preset published|d20|tiny, --arch gpt,nag, --flops X, --gpus N, --tag T (default: derived from
+# the flags after --), --base-dir DIR, --shards N, --offline, --eval-bundle DIR, --dry-run. Relative paths
+# are taken from the directory you run it in.
 # Rerunning skips what is done: present shards, a trained tokenizer, finished runs (base_train
 # --resume latest continues an unfinished one), up-to-date evaluations and report.
 set -euo pipefail
+export NANOCHAT_CALLER_CWD="${NANOCHAT_CALLER_CWD:-$PWD}"  # relative paths in the flags are the caller's, not the repo's
 cd "$(dirname "${BASH_SOURCE[0]}")"
 stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
 
 # 1. environment and plan: flags checked, steps / tokens / FLOPs / disk / time printed, stage status
 source runs/setup_env.sh
-PLAN=$(python -m scripts.speedrun "$@")  # shell assignments: BASE, DRY_RUN, the *_DONE flags, the stage commands
+PLAN=$(python -m scripts.speedrun "$@")  # shell assignments: BASE, DRY_RUN, the *_DONE flags, the stage commands (--help: exit 0)
 eval "$PLAN"
 if [ "$DRY_RUN" = 1 ]; then echo "dry run: nothing was started"; exit 0; fi
 export NANOCHAT_BASE_DIR="$BASE"
@@ -67,7 +70,7 @@ else echo "skipped: needs both $GPT_RUN and $NAG_RUN evaluated"
 fi
 stage "compare $GPT_RUN vs $NAG_RUN"
 if [ "$REPORT_DONE" = 1 ]; then echo "report already up to date, skipping"
-elif [ "$PAIR" = 1 ]; then python -m scripts.compare "$GPT_RUN" "$NAG_RUN"
+elif [ "$PAIR" = 1 ]; then python -m scripts.compare "$GPT_RUN" "$NAG_RUN" --out "$BASE/reports/${GPT_RUN}_vs_${NAG_RUN}"
 else echo "skipped: needs eval.json of both $GPT_RUN and $NAG_RUN"
 fi
 stage "done (log: $BASE/speedrun.log)"

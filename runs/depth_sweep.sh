@@ -6,9 +6,11 @@
 #   bash runs/depth_sweep.sh --scale cpu                       # depths 2, 4, 8 of the CPU demo model, ~16 minutes
 #   bash runs/depth_sweep.sh --scale published --dry-run       # depths 16 … 64 at the published size: the plan
 #   bash runs/depth_sweep.sh --scale published --gpus 8        # further flags go to speedrun.sh
+#   bash runs/depth_sweep.sh --help                            # the flags (--base-dir DIR: relative to where you run it)
 #
 # A rerun reuses finished runs and evaluations and resumes an interrupted run from its newest checkpoint.
 set -euo pipefail
+export NANOCHAT_CALLER_CWD="${NANOCHAT_CALLER_CWD:-$PWD}"  # setup_env.sh changes to the repo root; relative paths are the caller's
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
 python -m scripts.depth_sweep "$@"

@@ -5,11 +5,19 @@
 #
 #   bash runs/mod_cpu.sh           # runs runcpu.sh first if its runs are missing (that part takes longer)
 #
+# No flags (--help prints this); settings are environment variables: NANOCHAT_BASE_DIR (a relative path is
+# taken from the directory you run it in), TARGET_FLOPS, RATE, CURVE.
 # Re-running skips finished runs and evaluations.
 set -euo pipefail
-HERE="$(dirname "${BASH_SOURCE[0]}")"
-source "$HERE/setup_env.sh"
+case "${1:-}" in  # --help prints the comment above
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    ?*) echo "error: mod_cpu.sh takes no arguments (see --help)" >&2; exit 1 ;;
+esac
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# the base dir made absolute before setup_env.sh changes to the repo root: a relative one is the caller's
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+case "$NANOCHAT_BASE_DIR" in /*) ;; *) NANOCHAT_BASE_DIR="$PWD/$NANOCHAT_BASE_DIR" ;; esac
+source "$HERE/setup_env.sh"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
 BASE="$NANOCHAT_BASE_DIR"
 TARGET_FLOPS="${TARGET_FLOPS:-1e13}"   # runcpu.sh's budget
@@ -43,4 +51,4 @@ if grep -q '"mod_curve": {' "$BASE/runs/cpu-nag/eval.json"; then echo "cpu-nag a
 fi
 
 stage "comparison report"
-python -m scripts.compare cpu-gpt cpu-nag "cpu-nag-mod$TAG" "cpu-gpt-router$TAG"
+python -m scripts.compare cpu-gpt cpu-nag "cpu-nag-mod$TAG" "cpu-gpt-router$TAG" --out "$NANOCHAT_BASE_DIR/reports/mod_cpu$TAG"

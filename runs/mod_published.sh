@@ -7,8 +7,18 @@
 #   bash runs/mod_published.sh              # the real thing, after runs/published_pair.sh
 #
 # torch.compile is off: MoD's executed-token counts are data-dependent shapes.
+# Settings are environment variables: RATE (0.2), GPUS (8), NANOCHAT_BASE_DIR (a relative path is taken from
+# the directory you run it in). --help prints this.
 set -euo pipefail
+case "${1:-}" in  # --help prints the comment above
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    ""|--dry-run) ;;
+    *) echo "error: unknown argument $1 (mod_published.sh takes only --dry-run; see --help)" >&2; exit 1 ;;
+esac
+export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+case "$NANOCHAT_BASE_DIR" in /*) ;; *) NANOCHAT_BASE_DIR="$PWD/$NANOCHAT_BASE_DIR" ;; esac  # before the cd: the caller's
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source runs/setup_env.sh
 RATE="${RATE:-0.2}"
 GPUS="${GPUS:-8}"
 TAG="$(awk "BEGIN { print int($RATE * 100 + 0.5) }")"   # 0.2 → 20
@@ -18,14 +28,13 @@ if [ "${1:-}" = "--dry-run" ]; then
     python -m scripts.base_train --preset published --arch gpt --mod-router "${MOD[@]}" --run "gpt-router$TAG" --dry-run "$GPUS"
     exit 0
 fi
-source runs/setup_env.sh
 T=(torchrun --standalone --nproc_per_node="$GPUS")
 "${T[@]}" -m scripts.base_train -- --preset published --arch nag "${MOD[@]}" --run "nag-mod$TAG" --resume latest
 "${T[@]}" -m scripts.base_train -- --preset published --arch gpt --mod-router "${MOD[@]}" --run "gpt-router$TAG" --resume latest
 for run in "nag-mod$TAG" "gpt-router$TAG"; do
     "${T[@]}" -m scripts.base_eval -- --run "$run" --eval core,bpb --split-tokens $((80 * 2 ** 19))
 done
-BASE="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+BASE="$NANOCHAT_BASE_DIR"
 if [ -d "$BASE/runs/nag-published" ]; then
     "${T[@]}" -m scripts.base_eval -- --run nag-published --eval bpb --mod-rate 0.05,0.1,0.2,0.3,0.4 --mod-blocks both
     python -m scripts.compare gpt-published nag-published "nag-mod$TAG" "gpt-router$TAG"

@@ -5,11 +5,20 @@
 #   bash runs/runcpu.sh                 # everything under ~/.cache/nanochat (or $NANOCHAT_BASE_DIR)
 #   EVAL_BUNDLE=/path/to/eval_bundle bash runs/runcpu.sh    # a local copy of the CORE bundle (no download)
 #
+# No flags (--help prints this); settings are environment variables: NANOCHAT_BASE_DIR, EVAL_BUNDLE (relative
+# paths are taken from the directory you run it in), TARGET_FLOPS, MAX_PER_TASK.
 # Re-running skips what is already done (data, tokenizer, finished runs, evaluations) and
 # continues an interrupted run from its newest complete checkpoint.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+case "${1:-}" in  # --help prints the comment above
+    -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    ?*) echo "error: runcpu.sh takes no arguments (see --help)" >&2; exit 1 ;;
+esac
+# the paths made absolute before setup_env.sh changes to the repo root: relative ones are the caller's
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+case "$NANOCHAT_BASE_DIR" in /*) ;; *) NANOCHAT_BASE_DIR="$PWD/$NANOCHAT_BASE_DIR" ;; esac
+case "${EVAL_BUNDLE:-/}" in /*) ;; *) EVAL_BUNDLE="$PWD/$EVAL_BUNDLE" ;; esac
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
 BASE="$NANOCHAT_BASE_DIR"
 TARGET_FLOPS="${TARGET_FLOPS:-1e13}"   # per run; ~90 steps of 4096 tokens for the d4 model below
@@ -58,4 +67,4 @@ stage "residual geometry, attention sinks, confidence (docs/analysis.md)"
 python -m analysis cpu-gpt cpu-nag --tokens 65536
 
 stage "comparison report"
-python -m scripts.compare cpu-gpt cpu-nag
+python -m scripts.compare cpu-gpt cpu-nag --out "$NANOCHAT_BASE_DIR/reports/cpu-gpt_vs_cpu-nag"

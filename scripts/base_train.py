@@ -26,8 +26,8 @@ import torch.distributed as dist
 from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes, ensure_writable_dir, script_argv
 from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
-from nanochat.dataloader import data_loader, split_tokens
-from nanochat.loss_eval import evaluate_bpb
+from nanochat.dataloader import data_loader
+from nanochat.loss_eval import evaluate_bpb_shared, held_batches, shared_batches
 from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import checkpoint_manager as ckpt
 from scripts.archs import ARCHS, arch_for_args
@@ -341,20 +341,15 @@ def dry_run(args):
     return record
 
 
-def eval_batches(tokenizer, args, rank, world_size):
+def eval_batches(tokenizer, args):
     """Val batches per evaluation: --eval-tokens worth, capped at what the val split holds (a small split
-    would otherwise be cycled over many times), the same on every rank."""
+    would otherwise be cycled over many times). Counted on the whole split, as one process would read it:
+    the ranks share these batches (nanochat/loss_eval.py), so val bpb does not depend on their number."""
     batch_tokens = args.device_batch_size * args.max_seq_len
-    wanted = max(1, args.eval_tokens // (batch_tokens * world_size))
-    row_tokens = batch_tokens + args.device_batch_size  # each row reads one token more than it predicts
-    held = split_tokens(tokenizer, "val", rank, world_size, limit=wanted * row_tokens) // row_tokens
-    steps = max(1, min(wanted, held))
-    if dist.is_initialized():
-        t = torch.tensor(steps, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        steps = int(t.item())
+    wanted = max(1, args.eval_tokens // batch_tokens)
+    steps = max(1, held_batches(tokenizer, args.device_batch_size, args.max_seq_len, "val", wanted))
     if steps < wanted:
-        print0(f"note: the val split holds about {steps * batch_tokens * world_size:,} tokens, fewer than --eval-tokens "
+        print0(f"note: the val split holds about {steps * batch_tokens:,} tokens, fewer than --eval-tokens "
                f"{args.eval_tokens:,}; each evaluation uses those")
     return steps
 
@@ -589,6 +584,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None)
     # compile outside DDP, so the compiled graph is split at DDP's bucket boundaries and the all-reduce overlaps
     fwd = torch.compile(ddp or model, dynamic=False) if use_compile else (ddp or model)
+    eval_fwd = torch.compile(model, dynamic=False) if use_compile and ddp else (fwd if not ddp else model)
 
     flops_per_token = plan.flops_per_token
     print0(f"run {plan.run} → {run_dir}")
@@ -598,7 +594,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
            f"{flops_per_token:,} FLOPs/token | {record['total_flops']:.3e} FLOPs | grad accum {grad_accum} | "
            f"checkpoint every {plan.save_every or num_iterations} steps")
     evaluating = args.eval_every > 0
-    eval_steps = eval_batches(tokenizer, args, rank, world_size) if evaluating else 0
+    eval_steps = eval_batches(tokenizer, args) if evaluating else 0
     peak = peak_flops(device_type)
 
     val_batches = []  # the same val batches at every evaluation: read and tokenized once
@@ -606,10 +602,11 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
     def run_eval(step):
         model.eval()
         model.set_tokens_seen(step * total_batch)  # NAG: the α warm-up factor the checkpoint of this step carries
-        if not val_batches:
-            val = data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "val", device=device, rank=rank, world_size=world_size)
-            val_batches.extend(next(val)[:2] for _ in range(eval_steps))
-        bpb = evaluate_bpb(fwd, iter(val_batches), eval_steps, token_bytes)
+        if not val_batches:  # this rank's share of the batches one process would read
+            val = data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "val")
+            val_batches.extend(shared_batches(val, eval_steps, rank, world_size, device))
+        # not through DDP: ranks may hold one batch more or less than each other, and DDP's forward syncs buffers
+        bpb = evaluate_bpb_shared(eval_fwd, val_batches, token_bytes)
         model.train()
         return bpb
 

@@ -11,6 +11,7 @@ plotted against depth, with a 95% interval from the paired val batches (docs/fai
     python -m scripts.depth_sweep --scale published --gpus 8     # one speedrun.sh pair per depth   (GPU)
 
 A rerun reuses finished runs and evaluations and resumes an interrupted run from its newest checkpoint.
+--base-dir (default $NANOCHAT_BASE_DIR) is taken from the directory the command runs in, as in speedrun.sh.
 Writes $NANOCHAT_BASE_DIR/reports/depth_sweep-<scale>/: depth_sweep.md, depth_sweep.json, depth_gap.png.
 """
 
@@ -30,7 +31,7 @@ from nanochat.stats import bpb_delta_interval
 from scripts import base_eval, base_train
 from scripts.archs import ARCHS
 from scripts.presets import get_preset
-from scripts.speedrun import MFU, PEAK_FLOPS
+from scripts.speedrun import MFU, PEAK_FLOPS, base_dir_of
 from scripts.tok_train import prepare_cpu_data
 
 ARCH_PAIR = ("gpt", "nag")
@@ -245,11 +246,13 @@ def vocab_size(scale, base):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="FLOP-matched GPT / NAG pairs across depths at a fixed block size")
+    p = argparse.ArgumentParser(description="FLOP-matched GPT / NAG pairs across depths at a fixed block size",
+                                epilog="--scale published: further flags go to speedrun.sh (e.g. --eval-bundle DIR)")
     p.add_argument("--scale", default="cpu", help="cpu or published")
     p.add_argument("--depths", default="", help="comma-separated depths (default: the scale's)")
     p.add_argument("--flops", type=float, default=None, help="FLOP budget of every run (default: the scale's)")
     p.add_argument("--gpus", type=int, default=8, help="published: processes per run (the plan's hours)")
+    p.add_argument("--base-dir", default=None, help="data, tokenizer, runs and the report (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)")
     p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is trained or written")
     args, extra = p.parse_known_args(argv)
     with exit_on_user_error(interrupted="interrupted: finished runs and evaluations are kept; the same command "
@@ -263,7 +266,9 @@ def main(argv=None):
         flops = args.flops if args.flops is not None else s["flops"]
         if not (math.isfinite(flops) and flops > 0):
             raise UserError(f"--flops must be a positive number (got {flops:g})")
-        base = get_base_dir()
+        base = base_dir_of(args.base_dir)
+        os.environ["NANOCHAT_BASE_DIR"] = base  # for base_train and base_eval here and speedrun.sh below
+        get_base_dir()  # created here, or one line saying why it cannot be
         out_dir = os.path.join(base, "reports", f"depth_sweep-{args.scale}")
         if not args.dry_run:
             ensure_writable_dir(out_dir)

@@ -3,23 +3,30 @@ The two failure cases of the published NAG run (docs/failures.md), each beside i
 
     python -m scripts.failures --scale cpu                 # tiny runs in $NANOCHAT_BASE_DIR, minutes on a CPU
     python -m scripts.failures --scale cpu --seeds 1,2,3
+    python -m scripts.failures --scale cpu --dry-run       # the CPU runs, their steps and status; nothing is written
     python -m scripts.failures --scale published --dry-run # the four published-scale runs, through speedrun.sh
 
 Failure 1 (NaN), faithful: floor 0, gate LR = matrix LR, no α warm-up; twin: the same with the floor (1e-6) back.
 Failure 2 (gate collapse): gate LR = matrix LR, no α warm-up; twin: gate LR = matrix LR / 12 (the published
 1e-3 against Muon's 0.012) and the α warm-up. A rerun reuses every finished run (outcome.json in its directory).
+--base-dir (default $NANOCHAT_BASE_DIR) is taken from the directory the command runs in, as in speedrun.sh.
 """
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 
 from nanochat.common import UserError, exit_on_user_error, get_base_dir
+from nanochat.dataset import list_parquet_files
+from nanochat.tokenizer import get_tokenizer
 from nag.verdicts import collapse_verdict, gate_rows
 from scripts import base_train
+from scripts.presets import get_preset
+from scripts.speedrun import base_dir_of
 from scripts.tok_train import prepare_cpu_data
 
 # The CPU scale, from the search in docs/failures.md: 8 blocks × 128 on the tiny preset's batch (256 tokens per
@@ -62,13 +69,18 @@ def settings(scale):
     return out
 
 
+def cpu_run(case, role, flags, seed):
+    """(run name, base_train argv) of one tiny run."""
+    name = f"fail-{case}-{role}-s{seed}"
+    return name, CPU + ["--num-iterations", str(CPU_STEPS[case]), "--arch", "nag", "--run", name, "--seed", str(seed),
+                        "--resume", "latest", *flags]
+
+
 def run_cpu(case, role, flags, seed, base):
     """Train one tiny run (or reuse its outcome.json); returns the outcome dict."""
-    name = f"fail-{case}-{role}-s{seed}"
+    name, argv = cpu_run(case, role, flags, seed)
     run_dir = os.path.join(base, "runs", name)
     done = os.path.join(run_dir, "outcome.json")
-    argv = CPU + ["--num-iterations", str(CPU_STEPS[case]), "--arch", "nag", "--run", name, "--seed", str(seed),
-                  "--resume", "latest", *flags]
     if os.path.exists(done):
         out = json.load(open(done))
         if out.get("argv") != argv:
@@ -81,6 +93,7 @@ def run_cpu(case, role, flags, seed, base):
             base_train.train(base_train.parse_args(argv))
         except base_train.NonFiniteError as e:
             error = str(e)
+            print(f"error: {error}")  # the log ends as the command line's output would
     outcome = {"run": name, "seed": seed, "argv": argv, "error": error, **summarise(os.path.join(run_dir, "metrics.jsonl"))}
     with open(done, "w") as f:
         json.dump(outcome, f)
@@ -120,9 +133,33 @@ def table(rows):
     return "\n".join(lines)
 
 
-def published(dry_run, extra):
+def cpu_plan(seeds, base):
+    """The CPU runs without running them: name, steps, parameters, status, settings and base_train flags."""
+    have_tokenizer = os.path.exists(os.path.join(base, "tokenizer", "tokenizer.pkl"))
+    # the base dir's tokenizer, or the one prepare_cpu_data would train (the demo's vocab, as runcpu.sh)
+    vocab = get_tokenizer().get_vocab_size() if have_tokenizer else get_preset("demo")["vocab"]
+    data = "present" if list_parquet_files(os.path.join(base, "base_data")) else "to build (the offline corpus, as runcpu.sh)"
+    tokenizer = f"{vocab:,} tokens" + ("" if have_tokenizer else ", to train")
+    lines = [f"failures --scale cpu: {len(seeds) * 4} runs in {base}/runs; data {data}; tokenizer {tokenizer}",
+             "| run | steps | params | status | settings |", "|---|---:|---:|---|---|"]
+    commands = []
+    for case, role, label, flags in settings("cpu"):
+        for seed in seeds:
+            name, argv = cpu_run(case, role, flags, seed)
+            with contextlib.redirect_stdout(io.StringIO()):  # base_train's notes: in each run's log, once it trains
+                plan = base_train.make_plan(base_train.parse_args(argv), vocab, 1)
+            run_dir, done = os.path.join(base, "runs", name), os.path.join(base, "runs", name, "outcome.json")
+            if os.path.exists(done):
+                status = "done (reused)" if json.load(open(done)).get("argv") == argv else "other settings (refused)"
+            else:
+                status = "started (resumes)" if os.path.isdir(run_dir) else "to do"
+            lines.append(f"| {name} | {plan.num_iterations:,} | {sum(p.numel() for p in plan.model.parameters()):,} | {status} | {label} |")
+            commands.append(f"python -m scripts.base_train {' '.join(argv)}")
+    return "\n".join(lines + ["", "base_train flags of each run:", *commands, "dry run: nothing was trained or written"])
+
+
+def published(dry_run, extra, base):
     """The four runs at the published scale through speedrun.sh (run nag-published-<tag>), then the same table."""
-    base = get_base_dir()
     rows = []
     for case, role, label, flags in settings("published"):
         tag = f"{case}-{role}"
@@ -141,22 +178,41 @@ def published(dry_run, extra):
     return rows
 
 
+def parse_seeds(text):
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--seeds takes comma-separated integers like 1,2,3, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds needs one or more different integers like 1,2,3, got {text!r}")
+    return seeds
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="NAG's two failure cases beside their fixed twins, with verdicts")
+    p = argparse.ArgumentParser(description="NAG's two failure cases beside their fixed twins, with verdicts",
+                                epilog="--scale published: further flags go to speedrun.sh (e.g. --gpus 8)")
     p.add_argument("--scale", default="cpu", help="cpu or published")
-    p.add_argument("--seeds", default="1", help="cpu: comma-separated seeds")
-    p.add_argument("--dry-run", action="store_true", help="published: the plans only")
+    p.add_argument("--seeds", default=None, help="cpu: comma-separated seeds (default 1)")
+    p.add_argument("--base-dir", default=None, help="data, tokenizer and runs (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)")
+    p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is trained or written")
     args, extra = p.parse_known_args(argv)
     with exit_on_user_error(interrupted="interrupted: finished runs are kept; the same command resumes (an unfinished "
                             "run from its newest checkpoint)"):
+        base = base_dir_of(args.base_dir)
+        os.environ["NANOCHAT_BASE_DIR"] = base  # for base_train here and speedrun.sh below
         if args.scale == "published":
-            rows = published(args.dry_run, extra)
+            if args.seeds is not None:
+                raise UserError("--seeds is for --scale cpu: the published scale runs each case once")
+            rows = published(args.dry_run, extra, base)
         elif args.scale == "cpu":
             if extra:
                 raise UserError(f"unknown arguments for --scale cpu: {' '.join(extra)}")
-            base = get_base_dir()
+            seeds = parse_seeds("1" if args.seeds is None else args.seeds)
+            if args.dry_run:
+                print(cpu_plan(seeds, base), file=sys.stderr)
+                return
+            get_base_dir()  # created here, or one line saying why it cannot be
             prepare_cpu_data(base)
-            seeds = [int(s) for s in args.seeds.split(",")]
             rows = []
             for case, role, label, flags in settings("cpu"):
                 for seed in seeds:

@@ -44,7 +44,7 @@ PRESETS = {
                   "--save-every", "30"],
         "nag": ["--nag-alpha-warmup-tokens", "40960", "--nag-gate-log-every", "10", "--nag-gate-lr", "0.01",
                 "--nag-temp-gain-lr", "1.0"],
-        "eval": ["--split-tokens", "65536", "--device-batch-size", "16"],
+        "eval": ["--split-tokens", "65536", "--device-batch-size", "4"],  # 64 batches of 4 × 256: enough units for an interval
         "analysis": ["--tokens", "65536"],
         "vocab": 4096,
     },

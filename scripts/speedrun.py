@@ -5,13 +5,19 @@ the status go to stderr for the user, and shell assignments (quoted) go to stdou
 
     python -m scripts.speedrun --dry-run                 # the plan of the published pair, for 8 GPUs
     python -m scripts.speedrun --preset tiny --dry-run   # the CPU smoke test
+
+--help prints the usage on stderr and `exit 0` on stdout, so speedrun.sh stops there. Paths (--base-dir,
+--eval-bundle, $NANOCHAT_BASE_DIR) are the caller's: relative to $NANOCHAT_CALLER_CWD, which speedrun.sh
+and the runs/ scripts set to the directory they were started from before they cd to the repo root.
 """
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -19,7 +25,7 @@ import sys
 
 from nanochat.common import UserError, exit_on_user_error
 from nanochat import checkpoint_manager as ckpt
-from scripts import base_train
+from scripts import base_train, compare
 from scripts.check_cuda import cuda_problem
 from scripts.presets import PRESETS, get_preset
 
@@ -38,15 +44,22 @@ VAL_SHARD = 6542
 TOKENIZER_CHARS = {"tiny": 2_000_000}  # default 2B characters
 MFU = 0.40  # wall-time estimate: 40% of an H100's 989 TFLOP/s dense bf16 (evaluation not included)
 PEAK_FLOPS = 989e12
+# base_train flags that change how a run is saved, logged or computed, not what it learns: they add nothing to
+# the tag derived from the flags after `--`, so a rerun with another checkpoint period finds the same runs
+UNNAMED_FLAGS = {"--save-every", "--eval-every", "--eval-tokens", "--nag-gate-log-every", "--nag-impl", "--compile",
+                 "--no-compile", "--change-horizon", "--change-settings"}
+MAX_TAG = 40
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="speedrun.sh", description="FLOP-matched GPT vs NAG: data, tokenizer, training, CORE + bpb, report.")
+    p = argparse.ArgumentParser(prog="speedrun.sh", description="FLOP-matched GPT vs NAG: data, tokenizer, training, CORE + bpb, report.",
+                                epilog="Anything after -- goes to base_train (python -m scripts.base_train --help). Relative paths are "
+                                       "taken from the directory the command runs in. Rerunning skips finished stages.")
     p.add_argument("--preset", default="published", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--arch", default="gpt,nag", help="which runs: gpt, nag or gpt,nag (GPT trains first)")
     p.add_argument("--flops", type=float, default=None, help="override the FLOP budget of both runs")
     p.add_argument("--gpus", type=int, default=None, help="processes (default: every visible GPU; 8 in --dry-run without GPUs; 1 for tiny)")
-    p.add_argument("--tag", default="", help="run names become <arch>-<preset>-<tag>")
+    p.add_argument("--tag", default="", help="run names become <arch>-<preset>-<tag> (default: derived from the base_train flags after --)")
     p.add_argument("--base-dir", default=None, help="everything goes here (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)")
     p.add_argument("--shards", type=int, default=None, help="ClimbMix train shards to download (default: from the budget)")
     p.add_argument("--offline", action="store_true", help="build the offline corpus instead of downloading ClimbMix")
@@ -55,12 +68,51 @@ def build_parser():
     return p
 
 
+def caller_path(path):
+    """A path the user typed, made absolute from the directory the command was started in (speedrun.sh and
+    the runs/ scripts cd to the repo root; they pass their starting directory as $NANOCHAT_CALLER_CWD)."""
+    return os.path.abspath(os.path.join(os.environ.get("NANOCHAT_CALLER_CWD") or os.getcwd(), os.path.expanduser(path)))
+
+
+def base_dir_of(flag=None):
+    """--base-dir, else $NANOCHAT_BASE_DIR, else ~/.cache/nanochat; absolute, relative paths from the caller's directory."""
+    return caller_path(flag or os.environ.get("NANOCHAT_BASE_DIR") or "~/.cache/nanochat")
+
+
+def derived_tag(extra):
+    """A readable, stable tag for the base_train flags after `--`: `--nag-mod-floor 0 --depth 32` gives
+    nag-mod-floor0_depth32; a long one keeps its start and adds a hash of the whole. Flags that do not change
+    what a run learns (UNNAMED_FLAGS) are left out; "" when nothing is left."""
+    groups = []
+    for a in extra:
+        if a.startswith("--") or not groups:
+            groups.append(a.split("=", 1))
+        else:
+            groups[-1].append(a)
+    groups = [g for g in groups if g[0] not in UNNAMED_FLAGS]
+    if not groups:
+        return ""
+    words = []
+    for name, *values in groups:
+        word = name.lstrip("-")
+        for v in values:  # a number joins its flag (nag-mod-floor0), a word takes a dash (nag-renorm-predicted)
+            word += v if v[:1].isdigit() or v[:1] in ".-" else "-" + v
+        words.append(word)
+    tag = re.sub(r"[^A-Za-z0-9._-]+", ".", "_".join(words)).strip("._-") or "extra"
+    if len(tag) > MAX_TAG:
+        digest = hashlib.sha1("\0".join(a for g in groups for a in g).encode()).hexdigest()[:8]
+        tag = tag[:MAX_TAG - len(digest) - 1].rstrip("._-") + "-" + digest
+    return tag
+
+
 def parse(argv):
     """speedrun flags, then base_train flags after `--`."""
     argv = list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = build_parser().parse_args(argv[:len(argv) - len(extra) - (1 if "--" in argv else 0)])
     args.extra = extra
+    args.derived_tag = "" if args.tag else derived_tag(extra)  # extras change the runs: they need names of their own
+    args.tag = args.tag or args.derived_tag
     get_preset(args.preset)
     archs = [a for a in args.arch.split(",") if a]
     bad = [a for a in archs if a not in ("gpt", "nag")]
@@ -76,10 +128,10 @@ def parse(argv):
     if args.tag and not all(c.isalnum() or c in "._-" for c in args.tag):
         raise UserError(f"--tag may hold only letters, digits, '.', '_' and '-', got {args.tag!r}")
     if args.eval_bundle:
-        if not os.path.isdir(args.eval_bundle):
-            raise UserError(f"--eval-bundle {args.eval_bundle} is not a directory")
-        args.eval_bundle = os.path.abspath(args.eval_bundle)
-    args.base_dir = os.path.abspath(args.base_dir or os.environ.get("NANOCHAT_BASE_DIR") or os.path.expanduser("~/.cache/nanochat"))
+        if not os.path.isdir(caller_path(args.eval_bundle)):
+            raise UserError(f"--eval-bundle {caller_path(args.eval_bundle)} is not a directory")
+        args.eval_bundle = caller_path(args.eval_bundle)
+    args.base_dir = base_dir_of(args.base_dir)
     args.offline = args.offline or args.preset == "tiny" or os.environ.get("NANOCHAT_OFFLINE") == "1"
     return args
 
@@ -149,8 +201,9 @@ def status(args, plan_records):
     evaluated = all(done.get(f"eval {a}", True) for a in args.archs)
     analysis = os.path.join(base, "reports", f"analysis_{gpt}_vs_{nag}", "analysis.json")
     done["analysis"] = evaluated and all(newer(analysis, e) for e in evals)
-    report = os.path.join(base, "reports", f"{gpt}_vs_{nag}", "report.md")
-    done["report"] = done["analysis"] and all(newer(report, e) for e in evals + [analysis])
+    report_dir = os.path.join(base, "reports", f"{gpt}_vs_{nag}")  # speedrun's own folder, passed to compare as --out
+    done["report"] = (done["analysis"] and newer(os.path.join(report_dir, "report.md"), analysis)
+                      and compare.report_is_current(report_dir, [os.path.join(base, "runs", r) for r in (gpt, nag)]))
     return done
 
 
@@ -183,8 +236,11 @@ def plan_and_check(args):
         records = plans(args, vocab, gpus)
     say(f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es)"
         + (" (no GPU visible here: planned for 8)" if not have and not args.gpus and args.preset != "tiny" else "") + f" | base dir {args.base_dir}"
-        + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else ""))
-    say(f"{'run':<24}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  {'checkpoints':<22}est. time")
+        + (f" | eval bundle {args.eval_bundle}" if args.eval_bundle else "") + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else ""))
+    if args.derived_tag:
+        say(f"tag: {args.tag} (from the base_train flags after --; the same flags find the same runs again; --tag T names them yourself)")
+    w = max(24, *(len(p["run"]) + 2 for p in records.values()))  # a derived tag makes long names
+    say(f"{'run':<{w}}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  {'checkpoints':<22}est. time")
     need_gib, total_s = 0.0, 0.0
     tokens = max(p["total_tokens"] for p in records.values())
     args.shards_needed = 0 if args.offline else (args.shards or max(TOK_SHARDS, shards_for(tokens)))
@@ -197,7 +253,7 @@ def plan_and_check(args):
             need_gib += saves * p["checkpoint_gib"]
         when = "CPU: minutes" if args.preset == "tiny" else f"{hms(secs)} at {MFU:.0%} MFU"
         saved = f"{saves} × {p['checkpoint_gib']:.3g} GiB"
-        say(f"{p['run']:<24}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}{p['total_tokens']:>17,}"
+        say(f"{p['run']:<{w}}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}{p['total_tokens']:>17,}"
             f"{p['total_flops']:>13.4e}  {saved:<22}{when}")
     if args.offline:
         say("data: offline corpus (python -m nanochat.dataset --offline), no download")
@@ -248,7 +304,14 @@ def plan_and_check(args):
 
 def main(argv=None):
     with exit_on_user_error():
-        print(plan_and_check(parse(sys.argv[1:] if argv is None else argv)))
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # --help (ours, or base_train's after --) is for the user
+                plan = plan_and_check(parse(sys.argv[1:] if argv is None else argv))
+        except SystemExit as e:
+            if e.code == 0:
+                print("exit 0")  # speedrun.sh evals this: it stops after the usage, before any stage
+            raise
+        print(plan)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,10 @@ def test_failures_table_and_rerun(run_base, monkeypatch, capsys):
     # one shut branch of four is 25%, above the 20% share: both failure-2 runs count as collapsed here
     assert rows[2][4] == "reproduced" and rows[2][5] == "collapsed: 25% of branches shut mid-run to end"
     assert rows[3][4] == "twin fails"
+    # the error line is in outcome.json and ends the run's log (docs/failures.md)
+    outcome = json.load(open(os.path.join(run_base, "runs", "fail-fail1-broken-s1", "outcome.json")))
+    last = open(os.path.join(run_base, "runs", "fail-fail1-broken-s1.log")).read().strip().splitlines()[-1]
+    assert outcome["error"].startswith("non-finite gradient at step 1") and last == f"error: {outcome['error']}"
     # a rerun trains nothing: every run's outcome.json is reused
     runs = os.path.join(run_base, "runs")
     before = {f: os.stat(os.path.join(runs, f)).st_mtime_ns for f in os.listdir(runs)}
@@ -145,3 +149,39 @@ def test_failures_bad_scale(run_base, script_error):
     from scripts import failures
     assert "unknown --scale 'gpu' (expected cpu or published)" in script_error(failures.main, "--scale", "gpu")
     assert "unknown arguments for --scale cpu: --gpus 8" in script_error(failures.main, "--scale", "cpu", "--gpus", "8")
+
+
+def test_failures_bad_seeds_are_one_line(run_base, script_error):
+    from scripts import failures
+    assert "--seeds takes comma-separated integers like 1,2,3, got 'a'" in script_error(failures.main, "--seeds", "a")
+    assert "--seeds needs one or more different integers" in script_error(failures.main, "--seeds", "1,1")
+    assert "--seeds needs one or more different integers" in script_error(failures.main, "--seeds", ",")
+    assert "--seeds needs one or more different integers" in script_error(failures.main, "--seeds", "")
+    assert "--seeds is for --scale cpu" in script_error(failures.main, "--scale", "published", "--seeds", "1,2")
+    assert not os.path.exists(os.path.join(run_base, "runs"))
+
+
+def test_failures_cpu_dry_run_trains_nothing(tmp_path, monkeypatch, capsys):
+    from scripts import failures
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a dry run trained or prepared data")
+    monkeypatch.setattr(failures.base_train, "train", must_not_run)
+    monkeypatch.setattr(failures, "prepare_cpu_data", must_not_run)
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    failures.main(["--scale", "cpu", "--dry-run", "--seeds", "1,2"])
+    out = capsys.readouterr()
+    assert out.out == "" and not base.exists()
+    assert f"8 runs in {base}/runs; data to build" in out.err and "tokenizer 4,096 tokens, to train" in out.err, out.err
+    assert out.err.count("| to do |") == 8 and "| fail-fail1-broken-s2 | 200 | " in out.err and "| fail-fail2-fixed-s1 | 100 | " in out.err
+    assert "--run fail-fail2-fixed-s2 --seed 2 --resume latest --nag-mod-floor 1e-06" in out.err
+    # a finished run is shown as reused, one of other settings as refused
+    for (case, role, _, flags), outcome in zip(failures.settings("cpu"), ("same", "other")):
+        name, argv = failures.cpu_run(case, role, flags, 1)
+        os.makedirs(base / "runs" / name)
+        (base / "runs" / name / "outcome.json").write_text(json.dumps({"argv": argv if outcome == "same" else argv[:-1]}))
+    failures.main(["--scale", "cpu", "--dry-run"])
+    err = capsys.readouterr().err
+    assert "| fail-fail1-broken-s1 | 200 | " in err and "| done (reused) |" in err and "| other settings (refused) |" in err
+    assert err.count("| to do |") == 2

@@ -207,3 +207,54 @@ def test_tiny_pipeline_skips_finished_stages_and_resumes(tiny_base_dir, tmp_path
     assert "report already up to date" not in third.stdout  # gpt's new eval.json: the report is redone
     steps = [json.loads(line)["step"] for line in open(runs["gpt"] / "metrics.jsonl")]
     assert steps == list(range(14))
+
+
+# ---------------------------------------------------------------------------
+# base_train flags after `--` without --tag: runs of their own, named the same on every rerun
+
+
+def fake_finished_run(run_dir, step, world_size):
+    """The files that make checkpoint `step` complete (checkpoint_manager.is_complete), empty."""
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, f"meta_{step:06d}.json"), "w") as f:
+        json.dump({"world_size": world_size}, f)
+    for name in [f"model_{step:06d}.pt"] + [f"optim_{step:06d}_rank{r}.pt" for r in range(world_size)]:
+        open(os.path.join(run_dir, name), "w").close()
+
+
+def plan_of(capsys, *argv):
+    from scripts import speedrun as sr
+    sr.main(list(argv))
+    out = capsys.readouterr()
+    return out.err, dict(line.split("=", 1) for line in out.out.splitlines() if "=" in line and not line.startswith(("LAUNCH", "ANALYSIS")))
+
+
+def test_extra_flags_without_tag_get_runs_of_their_own(tmp_path, capsys):
+    base = tmp_path / "base"
+    fake_finished_run(base / "runs" / "nag-published", 9425, 8)  # the default NAG run, finished
+    common = ["--dry-run", "--arch", "nag", "--gpus", "8", "--base-dir", str(base)]
+    err, sh = plan_of(capsys, *common)
+    assert sh["NAG_RUN"] == "nag-published" and sh["NAG_TRAIN_DONE"] == "1" and "tag:" not in err
+    for _ in range(2):  # a rerun of the same command finds the same runs
+        err, sh = plan_of(capsys, *common, "--", "--nag-mod-floor", "0")
+        assert sh["NAG_RUN"] == "nag-published-nag-mod-floor0" and sh["NAG_TRAIN_DONE"] == "0", err
+        assert re.search(r"^tag: nag-mod-floor0 \(from the base_train flags after --", err, re.M), err
+        assert re.search(r"^  train nag +\[to do\]", err, re.M)
+    fake_finished_run(base / "runs" / "nag-published-nag-mod-floor0", 9425, 8)
+    err, sh = plan_of(capsys, *common, "--", "--nag-mod-floor", "0")
+    assert sh["NAG_TRAIN_DONE"] == "1" and re.search(r"^  train nag +\[done, skip\]", err, re.M)
+    # flags that change how a run is saved or logged, not what it learns, keep the name; --tag always wins
+    assert plan_of(capsys, *common, "--", "--save-every", "5", "--nag-gate-log-every", "10")[1]["NAG_RUN"] == "nag-published"
+    assert plan_of(capsys, *common, "--tag", "nofloor", "--", "--nag-mod-floor", "0")[1]["NAG_RUN"] == "nag-published-nofloor"
+    assert not (base / "base_data").exists()
+
+
+def test_derived_tags():
+    from scripts.speedrun import MAX_TAG, derived_tag
+    assert derived_tag(["--nag-mod-floor", "0"]) == derived_tag(["--nag-mod-floor=0"]) == "nag-mod-floor0"
+    assert derived_tag(["--nag-renorm", "predicted", "--depth", "32", "--save-every", "5"]) == "nag-renorm-predicted_depth32"
+    assert derived_tag(["--save-every", "5", "--no-compile"]) == ""
+    long = ["--matrix-lr", "0.02", "--embedding-lr", "0.3", "--unembedding-lr", "0.008", "--nag-mod-floor"]
+    a, b = derived_tag(long + ["1e-6"]), derived_tag(long + ["1e-7"])
+    assert a != b and len(a) <= MAX_TAG and a.startswith("matrix-lr0.02_embedding-lr0.3") and a == derived_tag(long + ["1e-6"])
+    assert all(c.isalnum() or c in "._-" for c in derived_tag(["--eval-bundle", "/a b/c"]))
