@@ -152,6 +152,17 @@ class Thresholds(nn.Module):
         acc[1] += 1
         return execute
 
+    def bound(self, kind, execute):
+        """Rows run_executed packs, known without reading `execute` (no host sync); None: their exact number,
+        read on the host. Training MLP: its batch quantile runs at most N - round(rate·N) of N tokens. Attention
+        has no such bound: the global threshold lets layers differ widely (6 % and 51 % skipped at a 30 % target
+        in a test model), so a capacity from the target would override it (6 % became 19 % at target + 10 %), and
+        the full length would give back the saved queries. Evaluation: fixed thresholds bound nothing."""
+        if execute is None or not self.training or kind == "attn":
+            return None
+        n = execute.numel()
+        return n - skip_count(self.config.rate, n)
+
     @torch.no_grad()
     def finish(self):
         """End of a training forward: this batch's pooled attention scores give the next batch's threshold (their
@@ -172,10 +183,20 @@ class Thresholds(nn.Module):
         return out
 
 
+def skip_count(rate, n):
+    """How many of n tokens a batch quantile at `rate` skips (at most: ties run fewer)."""
+    return round(rate * n)
+
+
 def batch_threshold(scores, rate):
-    """The score at or below which the round(rate·N) lowest-scoring tokens fall (-inf: none)."""
+    """The score at or below which the round(rate·N) lowest-scoring tokens fall (-inf: none). A tensor rate
+    (attention: the target plus the shortfall) stays on the device: k is a tensor, no host sync."""
     flat = scores.flatten()
-    k = round(float(rate) * flat.numel())
+    if torch.is_tensor(rate):  # rounds half to even, like round(); in float64, like float(rate) * N
+        k = torch.round(rate.double().reshape(1) * flat.numel()).long().clamp(0, flat.numel())
+        kth = flat.sort().values.index_select(0, (k - 1).clamp_min(0)).reshape(())
+        return torch.where(k.reshape(()) > 0, kth, -math.inf)
+    k = skip_count(rate, flat.numel())
     if k == 0:
         return torch.full((), -math.inf, device=flat.device)
     return torch.kthvalue(flat, k).values
@@ -210,37 +231,48 @@ def skip_summary(rates):
 
 # ---------------------------------------------------------------------------
 # the gathered computation: sub-layer outputs at the executed tokens, zeros elsewhere
+#
+# The executed tokens are packed into n rows: `bound` where one is known before the data is seen (training
+# MLP: no host sync), else their exact number, read on the host (one sync per layer: attention, evaluation).
+# The padding rows hold skipped tokens whose result is dropped, and n >= 1: a sub-layer always runs on at least
+# one row, so every parameter gets a gradient (zero when no token ran). DDP with find_unused_parameters=False
+# then needs no special case for a rank whose micro-batch skips a whole sub-layer, at no cost; telling DDP
+# instead (find_unused_parameters=True) would cost a traversal of the autograd graph every step.
 
 
-def mlp_executed(mlp, x, execute):
-    """mlp(x) at the executed tokens and 0 at the others; the MLP only sees the executed tokens."""
+def packed(execute, n):
+    """(B, n) positions with each row's executed tokens first, in order, and which of them are executed."""
+    order = torch.sort((~execute).to(torch.uint8), dim=1, stable=True).indices[:, :n]
+    valid = torch.arange(n, device=execute.device)[None] < execute.sum(dim=1, keepdim=True)
+    return order, valid
+
+
+def mlp_executed(mlp, x, execute, bound=None):
+    """mlp(x) at the executed tokens and 0 at the others; the MLP only sees the executed tokens (and padding up
+    to `bound`, at most that many execute)."""
     if execute is None:
         return mlp(x)
     B, T, D = x.shape
     flat = x.reshape(B * T, D)
-    idx = execute.reshape(-1).nonzero().squeeze(1)
-    out = flat.new_zeros(B * T, D)
-    if idx.numel():
-        out = out.index_copy(0, idx, mlp(flat.index_select(0, idx)).to(out.dtype))
-    return out.view(B, T, D)
+    n = bound if bound is not None else int(execute.sum())  # evaluation: one host sync
+    idx, valid = packed(execute.reshape(1, B * T), min(max(n, 1), B * T))
+    y = torch.where(valid[0, :, None], mlp(flat.index_select(0, idx[0])), 0)
+    return flat.new_zeros(B * T, D).index_copy(0, idx[0], y.to(flat.dtype)).view(B, T, D)
 
 
-def attention_executed(attn, x, cos_sin, mask, execute):
+def attention_executed(attn, x, cos_sin, mask, execute, bound=None):
     """attn(x, cos_sin, mask) at the executed tokens and 0 at the others.
 
     Every token still makes its key and value (later tokens attend to it); only executed tokens make a
     query, attend and go through the output projection. Each row's executed positions are packed to the
-    left, padded to the longest row with skipped positions whose result is dropped."""
+    left, padded with skipped positions whose result is dropped, to `bound` (at most that many per row
+    execute) or, without one, to the longest row."""
     if execute is None:
         return attn(x, cos_sin, mask)
     B, T, D = x.shape
-    counts = execute.sum(dim=1)
-    Tq = int(counts.max())  # one host sync: the padded query length
-    if Tq == 0:
-        return x.new_zeros(B, T, D)
-    order = torch.sort((~execute).to(torch.uint8), dim=1, stable=True).indices  # executed first, in order
-    qpos = order[:, :Tq]  # (B, Tq)
-    valid = torch.arange(Tq, device=x.device)[None] < counts[:, None]
+    n = bound if bound is not None else int(execute.sum(dim=1).max())  # evaluation: one host sync
+    Tq = min(max(n, 1), T)
+    qpos, valid = packed(execute, Tq)  # (B, Tq)
     H, KV, hd = attn.n_head, attn.n_kv_head, attn.head_dim
     xq = torch.gather(x, 1, qpos[..., None].expand(B, Tq, D))
     q = attn.c_q(xq).view(B, Tq, H, hd)
@@ -256,17 +288,14 @@ def attention_executed(attn, x, cos_sin, mask, execute):
     rows = torch.gather(allowed.expand(B, 1, T, T), 2, qpos[:, None, :, None].expand(B, 1, Tq, T))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=rows, enable_gqa=KV != H)
-    y = y.transpose(1, 2).reshape(B, Tq, D)
-    dest = (torch.arange(B, device=x.device)[:, None] * T + qpos)[valid]
-    out = x.new_zeros(B * T, D)
-    out = out.index_copy(0, dest, attn.c_proj(y[valid]).to(out.dtype))
-    return out.view(B, T, D)
+    y = torch.where(valid[..., None], attn.c_proj(y.transpose(1, 2).reshape(B, Tq, D)), 0)
+    return x.new_zeros(B, T, D).scatter(1, qpos[..., None].expand(B, Tq, D), y.to(x.dtype))
 
 
-def run_executed(kind, block, x, cos_sin, mask, execute):
+def run_executed(kind, block, x, cos_sin, mask, execute, bound=None):
     if kind == "attn":
-        return attention_executed(block.attn, x, cos_sin, mask, execute)
-    return mlp_executed(block.mlp, x, execute)
+        return attention_executed(block.attn, x, cos_sin, mask, execute, bound)
+    return mlp_executed(block.mlp, x, execute, bound)
 
 
 # ---------------------------------------------------------------------------

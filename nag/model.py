@@ -262,11 +262,12 @@ class NAGGPT(GPT):
         alpha = br.alpha * self.alpha_warmup
         if self.record_telemetry:
             self.record_branch(mod_logits, br, alpha)
-        execute = None
+        execute = bound = None
         if self.mod is not None and self.mod.skips(kind):
             m = modulator(mod_logits.detach(), br.coef.detach(), br.beta_raw.detach(), self.nag.mod_floor)
             execute = self.thresholds.decide(kind, layer, rotation_score(alpha, m))
-        out = run_executed(kind, block, res_dir, cos_sin, mask, execute)
+            bound = self.thresholds.bound(kind, execute)  # training MLP: a static length, no host sync
+        out = run_executed(kind, block, res_dir, cos_sin, mask, execute, bound)
         if self.mod is not None and self.mod.covers(kind):
             out = out + self.mod_base[f"{kind}_{layer}"].to(out.dtype)
         return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, alpha,

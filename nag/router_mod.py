@@ -106,4 +106,5 @@ class RouterMoDGPT(GPT):
             return run_executed(kind, block, h, cos_sin, mask, None)
         gate = torch.sigmoid(self.routers[f"{kind}_{layer}"](h).float())  # (B, T, 1)
         execute = self.thresholds.decide(kind, layer, gate.squeeze(-1))
-        return run_executed(kind, block, h, cos_sin, mask, execute) * gate.to(h.dtype)
+        out = run_executed(kind, block, h, cos_sin, mask, execute, self.thresholds.bound(kind, execute))
+        return out * gate.to(h.dtype)

@@ -120,8 +120,9 @@ class MuonAdamW(torch.optim.Optimizer):
     def step_adamw(self, group):
         beta1, beta2 = group["betas"]
         params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
+        # a parameter without a gradient (e.g. a MoD gate whose sub-layer ran no token) misses the step, so each
+        # keeps its own step count and bias correction: one foreach update per distinct count (usually one)
+        by_step = {}
         for p in params:
             state = self.state[p]
             if not state:
@@ -129,25 +130,38 @@ class MuonAdamW(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
-        steps = {self.state[p]["step"] for p in params}
-        assert len(steps) == 1, "AdamW parameters of one group must share a step count"
-        adamw_update(params, [p.grad.float() for p in params], [self.state[p]["exp_avg"] for p in params],
-                     [self.state[p]["exp_avg_sq"] for p in params], steps.pop(),
-                     group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            by_step.setdefault(state["step"], []).append(p)
+        for step, ps in by_step.items():
+            adamw_update(ps, [p.grad.float() for p in ps], [self.state[p]["exp_avg"] for p in ps],
+                         [self.state[p]["exp_avg_sq"] for p in ps], step,
+                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
 
     def step_muon(self, group):
         params = group["params"]
-        if any(p.grad is None for p in params):
+        live = [i for i, p in enumerate(params) if p.grad is not None]
+        if not live:
             return
+        state = self.state[params[0]]  # the stack's state, one row per matrix of the group
+        if not state:
+            r, c = params[0].shape
+            var_shape = (len(params), r, 1) if r >= c else (len(params), 1, c)
+            state["momentum_buffer"] = torch.zeros((len(params), r, c), dtype=torch.float32, device=params[0].device)
+            state["variance_buffer"] = torch.zeros(var_shape, dtype=torch.float32, device=params[0].device)
+        momentum_buf, variance_buf = state["momentum_buffer"], state["variance_buffer"]
+        # A matrix without a gradient (e.g. a MoD sub-layer that ran no token) is skipped alone: the others take
+        # exactly the step of a group without it (orthogonalisation and NorMuon act per matrix) and its own
+        # momentum and variance rows stay as they were.
+        partial = len(live) < len(params)
+        if partial:
+            rows = torch.tensor(live, device=momentum_buf.device)
+            params = [params[i] for i in live]
+            momentum_buf, variance_buf = momentum_buf[rows], variance_buf[rows]
         stacked_p = torch.stack(params)
         stacked_g = torch.stack([p.grad for p in params]).float()
-        state = self.state[params[0]]
-        if not state:
-            r, c = stacked_p.shape[-2:]
-            var_shape = (len(params), r, 1) if r >= c else (len(params), 1, c)
-            state["momentum_buffer"] = torch.zeros_like(stacked_g)
-            state["variance_buffer"] = torch.zeros(var_shape, dtype=torch.float32, device=stacked_g.device)
         ortho_dtype = torch.bfloat16 if stacked_p.is_cuda else torch.float32
-        muon_update(stacked_p, stacked_g, state["momentum_buffer"], state["variance_buffer"],
+        muon_update(stacked_p, stacked_g, momentum_buf, variance_buf,
                     group["lr"], group["momentum"], group["weight_decay"], beta2=group["beta2"], ortho_dtype=ortho_dtype)
         torch._foreach_copy_(params, list(stacked_p.unbind(0)))
+        if partial:  # the rows were gathered copies: write the updated ones back
+            state["momentum_buffer"].index_copy_(0, rows, momentum_buf)
+            state["variance_buffer"].index_copy_(0, rows, variance_buf)

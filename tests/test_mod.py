@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_TRAIN
 from nanochat.gpt import GPT, GPTConfig
 from nag.model import NAGGPT, NAGConfig
-from nag.mod import ModConfig, attention_executed, mlp_executed, calibrate, savable_flops
+from nag.mod import ModConfig, Thresholds, attention_executed, mlp_executed, run_executed, batch_threshold, calibrate, savable_flops
 from nag.router_mod import RouterMoDGPT
 from scripts import archs, base_train, base_eval
 
@@ -98,6 +98,10 @@ def test_gathered_computation_equals_masked_full_computation(window):
         want = block.attn(x, cos_sin, mask) * execute[..., None]
         assert torch.allclose(attention_executed(block.attn, x, cos_sin, mask, execute), want, atol=1e-5)
         assert torch.allclose(mlp_executed(block.mlp, x, execute), block.mlp(x) * execute[..., None], atol=1e-6)
+        # padded to a static bound (training's MLP): the same, the padding dropped
+        assert torch.equal(mlp_executed(block.mlp, x, execute, bound=80) != 0, mlp_executed(block.mlp, x, execute) != 0)
+        assert torch.allclose(mlp_executed(block.mlp, x, execute, bound=80), block.mlp(x) * execute[..., None], atol=1e-6)
+        assert torch.allclose(attention_executed(block.attn, x, cos_sin, mask, execute, bound=32), want, atol=1e-5)
     # packed evaluation rows: positions and an allowed mask
     positions = torch.arange(32).repeat(3, 1)
     allowed = positions[:, :, None] >= positions[:, None, :]
@@ -106,6 +110,55 @@ def test_gathered_computation_equals_masked_full_computation(window):
     block = model.blocks[0]
     want = block.attn(x, cos_sin, mask) * execute[..., None]
     assert torch.allclose(attention_executed(block.attn, x, cos_sin, mask, execute), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("bound", [None, 7])
+def test_a_sublayer_that_runs_no_token_still_gives_every_parameter_a_gradient(bound):
+    # DDP (find_unused_parameters=False) needs a gradient for every parameter on every rank: a sub-layer whose
+    # tokens all skip runs on one padded row whose result is dropped, so its gradient is there and zero
+    model = wake(build(GPT))
+    block, cos_sin = model.blocks[0], model.rotary(32)
+    x = torch.randn(2, 32, 32, requires_grad=True)
+    nothing = torch.zeros(2, 32, dtype=torch.bool)
+    out = attention_executed(block.attn, x, cos_sin, None, nothing, bound) + mlp_executed(block.mlp, x, nothing, bound)
+    assert not out.any()
+    out.square().sum().backward()
+    for name, p in block.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name
+    assert not x.grad.any()
+
+
+def test_training_decisions_and_the_mlp_need_no_host_sync():
+    # a meta tensor has no values: whatever reads one on the host (int(), .item(), nonzero) raises
+    cfg = GPTConfig(**CFG)
+    with torch.device("meta"):
+        block = GPT(cfg).blocks[0]
+        th = Thresholds(cfg.n_layer, ModConfig("both", 0.3))
+        th.train()
+        x = torch.randn(4, 32, 32)
+        for layer in range(cfg.n_layer):
+            execute = th.decide("mlp", layer, torch.rand(4, 32))
+            assert run_executed("mlp", block, x, None, None, execute, th.bound("mlp", execute)).shape == x.shape
+            th.decide("attn", layer, torch.rand(4, 32))
+        th.finish()
+    # the bound holds, ties included (they only make fewer tokens run)
+    th = Thresholds(1, ModConfig("mlp", 0.3))
+    th.train()
+    for s in range(5):
+        score = torch.randint(0, 3 + 100 * s, (4, 32), generator=torch.Generator().manual_seed(s)).float()
+        execute = th.decide("mlp", 0, score)
+        assert execute.sum() <= th.bound("mlp", execute) == 128 - round(0.3 * 128)
+    th.eval()
+    assert th.bound("mlp", execute) is None and th.bound("attn", execute) is None
+
+
+def test_attention_quantile_at_a_tensor_rate_is_the_host_one():
+    # finish() keeps the target plus the shortfall on the device: the same k as round(float(rate) * N), halves to even
+    g = torch.Generator().manual_seed(0)
+    for n, rate in [(10, 0.25), (10, 0.35), (8, 0.0625), (512, 0.3), (512, 0.0), (7, 0.95)]:
+        scores = torch.randn(n, generator=g)
+        r = torch.tensor([rate])
+        assert torch.equal(batch_threshold(scores, r), batch_threshold(scores, float(r))), (n, rate)
 
 
 def test_skipped_tokens_take_exactly_the_x_path(monkeypatch):

@@ -1,0 +1,101 @@
+"""MuonAdamW when some parameters have no gradient (a MoD sub-layer that ran no token): only they miss the step."""
+
+import pytest
+import torch
+
+from nanochat.optim import MuonAdamW, muon_update
+
+MUON = dict(kind="muon", lr=0.02, momentum=0.95, weight_decay=0.1)
+ADAMW = dict(kind="adamw", lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)
+
+
+def matrices(n, shape=(8, 6), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).requires_grad_() for _ in range(n)]
+
+
+def grads(n, shape, step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(shape, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("shape", [(8, 6), (6, 8)], ids=["tall", "wide"])
+@pytest.mark.parametrize("skipped, first_skip", [(0, 0), (2, 1)], ids=["state-key-from-start", "later"])
+def test_muon_skips_only_the_matrix_without_a_gradient(shape, skipped, first_skip):
+    # skipped: the matrix without a gradient from step first_skip on (index 0 keys the stacked state)
+    ps = matrices(4, shape)
+    opt = MuonAdamW([dict(MUON, params=ps)])
+    for step in range(first_skip):  # steps with every gradient
+        for p, g in zip(ps, grads(4, shape, step)):
+            p.grad = g
+        opt.step()
+    state = opt.state[ps[0]]
+    frozen_p = ps[skipped].detach().clone()
+    if first_skip:
+        frozen_rows = state["momentum_buffer"][skipped].clone(), state["variance_buffer"][skipped].clone()
+    # the reference: a group without the skipped matrix, starting from the others' weights and state rows
+    others = [i for i in range(4) if i != skipped]
+    ref_p = torch.stack([ps[i].detach() for i in others])
+    ref_m = state["momentum_buffer"][others].clone() if first_skip else torch.zeros(3, *shape)
+    ref_v = state["variance_buffer"][others].clone() if first_skip else None
+    if ref_v is None:
+        ref_v = torch.zeros((3, shape[0], 1) if shape[0] >= shape[1] else (3, 1, shape[1]))
+    for step in range(first_skip, first_skip + 3):
+        gs = grads(4, shape, step)
+        for i, (p, g) in enumerate(zip(ps, gs)):
+            p.grad = None if i == skipped else g
+        opt.step()
+        muon_update(ref_p, torch.stack([gs[i] for i in others]), ref_m, ref_v, MUON["lr"], MUON["momentum"], MUON["weight_decay"])
+    for j, i in enumerate(others):
+        assert torch.equal(ps[i].detach(), ref_p[j]), i
+    state = opt.state[ps[0]]
+    assert torch.equal(state["momentum_buffer"][others], ref_m) and torch.equal(state["variance_buffer"][others], ref_v)
+    assert torch.equal(ps[skipped].detach(), frozen_p)
+    if first_skip:
+        assert torch.equal(state["momentum_buffer"][skipped], frozen_rows[0])
+        assert torch.equal(state["variance_buffer"][skipped], frozen_rows[1])
+    else:  # never had a gradient: its rows are still the initial zeros
+        assert not state["momentum_buffer"][skipped].any() and not state["variance_buffer"][skipped].any()
+
+
+def test_muon_with_every_gradient_is_one_stacked_update():
+    # the previous behaviour, unchanged: the whole group as one stack
+    shape = (8, 6)
+    ps = matrices(3, shape)
+    opt = MuonAdamW([dict(MUON, params=ps)])
+    ref_p = torch.stack([p.detach() for p in ps])
+    ref_m, ref_v = torch.zeros(3, *shape), torch.zeros(3, 8, 1)
+    for step in range(3):
+        gs = grads(3, shape, step)
+        for p, g in zip(ps, gs):
+            p.grad = g
+        opt.step()
+        muon_update(ref_p, torch.stack(gs), ref_m, ref_v, MUON["lr"], MUON["momentum"], MUON["weight_decay"])
+    assert all(torch.equal(p.detach(), r) for p, r in zip(ps, ref_p))
+    assert torch.equal(opt.state[ps[0]]["momentum_buffer"], ref_m) and torch.equal(opt.state[ps[0]]["variance_buffer"], ref_v)
+
+
+def test_adamw_gate_that_misses_a_step_keeps_its_own_step_count():
+    # three gates in one group; gate 1 has no gradient at step 2 (its sub-layer ran no token)
+    ps = matrices(3, (5,))
+    alone = [t.detach().clone().requires_grad_() for t in ps]
+    opt = MuonAdamW([dict(ADAMW, params=ps)])
+    solo = [MuonAdamW([dict(ADAMW, params=[a])]) for a in alone]  # each gate with its own optimizer
+    torch_ref = ps[1].detach().clone().requires_grad_()
+    torch_opt = torch.optim.AdamW([torch_ref], lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
+    for step in range(4):
+        gs = grads(3, (5,), step)
+        for i, (p, a, o, g) in enumerate(zip(ps, alone, solo, gs)):
+            if i == 1 and step == 1:
+                p.grad = None
+                continue
+            p.grad, a.grad = g, g.clone()
+            o.step()
+        opt.step()
+        if step != 1:
+            torch_ref.grad = gs[1].clone()
+            torch_opt.step()
+    assert [opt.state[p]["step"] for p in ps] == [4, 3, 4]
+    for p, a in zip(ps, alone):
+        assert torch.equal(p.detach(), a.detach())
+    assert torch.allclose(ps[1].detach(), torch_ref.detach(), rtol=1e-6, atol=1e-7)  # bias correction at its own step
