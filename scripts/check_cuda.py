@@ -1,8 +1,8 @@
 """
 Does torch see the GPUs this machine has? One line either way, before anything costs GPU time.
 
-    python -m scripts.check_cuda            # every GPU that nvidia-smi lists must be visible to torch
-    python -m scripts.check_cuda --gpus 8   # at least 8
+    python -m scripts.check_cuda            # (GPU) every GPU that nvidia-smi lists must be visible to torch
+    python -m scripts.check_cuda --gpus 8   # (GPU) at least 8
 
 runs/setup_env.sh runs it on any machine where nvidia-smi lists a GPU, and speedrun.py calls
 `cuda_problem` before any stage: a CPU build of torch on a GPU node (or a CUDA build newer than the

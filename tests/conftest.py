@@ -87,6 +87,15 @@ TINY_TRAIN = ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-se
               "--matrix-lr", "0.5", "--embedding-lr", "2.0", "--unembedding-lr", "0.1", "--device-type", "cpu"]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny models: they gain nothing from a second thread and lose ~100x when the cores are contended."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def run_base(tiny_base_dir, tmp_path, monkeypatch):
     """A private NANOCHAT_BASE_DIR sharing the session's corpus and tokenizer, with an empty runs/."""

@@ -26,13 +26,7 @@ FAKE_TASKS = [
 ABSENT = ("absent_task", "multiple_choice", 0, 25.0, None)  # listed in core.yaml, its file missing
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # models this small gain nothing from a second thread, and lose ~100x when the cores are contended
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,7 @@ TASKS = [("tiny_mc", "multiple_choice", 1, 33.3, ITEMS["tiny_mc"]), ("tiny_schem
          ("absent_task", "multiple_choice", 0, 25.0, None), ("tiny_lm", "language_modeling", 2, 0.0, ITEMS["tiny_lm"])]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
