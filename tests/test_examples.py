@@ -19,6 +19,7 @@ needs_venv = pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv", "
 MARKERS = ("(GPU)", "(network)")
 # shown, but run elsewhere: the suite itself, and the ~15-minute CPU demo made of the commands below
 NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.sh": "~7 minutes; docs/LOG.md records its runs",
+               "bash speedrun.sh --preset tiny --base-dir /tmp/nag-chat-tiny": "tests/test_speedrun.py runs this pipeline three times",
                **{c: "minutes of training; tests/test_failures.py runs the same code on a tiny model"
                   for c in ("bash runs/failures.sh --scale cpu", "bash runs/failures.sh --scale cpu --seeds 1,2,3",
                             "python -m scripts.failures --scale cpu", "python -m scripts.failures --scale cpu --seeds 1,2,3")},
@@ -75,13 +76,15 @@ def test_shown_commands_run_on_a_cpu(tmp_path, write_eval_bundle, capsys):
     env.pop("NANOCHAT_OFFLINE", None)
     times = []
     for cmd in commands:
-        argv = shlex.split(cmd.replace("/tmp/nag-chat-report", str(tmp_path / "report")))
+        argv = shlex.split(cmd.replace("/tmp/nag-chat-", str(tmp_path / "nag-chat-")))  # the examples' own folders
         if argv[:3] == ["python", "-m", "scripts.base_eval"]:
             argv += ["--eval-bundle", bundle]  # the default would download the real bundle
         if argv[0] == "python":
             argv[0] = sys.executable
+        # speedrun starts from a fresh node: in the pieces' base dir it would refuse their 4,096-token tokenizer
+        fresh = {"NANOCHAT_BASE_DIR": str(tmp_path / "fresh-node")} if "speedrun" in cmd.split()[1 if cmd.startswith("bash") else 2] else {}
         t0 = time.time()
-        out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=LIMIT_S)
+        out = subprocess.run(argv, cwd=REPO, env={**env, **fresh}, capture_output=True, text=True, timeout=LIMIT_S)
         times.append((time.time() - t0, cmd))
         assert out.returncode == 0, f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
         expected = PRINTS.get(argv[2] if len(argv) > 2 else "")
