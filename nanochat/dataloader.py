@@ -9,13 +9,17 @@ is dropped. That is the only cropping, so little text is thrown away while no ro
 ever starts mid-document.
 
 The stream is deterministic: rank r reads row groups r, r+W, r+2W, ... of the
-split, cycling over epochs forever. The state yielded with each batch names the
+split, cycling over epochs forever. With a data seed the split's row groups are
+shuffled before they are dealt out, anew each epoch (see _epoch_row_groups); without
+one they are read in file order, every epoch. The state yielded with each batch names the
 buffered documents by their position in the stream, so a loader resumed from it
 re-reads them and yields exactly the batches the uninterrupted one would have.
 """
 
+import random
 from bisect import bisect_left, insort
 from collections import defaultdict
+from functools import lru_cache
 
 import torch
 
@@ -25,8 +29,10 @@ from nanochat.dataset import list_row_groups, read_row_group, row_group_sizes
 STATE_VERSION = 1
 
 
-def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resume_state=None, buffer_size=1000, tokenizer_threads=4):
-    """Yield (inputs, targets, state) forever: int64 (B, T) tensors on device, targets shifted by one; state resumes the stream."""
+def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resume_state=None, buffer_size=1000, tokenizer_threads=4,
+                data_seed=None):
+    """Yield (inputs, targets, state) forever: int64 (B, T) tensors on device, targets shifted by one; state resumes the stream.
+    data_seed (an int) shuffles the order of the row groups, per epoch; None keeps the file order."""
     if B < 1 or T < 1:
         raise UserError(f"batch size and sequence length must be positive, got B={B}, T={T}")
     if not 0 <= rank < world_size:
@@ -34,18 +40,36 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
     all_row_groups = list_row_groups(split)
     if len(all_row_groups) < world_size:  # checked on every rank, so all of them stop, not just the idle ones
         raise UserError(f"the {split} split has {len(all_row_groups)} row groups, fewer than the {world_size} ranks; use fewer GPUs or more data")
-    row_groups = all_row_groups[rank::world_size]
-    docs_per_epoch = sum(row_group_sizes(row_groups))
+    row_groups = _epoch_row_groups(all_row_groups, rank, world_size, data_seed)
+    num_row_groups = len(row_groups(0))  # the same every epoch: only their order changes
+    docs_per_epoch = sum(row_group_sizes(row_groups(0)))  # with a data seed it varies a little by epoch; epoch 0's is kept
     if docs_per_epoch == 0:
         raise UserError(f"the {split} split has no documents for rank {rank}; re-create the data")
     if resume_state is not None:
-        _check_state(resume_state, split, rank, world_size, len(row_groups))
+        _check_state(resume_state, split, rank, world_size, num_row_groups, data_seed)
     # the checks above run now, at the call; the batches come from a generator, read on demand
-    return _packed_batches(tokenizer, B, T, split, torch.device(device), row_groups, docs_per_epoch, rank, world_size, resume_state,
-                           buffer_size, tokenizer_threads)
+    return _packed_batches(tokenizer, B, T, split, torch.device(device), row_groups, num_row_groups, docs_per_epoch, rank, world_size,
+                           resume_state, buffer_size, tokenizer_threads, data_seed)
 
 
-def _packed_batches(tokenizer, B, T, split, device, row_groups, docs_per_epoch, rank, world_size, resume_state, buffer_size, tokenizer_threads):
+def _epoch_row_groups(all_row_groups, rank, world_size, data_seed):
+    """epoch -> this rank's row groups, in the order it reads them that epoch. The whole split is shuffled
+    (by data_seed and epoch only) before it is strided over the ranks, so shard s of S reads the same row
+    groups whichever processes and micro-steps the S shards are spread over."""
+    if data_seed is None:
+        mine = all_row_groups[rank::world_size]  # the file order, the one of every run before data seeds
+        return lambda epoch: mine
+
+    @lru_cache(maxsize=4)  # the buffer holds documents of an epoch or two at a time
+    def shuffled(epoch):
+        order = list(all_row_groups)
+        random.Random(f"{data_seed}/{epoch}").shuffle(order)  # a str seed is hashed the same in every process and run
+        return order[rank::world_size]
+    return shuffled
+
+
+def _packed_batches(tokenizer, B, T, split, device, row_groups, num_row_groups, docs_per_epoch, rank, world_size, resume_state,
+                    buffer_size, tokenizer_threads, data_seed):
     # a small split is buffered once, not many times over
     buffer_target = max(1, min(buffer_size, docs_per_epoch))
     bos = tokenizer.get_bos_token_id()
@@ -56,7 +80,7 @@ def _packed_batches(tokenizer, B, T, split, device, row_groups, docs_per_epoch, 
     tokens = {}  # (epoch, row_group_pos, doc_index) -> token ids, BOS first
 
     def add_docs(epoch, pos, doc_indices=None):
-        texts = read_row_group(*row_groups[pos])
+        texts = read_row_group(*row_groups(epoch)[pos])
         if doc_indices is None:
             doc_indices = range(len(texts))
         ids = tokenizer([texts[d] for d in doc_indices], prepend=bos, num_threads=tokenizer_threads)
@@ -76,7 +100,7 @@ def _packed_batches(tokenizer, B, T, split, device, row_groups, docs_per_epoch, 
             try:
                 add_docs(doc_epoch, pos, sorted(doc_indices))
             except IndexError:
-                raise UserError(f"the data changed since this loader state was saved (row group {row_groups[pos]} lacks a document); resume with the same data") from None
+                raise UserError(f"the data changed since this loader state was saved (row group {row_groups(doc_epoch)[pos]} lacks a document); resume with the same data") from None
 
     while True:
         rows = []
@@ -87,7 +111,7 @@ def _packed_batches(tokenizer, B, T, split, device, row_groups, docs_per_epoch, 
                 while len(keys) < buffer_target:
                     add_docs(epoch, next_pos)
                     next_pos += 1
-                    if next_pos == len(row_groups):
+                    if next_pos == num_row_groups:
                         if rank == 0:
                             print(f"dataloader: finished reading epoch {epoch} of the {split} split, starting epoch {epoch + 1}", flush=True)
                         epoch, next_pos = epoch + 1, 0
@@ -107,7 +131,7 @@ def _packed_batches(tokenizer, B, T, split, device, row_groups, docs_per_epoch, 
             batch = batch.to(device)
         state = {
             "version": STATE_VERSION, "split": split, "rank": rank, "world_size": world_size,
-            "num_row_groups": len(row_groups), "epoch": epoch, "next_pos": next_pos,
+            "num_row_groups": num_row_groups, "data_seed": data_seed, "epoch": epoch, "next_pos": next_pos,
             "buffer": [k[1:] for k in keys], "dropped_tokens": dropped,
         }
         yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), state
@@ -135,7 +159,7 @@ def split_tokens(tokenizer, split, rank=0, world_size=1, limit=None, tokenizer_t
     return total
 
 
-def _check_state(state, split, rank, world_size, num_row_groups):
+def _check_state(state, split, rank, world_size, num_row_groups, data_seed):
     try:
         ok = state["version"] == STATE_VERSION
         saved = (state["split"], state["rank"], state["world_size"])
@@ -147,4 +171,6 @@ def _check_state(state, split, rank, world_size, num_row_groups):
         raise UserError(f"dataloader resume state is for split/rank/world_size {saved}, not {(split, rank, world_size)}; resume with the same setup")
     if state["num_row_groups"] != num_row_groups:
         raise UserError(f"the {split} data changed since the checkpoint ({state['num_row_groups']} row groups for this rank then, {num_row_groups} now); resume with the same shards")
+    if state.get("data_seed") != data_seed:  # a state saved before data seeds existed read the file order
+        raise UserError(f"dataloader resume state is for data seed {state.get('data_seed')}, not {data_seed}; resume with the same --data-seed")
     return state["epoch"], state["next_pos"]

@@ -42,11 +42,11 @@ python -m scripts.base_train --arch gpt --mod-router --nag-gate-lr 0.01 --mod-ra
 stage "evaluate (bpb) and the inference curve of the full-depth NAG model"
 for run in "cpu-nag-mod$TAG" "cpu-gpt-router$TAG"; do
     if [ -f "$BASE/runs/$run/eval.json" ]; then echo "$run already evaluated"; else
-        python -m scripts.base_eval --run "$run" --eval bpb --split-tokens 65536 --device-batch-size 16
+        python -m scripts.base_eval --run "$run" --eval bpb --split-tokens 65536 --device-batch-size 4
     fi
 done
 if grep -q '"mod_curve": {' "$BASE/runs/cpu-nag/eval.json"; then echo "cpu-nag already has its MoD curve"; else
-    python -m scripts.base_eval --run cpu-nag --eval bpb --split-tokens 65536 --device-batch-size 16 \
+    python -m scripts.base_eval --run cpu-nag --eval bpb --split-tokens 65536 --device-batch-size 4 \
         --mod-rate "$CURVE" --mod-blocks both --mod-calib-tokens 65536
 fi
 

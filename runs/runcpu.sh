@@ -59,7 +59,7 @@ for arch in gpt nag; do
         echo "cpu-$arch already evaluated"
     else
         python -m scripts.base_eval --run "cpu-$arch" --eval core,bpb,sample --max-per-task "$MAX_PER_TASK" \
-            --split-tokens 65536 --device-batch-size 16 "${BUNDLE_ARGS[@]}"
+            --split-tokens 65536 --device-batch-size 4 "${BUNDLE_ARGS[@]}"
     fi
 done
 

@@ -47,7 +47,9 @@ def build_parser():
     p.add_argument("--run", type=str, default=None, help="run name (one directory under $NANOCHAT_BASE_DIR/runs) or a directory path; default <arch>-d<depth>")
     p.add_argument("--arch", type=str, default="gpt", help=f"one of {', '.join(ARCHS)}")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="seed of the initialisation")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="seed of the order the train documents are read in (row groups shuffled per epoch; default: file order)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model (default: on for cuda)")
     # model
     p.add_argument("--depth", type=int, default=20)
@@ -224,6 +226,7 @@ class Plan:
                 "total_tokens": self.num_iterations * self.total_batch,
                 "total_flops": self.flops_per_token * self.num_iterations * self.total_batch,
                 "lr_scale": self.lr_scale, "weight_decay_effective": self.weight_decay, "save_every": self.save_every,
+                "seed": args.seed, "data_seed": args.data_seed,  # null: the train data in file order
                 "optimizer": self.optimizer_record(args),
                 # fp32 weights + optimizer state (AdamW: 2 fp32 moments; Muon: 1 momentum + small variance) ≈ 12-16 bytes/param
                 "checkpoint_gib": params * 16 / 2 ** 30}
@@ -337,7 +340,8 @@ def dry_run(args):
     print(f"{plan.run}: {plan.arch} d{c.n_layer} dim {c.n_embd} | {record['num_params']:,} params | {plan.flops_per_token:,} FLOPs/token | "
           f"{plan.num_iterations:,} steps × {plan.total_batch:,} tokens = {record['total_tokens']:,} tokens | {record['total_flops']:.4g} FLOPs | "
           f"grad accum {plan.grad_accum} on {plan.nproc} process(es) | warm-up {plan.warmup_steps}, warm-down {plan.warmdown_steps} steps | "
-          f"checkpoint every {plan.save_every or plan.num_iterations} steps")
+          f"checkpoint every {plan.save_every or plan.num_iterations} steps | seed {args.seed}, "
+          f"data seed {'none (file order)' if args.data_seed is None else args.data_seed}")
     return record
 
 
@@ -516,7 +520,7 @@ def train(args):
     plan = make_plan(args, tokenizer.get_vocab_size(), world_size)
     record = plan.record(args)
     record.update(args=vars(args), device_type=device_type, compute_dtype=str(compute_dtype).replace("torch.", ""),
-                  seed=args.seed, git_commit=git_commit(), torch_version=torch.__version__, command=" ".join(sys.argv),
+                  git_commit=git_commit(), torch_version=torch.__version__, command=" ".join(sys.argv),
                   fingerprints=ckpt.fingerprints(tokenizer))
     run_dir = ckpt.resolve_run_dir(plan.run)
     with contextlib.ExitStack() as stack:
@@ -559,7 +563,8 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
     num_shards = world_size * grad_accum
     train_loaders = [data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
                                  rank=rank * grad_accum + m, world_size=num_shards,
-                                 resume_state=loader_states[m] if loader_states else None) for m in range(grad_accum)]
+                                 resume_state=loader_states[m] if loader_states else None, data_seed=args.data_seed)
+                     for m in range(grad_accum)]
     loader_states = [None] * grad_accum
 
     # every check has passed: only now does the run directory change

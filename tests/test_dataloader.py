@@ -1,5 +1,6 @@
 import io
 import itertools
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -8,6 +9,7 @@ import torch
 
 from nanochat.common import UserError
 from nanochat.dataloader import data_loader, packing_kept_fraction
+from nanochat.dataset import list_row_groups, read_row_group
 from nanochat.tokenizer import get_tokenizer
 
 
@@ -102,6 +104,72 @@ def test_exact_resume(tok, k):
         assert torch.equal(x1, x2) and torch.equal(y1, y2) and s1 == s2
     if k == 75:
         assert state["epoch"] >= 1  # the resume point lies past an epoch boundary
+
+
+def test_data_seed_none_is_the_file_order(tok, monkeypatch):
+    import nanochat.dataloader as dl
+    # the loader read the row groups in file order before data seeds: a loader made to read exactly that list
+    # (a data seed's shuffle turned into the identity) gives the batches of data_seed=None, states aside
+    default = take(data_loader(tok, 2, 32, "train", rank=1, world_size=3, buffer_size=30), 40)
+    monkeypatch.setattr(dl, "random", SimpleNamespace(Random=lambda seed: SimpleNamespace(shuffle=lambda order: None)))
+    unshuffled = take(data_loader(tok, 2, 32, "train", rank=1, world_size=3, buffer_size=30, data_seed=5), 40)
+    for (xa, ya, sa), (xb, yb, sb) in zip(default, unshuffled):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert sa["data_seed"] is None and sb["data_seed"] == 5 and dict(sa, data_seed=5) == sb
+
+
+def test_data_seed_changes_the_order(tok):
+    def first(data_seed):
+        return torch.cat([x for x, _, _ in take(data_loader(tok, 2, 32, "train", buffer_size=8, data_seed=data_seed), 10)])
+
+    default, seven, eight = first(None), first(7), first(8)
+    assert not torch.equal(default, seven) and not torch.equal(seven, eight)
+    assert torch.equal(seven, first(7))  # a seed gives one order
+
+
+def reads(tok, monkeypatch, n, **kw):
+    """The first n row groups the loader reads, in order."""
+    import nanochat.dataloader as dl
+    read = []
+    monkeypatch.setattr(dl, "read_row_group", lambda *rg: read.append(rg) or read_row_group(*rg))
+    loader = data_loader(tok, 2, 32, "train", buffer_size=8, **kw)
+    while len(read) < n:
+        next(loader)
+    return read[:n]
+
+
+def test_data_seed_reads_each_row_group_once_per_epoch_in_a_new_order(tok, monkeypatch):
+    everything = list_row_groups("train")
+    N = len(everything)
+    assert reads(tok, monkeypatch, 2 * N) == everything * 2  # no seed: the file order, every epoch
+    read = reads(tok, monkeypatch, 2 * N, data_seed=7)
+    epoch0, epoch1 = read[:N], read[N:]
+    # every row group (so every document) once per epoch, in an order of its own
+    assert sorted(epoch0) == sorted(epoch1) == sorted(everything)
+    assert epoch0 != everything and epoch1 != epoch0
+    # the shards of any split of the data together read the whole split per epoch, each row group once, and
+    # shard s of S reads the order a single loader's shuffle deals it: rows s, s+S, ... of one shuffle
+    for S in (2, 3):
+        shards = [reads(tok, monkeypatch, len(everything[s::S]), data_seed=7, rank=s, world_size=S) for s in range(S)]
+        assert sorted(rg for shard in shards for rg in shard) == sorted(everything)
+        assert all(shard == epoch0[s::S] for s, shard in enumerate(shards))
+
+
+@pytest.mark.parametrize("k", [1, 75])
+def test_exact_resume_with_a_data_seed(tok, k):
+    B, T = 4, 128
+    uninterrupted = take(data_loader(tok, B, T, "train", buffer_size=50, data_seed=3), k + 5)
+    state = uninterrupted[k - 1][2]
+    assert state["data_seed"] == 3
+    resumed = take(data_loader(tok, B, T, "train", buffer_size=50, resume_state=state, data_seed=3), 5)
+    for (x1, y1, s1), (x2, y2, s2) in zip(uninterrupted[k:], resumed):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2) and s1 == s2
+    if k == 75:
+        assert state["epoch"] >= 1  # past an epoch boundary: the next epoch's order is drawn again the same
+    # a state of another data seed (or of none: one saved before data seeds existed) is refused
+    for other, old in ((4, state), (None, state), (3, {key: v for key, v in state.items() if key != "data_seed"})):
+        with pytest.raises(UserError, match="same --data-seed"):
+            next(data_loader(tok, B, T, "train", buffer_size=50, resume_state=old, data_seed=other))
 
 
 def test_train_and_val_cycle_forever(tok, capsys):

@@ -122,3 +122,14 @@ def test_resume_under_torchrun(base):
     assert sorted(f for f in os.listdir(run_dir) if f.startswith("optim_000003")) == ["optim_000003_rank0.pt", "optim_000003_rank1.pt"]
     launch(base, 2, *common, "--run", "fresh")
     assert max(abs(x - y) for x, y in zip(losses(base, "full"), losses(base, "fresh"))) < 1e-6
+
+
+def test_data_seed_two_processes_equal_grad_accumulation(base):
+    # the shuffled order is dealt to the shards before they are spread over processes and micro-steps
+    common = ["--data-seed", "7", "--num-iterations", "4"]
+    launch(base, 1, *common, "--run", "single")
+    launch(base, 2, *common, "--run", "ddp")
+    a, b = losses(base, "single"), losses(base, "ddp")
+    assert len(a) == len(b) == 4 and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+    launch(base, 1, "--num-iterations", "4", "--run", "file-order")
+    assert losses(base, "file-order")[0] != a[0]  # the seed did reorder the data

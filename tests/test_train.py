@@ -87,6 +87,30 @@ def test_nonfinite_guard_names_step_and_params(run_base, script_error, monkeypat
     assert all(torch.isfinite(v).all() for v in state.values())
 
 
+def test_data_seed_is_recorded_resumed_and_a_setting(run_base, script_error, capsys):
+    common = ["--run", "r", "--num-iterations", "4", "--save-every", "2", "--eval-every", "100"]
+    run_dir = train(*common, "--data-seed", "7")
+    cfg = json.load(open(os.path.join(run_dir, "config.json")))
+    assert cfg["seed"] == 42 and cfg["data_seed"] == 7 and cfg["args"]["data_seed"] == 7
+    seeded = [r["train_loss"] for r in read_metrics(run_dir)[1:]]
+    # the order of the data is another setting: a resume with another data seed (or none) is refused
+    for other in (["--data-seed", "8"], []):
+        assert "--data-seed 7 → " in script_error(tiny_main, *common, "--resume", "2", *other)
+    # resumed with its own, it trains on the same batches
+    train(*common, "--resume", "2", "--data-seed", "7")
+    assert [r["train_loss"] for r in read_metrics(run_dir)[1:]] == seeded
+    default = [r["train_loss"] for r in read_metrics(train(*common[2:], "--run", "default"))[1:]]
+    assert default[0] != seeded[0]  # another order, other batches from the first step on
+    # the plan names both seeds, null when the data is read in file order
+    capsys.readouterr()
+    for extra, data_seed in (([], None), (["--data-seed", "3"], 3)):
+        base_train.main(["--preset", "published", "--arch", "gpt", "--dry-run", "8", *extra])
+        out = capsys.readouterr().out
+        plan = json.loads(next(l for l in out.splitlines() if l.startswith("PLAN "))[5:])
+        assert plan["seed"] == 42 and plan["data_seed"] == data_seed
+        assert f"data seed {3 if data_seed else 'none'}" in out
+
+
 def test_bad_inputs_one_line_and_nothing_overwritten(run_base, script_error):
     assert "--depth must be positive" in script_error(tiny_main, "--depth", "0", "--run", "a", "--num-iterations", "2")
     assert "not a multiple" in script_error(tiny_main, "--run", "a", "--num-iterations", "2", "--total-batch-size", "300")
