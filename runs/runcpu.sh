@@ -4,9 +4,11 @@
 #
 #   bash runs/runcpu.sh                 # everything under ~/.cache/nanochat (or $NANOCHAT_BASE_DIR)
 #   EVAL_BUNDLE=/path/to/eval_bundle bash runs/runcpu.sh    # a local copy of the CORE bundle (no download)
+#   SEEDS=1,2,3 bash runs/runcpu.sh     # each arch once per seed (cpu-gpt-s1, cpu-nag-s1, ...), compared as groups
 #
 # No flags (--help prints this); settings are environment variables: NANOCHAT_BASE_DIR, EVAL_BUNDLE (relative
-# paths are taken from the directory you run it in), TARGET_FLOPS, MAX_PER_TASK.
+# paths are taken from the directory you run it in), TARGET_FLOPS, MAX_PER_TASK, SEEDS. With SEEDS, seed s sets
+# both --seed and --data-seed of its runs, so the GPT and NAG runs of one seed share their init seed and data order.
 # Re-running skips what is already done (data, tokenizer, finished runs, evaluations) and
 # continues an interrupted run from its newest complete checkpoint.
 set -euo pipefail
@@ -14,6 +16,9 @@ case "${1:-}" in  # --help prints the comment above
     -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
     ?*) echo "error: runcpu.sh takes no arguments (see --help)" >&2; exit 1 ;;
 esac
+if [ -n "${SEEDS:-}" ] && ! [[ "$SEEDS" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+    echo "error: SEEDS takes comma-separated integers like 1,2,3, got '$SEEDS'" >&2; exit 1
+fi
 # the paths made absolute before setup_env.sh changes to the repo root: relative ones are the caller's
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 case "$NANOCHAT_BASE_DIR" in /*) ;; *) NANOCHAT_BASE_DIR="$PWD/$NANOCHAT_BASE_DIR" ;; esac
@@ -45,26 +50,43 @@ python -m scripts.tok_eval --max-chars 1000000
 # LRs raised against the tiny batch; for NAG a 10-step α warm-up and faster gate and temperature-gain LRs.
 MODEL=(--preset demo --target-flops "$TARGET_FLOPS")
 
+# one pair (cpu-gpt, cpu-nag), or with SEEDS one pair per seed, named -s<seed>
+SUFFIXES=("")
+if [ -n "${SEEDS:-}" ]; then SUFFIXES=(); for seed in ${SEEDS//,/ }; do SUFFIXES+=("-s$seed"); done; fi
+seed_args() { if [ -n "$1" ]; then echo "--seed ${1#-s} --data-seed ${1#-s}"; fi; }
+FAILED=()  # a failed run is reported at the end; the other seeds go on
+
 # --resume latest: a finished run is left alone, an interrupted one continues from its newest checkpoint
-stage "train the GPT baseline"
-python -m scripts.base_train --arch gpt --run cpu-gpt "${MODEL[@]}" --resume latest
-stage "train NAG on the same FLOP budget and data order"
-python -m scripts.base_train --arch nag --run cpu-nag "${MODEL[@]}" --resume latest
+for sfx in "${SUFFIXES[@]}"; do
+    stage "train the GPT baseline cpu-gpt$sfx, then NAG on the same FLOP budget and data order"
+    for arch in gpt nag; do
+        python -m scripts.base_train --arch "$arch" --run "cpu-$arch$sfx" "${MODEL[@]}" $(seed_args "$sfx") --resume latest \
+            || FAILED+=("cpu-$arch$sfx")
+    done
+done
 
 stage "evaluate (CORE on up to $MAX_PER_TASK items per task, bpb, samples)"
 BUNDLE_ARGS=()  # default: the CORE bundle is downloaded once into the base dir
 if [ -n "${EVAL_BUNDLE:-}" ]; then BUNDLE_ARGS=(--eval-bundle "$EVAL_BUNDLE"); fi
-for arch in gpt nag; do
-    if [ -f "$BASE/runs/cpu-$arch/eval.json" ]; then
-        echo "cpu-$arch already evaluated"
-    else
-        python -m scripts.base_eval --run "cpu-$arch" --eval core,bpb,sample --max-per-task "$MAX_PER_TASK" \
-            --split-tokens 65536 --device-batch-size 4 "${BUNDLE_ARGS[@]}"
-    fi
+for sfx in "${SUFFIXES[@]}"; do
+    for arch in gpt nag; do
+        if [ -f "$BASE/runs/cpu-$arch$sfx/eval.json" ]; then
+            echo "cpu-$arch$sfx already evaluated"
+        else
+            python -m scripts.base_eval --run "cpu-$arch$sfx" --eval core,bpb,sample --max-per-task "$MAX_PER_TASK" \
+                --split-tokens 65536 --device-batch-size 4 "${BUNDLE_ARGS[@]}" || FAILED+=("eval cpu-$arch$sfx")
+        fi
+    done
 done
 
-stage "residual geometry, attention sinks, confidence (docs/analysis.md)"
-python -m analysis cpu-gpt cpu-nag --tokens 65536
+FIRST="${SUFFIXES[0]}"
+stage "residual geometry, attention sinks, confidence (docs/analysis.md) of cpu-gpt$FIRST and cpu-nag$FIRST"
+python -m analysis "cpu-gpt$FIRST" "cpu-nag$FIRST" --tokens 65536
 
 stage "comparison report"
-python -m scripts.compare cpu-gpt cpu-nag --out "$NANOCHAT_BASE_DIR/reports/cpu-gpt_vs_cpu-nag"
+if [ -z "${SEEDS:-}" ]; then
+    python -m scripts.compare cpu-gpt cpu-nag --out "$BASE/reports/cpu-gpt_vs_cpu-nag"
+else  # the groups: both training noise (seeds) and evaluation noise in the interval
+    python -m scripts.compare --a "${SUFFIXES[@]/#/cpu-gpt}" --b "${SUFFIXES[@]/#/cpu-nag}" --out "$BASE/reports/cpu-seeds-${SEEDS//,/-}"
+fi
+if [ "${#FAILED[@]}" -gt 0 ]; then echo "error: failed: ${FAILED[*]} (rerun to retry them; finished runs are reused)" >&2; exit 1; fi

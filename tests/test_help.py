@@ -65,6 +65,12 @@ def test_scripts_without_flags_refuse_them(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_runcpu_bad_seeds_is_one_line_and_writes_nothing(tmp_path):
+    code, out, _ = run("runs/runcpu.sh", cwd=tmp_path, base=tmp_path / "base", SEEDS="1,x")
+    assert code == 1 and out.strip() == "error: SEEDS takes comma-separated integers like 1,2,3, got '1,x'", out
+    assert os.listdir(tmp_path) == []
+
+
 @needs_venv
 def test_failures_bad_seeds_is_one_line_and_writes_nothing(tmp_path):
     code, out, _ = run("runs/failures.sh", "--seeds", "a", cwd=tmp_path, base=tmp_path / "base")
