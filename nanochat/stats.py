@@ -156,3 +156,153 @@ def min_detectable_core_diff(task_sizes, baselines, accuracy=0.5, discordance=No
     se = math.sqrt(var) / len(task_sizes)
     z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
     return z * se, se
+
+
+# ---------------------------------------------------------------------------
+# groups of runs: the difference of two group means over training seeds and evaluation units
+#
+# Every run of both groups is scored on the same evaluation units (val batches, CORE items), so the units are
+# crossed with the runs. The variance of the difference of group means has three parts: seed to seed (training
+# noise), the units both groups share (which items happen to be in the tasks), and each run's own item-level
+# noise. The seed-to-seed variance of the runs' values already holds the third part; the bootstrap over units
+# (shared by all runs, so paired as everywhere here) holds the second and the third. Their sum counts the third
+# twice, so it is taken off once: its size is the bootstrap spread of the runs around their group mean
+# (see group_delta). docs/comparisons.md says why this and not a two-level resample.
+
+
+def bpb_replicates(nats, nbytes, n_resamples=10000, seed=0):
+    """(values, replicates) of several runs' val bpb on the same batches: nats (runs x batches) summed losses,
+    nbytes (batches,) their byte counts. replicates[r, j] is run j's bpb on the r-th resample of the batches,
+    one resample shared by every run."""
+    nats, nbytes = np.asarray(nats, dtype=np.float64), np.asarray(nbytes, dtype=np.float64)
+    if nats.ndim != 2 or nats.shape[1] != nbytes.size or nbytes.size == 0:
+        raise ValueError("nats must be runs x batches, nbytes one count per batch")
+    rng = np.random.default_rng(seed)
+    reps = np.empty((n_resamples, nats.shape[0]))
+    for start in range(0, n_resamples, 1000):
+        w = _resample_counts(nbytes.size, min(1000, n_resamples - start), rng)
+        reps[start:start + len(w)] = (w @ nats.T) / (math.log(2) * (w @ nbytes))[:, None]
+    return nats.sum(1) / (math.log(2) * nbytes.sum()), reps
+
+
+def _resample_counts(n, size, rng):
+    """size x n: how often each of n units is drawn in each of size resamples with replacement."""
+    idx = rng.integers(0, n, size=(size, n)) + n * np.arange(size)[:, None]
+    return np.bincount(idx.ravel(), minlength=size * n).reshape(size, n).astype(np.float64)
+
+
+def core_replicates(records, meta, n_resamples=10000, seed=0):
+    """(values, replicates) of several runs' CORE (or partial CORE) on the same items: records, one column dict
+    per run as core_delta_interval takes them; items are resampled within each task, one resample shared by
+    every run. values are centred and averaged over the tasks exactly as core_delta_interval does."""
+    tasks = meta["tasks"]
+    if not tasks:
+        raise ValueError("no tasks to compare")
+    rng = np.random.default_rng(seed)
+    values, reps = np.zeros(len(records)), np.zeros((n_resamples, len(records)))
+    for label, info in tasks.items():
+        by_run = [_by_task(rec, label) for rec in records]
+        if by_run[0][0].size == 0 or any(not np.array_equal(idx, by_run[0][1]) for _, idx in by_run):
+            raise ValueError(f"task {label}: the runs did not score the same examples")
+        correct = np.stack([c for c, _ in by_run]).astype(np.float64)  # runs x items
+        base, n = info["random_baseline"], correct.shape[1]
+        values += np.array([centered_accuracy(int(c.sum()) / n, base) for c in correct])
+        chunk = max(1, min(1000, 2_000_000 // n))  # a resample matrix of at most ~16 MB
+        for start in range(0, n_resamples, chunk):
+            w = _resample_counts(n, min(chunk, n_resamples - start), rng)
+            reps[start:start + len(w)] += centered_accuracy((w @ correct.T) / n, base)
+    return values / len(tasks), reps / len(tasks)
+
+
+def _t_table(df):
+    """(t, P(0 < T < t)) of Student's t with df degrees of freedom (any df > 0) on a grid to t = 81,000:
+    the trapezoid rule on t = sinh(u), uniform in u, where the density is smooth and its tails short."""
+    u = np.linspace(0.0, 12.0, 24001)
+    t = np.sinh(u)
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    f = c * (1 + t * t / df) ** (-(df + 1) / 2) * np.cosh(u)
+    return t, np.concatenate([[0.0], np.cumsum((f[1:] + f[:-1]) / 2 * (u[1] - u[0]))])
+
+
+def t_cdf(x, df):
+    """Student's t distribution function (no scipy here); df = inf is the normal."""
+    if math.isinf(df):
+        return NormalDist().cdf(x)
+    t, area = _t_table(df)
+    return 0.5 + math.copysign(float(np.interp(abs(x), t, area)), x)
+
+
+def t_quantile(p, df):
+    """Inverse of t_cdf."""
+    if math.isinf(df):
+        return NormalDist().inv_cdf(p)
+    t, area = _t_table(df)
+    return math.copysign(float(np.interp(abs(p - 0.5), area, t)), p - 0.5)
+
+
+def own_variance(reps):
+    """The item-level variance of the runs' own noise, summed over the runs of one group (or the pair
+    differences), from their bootstrap replicates (resamples x runs): k/(k-1) times the summed variance of
+    each run around the group mean, which the units every run shares do not move."""
+    k = reps.shape[1]
+    return k / (k - 1) * (reps - reps.mean(1, keepdims=True)).var(0, ddof=1).sum()
+
+
+def group_delta(values_a, values_b, reps_a, reps_b, paired, alpha=0.05):
+    """The difference of group means b - a with a 1 - alpha interval and a two-sided p-value that account for
+    training noise (seeds) and evaluation sampling (the shared units).
+
+    values_*: each run's value (k_a, k_b); reps_*: their bootstrap replicates over the shared units
+    (resamples x runs, one resample shared by every run: bpb_replicates, core_replicates). paired: run j of a
+    and run j of b share their seeds (k_a = k_b), so the seed noise is that of the differences.
+
+    var = seed variance of the mean difference (sample variances: paired s_d^2 / k, else s_a^2 / k_a + s_b^2 / k_b)
+        + bootstrap variance of the difference of group means over the units
+        - the runs' own unit-level noise, which both terms hold (taken off once; never below the bootstrap term).
+    The interval is delta +/- t quantile * sqrt(var), its degrees of freedom those of the seed variance (k - 1
+    paired, Welch-Satterthwaite unpaired) carried to var by Satterthwaite's rule where they are at least 2 (the
+    bootstrap terms rest on many units: as good as known); with a group of one there is no seed variance: evaluation noise only, normal.
+    Returns {"delta", "ci", "p", "se", "df", "se_eval", "seed_sd": {"a", "b", "d"}, "paired", "eval_only"}."""
+    va, vb = np.asarray(values_a, dtype=np.float64), np.asarray(values_b, dtype=np.float64)
+    ra, rb = np.asarray(reps_a, dtype=np.float64), np.asarray(reps_b, dtype=np.float64)
+    ka, kb = va.size, vb.size
+    if paired and ka != kb:
+        raise ValueError(f"paired groups need as many runs in each: {ka} vs {kb}")
+    delta = vb.mean() - va.mean()
+    var_eval = float((rb.mean(1) - ra.mean(1)).var(ddof=1))
+    sd = {"a": float(va.std(ddof=1)) if ka > 1 else None, "b": float(vb.std(ddof=1)) if kb > 1 else None,
+          "d": float((vb - va).std(ddof=1)) if paired and ka > 1 else None}
+    if paired and ka > 1:
+        var_seed, df = sd["d"] ** 2 / ka, ka - 1
+        own = own_variance(rb - ra) / ka ** 2
+    elif not paired and ka > 1 and kb > 1:
+        sa2, sb2 = sd["a"] ** 2 / ka, sd["b"] ** 2 / kb
+        var_seed = sa2 + sb2
+        df = var_seed ** 2 / (sa2 ** 2 / (ka - 1) + sb2 ** 2 / (kb - 1)) if var_seed > 0 else float(ka + kb - 2)
+        own = own_variance(ra) / ka ** 2 + own_variance(rb) / kb ** 2
+    else:  # a group of one: no seed-to-seed variance to measure
+        var_seed, df, own = None, math.inf, 0.0
+    var = var_eval if var_seed is None else max(var_seed + var_eval - own, var_eval)
+    if var_seed is not None and df >= 2:  # Satterthwaite: only the seed term rests on few runs, the rest on many units
+        df = max(df, var ** 2 / (var_seed ** 2 / df)) if var_seed > 0 else math.inf  # never fewer than the seeds give
+    # (with 1 degree of freedom a variance is too unstable for that rule: 2 seeds keep t(1), conservative)
+    se = math.sqrt(var)
+    if se == 0:
+        ci, p = (float(delta), float(delta)), 1.0 if delta == 0 else 0.0
+    else:
+        q = t_quantile(1 - alpha / 2, df)
+        ci = (float(delta - q * se), float(delta + q * se))
+        p = 2 * (1 - t_cdf(abs(delta) / se, df))
+    return {"delta": float(delta), "ci": ci, "p": float(min(1.0, max(p, 0.0))), "se": se, "df": float(df),
+            "se_eval": math.sqrt(var_eval), "seed_sd": sd, "paired": bool(paired), "eval_only": var_seed is None}
+
+
+def runs_needed(sd, delta, paired, alpha=0.05, power=0.8):
+    """Runs per arm for a two-sided test at level alpha to find a true difference delta with the given power,
+    normal approximation: unpaired n = 2 (z_{1-alpha/2} + z_power)^2 sd^2 / delta^2, sd the seed-to-seed
+    standard deviation of one arm; paired n = (z + z)^2 sd_d^2 / delta^2, sd_d that of the pair differences.
+    None without an sd (fewer than 2 seeds) or with delta 0."""
+    if sd is None or not delta:
+        return None
+    z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
+    return max(2, math.ceil((1 if paired else 2) * z ** 2 * sd ** 2 / delta ** 2))

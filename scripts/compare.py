@@ -3,6 +3,7 @@ Compare training runs, typically a FLOP-matched GPT / NAG pair: one markdown rep
 
     python -m scripts.compare gpt-tiny nag-tiny
     python -m scripts.compare gpt-tiny nag-tiny --out /tmp/nag-chat-report
+    python -m scripts.compare --a gpt-s1 gpt-s2 gpt-s3 --b nag-s1 nag-s2 nag-s3   # groups of seeds: scripts/compare_groups.py
 
 Each RUN is a run name under $NANOCHAT_BASE_DIR/runs or a path to a run directory. Reads
 config.json, metrics.jsonl and (if base_eval has run) eval.json, eval/step_*.json and
@@ -935,11 +936,21 @@ def compare(run_args, out_dir=None, beta=0.95):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Compare training runs (e.g. a FLOP-matched GPT / NAG pair): report.md + figures.")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
+    p.add_argument("runs", nargs="*", metavar="RUN", help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
+    p.add_argument("--a", nargs="+", metavar="RUN", default=None, help="group a: runs of one model that differ only in their seeds")
+    p.add_argument("--b", nargs="+", metavar="RUN", default=None, help="group b, compared with group a (scripts/compare_groups.py)")
     p.add_argument("--out", type=str, default=None, help="output directory, replacing a report there (default: $NANOCHAT_BASE_DIR/reports/"
                    "<run1>@<step>_vs_<run2>@<step>, never replacing a report of other inputs)")
     p.add_argument("--ema", type=float, default=0.95, help="EMA factor that smooths the train loss curve")
     args = p.parse_args(argv)
+    if args.a is not None or args.b is not None:  # two groups of seeds: their own report
+        if args.a is None or args.b is None or args.runs:
+            p.error("give both --a RUN... and --b RUN..., and no positional runs")
+        from scripts.compare_groups import compare_groups  # imports base_train's settings list only when asked for
+        with exit_on_user_error():
+            return compare_groups(args.a, args.b, args.out)
+    if not args.runs:
+        p.error("give the runs to compare, or two groups with --a RUN... --b RUN...")
     with exit_on_user_error():
         return compare(args.runs, args.out, args.ema)
 

@@ -257,12 +257,13 @@ def eval_record(step, bpb, batches=40, seed=0, fingerprints=FP, world_size=1, co
     return rec
 
 
-def write_run(root, name, evals, arch="gpt", train_fingerprints=FP, core=None):
-    """A run directory evaluated at each record of evals (the last is eval.json); core: its CORE verdicts."""
+def write_run(root, name, evals, arch="gpt", train_fingerprints=FP, core=None, args=None):
+    """A run directory evaluated at each record of evals (the last is eval.json); core: its CORE verdicts;
+    args: base_train arguments besides --arch (config.json "args")."""
     run_dir = os.path.join(root, name)
     os.makedirs(os.path.join(run_dir, "eval"))
     last = evals[-1]["step"]
-    config = {"run": name, "arch": arch, "world_size": 1, "num_iterations": last, "args": {"arch": arch}}
+    config = {"run": name, "arch": arch, "world_size": 1, "num_iterations": last, "args": {"arch": arch, **(args or {})}}
     if train_fingerprints:
         config["fingerprints"] = train_fingerprints
     json.dump(config, open(os.path.join(run_dir, "config.json"), "w"))
@@ -412,3 +413,86 @@ def test_unwritable_base_dir_is_one_line(hand_base, script_error, how):
     finally:
         os.chmod(hand_base / "reports", 0o755)
     assert "cannot write to" in err and "reports" in err
+
+
+# ---------------------------------------------------------------------------
+# groups of seeds: --a RUN... --b RUN...
+
+
+def seed_group(root, arch, bpbs, core_acc, seeds=None, batches=40, args=None, prefix=None):
+    """Runs {prefix or arch}-s{seed} of one model, one per seed, evaluated on `batches` val batches and 2 x 40 CORE items."""
+    rng = np.random.default_rng(len(arch))
+    names = []
+    for k, bpb in enumerate(bpbs):
+        seed = k if seeds is None else seeds[k]
+        core = {t: (rng.random(40) < core_acc).astype(int).tolist() for t in ("t1", "t2")}
+        name = f"{prefix or arch}-s{seed}"
+        write_run(root, name, [eval_record(6, bpb, batches=batches, seed=seed, core=core)], arch=arch, core=core,
+                  args={"seed": seed, "data_seed": seed, "depth": 4, **(args or {})})
+        names.append(name)
+    return names
+
+
+def test_groups_report_and_comparison_json(hand_base, capsys):
+    a = seed_group(hand_base / "runs", "gpt", [1.30, 1.31, 1.295], 0.5)
+    b = seed_group(hand_base / "runs", "nag", [1.29, 1.28, 1.285], 0.6)
+    path = compare.main(["--a", *a, "--b", *b[::-1]])  # b in another order: paired by seed all the same
+    folder = os.path.dirname(path)
+    assert folder == os.path.join(hand_base, "reports", "gpt-s0@6+gpt-s1@6+gpt-s2@6_vs_nag-s0@6+nag-s1@6+nag-s2@6")  # b in a's seed order
+    out = capsys.readouterr().out
+    assert "paired by seed" in out and "nag-s0 +2 − gpt-s0 +2 val bpb = " in out
+    data = json.load(open(os.path.join(folder, "comparison.json")))
+    assert data["design"] == "paired" and data["groups"] == {"a": a, "b": b}
+    evals = {n: json.load(open(hand_base / "runs" / n / "eval.json")) for n in a + b}
+    bpb, core = data["metrics"]["val_bpb"], data["metrics"]["core"]
+    assert bpb["runs"] == pytest.approx({n: ev["val_bpb"] for n, ev in evals.items()}, abs=1e-12)
+    assert core["runs"] == pytest.approx({n: ev["partial_core"] for n, ev in evals.items()}, abs=1e-12)
+    for m, key in ((bpb, "val_bpb"), (core, "partial_core")):
+        va, vb = [evals[n][key] for n in a], [evals[n][key] for n in b]
+        assert m["groups"]["a"]["mean"] == pytest.approx(np.mean(va)) and m["groups"]["b"]["sd"] == pytest.approx(np.std(vb, ddof=1))
+        assert m["delta"]["value"] == pytest.approx(np.mean(vb) - np.mean(va))
+        lo, hi = m["delta"]["ci"]
+        assert lo < m["delta"]["value"] < hi and 0 < m["delta"]["p"] <= 1 and (m["delta"]["df"] or math.inf) >= 2  # k - 1 at least
+        # paired: the seed-to-seed sd is that of the pair differences, and the runs needed follow from it
+        assert m["seed_sd"] == pytest.approx(np.std(np.subtract(vb, va), ddof=1))
+        assert m["runs_needed"]["published"] == stats.runs_needed(m["seed_sd"], m["published_delta"], paired=True)
+    report = open(path).read()
+    assert f"| a | `gpt-s0` | gpt | 0 | 0 | {evals['gpt-s0']['val_bpb']:.4f} | {evals['gpt-s0']['partial_core']:.4f} |" in report
+    assert "](groups.png)" in report and "(comparison.json)" in report and "σ_d" in report
+    assert open(os.path.join(folder, "groups.png"), "rb").read().startswith(PNG_MAGIC)
+    # the positional form is untouched
+    assert compare.main([a[0], b[0]]).endswith(os.path.join("gpt-s0@6_vs_nag-s0@6", "report.md"))
+
+
+def test_groups_of_other_seeds_are_unpaired_and_a_group_of_one_is_evaluation_noise(hand_base, capsys):
+    a = seed_group(hand_base / "runs", "gpt", [1.30, 1.31], 0.5)
+    b = seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6, seeds=[7, 8])
+    compare.main(["--a", *a, "--b", *b, "--out", str(hand_base / "unpaired")])
+    assert "unpaired" in capsys.readouterr().out
+    data = json.load(open(hand_base / "unpaired" / "comparison.json"))
+    assert data["design"] == "unpaired" and not data["metrics"]["val_bpb"]["delta"]["eval_only"]
+    path = compare.main(["--a", a[0], "--b", b[0], "--out", str(hand_base / "one")])
+    out, report = capsys.readouterr().out, open(path).read()
+    assert "evaluation noise only" in out and "interval covers evaluation noise only" in report
+    data = json.load(open(hand_base / "one" / "comparison.json"))
+    assert data["metrics"]["core"]["delta"]["eval_only"] and data["metrics"]["core"]["seed_sd"] is None
+    assert "no seed-to-seed standard deviation" in report
+
+
+def test_groups_are_refused_with_one_line(hand_base, script_error):
+    runs = hand_base / "runs"
+    a = seed_group(runs, "gpt", [1.30, 1.31], 0.5)
+    b = seed_group(runs, "nag", [1.29, 1.28], 0.6)
+    deep = seed_group(runs, "gpt", [1.30], 0.5, seeds=[5], args={"depth": 6})
+    err = script_error(compare.main, "--a", *a, *deep, "--b", *b)
+    assert "`gpt-s5` differs from `gpt-s0` in --depth (4 vs 6)" in err and "only in their seeds" in err
+    err = script_error(compare.main, "--a", *a, "--b", *b[:1], *deep)
+    assert "group b mixes architectures" in err
+    short = seed_group(runs, "nag", [1.29], 0.6, seeds=[9], batches=30, prefix="short")
+    err = script_error(compare.main, "--a", *a, "--b", b[0], *short)
+    assert "`short-s9` and `gpt-s0` differ in val tokens (split_tokens 10240 vs 7680)" in err
+    os.remove(runs / b[1] / "eval.json")
+    err = script_error(compare.main, "--a", *a, "--b", *b)
+    assert f"`{b[1]}` has no eval.json" in err
+    with pytest.raises(SystemExit):  # groups and positional runs do not mix
+        compare.main(["--a", *a, "--b", b[0], a[0]])

@@ -139,3 +139,80 @@ def test_too_few_units_gives_the_reason_instead_of_an_interval():
     # excluding 0 and the smallest p-value there is, however far apart the two deltas are
     r = stats.bpb_delta_interval([1.0, 1.0], [0.99, 0.5], [1, 1])
     assert r["ci"][1] < 0 and r["p"] == pytest.approx(1 / 10001)
+
+
+# ---------------------------------------------------------------------------
+# groups of runs: seeds and evaluation units together
+
+
+def simulated_groups(rng, k, n, paired, delta, sd_seed=0.01, sd_pair=0.008, sd_batch=0.03, sd_gain=0.01, sd_run=0.02):
+    """Per-batch losses (nats, bytes) of two groups of k runs on n shared val batches, b's true bpb delta lower:
+    batch difficulty shared by every run, a batch x group gain (b better on some batches: the units are a sample),
+    seed noise, part of it shared by the runs of one seed pair when paired, and each run's own batch noise."""
+    batch, gain = rng.normal(0, sd_batch, n), rng.normal(0, sd_gain, n)
+    common = rng.normal(0, sd_pair, k)
+    def group(shift, g):
+        s = (common if paired else rng.normal(0, sd_pair, k)) + rng.normal(0, sd_seed, k)
+        return (1.0 + shift + s[:, None] + batch + g + rng.normal(0, sd_run, (k, n))) * math.log(2)
+    return group(0, 0 * gain), group(delta, gain), np.ones(n)
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_group_interval_covers_a_known_difference(paired):
+    # 2,000 simulated experiments of 5 seeds per arm on 40 batches; Monte-Carlo SE of a 95% coverage: 0.005
+    rng, hits, N = np.random.default_rng(1), 0, 2000
+    for e in range(N):
+        a, b, nbytes = simulated_groups(rng, 5, 40, paired, delta=0.01)
+        values, reps = stats.bpb_replicates(np.vstack([a, b]), nbytes, n_resamples=200, seed=e)
+        r = stats.group_delta(values[:5], values[5:], reps[:, :5], reps[:, 5:], paired)
+        hits += r["ci"][0] <= 0.01 <= r["ci"][1]
+        assert not r["eval_only"] and r["paired"] == paired
+    assert 0.93 <= hits / N <= 0.97
+
+
+def test_paired_interval_is_narrower_on_correlated_seeds():
+    # the runs of a seed pair share most of their seed noise (same data order): pairing removes it
+    rng, ratio = np.random.default_rng(2), []
+    for e in range(50):
+        a, b, nbytes = simulated_groups(rng, 5, 40, True, delta=0.01, sd_seed=0.002, sd_pair=0.02)
+        values, reps = stats.bpb_replicates(np.vstack([a, b]), nbytes, n_resamples=200, seed=e)
+        args = values[:5], values[5:], reps[:, :5], reps[:, 5:]
+        p, u = stats.group_delta(*args, paired=True), stats.group_delta(*args, paired=False)
+        assert p["delta"] == u["delta"]
+        ratio.append((p["ci"][1] - p["ci"][0]) / (u["ci"][1] - u["ci"][0]))
+    assert np.median(ratio) < 0.5
+
+
+def test_group_of_one_is_evaluation_noise_only():
+    rng = np.random.default_rng(3)
+    a, b, nbytes = simulated_groups(rng, 1, 40, False, delta=0.01)
+    values, reps = stats.bpb_replicates(np.vstack([a, b]), nbytes, n_resamples=2000)
+    r = stats.group_delta(values[:1], values[1:], reps[:, :1], reps[:, 1:], paired=False)
+    assert r["eval_only"] and r["df"] == math.inf and r["seed_sd"] == {"a": None, "b": None, "d": None}
+    # then it is the paired bootstrap over batches: the same spread as bpb_delta_interval's
+    ref = stats.bpb_delta_interval(a[0], b[0], nbytes, n_resamples=2000)
+    assert r["delta"] == pytest.approx(ref["delta"]) and r["se"] * 3.92 == pytest.approx(ref["ci"][1] - ref["ci"][0], rel=0.1)
+
+
+def test_replicates_reproduce_each_runs_value():
+    rng = np.random.default_rng(4)
+    verdicts = [{"t1": rng.integers(0, 2, 40).tolist(), "t2": rng.integers(0, 2, 30).tolist()} for _ in range(3)]
+    meta = {"tasks": {"t1": {"random_baseline": 25.0}, "t2": {"random_baseline": 50.0}}}
+    values, reps = stats.core_replicates([records_of(v) for v in verdicts], meta, n_resamples=300)
+    ref = stats.core_delta_interval(records_of(verdicts[0]), records_of(verdicts[1]), meta)
+    assert values[0] == ref["core_a"] and values[1] == ref["core_b"] and reps.shape == (300, 3)
+    assert abs(reps.mean(0) - values).max() < 0.03
+    nats, nbytes = rng.random((2, 35)) * 1000, rng.integers(500, 1500, 35)
+    values, _ = stats.bpb_replicates(nats, nbytes, n_resamples=10)
+    assert values == pytest.approx(nats.sum(1) / (math.log(2) * nbytes.sum()))
+
+
+def test_t_distribution_and_runs_needed():
+    for df, q in ((1, 12.706), (2, 4.303), (4, 2.776), (3, 3.182), (10, 2.228), (math.inf, 1.960)):
+        assert stats.t_quantile(0.975, df) == pytest.approx(q, abs=2e-3)
+    assert stats.t_cdf(0.0, 3) == pytest.approx(0.5) and stats.t_cdf(-2.776, 4) == pytest.approx(0.025, abs=1e-4)
+    assert 2 * (1 - stats.t_cdf(100, 1)) == pytest.approx(1 - 2 * math.atan(100) / math.pi, rel=1e-5)  # Cauchy: exact
+    # n = 2 (1.96 + 0.84)^2 sigma^2 / delta^2 per arm; paired on the pair differences, half of it
+    assert stats.runs_needed(0.01, 0.0148, paired=False) == math.ceil(2 * 2.8016 ** 2 * 0.01 ** 2 / 0.0148 ** 2)
+    assert stats.runs_needed(0.02, 0.01, paired=True) == 32 and stats.runs_needed(0.02, 0.01, paired=False) == 63
+    assert stats.runs_needed(None, 0.01, paired=False) is None
