@@ -20,6 +20,9 @@ MARKERS = ("(GPU)", "(network)")
 # shown, but run elsewhere: the suite itself, and the ~15-minute CPU demo made of the commands below
 NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.sh": "~7 minutes; docs/LOG.md records its runs",
                "bash speedrun.sh --preset tiny --base-dir /tmp/nag-chat-tiny": "tests/test_speedrun.py runs this pipeline three times",
+               **{c: "needs three evaluated seeds per arm; tests/test_compare.py compares groups of hand-made runs"
+                  for c in ("python -m scripts.compare --a cpu-gpt-s1 cpu-gpt-s2 cpu-gpt-s3 --b cpu-nag-s1 cpu-nag-s2 cpu-nag-s3",
+                            "python -m scripts.compare --a gpt-s1 gpt-s2 gpt-s3 --b nag-s1 nag-s2 nag-s3")},
                **{c: "minutes of training; tests/test_failures.py runs the same code on a tiny model"
                   for c in ("bash runs/failures.sh --scale cpu", "bash runs/failures.sh --scale cpu --seeds 1,2,3",
                             "python -m scripts.failures --scale cpu", "python -m scripts.failures --scale cpu --seeds 1,2,3")},
