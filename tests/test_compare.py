@@ -479,6 +479,14 @@ def test_groups_of_other_seeds_are_unpaired_and_a_group_of_one_is_evaluation_noi
     assert "no seed-to-seed standard deviation" in report
 
 
+def test_nag_flags_differ_between_a_gpt_and_a_nag_group(hand_base, capsys):
+    # every run records every flag, and a preset sets NAG's for NAG runs only (runcpu.sh's demo preset does)
+    a = seed_group(hand_base / "runs", "gpt", [1.30, 1.31], 0.5, args={"nag_gate_lr": 0.001})
+    b = seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6, args={"nag_gate_lr": 0.01})
+    compare.main(["--a", *a, "--b", *b, "--out", str(hand_base / "archs")])
+    assert json.load(open(hand_base / "archs" / "comparison.json"))["design"] == "paired"
+
+
 def test_groups_are_refused_with_one_line(hand_base, script_error):
     runs = hand_base / "runs"
     a = seed_group(runs, "gpt", [1.30, 1.31], 0.5)
