@@ -223,7 +223,7 @@ def report_text(groups, metrics, paired, why, notes):
                      f"{PUBLISHED[name]:.4f}", cmp.fmt(need["published"], "d")])
     power = ("## Runs needed\n\nRuns per arm for a two-sided 5% test to find the difference 80% of the time, normal approximation: "
              + ("n = (z₀.₉₇₅ + z₀.₈)² σ_d² / δ² pairs (paired)" if paired else "n = 2 (z₀.₉₇₅ + z₀.₈)² σ² / δ² (unpaired)")
-             + ". The published gaps are NAG − GPT at d20 from one seed each.\n\n"
+             + ". The published gaps are the NAG − GPT differences of the published pair (64 × 640, 3e19 FLOPs), one seed each.\n\n"
              + cmp.table(["metric", sd_name, "observed δ", "runs (observed δ)", "published δ", "runs (published δ)"], rows))
     if all(m["sigma"] is None for m in metrics.values()):
         power += "\n\nFewer than 2 seeds per group: no seed-to-seed standard deviation, so no run count."
