@@ -104,6 +104,20 @@ def run_base(tiny_base_dir, tmp_path, monkeypatch):
     return base
 
 
+def unwritable_reports(base, how):
+    """Make base/reports take no new folder: a regular file in its place (works as root too), or a read-only
+    directory (skips the test where the mode stops nothing: as root)."""
+    reports = os.path.join(base, "reports")
+    if how == "file in the way":
+        open(reports, "w").close()
+        return
+    os.makedirs(reports)
+    os.chmod(reports, 0o555)
+    if os.access(reports, os.W_OK):
+        os.chmod(reports, 0o755)
+        pytest.skip("running as root: a read-only mode does not stop writes")
+
+
 def linked_base(tiny_base_dir, base):
     """base (a new directory) sharing the session's corpus and tokenizer, with an empty runs/."""
     os.makedirs(base, exist_ok=True)

@@ -13,6 +13,7 @@ import torch
 from analysis import measures as M
 from analysis.capture import Accumulator, CaptureConfig, attention_probs, capture
 from nanochat.gpt import GPT, GPTConfig, norm
+from conftest import unwritable_reports
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -321,14 +322,7 @@ def test_unwritable_output_is_one_line_before_the_pass(pair, tmp_path, monkeypat
     os.makedirs(base)
     for name in ("base_data", "tokenizer", "runs"):
         os.symlink(os.path.join(pair, name), base / name)
-    if how == "file in the way":  # works as root too: no directory can be made under a regular file
-        open(base / "reports", "w").close()
-    else:
-        os.makedirs(base / "reports")
-        os.chmod(base / "reports", 0o555)
-        if os.access(base / "reports", os.W_OK):
-            os.chmod(base / "reports", 0o755)
-            pytest.skip("running as root: a read-only mode does not stop writes")
+    unwritable_reports(base, how)
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     try:  # one line and nothing else on stderr: the pass, whose progress goes there, never started
         err = script_error(main, "gpt", "nag", "--tokens", "256", "--clusters", "2", "--state-sample", "16",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import linked_base, train_tiny_pair
+from conftest import linked_base, train_tiny_pair, unwritable_reports
 from scripts import base_eval, compare
 from nanochat import stats
 from nanochat.common import atomic_write_bytes
@@ -400,14 +400,7 @@ def test_several_evaluated_steps_are_plotted(hand_base, capsys):
 @pytest.mark.parametrize("how", ["file in the way", "read-only"])
 def test_unwritable_base_dir_is_one_line(hand_base, script_error, how):
     write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
-    if how == "file in the way":  # works as root too: no directory can be made under a regular file
-        open(hand_base / "reports", "w").close()
-    else:
-        os.makedirs(hand_base / "reports")
-        os.chmod(hand_base / "reports", 0o555)
-        if os.access(hand_base / "reports", os.W_OK):
-            os.chmod(hand_base / "reports", 0o755)
-            pytest.skip("running as root: a read-only mode does not stop writes")
+    unwritable_reports(hand_base, how)
     try:
         err = script_error(compare.main, "a")
     finally:
