@@ -23,7 +23,7 @@ import torch
 
 from nanochat.common import UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes, ensure_writable_dir
 from nanochat import checkpoint_manager as ckpt
-from nanochat.dataloader import split_tokens
+from nanochat.loss_eval import held_batches
 from scripts.archs import load_model
 from analysis.capture import CaptureConfig, capture
 from analysis.summary import summarise
@@ -82,7 +82,7 @@ def check_runs(args, tokenizer):
             raise UserError(f"--tokens {args.tokens} is smaller than one batch of {run} "
                             f"({args.device_batch_size} × {T} = {per_batch} tokens); raise --tokens or lower --device-batch-size")
         batches = args.tokens // per_batch
-        held = split_tokens(tokenizer, "val", limit=batches * (per_batch + args.device_batch_size)) // (per_batch + args.device_batch_size)
+        held = held_batches(tokenizer, args.device_batch_size, T, "val", batches)
         if held < batches:  # a small split would be cycled over: analyse what it holds, once
             notes.append(f"note: the val split holds about {max(1, held) * per_batch:,} tokens for {run}, fewer than "
                          f"--tokens {args.tokens:,}; analysing those")

@@ -173,4 +173,3 @@ def _check_state(state, split, rank, world_size, num_row_groups, data_seed):
         raise UserError(f"the {split} data changed since the checkpoint ({state['num_row_groups']} row groups for this rank then, {num_row_groups} now); resume with the same shards")
     if state.get("data_seed") != data_seed:  # a state saved before data seeds existed read the file order
         raise UserError(f"dataloader resume state is for data seed {state.get('data_seed')}, not {data_seed}; resume with the same --data-seed")
-    return state["epoch"], state["next_pos"]

@@ -16,42 +16,6 @@ def batch_loss(model, x, y, token_bytes):
     return (loss.double() * (nbytes > 0)).sum(), nbytes.sum()
 
 
-@torch.no_grad()
-def evaluate_bpb(model, batches, steps, token_bytes, per_batch=None):
-    """
-    Sum the per-token loss (nats) over `steps` batches and divide by the bytes those
-    targets stand for. Summed across ranks when distributed, each rank on its own batches
-    (so the result depends on the number of ranks: evaluate_bpb_shared does not). If per_batch
-    is a dict, it receives the summed nats and bytes of each step ("nats", "bytes": lists), so
-    that two models evaluated on the same batches can be compared batch by batch
-    (nanochat.stats.bpb_delta_interval).
-    """
-    device = token_bytes.device
-    total_nats = torch.zeros((), dtype=torch.float64, device=device)
-    total_bytes = torch.zeros((), dtype=torch.int64, device=device)
-    step_nats, step_bytes = [], []
-    for _ in range(steps):
-        x, y, *_ = next(batches)
-        nats, nb = batch_loss(model, x, y, token_bytes)
-        total_nats += nats
-        total_bytes += nb
-        if per_batch is not None:
-            step_nats.append(nats)
-            step_bytes.append(nb)
-    if dist.is_initialized():
-        dist.all_reduce(total_nats)
-        dist.all_reduce(total_bytes)
-    if per_batch is not None and steps > 0:
-        nats, nb = torch.stack(step_nats), torch.stack(step_bytes)
-        if dist.is_initialized():  # step i of every rank together is one batch
-            dist.all_reduce(nats)
-            dist.all_reduce(nb)
-        per_batch["nats"], per_batch["bytes"] = nats.tolist(), nb.tolist()
-    if total_bytes.item() == 0:
-        return float("nan")
-    return total_nats.item() / (math.log(2) * total_bytes.item())
-
-
 def held_batches(tokenizer, B, T, split, wanted):
     """`wanted`, or fewer when the split holds fewer batches of B rows of T+1 tokens (the cap training's eval
     applies): a small split is not cycled over, so no token is counted twice."""

@@ -499,7 +499,8 @@ def train(args):
     validate_args(args)
     if ignored := ignored_nag_flags(args):
         print0(f"note: {', '.join(ignored)} apply only with --arch nag; this {args.arch} run ignores them")
-    if PRESETS.get(args.preset, {}).get("gpu") and not args.device_type and not torch.cuda.is_available():
+    preset = PRESETS.get(args.preset, {})
+    if preset.get("gpu") and not args.device_type and not torch.cuda.is_available():
         raise UserError(f"--preset {args.preset} is a GPU configuration and torch {torch.__version__} sees no CUDA device here; "
                         f"see its plan with --dry-run N, or pass --device-type cpu to train it on the CPU anyway")
     device_type = args.device_type or autodetect_device_type()
@@ -512,7 +513,6 @@ def train(args):
         torch.backends.cudnn.allow_tf32 = True
 
     tokenizer = get_tokenizer()
-    preset = PRESETS.get(args.preset, {})
     if preset.get("gpu") and tokenizer.get_vocab_size() != preset["vocab"]:  # its plan and published numbers assume that vocab
         raise UserError(f"--preset {args.preset} trains with a {preset['vocab']:,}-token tokenizer, but the one in the base dir has "
                         f"{tokenizer.get_vocab_size():,}; use a fresh NANOCHAT_BASE_DIR, or retrain it with scripts.tok_train --vocab-size {preset['vocab']}")
@@ -589,7 +589,8 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None)
     # compile outside DDP, so the compiled graph is split at DDP's bucket boundaries and the all-reduce overlaps
     fwd = torch.compile(ddp or model, dynamic=False) if use_compile else (ddp or model)
-    eval_fwd = torch.compile(model, dynamic=False) if use_compile and ddp else (fwd if not ddp else model)
+    # evaluation goes around DDP (run_eval says why): the compiled model itself, not the compiled DDP wrapper
+    eval_fwd = fwd if ddp is None else (torch.compile(model, dynamic=False) if use_compile else model)
 
     flops_per_token = plan.flops_per_token
     print0(f"run {plan.run} → {run_dir}")

@@ -276,18 +276,14 @@ def headline(out):
 
 
 def environment():
+    from scripts.check_cuda import nvidia_smi
     import torch
     import triton
     env = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version(), "python": sys.version.split()[0],
            "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2 ** 30, "gpus": torch.cuda.device_count()}
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
-        env["driver"] = smi[0] if smi else None
-    except (OSError, subprocess.SubprocessError):
-        env["driver"] = None
+    env["driver"] = nvidia_smi()[1]
     return env
 
 

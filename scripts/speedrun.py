@@ -26,7 +26,7 @@ import sys
 from nanochat.common import UserError, exit_on_user_error
 from nanochat import checkpoint_manager as ckpt
 from scripts import base_train, compare
-from scripts.check_cuda import cuda_problem
+from scripts.check_cuda import cuda_problem, nvidia_smi
 from scripts.presets import PRESETS, get_preset
 
 # Estimates, not measurements: a ClimbMix shard holds ~250M characters ≈ 55M tokens of a 32K-vocab
@@ -136,14 +136,6 @@ def parse(argv):
     return args
 
 
-def visible_gpus():
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU") for line in out.splitlines())
-
-
 def shards_for(tokens):
     """ClimbMix train shards for a run of `tokens` training tokens, packing losses and a margin included."""
     return math.ceil(tokens * DATA_MARGIN / (TOKENS_PER_SHARD * PACKING_KEPT))
@@ -214,7 +206,7 @@ def hms(s):
 def plan_and_check(args):
     """Print the plan to stderr; return the shell assignments for speedrun.sh."""
     say = lambda *a: print(*a, file=sys.stderr)
-    have = visible_gpus()
+    have = nvidia_smi()[0]  # GPUs listed; whether torch sees them is cuda_problem's check
     gpus = args.gpus or (1 if args.preset == "tiny" else have)
     if not gpus:
         if not args.dry_run:
