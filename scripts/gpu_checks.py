@@ -71,6 +71,10 @@ def stages(quick, eval_bundle=None):
               bench_train("--depth", "64", *PUBLISHED, "--arch", "nag:fused", "--compile", "on"), 480, 240, step_figures),
         Stage("published_blocks", "GPT vs NAG-fused at depth 64, each block compiled on its own",
               bench_train("--depth", "64", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "blocks"), 240, 100, step_figures),
+        # MoD is eager (data-dependent shapes): time saved against FLOPs saved, with the MLP path free of host syncs
+        Stage("mod", "NAG-MoD at 20 / 40 % skipped vs full depth, width 640, depth 8: time saved for FLOPs saved",
+              [py, "-m", "scripts.bench_mod", "--depth", "8", *PUBLISHED, "--rates", "0,0.2,0.4", "--blocks", "attn,mlp,both",
+               "--steps", "10", "--warmup", "3"], 240, 90, writes_json=False),
     ]
     if eval_bundle:
         out.append(Stage("core_batching", "CORE scoring batched vs one at a time on the GPU",
