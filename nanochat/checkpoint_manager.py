@@ -110,9 +110,14 @@ def save_checkpoint(run_dir, step, model, meta, train_state, rank=0):
     checkpoint as the latest complete one."""
     try:
         atomic_torch_save(train_state, optim_path(run_dir, step, rank))
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
         if dist.is_initialized():
             dist.barrier()
         if rank == 0:
+            missing = [r for r in range(world_size) if not os.path.exists(optim_path(run_dir, step, r))]
+            if missing:  # written on another disk: no complete checkpoint would exist anywhere
+                raise UserError(f"rank(s) {', '.join(map(str, missing))} saved their part of step {step} where rank 0 cannot see it "
+                                f"({run_dir}): the base dir must be one directory on a filesystem shared by every node")
             atomic_torch_save({"model": model.state_dict(), "meta": meta}, model_path(run_dir, step))
             atomic_write_json(meta_path(run_dir, step), meta)
     except OSError as e:  # a full disk, typically: leave no part of this checkpoint behind to fill it further
@@ -122,6 +127,19 @@ def save_checkpoint(run_dir, step, model, meta, train_state, rank=0):
         earlier = [s for s in complete_steps(run_dir) if s < step]
         raise UserError(f"cannot save the checkpoint of step {step} in {run_dir} ({e.strerror or e}); the newest complete one is "
                         f"{f'step {earlier[-1]}' if earlier else 'none'}: free space, then continue with --resume latest") from None
+
+
+def prune_checkpoints(run_dir, keep):
+    """Delete the complete checkpoints older than the newest `keep` (keep >= 1: never the newest complete one), meta
+    first, so that a prune cut short leaves an incomplete checkpoint, which every reader skips. Called by training,
+    which holds the run's lock: no evaluation of this run (base_eval takes the same lock) is reading one meanwhile."""
+    pruned = complete_steps(run_dir)[:-keep]
+    for step in pruned:
+        world_size = json.load(open(meta_path(run_dir, step))).get("world_size", 1)
+        for path in [meta_path(run_dir, step), model_path(run_dir, step), *(optim_path(run_dir, step, r) for r in range(world_size))]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    return pruned
 
 
 def missing_step_error(run_dir, step):

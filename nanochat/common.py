@@ -5,6 +5,8 @@ import sys
 import json
 import tempfile
 import contextlib
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -20,9 +22,12 @@ def get_base_dir():
 
 
 def get_dist_info():
-    """(is_ddp, rank, local_rank, world_size) from the torchrun environment."""
+    """(is_ddp, rank, local_rank, world_size): torchrun's variables, else those of a plain `srun` of several tasks
+    (SLURM_STEP_NUM_TASKS is set by srun only, so a script run by the batch shell itself stays one process)."""
     if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        return True, int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_LOCALID", "0")), int(os.environ["SLURM_STEP_NUM_TASKS"])
     return False, 0, 0, 1
 
 
@@ -121,8 +126,13 @@ def atomic_torch_save(obj, path):
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def dist_init(device_type):
-    """Initialise torch.distributed under torchrun (nccl on cuda, gloo elsewhere). Returns (is_ddp, rank, local_rank, world_size, device)."""
+START_TIMEOUT = 1200  # seconds a collective may wait at start-up (compile, data, checkpoint loading) and while saving
+
+
+def dist_init(device_type, timeout=START_TIMEOUT):
+    """Initialise torch.distributed under torchrun or srun (nccl on cuda, gloo elsewhere), with a collective timeout
+    of `timeout` seconds instead of the backends' 10 (NCCL) or 30 (gloo) minutes. Returns (is_ddp, rank,
+    local_rank, world_size, device)."""
     is_ddp, rank, local_rank, world_size = get_dist_info()
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -130,5 +140,11 @@ def dist_init(device_type):
     else:
         device = torch.device(device_type)
     if is_ddp and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        if "RANK" not in os.environ:  # srun: the env:// rendezvous reads torchrun's names
+            if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+                raise UserError(f"srun started {world_size} tasks but MASTER_ADDR / MASTER_PORT are not set: export them "
+                                "before srun (runs/slurm_pair.sbatch shows how), or launch with torchrun")
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout),
+                                device_id=device if device_type == "cuda" else None)
     return is_ddp, rank, local_rank, world_size, device

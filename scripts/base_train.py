@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes, ensure_writable_dir, script_argv
+from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes, ensure_writable_dir, script_argv, START_TIMEOUT
+from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
 from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
@@ -83,6 +84,12 @@ def build_parser():
     p.add_argument("--change-horizon", action="store_true", help="with --resume: allow a different number of steps than the run was planned with")
     p.add_argument("--change-settings", action="store_true",
                    help="with --resume: accept settings that differ from the run's, recorded in config.json's segments from this step on")
+    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K",
+                   help="after each save, delete all but the newest K complete checkpoints (0: keep every one)")
+    # several processes: how long a rank may wait for the others before the run stops, naming the silent ranks
+    p.add_argument("--step-timeout", type=float, default=300, help="seconds a training step may take once training runs")
+    p.add_argument("--start-timeout", type=float, default=START_TIMEOUT,
+                   help="seconds for start-up (data, compile, the first step), evaluations and checkpoint saves")
     p.add_argument("--dry-run", type=int, default=0, metavar="NPROC",
                    help="print the plan for NPROC processes (params, FLOPs, steps, tokens, optimizer) and exit; needs no data or GPU")
     p.add_argument("--dry-run-vocab", type=int, default=32768, help="vocab size assumed by --dry-run (0 = the trained tokenizer's)")
@@ -126,6 +133,10 @@ def validate_args(args):
         raise UserError("--warmup-steps and --weight-decay must be >= 0")
     if args.muon_momentum != -1 and not 0 <= args.muon_momentum < 1:
         raise UserError(f"--muon-momentum must be in [0, 1), or -1 for the schedule (got {args.muon_momentum})")
+    if args.keep_checkpoints < 0:
+        raise UserError(f"--keep-checkpoints must be >= 0 (0 keeps every checkpoint), got {args.keep_checkpoints}")
+    if not (args.step_timeout > 0 and args.start_timeout > 0):
+        raise UserError(f"--step-timeout and --start-timeout must be positive seconds (got {args.step_timeout:g}, {args.start_timeout:g})")
     if args.eval_tokens < 1:
         raise UserError(f"--eval-tokens must be positive (got {args.eval_tokens})")
     if args.resume not in ("", "latest") and not args.resume.isdigit():
@@ -383,13 +394,14 @@ def check_finite(model, loss, step, idx):
 # ---------------------------------------------------------------------------
 # the run directory: where to start, and the history kept across restarts
 
-# what must match for an exact resume: the data shards are laid out per (process, micro-step)
-RESUME_KEYS = ("arch", "model_config", "total_batch_size", "world_size", "grad_accum_steps")
+# what must match for a resume. The process count may change: the train data is cut into world_size × grad_accum
+# shards, a number fixed by the total and device batch sizes, and each shard's loader state moves to its new owner
+RESUME_KEYS = ("arch", "model_config", "total_batch_size")
 
 
 # flags that change no number a run trains: where and how often it reports and saves, how it is launched
 NOT_SETTINGS = {"run", "resume", "dry_run", "dry_run_vocab", "change_horizon", "change_settings", "preset", "device_type", "compile",
-                "eval_every", "eval_tokens", "save_every", "nag_gate_log_every", "nag_impl",
+                "eval_every", "eval_tokens", "save_every", "nag_gate_log_every", "nag_impl", "keep_checkpoints", "step_timeout", "start_timeout",
                 "num_iterations", "target_flops", "target_param_data_ratio"}  # the horizon has its own check (--change-horizon)
 
 
@@ -405,10 +417,11 @@ def settings_segments(old_cfg, record, start):
     """config.json's history of settings: one segment per start with other settings, oldest first, never rewritten."""
     segments = list(old_cfg.get("segments", [])) or [{"start_step": 0, "command": old_cfg.get("command", record["command"]),
                                                         "git_commit": old_cfg.get("git_commit", record["git_commit"])}]
-    changes = settings_changes(old_cfg, record) if old_cfg else {}
+    changes = {k: {"then": a, "now": b} for k, (a, b) in (settings_changes(old_cfg, record) if old_cfg else {}).items()}
+    if old_cfg.get("world_size", record["world_size"]) != record["world_size"]:  # the same numbers (docs/runs.md), but say so
+        changes["world_size"] = {"then": old_cfg["world_size"], "now": record["world_size"]}
     if start > 0 and (changes or old_cfg.get("git_commit") != record["git_commit"]):
-        segments.append({"start_step": start, "command": record["command"], "git_commit": record["git_commit"],
-                         "changes": {k: {"then": a, "now": b} for k, (a, b) in changes.items()}})
+        segments.append({"start_step": start, "command": record["command"], "git_commit": record["git_commit"], "changes": changes})
     return segments
 
 
@@ -446,6 +459,11 @@ def start_step(run_dir, args, record, tokenizer):
         finished = step == old_cfg.get("num_iterations") and args.resume == "latest"
         raise UserError(f"cannot {'reuse the finished run' if finished else 'resume'} {run_dir} with other settings ({listed}): "
                         + ("pick another --run" if finished else "drop them, pick another --run, or add --change-settings to record the change from this step on"))
+    shards = lambda cfg: cfg["world_size"] * cfg["grad_accum_steps"]
+    if "grad_accum_steps" in old_cfg and shards(old_cfg) != shards(record):
+        raise UserError(f"cannot resume {run_dir} on {record['world_size']} process(es) × {record['grad_accum_steps']} micro-step(s): its "
+                        f"data was cut into {shards(old_cfg)} shards ({old_cfg['world_size']} × {old_cfg['grad_accum_steps']}), this "
+                        f"command's --device-batch-size gives {shards(record)}; keep --device-batch-size {old_cfg.get('args', {}).get('device_batch_size', 'it had')}")
     planned = old_cfg.get("num_iterations", record["num_iterations"])
     if planned != record["num_iterations"] and not args.change_horizon:
         raise UserError(f"cannot resume {run_dir}: it was planned for {planned} steps but this command gives {record['num_iterations']} "
@@ -504,7 +522,7 @@ def train(args):
         raise UserError(f"--preset {args.preset} is a GPU configuration and torch {torch.__version__} sees no CUDA device here; "
                         f"see its plan with --dry-run N, or pass --device-type cpu to train it on the CPU anyway")
     device_type = args.device_type or autodetect_device_type()
-    is_ddp, rank, local_rank, world_size, device = dist_init(device_type)
+    is_ddp, rank, local_rank, world_size, device = dist_init(device_type, timeout=args.start_timeout)
     is_master = rank == 0
     torch.manual_seed(args.seed)
     compute_dtype = compute_dtype_for(device_type)
@@ -524,18 +542,37 @@ def train(args):
                   fingerprints=ckpt.fingerprints(tokenizer))
     run_dir = ckpt.resolve_run_dir(plan.run)
     with contextlib.ExitStack() as stack:
-        if is_master:
+        def open_run_dir():  # rank 0 only; a refusal reaches every rank
             ensure_writable_dir(run_dir)
             stack.enter_context(ckpt.run_lock(run_dir))
             ckpt.remove_temp_files(run_dir)
+        rank0_decides(open_run_dir, is_ddp)
+        check_shared_dir(run_dir, is_ddp)
+        stop = StopRequest()  # SIGTERM from here on: a checkpoint at the end of the current step, then EXIT_PREEMPTED
+        stack.callback(stop.restore)
         return train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, device_type, compute_dtype,
-                            is_ddp, rank, local_rank, world_size)
+                            is_ddp, rank, local_rank, world_size, stop)
+
+
+def load_resume_state(run_dir, step, rank, world_size, grad_accum):
+    """This rank's share of the train state saved at `step`: the optimizer (replicated, so saved by rank 0 alone),
+    the loader states of its data shards, the RNG state and the elapsed time. The data is cut into world_size ×
+    grad_accum shards whatever the split over processes (start_step checks the count), so a checkpoint of another
+    process count resumes too: shard s was micro-step s % a of saved rank s // a, and is now that of rank s // grad_accum."""
+    saved_world = ckpt.load_meta(run_dir, step).get("world_size", 1)
+    saved_accum = world_size * grad_accum // saved_world
+    mine = range(rank * grad_accum, (rank + 1) * grad_accum)
+    owners = sorted({s // saved_accum for s in mine} | {0})
+    states = {r: ckpt.load_train_state(run_dir, step, r) for r in owners}  # on the CPU: RNG states must stay there
+    return {"optimizer": states[0]["optimizer"], "elapsed": states[0].get("elapsed", 0.0), "rng": states[mine[0] // saved_accum]["rng"],
+            "dataloader": [states[s // saved_accum]["dataloader"][s % saved_accum] for s in mine]}
 
 
 def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, device_type, compute_dtype,
-                 is_ddp, rank, local_rank, world_size):
+                 is_ddp, rank, local_rank, world_size, stop):
     is_master = rank == 0
-    first = start_step(run_dir, args, record, tokenizer)
+    # one start step for all ranks: rank 0's view of the run directory decides
+    first = rank0_decides(lambda: start_step(run_dir, args, record, tokenizer), is_ddp)
     if first is None:
         print0(f"{run_dir} already finished its {plan.num_iterations} steps; nothing to do")
         if is_ddp:
@@ -550,10 +587,9 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
     loader_states, elapsed = None, 0.0
     if first > 0:
         ckpt.load_weights(model, ckpt.load_model_file(run_dir, first, device))
-        state = ckpt.load_train_state(run_dir, first, rank)  # on the CPU: RNG states must stay there
-        # the optimizer state is replicated across ranks, so only rank 0 saved it (load_state_dict moves it to the params' device)
-        optimizer.load_state_dict(state["optimizer"] if rank == 0 else ckpt.load_train_state(run_dir, first, 0)["optimizer"])
-        loader_states, elapsed = state["dataloader"], state.get("elapsed", 0.0)
+        state = load_resume_state(run_dir, first, rank, world_size, grad_accum)
+        optimizer.load_state_dict(state["optimizer"])  # moved to the params' device
+        loader_states, elapsed = state["dataloader"], state["elapsed"]
         torch.set_rng_state(state["rng"]["cpu"])
         if device_type == "cuda" and state["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(state["rng"]["cuda"])
@@ -605,7 +641,15 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
 
     val_batches = []  # the same val batches at every evaluation: read and tokenized once
 
+    # several processes: a rank that waits too long for the others stops the run and names the silent ranks
+    watchdog = Watchdog(rank, world_size) if is_ddp else None
+
+    def progress(phase, step, timeout):
+        if watchdog:
+            watchdog.progress(phase, step, timeout)
+
     def run_eval(step):
+        progress("evaluation", step, args.start_timeout)
         model.eval()
         model.set_tokens_seen(step * total_batch)  # NAG: the α warm-up factor the checkpoint of this step carries
         if not val_batches:  # this rank's share of the batches one process would read
@@ -628,9 +672,23 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
             print0(f"step 0 | val bpb {row['val_bpb']:.4f}")
         write_row(row)
 
+    def save(step):
+        progress("checkpoint save", step, args.start_timeout)
+        train_state = {"optimizer": optimizer.state_dict() if is_master else None, "dataloader": loader_states, "elapsed": elapsed,
+                       "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
+        meta = {"arch": plan.arch, "model_config": plan.config.to_dict(), **model.extra_meta(),
+                "step": step, "tokens": step * total_batch, "world_size": world_size, "fingerprints": record["fingerprints"]}
+        ckpt.save_checkpoint(run_dir, step, model, meta, train_state, rank)
+        print0(f"saved checkpoint at step {step} in {run_dir}")
+        if is_master and args.keep_checkpoints and (pruned := ckpt.prune_checkpoints(run_dir, args.keep_checkpoints)):
+            print0(f"deleted the checkpoint(s) of step {', '.join(map(str, pruned))} (--keep-checkpoints {args.keep_checkpoints})")
+
     step = first
     step_times = []
+    stop_flag = torch.zeros((), device=device)
+    slow_step = True  # the first step compiles, a step after an evaluation may recompile: the start-up timeout
     while step < num_iterations:
+        progress("the first step" if step == first else "a training step", step, args.start_timeout if slow_step else args.step_timeout)
         t0 = time.time()
         model.set_tokens_seen(step * total_batch)
         loss_sum = torch.zeros((), device=device)
@@ -641,10 +699,14 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
                 loss = fwd(x, y)
                 loss_sum += loss.detach()
                 (loss / grad_accum).backward()
+        # the loss and SIGTERM in one all-reduce: every rank learns in the same step that one of them was asked to stop
+        if stop.requested:
+            stop_flag.fill_(1.0)  # a kernel, not a host-to-device copy: no sync with the work queued before it
+        reduced = torch.stack([loss_sum, stop_flag])
         if is_ddp:
-            dist.all_reduce(loss_sum)
-            loss_sum /= world_size
-        train_loss = loss_sum / grad_accum
+            dist.all_reduce(reduced)
+            reduced[0] /= world_size
+        train_loss = reduced[0] / grad_accum
         check_finite(model, train_loss, step + 1, x)
         lrm = lr_multiplier(step, plan)
         for group in optimizer.param_groups:
@@ -655,8 +717,9 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         optimizer.step()
         model.after_optimizer_step()
         model.zero_grad(set_to_none=True)
-        train_loss = train_loss.item()  # also syncs the device, so the timing below is honest
+        train_loss, stopping = train_loss.item(), reduced[1].item() > 0  # also syncs the device, so the timing below is honest
         step += 1
+        slow_step = False
         dt = time.time() - t0
         elapsed += dt
         step_times.append(dt)
@@ -689,18 +752,25 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         if evaluating and (last or step % args.eval_every == 0):
             row["val_bpb"] = run_eval(step)
             print0(f"step {step:05d} | val bpb {row['val_bpb']:.4f}")
+            slow_step = True
         write_row(row)
-        if last or (plan.save_every > 0 and step % plan.save_every == 0):
-            train_state = {"optimizer": optimizer.state_dict() if is_master else None, "dataloader": loader_states, "elapsed": elapsed,
-                           "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
-            meta = {"arch": plan.arch, "model_config": plan.config.to_dict(), **model.extra_meta(),
-                    "step": step, "tokens": step * total_batch, "world_size": world_size, "fingerprints": record["fingerprints"]}
-            ckpt.save_checkpoint(run_dir, step, model, meta, train_state, rank)
-            print0(f"saved checkpoint at step {step} in {run_dir}")
+        if last or stopping or (plan.save_every > 0 and step % plan.save_every == 0):
+            save(step)
+            slow_step = True
+        if stopping and not last:
+            print0(f"stopped by SIGTERM after step {step}: its checkpoint is complete; continue with --resume latest "
+                   f"(exit status {EXIT_PREEMPTED})")
+            if watchdog:
+                watchdog.stop()
+            if is_ddp:
+                dist.destroy_process_group()
+            sys.exit(EXIT_PREEMPTED)
 
     if device_type == "cuda":
         print0(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     print0(f"done: {num_iterations} steps in {fmt_time(elapsed)}; run directory {run_dir}")
+    if watchdog:
+        watchdog.stop()
     if is_ddp:
         dist.destroy_process_group()
     return run_dir
