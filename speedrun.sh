@@ -5,14 +5,16 @@
 #   bash speedrun.sh --dry-run                the plan only: no GPU, no network, nothing written
 #   bash speedrun.sh --preset d20 --arch nag  one nanochat-d20-like run
 #   bash speedrun.sh --preset tiny            CPU smoke test of the whole pipeline (offline corpus, minutes)
+#   bash speedrun.sh --seeds 1,2,3            the pair once per seed (gpt-published-s1, nag-published-s1, ...), compared as groups
 #   bash speedrun.sh --arch nag --tag nofloor -- --nag-mod-floor 0    anything after -- goes to base_train
 #   bash speedrun.sh --help                   the flags
 #
 # Flags: --preset published|d20|tiny, --arch gpt,nag, --flops X, --gpus N, --tag T (default: derived from
-# the flags after --), --base-dir DIR, --shards N, --offline, --eval-bundle DIR, --dry-run. Relative paths
-# are taken from the directory you run it in.
+# the flags after --), --seeds 1,2,3, --base-dir DIR, --shards N, --offline, --eval-bundle DIR, --dry-run.
+# Relative paths are taken from the directory you run it in.
 # Rerunning skips what is done: present shards, a trained tokenizer, finished runs (base_train
-# --resume latest continues an unfinished one), up-to-date evaluations and report.
+# --resume latest continues an unfinished one), up-to-date evaluations and report. A run that fails is
+# named at the end (exit status 1) and the other runs go on; the next rerun retries it.
 set -euo pipefail
 export NANOCHAT_CALLER_CWD="${NANOCHAT_CALLER_CWD:-$PWD}"  # relative paths in the flags are the caller's, not the repo's
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -20,7 +22,7 @@ stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
 
 # 1. environment and plan: flags checked, steps / tokens / FLOPs / disk / time printed, stage status
 source runs/setup_env.sh
-PLAN=$(python -m scripts.speedrun "$@")  # shell assignments: BASE, DRY_RUN, the *_DONE flags, the stage commands (--help: exit 0)
+PLAN=$(python -m scripts.speedrun "$@")  # shell assignments: BASE, DRY_RUN, the *_DONE flags, the runs and their commands (--help: exit 0)
 eval "$PLAN"
 if [ "$DRY_RUN" = 1 ]; then echo "dry run: nothing was started"; exit 0; fi
 export NANOCHAT_BASE_DIR="$BASE"
@@ -53,24 +55,41 @@ else
 fi
 if [ -n "$DL_PID" ]; then stage "waiting for the ClimbMix download"; wait "$DL_PID"; fi
 
-# 5. training: GPT, then NAG, on the same FLOP budget and data order (a finished run is a no-op)
-if [ "$GPT_TRAIN_DONE" = 0 ]; then stage "train $GPT_RUN"; "${LAUNCH[@]}" scripts.base_train -- "${GPT_TRAIN[@]}"; fi
-if [ "$NAG_TRAIN_DONE" = 0 ]; then stage "train $NAG_RUN"; "${LAUNCH[@]}" scripts.base_train -- "${NAG_TRAIN[@]}"; fi
+# 5. training: RUNS[i] with the base_train flags in the array TRAIN_<i>; for each seed GPT, then NAG, on the same
+#    FLOP budget and data order (a finished run is a no-op). A failed run is named at the end; the others go on.
+FAILED=()
+for i in "${!RUNS[@]}"; do
+    if [ "${TRAIN_DONE[$i]}" = 1 ]; then continue; fi
+    stage "train ${RUNS[$i]}"
+    flags="TRAIN_$i[@]"
+    if "${LAUNCH[@]}" scripts.base_train -- "${!flags}"; then TRAIN_DONE[$i]=1; else FAILED+=("${RUNS[$i]}"); fi
+done
 
-# 6. evaluation: CORE, bpb, samples
-if [ "$GPT_EVAL_DONE" = 0 ]; then stage "evaluate $GPT_RUN"; "${LAUNCH[@]}" scripts.base_eval -- "${GPT_EVAL[@]}"; fi
-if [ "$NAG_EVAL_DONE" = 0 ]; then stage "evaluate $NAG_RUN"; "${LAUNCH[@]}" scripts.base_eval -- "${NAG_EVAL[@]}"; fi
+# 6. evaluation: CORE, bpb, samples, of every run that trained (base_eval flags in the array EVAL_<i>)
+for i in "${!RUNS[@]}"; do
+    if [ "${EVAL_DONE[$i]}" = 1 ]; then continue; fi
+    stage "evaluate ${RUNS[$i]}"
+    flags="EVAL_$i[@]"
+    if [ "${TRAIN_DONE[$i]}" = 0 ]; then echo "skipped: its training failed"
+    elif "${LAUNCH[@]}" scripts.base_eval -- "${!flags}"; then EVAL_DONE[$i]=1
+    else FAILED+=("eval ${RUNS[$i]}")
+    fi
+done
 
-# 7. residual geometry, attention sinks, confidence (docs/analysis.md), then the report; both need both runs
-PAIR=0; if [ -f "$BASE/runs/$GPT_RUN/eval.json" ] && [ -f "$BASE/runs/$NAG_RUN/eval.json" ]; then PAIR=1; fi
-stage "analyse $GPT_RUN vs $NAG_RUN"
-if [ "$ANALYSIS_DONE" = 1 ]; then echo "analysis already up to date, skipping"
-elif [ "$PAIR" = 1 ]; then python -m analysis "$GPT_RUN" "$NAG_RUN" "${ANALYSIS[@]}"
-else echo "skipped: needs both $GPT_RUN and $NAG_RUN evaluated"
+# 7. with both archs: residual geometry, attention sinks, confidence (docs/analysis.md) of the first seed's pair
+#    (RUNS[0], RUNS[1]), then the report of every run (the pair's, or with several seeds the groups')
+evaluated() { for i in "$@"; do if [ "${EVAL_DONE[$i]}" = 0 ]; then return 1; fi; done; }
+if [ "$PAIR" = 1 ]; then
+    stage "analyse ${RUNS[0]} vs ${RUNS[1]}"
+    if [ "$ANALYSIS_DONE" = 1 ]; then echo "analysis already up to date, skipping"
+    elif ! evaluated 0 1; then echo "skipped: needs both ${RUNS[0]} and ${RUNS[1]} evaluated"
+    elif ! python -m analysis "${RUNS[0]}" "${RUNS[1]}" "${ANALYSIS[@]}"; then FAILED+=("analysis")
+    fi
+    stage "compare: $REPORT"
+    if [ "$REPORT_DONE" = 1 ]; then echo "report already up to date, skipping"
+    elif ! evaluated "${!RUNS[@]}"; then echo "skipped: needs every run evaluated"
+    elif ! python -m scripts.compare "${COMPARE[@]}"; then FAILED+=("report")
+    fi
 fi
-stage "compare $GPT_RUN vs $NAG_RUN"
-if [ "$REPORT_DONE" = 1 ]; then echo "report already up to date, skipping"
-elif [ "$PAIR" = 1 ]; then python -m scripts.compare "$GPT_RUN" "$NAG_RUN" --out "$BASE/reports/${GPT_RUN}_vs_${NAG_RUN}"
-else echo "skipped: needs eval.json of both $GPT_RUN and $NAG_RUN"
-fi
+if [ "${#FAILED[@]}" -gt 0 ]; then echo "error: failed: ${FAILED[*]} (rerun to retry them; finished runs are reused)" >&2; exit 1; fi
 stage "done (log: $BASE/speedrun.log)"

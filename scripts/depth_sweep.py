@@ -3,14 +3,18 @@ The paper's depth claim (its Fig. 2: NAG's loss advantage over the baseline grow
 budget is spent on more, narrower layers) as a FLOP-matched sweep. At each depth a GPT / NAG pair trains on
 one FLOP budget; the width is chosen so that the blocks hold about as many parameters at every depth as at
 the reference shape. Each run's val bpb is measured with base_eval, and the NAG - GPT gap is tabulated and
-plotted against depth, with a 95% interval from the paired val batches (docs/failures.md §5).
+plotted against depth, with a 95% interval: from the paired val batches with one seed, and with --seeds from
+the runs of every seed, paired by seed, over training and evaluation noise (docs/failures.md §5).
 
     python -m scripts.depth_sweep --scale cpu --dry-run          # the CPU plan: widths, parameters, steps
     python -m scripts.depth_sweep --scale cpu                    # 3 depths x 2 archs on a CPU, ~16 minutes
     python -m scripts.depth_sweep --scale published --dry-run    # the published-size plan with GPU hours
     python -m scripts.depth_sweep --scale published --gpus 8     # one speedrun.sh pair per depth   (GPU)
 
-A rerun reuses finished runs and evaluations and resumes an interrupted run from its newest checkpoint.
+--seeds 1,2,3 trains every pair once per seed (sweep-<arch>-d<depth>-s<seed>; at the published scale speedrun.sh
+--seeds), each seed setting --seed and --data-seed; the table then gives each arch's mean over the seeds.
+A rerun reuses finished runs and evaluations and resumes an interrupted run from its newest checkpoint. A run
+that fails is named at the end (exit status 1); the other runs, seeds and depths go on.
 --base-dir (default $NANOCHAT_BASE_DIR) is taken from the directory the command runs in, as in speedrun.sh.
 Writes $NANOCHAT_BASE_DIR/reports/depth_sweep-<scale>/: depth_sweep.md, depth_sweep.json, depth_gap.png.
 """
@@ -22,16 +26,18 @@ import math
 import os
 import subprocess
 import sys
+import traceback
 
 import torch
 
 from nanochat import checkpoint_manager as ckpt
 from nanochat.common import UserError, exit_on_user_error, get_base_dir, ensure_writable_dir, atomic_write_json
-from nanochat.stats import bpb_delta_interval
+from nanochat import stats
 from scripts import base_eval, base_train
 from scripts.archs import ARCHS
+from scripts.compare_groups import bpb_inputs, group_mean_ci
 from scripts.presets import get_preset
-from scripts.speedrun import MFU, PEAK_FLOPS, base_dir_of
+from scripts.speedrun import MFU, PEAK_FLOPS, base_dir_of, parse_seeds
 from scripts.tok_train import prepare_cpu_data
 
 ARCH_PAIR = ("gpt", "nag")
@@ -53,10 +59,12 @@ def block_params(model):
     return model.num_scaling_params() - model.lm_head.weight.numel()
 
 
-def train_argv(scale, arch, depth, dim, flops, run):
+def train_argv(scale, arch, depth, dim, flops, run, seed=None):
+    """base_train's flags of one run; a seed sets its init and data order (the GPT and NAG runs of a seed share them)."""
     s = SCALES[scale]
+    seeds = ["--seed", str(seed), "--data-seed", str(seed)] if seed is not None else []
     return ["--preset", s["preset"], "--arch", arch, "--depth", str(depth), "--model-dim", str(dim),
-            "--head-dim", str(s["head_dim"]), "--target-flops", f"{flops:g}", "--save-every", "-1",
+            "--head-dim", str(s["head_dim"]), "--target-flops", f"{flops:g}", "--save-every", "-1", *seeds,
             "--run", run, "--resume", "latest"]
 
 
@@ -75,8 +83,9 @@ def width_for(scale, depth, target, vocab):
     return best[1], best[2]
 
 
-def plan_sweep(scale, depths, flops, vocab, nproc):
-    """One row per depth: width, aspect ratio, block parameters (GPT) and both archs' plan records."""
+def plan_sweep(scale, depths, flops, vocab, nproc, seeds=None):
+    """One row per depth: width, aspect ratio, block parameters (GPT) and both archs' plan records (the same for
+    every seed: a seed changes the init and data order, not the plan)."""
     ref_depth, ref_dim = SCALES[scale]["reference"]
     ref_args = base_train.parse_args(train_argv(scale, "gpt", ref_depth, ref_dim, 1, "x"))
     with torch.device("meta"):
@@ -92,7 +101,7 @@ def plan_sweep(scale, depths, flops, vocab, nproc):
             row["runs"][arch] = {k: rec[k] for k in ("num_params", "flops_per_token", "num_iterations", "total_tokens", "total_flops")}
         rows.append(row)
     return {"scale": scale, "reference": {"depth": ref_depth, "dim": ref_dim, "block_params": target},
-            "flops_per_run": flops, "nproc": nproc, "depths": rows}
+            "flops_per_run": flops, "nproc": nproc, "seeds": seeds, "depths": rows}
 
 
 def hours(flops, gpus):
@@ -111,8 +120,11 @@ def plan_table(plan):
             if plan["scale"] == "published":
                 cells.append(f"{hours(r['total_flops'], plan['nproc']):.1f}")
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    total = sum(r["total_flops"] for row in plan["depths"] for r in row["runs"].values())
-    foot = f"\n{len(plan['depths']) * 2} runs, {total:.3g} FLOPs in all"
+    seeds = plan.get("seeds") or [None]
+    total = len(seeds) * sum(r["total_flops"] for row in plan["depths"] for r in row["runs"].values())
+    runs = len(seeds) * len(plan["depths"]) * len(ARCH_PAIR)
+    each = f" ({len(plan['depths'])} depths × {len(ARCH_PAIR)} archs × seeds {seeds_text(seeds)})" if plan.get("seeds") else ""
+    foot = f"\n{runs} runs{each}, {total:.3g} FLOPs in all"
     if plan["scale"] == "published":
         foot += f", about {hours(total, plan['nproc']):.0f} hours on {plan['nproc']} GPUs at {MFU:.0%} MFU (evaluation not included)"
     return "\n".join(lines) + foot
@@ -122,8 +134,34 @@ def plan_table(plan):
 # running the sweep
 
 
-def run_name(scale, arch, depth):
-    return f"{arch}-{SCALES[scale]['preset']}-d{depth}" if scale == "published" else f"sweep-{arch}-d{depth}"
+def seeds_text(seeds):
+    return ",".join(map(str, seeds)) if seeds and seeds != [None] else "default"
+
+
+def run_name(scale, arch, depth, seed=None):
+    """sweep-<arch>-d<depth>[-s<seed>] on a CPU; at the published scale speedrun.sh's <arch>-published-d<depth>[-s<seed>]."""
+    name = f"{arch}-{SCALES[scale]['preset']}-d{depth}" if scale == "published" else f"sweep-{arch}-d{depth}"
+    return name + (f"-s{seed}" if seed is not None else "")
+
+
+def speedrun_cmd(row, flops, extra, seeds):
+    """The speedrun.sh command of the pair (with --seeds, the pairs) at one depth, tagged d<depth>."""
+    s = SCALES["published"]
+    return ["bash", "speedrun.sh", "--preset", s["preset"], "--tag", f"d{row['depth']}", "--flops", f"{flops:g}",
+            *(["--seeds", seeds_text(seeds)] if seeds else []), *extra,
+            "--", "--depth", str(row["depth"]), "--model-dim", str(row["dim"]), "--head-dim", str(s["head_dim"])]
+
+
+def commands(plan, extra):
+    """What the sweep runs: base_train per run on a CPU, speedrun.sh per depth at the published scale."""
+    flops, seeds = plan["flops_per_run"], plan.get("seeds")
+    if plan["scale"] == "published":
+        return [" ".join(speedrun_cmd(row, flops, extra, seeds)) + "   # runs " +
+                " ".join(run_name("published", arch, row["depth"], seed) for seed in seeds or [None] for arch in ARCH_PAIR)
+                for row in plan["depths"]]
+    return ["python -m scripts.base_train " + " ".join(train_argv("cpu", arch, row["depth"], row["dim"], flops,
+                                                                  run_name("cpu", arch, row["depth"], seed), seed))
+            for row in plan["depths"] for seed in seeds or [None] for arch in ARCH_PAIR]
 
 
 def has_bpb(run_dir, step):
@@ -134,68 +172,117 @@ def has_bpb(run_dir, step):
     return ev.get("step") == step and ev.get("val_batches") is not None
 
 
-def run_cpu(row, flops, base):
-    """Train (or resume) and evaluate the pair at one depth; the logs go to runs/<run>.log."""
-    os.makedirs(os.path.join(base, "runs"), exist_ok=True)
+def check_reusable(row, base, seed):
+    """A run of this name from a sweep with other --flops or widths is never mixed in: one line, before any training."""
     for arch in ARCH_PAIR:
-        run = run_name("cpu", arch, row["depth"])
-        run_dir = os.path.join(base, "runs", run)
+        run_dir = os.path.join(base, "runs", run_name("cpu", arch, row["depth"], seed))
         steps = row["runs"][arch]["num_iterations"]
-        log_path = os.path.join(base, "runs", f"{run}.log")
         cfg_path = os.path.join(run_dir, "config.json")
-        if os.path.exists(cfg_path):  # a run of this name from a sweep with other --flops or widths: never mix them
+        if os.path.exists(cfg_path):
             old = json.load(open(cfg_path))
             if (old.get("num_iterations"), old.get("model_config", {}).get("n_embd")) != (steps, row["dim"]):
                 raise UserError(f"{run_dir} holds a run of other settings ({old.get('num_iterations')} steps at width "
                                 f"{old.get('model_config', {}).get('n_embd')}, this sweep plans {steps} at {row['dim']}); "
                                 "move it away to rerun this depth")
+
+
+def run_cpu(row, flops, base, seed=None):
+    """Train (or resume) and evaluate the pair at one depth and seed; the logs go to runs/<run>.log. A run that
+    fails is reported on one line (its traceback in its log) and the next goes on; returns the names of those."""
+    os.makedirs(os.path.join(base, "runs"), exist_ok=True)
+    failed = []
+    for arch in ARCH_PAIR:
+        run = run_name("cpu", arch, row["depth"], seed)
+        run_dir = os.path.join(base, "runs", run)
+        steps = row["runs"][arch]["num_iterations"]
+        log_path = os.path.join(base, "runs", f"{run}.log")
         done = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, steps)
+        what = f"depth {row['depth']} {arch}" + (f" seed {seed}" if seed is not None else "")
         if not (done and has_bpb(run_dir, steps)):
-            print(f"depth {row['depth']} {arch}: {'evaluating' if done else f'training {steps} steps'} (log: {log_path})", file=sys.stderr, flush=True)
+            print(f"{what}: {'evaluating' if done else f'training {steps} steps'} (log: {log_path})", file=sys.stderr, flush=True)
         with open(log_path, "a") as log, contextlib.redirect_stdout(log):
-            if not done:
-                base_train.train(base_train.parse_args(train_argv("cpu", arch, row["depth"], row["dim"], flops, run)))
-            if not has_bpb(run_dir, steps):
-                preset_eval = get_preset(SCALES["cpu"]["preset"])["eval"]  # the demo's 65,536 tokens, as runcpu.sh
-                base_eval.evaluate(base_eval.build_parser().parse_args(["--run", run, "--eval", "bpb", *preset_eval]))
+            try:
+                if not done:
+                    base_train.train(base_train.parse_args(train_argv("cpu", arch, row["depth"], row["dim"], flops, run, seed)))
+                if not has_bpb(run_dir, steps):
+                    preset_eval = get_preset(SCALES["cpu"]["preset"])["eval"]  # the demo's 65,536 tokens, as runcpu.sh
+                    base_eval.evaluate(base_eval.build_parser().parse_args(["--run", run, "--eval", "bpb", *preset_eval]))
+            except Exception as e:  # not KeyboardInterrupt: Ctrl-C stops the sweep
+                traceback.print_exc(file=log)
+                failed.append(run)
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                print(f"{what}: failed: {first} (log: {log_path})", file=sys.stderr, flush=True)
+    return failed
 
 
-def run_published(row, flops, extra):
-    """One speedrun.sh pair at this depth (it trains, evaluates CORE + bpb and writes the pair's report)."""
-    cmd = ["bash", "speedrun.sh", "--preset", SCALES["published"]["preset"], "--tag", f"d{row['depth']}", "--flops", f"{flops:g}",
-           *extra, "--", "--depth", str(row["depth"]), "--model-dim", str(row["dim"]), "--head-dim", str(SCALES["published"]["head_dim"])]
+def run_published(row, flops, extra, seeds=None):
+    """One speedrun.sh pair at this depth, or with seeds one pair per seed (it trains, evaluates CORE + bpb and
+    writes the report); whether it succeeded (speedrun.sh itself goes on past a failed run and names it)."""
+    cmd = speedrun_cmd(row, flops, extra, seeds)
     print(" ".join(cmd), file=sys.stderr, flush=True)
-    if subprocess.run(cmd).returncode:
-        raise UserError(f"speedrun.sh failed at depth {row['depth']} (see above); rerun to resume it")
+    return subprocess.run(cmd).returncode == 0
+
+
+def read_eval(base, scale, arch, depth, seed):
+    path = os.path.join(base, "runs", run_name(scale, arch, depth, seed), "eval.json")
+    return json.load(open(path)) if os.path.exists(path) else None
 
 
 def results(plan, base):
-    """Per depth: each arch's val bpb and the NAG - GPT interval from the shared val batches."""
+    """Per depth: each arch's val bpb and NAG - GPT with a 95% interval, over the seeds whose pair is evaluated.
+    One seed: the pair's val bpb and the interval from its shared val batches (evaluation noise). Several: each
+    arch's mean over the seeds and the gap of the means, its interval from the group statistics of
+    scripts.compare --a/--b (stats.group_delta, paired by seed: training and evaluation noise)."""
     out = []
     for row in plan["depths"]:
-        evs = {}
-        for arch in ARCH_PAIR:
-            path = os.path.join(base, "runs", run_name(plan["scale"], arch, row["depth"]), "eval.json")
-            evs[arch] = json.load(open(path)) if os.path.exists(path) else None
-        res = {"depth": row["depth"], "dim": row["dim"], "aspect_ratio": row["aspect_ratio"]}
-        if all(evs.values()):
+        pairs = {}
+        for seed in plan.get("seeds") or [None]:
+            evs = {arch: read_eval(base, plan["scale"], arch, row["depth"], seed) for arch in ARCH_PAIR}
+            if all(evs.values()):
+                pairs[seed] = evs
+        res = {"depth": row["depth"], "dim": row["dim"], "aspect_ratio": row["aspect_ratio"], "seeds": list(pairs)}
+        if len(pairs) == 1:
+            evs = next(iter(pairs.values()))
             va, vb = evs["gpt"]["val_batches"], evs["nag"]["val_batches"]
-            r = bpb_delta_interval(va["nats"], vb["nats"], va["bytes"], seed=0)
-            res.update(gpt_bpb=r["bpb_a"], nag_bpb=r["bpb_b"], gap=r["delta"], ci=r["ci"], batches=r["batches"])
+            r = stats.bpb_delta_interval(va["nats"], vb["nats"], va["bytes"], seed=0)
+            res.update(gpt_bpb=r["bpb_a"], nag_bpb=r["bpb_b"], gap=r["delta"], ci=r["ci"], batches=r["batches"],
+                       interval="val batches", runs={"gpt": [r["bpb_a"]], "nag": [r["bpb_b"]]})
+        elif pairs:
+            res.update(seed_gap(row, plan["scale"], pairs))
         out.append(res)
     return out
 
 
+def seed_gap(row, scale, pairs):
+    """The group comparison of the GPT and NAG runs of several seeds at one depth (as compare --a/--b computes it)."""
+    runs = [{"name": run_name(scale, arch, row["depth"], seed), "eval": evs[arch]} for arch in ARCH_PAIR for seed, evs in pairs.items()]
+    nats, nbytes = bpb_inputs(runs)  # one line if a run lacks per-batch losses or was evaluated on other val tokens
+    values, reps = stats.bpb_replicates(nats, nbytes, seed=0)
+    k = len(pairs)
+    r = stats.group_delta(values[:k], values[k:], reps[:, :k], reps[:, k:], paired=True)
+    return {"gpt_bpb": float(values[:k].mean()), "nag_bpb": float(values[k:].mean()), "gap": r["delta"], "ci": r["ci"],
+            "batches": int(nbytes.size), "interval": "seeds and val batches, paired by seed",
+            "runs": {"gpt": values[:k].tolist(), "nag": values[k:].tolist()},
+            "mean_ci": {"gpt": group_mean_ci(values[:k], reps[:, :k]), "nag": group_mean_ci(values[k:], reps[:, k:])}}
+
+
 def results_table(rows):
-    lines = ["| depth | dim | width/depth | GPT val bpb | NAG val bpb | NAG - GPT | 95% interval |",
-             "|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | NAG - GPT | 95% interval |",
+             "|---:|---:|---:|---|---:|---:|---:|---|"]
     for r in rows:
+        head = f"| {r['depth']} | {r['dim']} | {r['aspect_ratio']:.0f} |"
         if "gap" in r:
-            lines.append(f"| {r['depth']} | {r['dim']} | {r['aspect_ratio']:.0f} | {r['gpt_bpb']:.4f} | {r['nag_bpb']:.4f} | "
+            lines.append(f"{head} {seeds_text(r['seeds'])} | {r['gpt_bpb']:.4f} | {r['nag_bpb']:.4f} | "
                          f"{r['gap']:+.4f} | {r['ci'][0]:+.4f} … {r['ci'][1]:+.4f} |")
         else:
-            lines.append(f"| {r['depth']} | {r['dim']} | {r['aspect_ratio']:.0f} | - | - | - | not evaluated |")
+            lines.append(f"{head} - | - | - | - | not evaluated |")
     return "\n".join(lines)
+
+
+INTERVALS = ("With one seed per depth the values are that pair's and the 95% interval resamples the val batches both runs share "
+             "(evaluation noise only). With several, the values are means over the seeds whose pair is evaluated (column seeds) "
+             "and the interval of the mean gap holds training noise (seeds) and evaluation noise, paired by seed: "
+             "stats.group_delta, as `python -m scripts.compare --a ... --b ...` (docs/comparisons.md).")
 
 
 def plot(rows, path):
@@ -205,16 +292,22 @@ def plot(rows, path):
     rows = [r for r in rows if "gap" in r]
     depths = [r["depth"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    gaps = [r["gap"] for r in rows]
-    # clipped at 0: a bootstrap interval of identical differences can miss its centre by a rounding error
-    err = [[max(0.0, r["gap"] - r["ci"][0]) for r in rows], [max(0.0, r["ci"][1] - r["gap"]) for r in rows]]
-    ax1.errorbar(depths, gaps, yerr=err, marker="o", capsize=4)
+    ax1.errorbar(depths, [r["gap"] for r in rows], yerr=yerr(rows, "gap", [r["ci"] for r in rows]), marker="o", capsize=4)
+    for r in rows:  # each seed's pair, faint (one seed: the point itself)
+        ax1.plot([r["depth"]] * len(r["seeds"]), [b - a for a, b in zip(r["runs"]["gpt"], r["runs"]["nag"])], "o", color="C0", alpha=0.25)
     ax1.axhline(0, color="gray", lw=0.8)
+    seeds = any(len(r["seeds"]) > 1 for r in rows)
     ax1.set(xscale="log", xlabel="depth × width (block parameters held)", ylabel="NAG - GPT val bpb (below 0: NAG better)",
-            title="NAG - GPT gap against depth, 95% interval")
-    for arch in ARCH_PAIR:
-        ax2.plot(depths, [r[f"{arch}_bpb"] for r in rows], marker="o", label=arch.upper())
-    ax2.set(xscale="log", xlabel="depth × width", ylabel="val bpb", title="val bpb of each run (one FLOP budget)")
+            title="NAG - GPT gap (faint: each seed), 95% interval" if seeds else "NAG - GPT gap against depth, 95% interval")
+    for i, arch in enumerate(ARCH_PAIR):
+        with_ci = [r for r in rows if "mean_ci" in r]  # several seeds: the mean's interval
+        ax2.plot(depths, [r[f"{arch}_bpb"] for r in rows], marker="o", color=f"C{i}", label=arch.upper())
+        ax2.errorbar([r["depth"] for r in with_ci], [r[f"{arch}_bpb"] for r in with_ci],
+                     yerr=yerr(with_ci, f"{arch}_bpb", [r["mean_ci"][arch] for r in with_ci]), fmt="none", ecolor=f"C{i}", capsize=4)
+        for r in rows:
+            ax2.plot([r["depth"]] * len(r["runs"][arch]), r["runs"][arch], "o", color=f"C{i}", alpha=0.25)
+    ax2.set(xscale="log", xlabel="depth × width", ylabel="val bpb",
+            title="val bpb (faint: each run; line: the mean over seeds)" if seeds else "val bpb of each run (one FLOP budget)")
     ax2.legend()
     for ax in (ax1, ax2):
         ax.set_xticks(depths, [f"{r['depth']}\n×{r['dim']}" for r in rows])
@@ -223,6 +316,12 @@ def plot(rows, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def yerr(rows, key, cis):
+    """Error bar lengths below and above each value; clipped at 0: a bootstrap interval of identical differences
+    can miss its centre by a rounding error."""
+    return [[max(0.0, r[key] - ci[0]) for r, ci in zip(rows, cis)], [max(0.0, ci[1] - r[key]) for r, ci in zip(rows, cis)]]
 
 
 def parse_depths(text):
@@ -252,6 +351,8 @@ def main(argv=None):
     p.add_argument("--depths", default="", help="comma-separated depths (default: the scale's)")
     p.add_argument("--flops", type=float, default=None, help="FLOP budget of every run (default: the scale's)")
     p.add_argument("--gpus", type=int, default=8, help="published: processes per run (the plan's hours)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds, e.g. 1,2,3: every pair once per seed (runs named -s<seed>, "
+                                                 "--seed and --data-seed set from it); the gap is then the mean over seeds")
     p.add_argument("--base-dir", default=None, help="data, tokenizer, runs and the report (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)")
     p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is trained or written")
     args, extra = p.parse_known_args(argv)
@@ -266,6 +367,7 @@ def main(argv=None):
         flops = args.flops if args.flops is not None else s["flops"]
         if not (math.isfinite(flops) and flops > 0):
             raise UserError(f"--flops must be a positive number (got {flops:g})")
+        seeds = parse_seeds(args.seeds) if args.seeds is not None else None
         base = base_dir_of(args.base_dir)
         os.environ["NANOCHAT_BASE_DIR"] = base  # for base_train and base_eval here and speedrun.sh below
         get_base_dir()  # created here, or one line saying why it cannot be
@@ -275,24 +377,34 @@ def main(argv=None):
             if args.scale == "cpu":
                 prepare_cpu_data(base)  # first, so that the plan has the tokenizer's own vocab
         nproc = args.gpus if args.scale == "published" else 1
-        plan = plan_sweep(args.scale, depths, flops, vocab_size(args.scale, base), nproc)
+        plan = plan_sweep(args.scale, depths, flops, vocab_size(args.scale, base), nproc, seeds)
         print(plan_table(plan), file=sys.stderr, flush=True)
+        extra = ["--gpus", str(args.gpus), *extra] if args.scale == "published" else []
         if args.dry_run:
+            print("\n".join(["", "commands:", *commands(plan, extra), "dry run: nothing was trained or written"]), file=sys.stderr)
             return plan
+        if args.scale == "cpu":
+            for row in plan["depths"]:
+                for seed in seeds or [None]:
+                    check_reusable(row, base, seed)
+        failed = []  # named at the end: the other runs, seeds and depths go on
         for row in plan["depths"]:
             if args.scale == "cpu":
-                run_cpu(row, flops, base)
-            else:
-                run_published(row, flops, ["--gpus", str(args.gpus), *extra])
+                for seed in seeds or [None]:
+                    failed += run_cpu(row, flops, base, seed)
+            elif not run_published(row, flops, extra, seeds):
+                failed.append(f"speedrun.sh at depth {row['depth']}")
         rows = results(plan, base)
         text = results_table(rows)
         plot(rows, os.path.join(out_dir, "depth_gap.png"))
         atomic_write_json(os.path.join(out_dir, "depth_sweep.json"), {"plan": plan, "results": rows})
         with open(os.path.join(out_dir, "depth_sweep.md"), "w") as f:
             f.write(f"# Depth sweep ({args.scale})\n\nPlan:\n\n{plan_table(plan)}\n\nResults (val bpb, base_eval):\n\n{text}\n\n"
-                    "![NAG - GPT gap against depth](depth_gap.png)\n")
+                    f"{INTERVALS}\n\n![NAG - GPT gap against depth](depth_gap.png)\n")
         print(text)
         print(f"report: {os.path.join(out_dir, 'depth_sweep.md')}", file=sys.stderr)
+        if failed:
+            raise UserError(f"failed: {', '.join(failed)} (rerun to retry them; finished runs are reused)")
         return rows
 
 

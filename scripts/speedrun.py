@@ -1,11 +1,12 @@
 """
-The logic behind speedrun.sh: its flags, the plan of both runs, the disk and GPU checks, and which
-stages are already done. speedrun.sh runs `eval "$(python -m scripts.speedrun "$@")"`: the plan and
-the status go to stderr for the user, and shell assignments (quoted) go to stdout for the script.
+The logic behind speedrun.sh: its flags, the plan of every run (GPT and NAG, once per seed with --seeds), the
+disk and GPU checks, and which stages are already done. speedrun.sh runs `eval "$(python -m scripts.speedrun "$@")"`:
+the plan and the status go to stderr for the user, and shell assignments (quoted) go to stdout for the script.
 
     python -m scripts.speedrun --dry-run                 # the plan of the published pair, for 8 GPUs
     python -m scripts.speedrun --preset tiny --dry-run   # the CPU smoke test
 
+With --seeds 1,2,3 every arch trains once per seed (<run>-s1, ...), and the report compares the two groups.
 --help prints the usage on stderr and `exit 0` on stdout, so speedrun.sh stops there. Paths (--base-dir,
 --eval-bundle, $NANOCHAT_BASE_DIR) are the caller's: relative to $NANOCHAT_CALLER_CWD, which speedrun.sh
 and the runs/ scripts set to the directory they were started from before they cd to the repo root.
@@ -57,9 +58,11 @@ def build_parser():
                                        "taken from the directory the command runs in. Rerunning skips finished stages.")
     p.add_argument("--preset", default="published", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--arch", default="gpt,nag", help="which runs: gpt, nag or gpt,nag (GPT trains first)")
-    p.add_argument("--flops", type=float, default=None, help="override the FLOP budget of both runs")
+    p.add_argument("--flops", type=float, default=None, help="override the FLOP budget of every run")
     p.add_argument("--gpus", type=int, default=None, help="processes (default: every visible GPU; 8 in --dry-run without GPUs; 1 for tiny)")
     p.add_argument("--tag", default="", help="run names become <arch>-<preset>-<tag> (default: derived from the base_train flags after --)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds, e.g. 1,2,3: every arch once per seed, named <run>-s<seed>, with "
+                                                 "--seed and --data-seed set from it; the report compares the groups")
     p.add_argument("--base-dir", default=None, help="everything goes here (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)")
     p.add_argument("--shards", type=int, default=None, help="ClimbMix train shards to download (default: from the budget)")
     p.add_argument("--offline", action="store_true", help="build the offline corpus instead of downloading ClimbMix")
@@ -105,6 +108,17 @@ def derived_tag(extra):
     return tag
 
 
+def parse_seeds(text):
+    """--seeds 1,2,3 as a list of different non-negative integers."""
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds takes different non-negative integers separated by commas, like 1,2,3; got {text!r}")
+    return seeds
+
+
 def parse(argv):
     """speedrun flags, then base_train flags after `--`."""
     argv = list(argv)
@@ -119,6 +133,11 @@ def parse(argv):
     if bad or not archs:
         raise UserError(f"unknown arch {bad[0]!r} in --arch {args.arch}" if bad else "--arch is empty (expected gpt, nag or gpt,nag)")
     args.archs = [a for a in ("gpt", "nag") if a in archs]  # GPT first, whatever the order given
+    if args.seeds is not None:
+        args.seeds = parse_seeds(args.seeds)
+        given = [a.split("=", 1)[0] for a in extra if a.split("=", 1)[0] in ("--seed", "--data-seed")]
+        if given:
+            raise UserError(f"--seeds sets --seed and --data-seed of every run; drop {given[0]} from the base_train flags after --")
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be a positive integer, got {args.gpus}")
     if args.shards is not None and args.shards < 1:
@@ -146,27 +165,56 @@ def expected_epochs(tokens, shards):
     return tokens / (shards * TOKENS_PER_SHARD * PACKING_KEPT)
 
 
-def run_name(args, arch):
-    return f"{arch}-{args.preset}" + (f"-{args.tag}" if args.tag else "")
+def run_name(args, arch, seed=None):
+    return f"{arch}-{args.preset}" + (f"-{args.tag}" if args.tag else "") + (f"-s{seed}" if seed is not None else "")
 
 
-def train_args(args, arch):
-    """The base_train command line of one run; the run's own --run and --resume last, so they win."""
+def runs(args):
+    """(arch, seed) of every run in training order: for each seed GPT, then NAG; seed None without --seeds."""
+    return [(arch, seed) for seed in (args.seeds or [None]) for arch in args.archs]
+
+
+def train_args(args, arch, seed=None):
+    """The base_train command line of one run; the seeds after the user's flags, the run's own --run and --resume
+    last, so they win. A seed sets the init and the data order: the GPT and NAG runs of one seed read the same data."""
     flops = ["--target-flops", f"{args.flops:g}"] if args.flops else []
-    return ["--preset", args.preset, "--arch", arch, *flops, *args.extra, "--run", run_name(args, arch), "--resume", "latest"]
+    seeds = ["--seed", str(seed), "--data-seed", str(seed)] if seed is not None else []
+    return ["--preset", args.preset, "--arch", arch, *flops, *args.extra, *seeds, "--run", run_name(args, arch, seed), "--resume", "latest"]
 
 
-def eval_args(args, arch):
+def eval_args(args, arch, seed=None):
     bundle = ["--eval-bundle", args.eval_bundle] if args.eval_bundle else []
-    return ["--run", run_name(args, arch), "--eval", "core,bpb,sample", *get_preset(args.preset)["eval"], *bundle]
+    return ["--run", run_name(args, arch, seed), "--eval", "core,bpb,sample", *get_preset(args.preset)["eval"], *bundle]
 
 
 def plans(args, vocab, gpus):
+    """base_train's plan record of every run, keyed by run name, in training order."""
     out = {}
-    for arch in args.archs:
-        train = base_train.parse_args(train_args(args, arch))
-        out[arch] = base_train.make_plan(train, vocab, gpus).record(train)
+    for arch, seed in runs(args):
+        train = base_train.parse_args(train_args(args, arch, seed))
+        out[run_name(args, arch, seed)] = base_train.make_plan(train, vocab, gpus).record(train)
     return out
+
+
+def arch_runs(args, arch):
+    """The run names of one arch, in seed order."""
+    return [run_name(args, arch, seed) for seed in (args.seeds or [None])]
+
+
+def report_dir(args):
+    """speedrun's own report folder (compare's --out): with one run per arch the pair's, with several seeds the groups'."""
+    gpt, nag = arch_runs(args, "gpt"), arch_runs(args, "nag")
+    if len(gpt) == 1:
+        return os.path.join(args.base_dir, "reports", f"{gpt[0]}_vs_{nag[0]}")
+    seeds = "seeds-" + "-".join(map(str, args.seeds))
+    return os.path.join(args.base_dir, "reports", f"{run_name(args, 'gpt')}-{seeds}_vs_{run_name(args, 'nag')}-{seeds}")
+
+
+def compare_args(args):
+    """scripts.compare's command line: the pair, or with several seeds group a (GPT) against group b (NAG)."""
+    gpt, nag = arch_runs(args, "gpt"), arch_runs(args, "nag")
+    pair = [*gpt, *nag] if len(gpt) == 1 else ["--a", *gpt, "--b", *nag]
+    return [*pair, "--out", report_dir(args)]
 
 
 def newer(a, b):
@@ -174,7 +222,8 @@ def newer(a, b):
 
 
 def status(args, plan_records):
-    """Which stages are already done (each is skipped on a rerun)."""
+    """Which stages are already done (each is skipped on a rerun): data, tokenizer, each run's training and
+    evaluation, and with both archs the analysis of the first seed's pair and the report of all runs."""
     base = args.base_dir
     data = os.path.join(base, "base_data")
     if args.offline:
@@ -183,19 +232,24 @@ def status(args, plan_records):
         data_done = all(os.path.exists(os.path.join(data, f"shard_{i:05d}.parquet")) for i in [*range(args.shards_needed), VAL_SHARD])
     done = {"data": data_done,
             "tokenizer": all(os.path.exists(os.path.join(base, "tokenizer", f)) for f in ("tokenizer.pkl", "token_bytes.pt"))}
-    for arch, p in plan_records.items():
-        run_dir = os.path.join(base, "runs", run_name(args, arch))
+    for run, p in plan_records.items():
+        run_dir = os.path.join(base, "runs", run)
         final = ckpt.model_path(run_dir, p["num_iterations"])
-        done[f"train {arch}"] = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, p["num_iterations"])
-        done[f"eval {arch}"] = done[f"train {arch}"] and newer(os.path.join(run_dir, "eval.json"), final)
-    gpt, nag = (run_name(args, a) for a in ("gpt", "nag"))
+        done[f"train {run}"] = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, p["num_iterations"])
+        done[f"eval {run}"] = done[f"train {run}"] and newer(os.path.join(run_dir, "eval.json"), final)
+    if len(args.archs) < 2:
+        return done
+    gpt, nag = arch_runs(args, "gpt")[0], arch_runs(args, "nag")[0]  # the analysis: the first seed's pair
     evals = [os.path.join(base, "runs", r, "eval.json") for r in (gpt, nag)]
-    evaluated = all(done.get(f"eval {a}", True) for a in args.archs)
     analysis = os.path.join(base, "reports", f"analysis_{gpt}_vs_{nag}", "analysis.json")
-    done["analysis"] = evaluated and all(newer(analysis, e) for e in evals)
-    report_dir = os.path.join(base, "reports", f"{gpt}_vs_{nag}")  # speedrun's own folder, passed to compare as --out
-    done["report"] = (done["analysis"] and newer(os.path.join(report_dir, "report.md"), analysis)
-                      and compare.report_is_current(report_dir, [os.path.join(base, "runs", r) for r in (gpt, nag)]))
+    done["analysis"] = done[f"eval {gpt}"] and done[f"eval {nag}"] and all(newer(analysis, e) for e in evals)
+    # the runs in compare's order (GPT's, then NAG's, each in seed order): the order its inputs.json records
+    compared = [os.path.join(base, "runs", r) for a in ("gpt", "nag") for r in arch_runs(args, a)]
+    current = compare.report_is_current(report_dir(args), compared)
+    if args.seeds and len(args.seeds) > 1:  # the group report links no analysis
+        done["report"] = all(done[f"eval {r}"] for r in plan_records) and current
+    else:  # the pair's report links the analysis: made after it
+        done["report"] = done["analysis"] and newer(os.path.join(report_dir(args), "report.md"), analysis) and current
     return done
 
 
@@ -231,17 +285,20 @@ def plan_and_check(args):
         + (f" | eval bundle {args.eval_bundle}" if args.eval_bundle else "") + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else ""))
     if args.derived_tag:
         say(f"tag: {args.tag} (from the base_train flags after --; the same flags find the same runs again; --tag T names them yourself)")
+    if args.seeds:
+        say(f"seeds: {','.join(map(str, args.seeds))} (each sets --seed and --data-seed of its runs: the GPT and NAG runs of a seed share "
+            "their init seed and data order)")
     w = max(24, *(len(p["run"]) + 2 for p in records.values()))  # a derived tag makes long names
     say(f"{'run':<{w}}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  {'checkpoints':<22}est. time")
     need_gib, total_s = 0.0, 0.0
     tokens = max(p["total_tokens"] for p in records.values())
     args.shards_needed = 0 if args.offline else (args.shards or max(TOK_SHARDS, shards_for(tokens)))
     done = status(args, records)
-    for arch, p in records.items():
+    for run, p in records.items():
         saves = math.ceil(p["num_iterations"] / p["save_every"]) if p["save_every"] else 1
         secs = p["total_flops"] / (gpus * PEAK_FLOPS * MFU)
         total_s += secs
-        if not done[f"train {arch}"]:
+        if not done[f"train {run}"]:
             need_gib += saves * p["checkpoint_gib"]
         when = "CPU: minutes" if args.preset == "tiny" else f"{hms(secs)} at {MFU:.0%} MFU"
         saved = f"{saves} × {p['checkpoint_gib']:.3g} GiB"
@@ -251,7 +308,8 @@ def plan_and_check(args):
         say("data: offline corpus (python -m nanochat.dataset --offline), no download")
     else:
         say(f"data: {args.shards_needed} ClimbMix train shards + 1 val shard ≈ {(args.shards_needed + 1) * SHARD_MB / 1024:.1f} GiB "
-            f"(assuming ~{TOKENS_PER_SHARD / 1e6:.0f}M tokens, ~{SHARD_MB} MB per shard; {tokens:,} tokens trained)")
+            f"(assuming ~{TOKENS_PER_SHARD / 1e6:.0f}M tokens, ~{SHARD_MB} MB per shard; {tokens:,} tokens trained)"
+            + ("; every seed reads these shards, in its own order" if args.seeds else ""))
         epochs = expected_epochs(tokens, args.shards_needed)
         say(f"data: expected epochs {epochs:.2f} (packing keeps ~{PACKING_KEPT:.0%} of the text it reads)"
             + ("" if epochs <= 1 else f"; MORE THAN ONE: the last {1 - 1 / epochs:.0%} of the longest run repeats data, raise --shards"))
@@ -259,10 +317,14 @@ def plan_and_check(args):
             need_gib += (args.shards_needed + 1) * SHARD_MB / 1024
     for p in records.values():  # base_train's full plan, optimizer included: diff two configurations with these lines
         say(f"PLAN {json.dumps(p)}")
-    periods = " / ".join(f"{p['save_every'] or p['num_iterations']:,}" for p in records.values())
+    periods = " / ".join({p["arch"]: f"{p['save_every'] or p['num_iterations']:,}" for p in records.values()}.values())  # one per arch
     say(f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; optimizer state saved once by rank 0)")
+    if args.seeds:
+        cost = "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {gpus} × H100"
+        say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({len(args.seeds)} × {','.join(args.archs)}), {cost}")
     if args.preset != "tiny":
-        say(f"training time: ≈ {hms(total_s)} on {gpus} × H100 at {MFU:.0%} MFU of 989 TFLOP/s (+ evaluation)")
+        say(f"training time: ≈ {hms(total_s)} on {gpus} × H100 at {MFU:.0%} MFU of 989 TFLOP/s (+ evaluation)"
+            + (f", all {len(records)} runs" if args.seeds else ""))
     probe = args.base_dir
     while not os.path.isdir(probe):
         probe = os.path.dirname(probe)
@@ -270,8 +332,9 @@ def plan_and_check(args):
     enough = need_gib <= free_gib
     say(f"disk: need ≈ {need_gib:.1f} GiB more in {args.base_dir}, {free_gib:.0f} GiB free" + ("" if enough else " (NOT ENOUGH: a real run stops here)"))
     say("stages:")
+    w = max(len(stage) for stage in done) + 1
     for stage, is_done in done.items():
-        say(f"  {stage:<12} [{'done, skip' if is_done else 'to do'}]")
+        say(f"  {stage:<{w}} [{'done, skip' if is_done else 'to do'}]")
     if not args.dry_run:
         if not enough:
             raise UserError(f"not enough disk in {args.base_dir}: need ≈ {need_gib:.1f} GiB, {free_gib:.0f} GiB free (see --dry-run)")
@@ -280,17 +343,18 @@ def plan_and_check(args):
              "TOK_SHARDS": min(TOK_SHARDS, args.shards_needed), "VOCAB": get_preset(args.preset)["vocab"],
              "TOK_CHARS": TOKENIZER_CHARS.get(args.preset, 2_000_000_000), "PREFLIGHT": int(args.preset != "tiny" and "nag" in args.archs
                                                                                        and "--nag-impl" not in " ".join(args.extra)),
-             "GPT_RUN": run_name(args, "gpt"), "NAG_RUN": run_name(args, "nag"), "ARCHS": " ".join(args.archs),
-             "DATA_DONE": int(done["data"]), "TOK_DONE": int(done["tokenizer"]), "ANALYSIS_DONE": int(done["analysis"]),
-             "REPORT_DONE": int(done["report"])}
-    arrays = {"LAUNCH": launch, "ANALYSIS": get_preset(args.preset)["analysis"]}
-    for arch in ("gpt", "nag"):
-        shell[f"{arch.upper()}_TRAIN_DONE"] = int(done.get(f"train {arch}", arch not in args.archs))
-        shell[f"{arch.upper()}_EVAL_DONE"] = int(done.get(f"eval {arch}", arch not in args.archs))
-        arrays[f"{arch.upper()}_TRAIN"] = train_args(args, arch) if arch in args.archs else []
-        arrays[f"{arch.upper()}_EVAL"] = eval_args(args, arch) if arch in args.archs else []
+             "DATA_DONE": int(done["data"]), "TOK_DONE": int(done["tokenizer"]), "PAIR": int(len(args.archs) == 2),
+             "ANALYSIS_DONE": int(done.get("analysis", True)), "REPORT_DONE": int(done.get("report", True)),
+             "REPORT": report_dir(args)}
+    # per run i (training order: for each seed GPT, then NAG): RUNS[i], TRAIN_DONE[i], EVAL_DONE[i] and the arrays TRAIN_<i>, EVAL_<i>
+    names = list(records)
+    arrays = {"LAUNCH": launch, "ANALYSIS": get_preset(args.preset)["analysis"], "COMPARE": compare_args(args), "RUNS": names,
+              "TRAIN_DONE": [int(done[f"train {r}"]) for r in names], "EVAL_DONE": [int(done[f"eval {r}"]) for r in names]}
+    for i, (arch, seed) in enumerate(runs(args)):
+        arrays[f"TRAIN_{i}"] = train_args(args, arch, seed)
+        arrays[f"EVAL_{i}"] = eval_args(args, arch, seed)
     lines = [f"{k}={shlex.quote(str(v))}" for k, v in shell.items()]
-    lines += [f"{k}=({' '.join(shlex.quote(a) for a in v)})" for k, v in arrays.items()]
+    lines += [f"{k}=({' '.join(shlex.quote(str(a)) for a in v)})" for k, v in arrays.items()]
     return "\n".join(lines)
 
 

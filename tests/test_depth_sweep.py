@@ -1,14 +1,17 @@
-"""scripts/depth_sweep.py: the planner's parameter matching across depths, a tiny end-to-end sweep, bad input."""
+"""scripts/depth_sweep.py: the planner's parameter matching across depths, a tiny end-to-end sweep, bad input,
+and with --seeds: the plan of every seed, the results of several seeds, a failed run that the others outlive."""
 
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
 
-from scripts import base_train, depth_sweep
+from scripts import base_train, compare, depth_sweep
 from scripts.archs import ARCHS
+from tests.test_compare import eval_record, write_run
 
 
 def gpt_block_params(scale, depth, dim, vocab):
@@ -65,7 +68,8 @@ def test_tiny_sweep_table_report_and_rerun(run_base, monkeypatch, capsys):
     tiny_scale(monkeypatch)
     rows = depth_sweep.main(["--scale", "cpu"])
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].startswith("| depth | dim | width/depth | GPT val bpb | NAG val bpb | NAG - GPT |") and len(out) == 4
+    assert out[0].startswith("| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | NAG - GPT |") and len(out) == 4
+    assert all(line.startswith(f"| {d} | ") and " | default | " in line for d, line in zip((1, 2), out[2:]))
     runs = os.path.join(run_base, "runs")
     for r in rows:
         evs = {a: json.load(open(os.path.join(runs, f"sweep-{a}-d{r['depth']}", "eval.json"))) for a in ("gpt", "nag")}
@@ -152,8 +156,112 @@ def test_published_sweep_runs_one_speedrun_pair_per_depth(run_base, monkeypatch,
     for r in rows:  # each pair's gap from the shared val batches its eval.json holds
         assert r["gap"] == pytest.approx((1.0 + 1.0) / (400 * math.log(2)), abs=1e-12)
     assert "| 16 | 1280 | 80 |" in capsys.readouterr().out
-    # speedrun.sh failing at a depth stops the sweep with one line
-    monkeypatch.setattr(depth_sweep.subprocess, "run", lambda cmd: type("Failed", (), {"returncode": 1})())
+    # speedrun.sh failing at a depth: the next depth still runs, and both are named at the end
+    calls.clear()
+    monkeypatch.setattr(depth_sweep.subprocess, "run", lambda cmd: calls.append(cmd) or type("Failed", (), {"returncode": 1})())
     with pytest.raises(SystemExit):
         depth_sweep.main(["--scale", "published", "--depths", "16,64"])
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: speedrun.sh failed at depth 16 (see above); rerun to resume it"
+    assert [c[c.index("--tag") + 1] for c in calls] == ["d16", "d64"]
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("error: failed: speedrun.sh at depth 16, speedrun.sh at depth 64 "
+                                                                "(rerun to retry them; finished runs are reused)")
+
+
+# ---------------------------------------------------------------------------
+# --seeds: every pair once per seed
+
+
+def test_seeds_plan_names_args_and_total_cost(run_base, capsys, script_error):
+    one = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--dry-run"])
+    hours = lambda err: float(re.search(r"about (\d+) hours on 8 GPUs", err)[1])
+    single = capsys.readouterr().err
+    plan = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--dry-run", "--seeds", "1,2,3"])
+    err = capsys.readouterr().err
+    assert plan["seeds"] == [1, 2, 3] and one["seeds"] is None
+    assert plan["depths"] == one["depths"]  # a seed changes the init and data order, not the plan
+    assert re.search(r"^12 runs \(2 depths × 2 archs × seeds 1,2,3\), 3\.6e\+20 FLOPs in all, about \d+ hours", err, re.M), err
+    assert re.search(r"^4 runs, 1\.2e\+20 FLOPs in all", single, re.M) and abs(hours(err) - 3 * hours(single)) <= 1
+    # one speedrun.sh per depth, passing the seeds on: its runs are <arch>-published-d<depth>-s<seed>
+    lines = [l for l in err.splitlines() if l.startswith("bash speedrun.sh")]
+    assert len(lines) == 2 and all(" --seeds 1,2,3 --gpus 8 -- --depth " in l for l in lines)
+    assert lines[0].endswith("# runs " + " ".join(f"{a}-published-d16-s{s}" for s in (1, 2, 3) for a in ("gpt", "nag")))
+    # on a CPU, base_train per run with its seed flags; without --seeds names and flags are as before
+    depth_sweep.main(["--scale", "cpu", "--depths", "2,4", "--dry-run", "--seeds", "1,2"])
+    err = capsys.readouterr().err
+    cmds = [l for l in err.splitlines() if l.startswith("python -m scripts.base_train")]
+    assert len(cmds) == 8 and "8 runs (2 depths × 2 archs × seeds 1,2)" in err
+    for cmd, (d, s, a) in zip(cmds, [(d, s, a) for d in (2, 4) for s in (1, 2) for a in ("gpt", "nag")]):
+        assert cmd.endswith(f"--seed {s} --data-seed {s} --run sweep-{a}-d{d}-s{s} --resume latest"), cmd
+    assert depth_sweep.train_argv("cpu", "gpt", 2, 384, 1e13, "sweep-gpt-d2")[-4:] == ["--run", "sweep-gpt-d2", "--resume", "latest"]
+    assert "--seed" not in depth_sweep.train_argv("cpu", "gpt", 2, 384, 1e13, "sweep-gpt-d2")
+    assert not os.path.exists(os.path.join(run_base, "runs")) and not os.path.exists(os.path.join(run_base, "reports"))
+    assert "--seeds takes different non-negative integers" in script_error(depth_sweep.main, "--dry-run", "--seeds", "1,1")
+
+
+def test_results_of_two_seeds(run_base, tmp_path, capsys):
+    plan = {"scale": "cpu", "seeds": [1, 2], "depths": [{"depth": d, "dim": w, "aspect_ratio": w / d} for d, w in ((2, 384), (4, 256), (8, 192))]}
+    runs = os.path.join(run_base, "runs")
+    gap = {1: 0.10, 2: 0.16}  # the seeds disagree on the gap: seed noise the interval must hold
+    for d in (2, 4, 8):
+        for s in (1, 2):
+            for arch, bpb in (("gpt", 1.70 + s / 100), ("nag", 1.70 + s / 100 + gap[s])):
+                if (d, s, arch) in ((4, 2, "nag"), (8, 1, "gpt"), (8, 2, "gpt")):
+                    continue  # depth 4: seed 2 unfinished; depth 8: no pair evaluated
+                write_run(runs, f"sweep-{arch}-d{d}-s{s}", [eval_record(80, bpb, seed=10 * d + s)], arch=arch,
+                          args={"seed": s, "data_seed": s})
+    rows = depth_sweep.results(plan, run_base)
+    d2, d4, d8 = rows
+    # depth 2: the mean over both seeds, and the very interval of `compare --a GPT runs --b NAG runs` (paired by seed)
+    compare.main(["--a", "sweep-gpt-d2-s1", "sweep-gpt-d2-s2", "--b", "sweep-nag-d2-s1", "sweep-nag-d2-s2", "--out", str(tmp_path / "g")])
+    groups = json.load(open(tmp_path / "g" / "comparison.json"))["metrics"]["val_bpb"]
+    assert groups["delta"]["value"] == pytest.approx(d2["gap"], abs=1e-12) and groups["delta"]["ci"] == pytest.approx(list(d2["ci"]), abs=1e-12)
+    assert d2["gpt_bpb"] == pytest.approx(groups["groups"]["a"]["mean"]) and d2["nag_bpb"] == pytest.approx(groups["groups"]["b"]["mean"])
+    assert d2["seeds"] == [1, 2] and d2["runs"]["gpt"] == pytest.approx([groups["runs"][f"sweep-gpt-d2-s{s}"] for s in (1, 2)])
+    assert d2["ci"][0] < 0.10 and d2["ci"][1] > 0.16  # two seeds that disagree: a wide interval (t with 1 degree of freedom)
+    # depth 4: one seed left, today's paired val-batch interval; depth 8: nothing
+    assert d4["seeds"] == [1] and d4["interval"] == "val batches" and d4["ci"][1] - d4["ci"][0] < 0.02
+    assert "gap" not in d8 and d8["seeds"] == []
+    table = depth_sweep.results_table(rows).splitlines()
+    assert table[0] == "| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | NAG - GPT | 95% interval |"
+    assert table[2].startswith("| 2 | 384 | 192 | 1,2 | ") and table[3].startswith("| 4 | 256 | 64 | 1 | ")
+    assert table[4] == "| 8 | 192 | 24 | - | - | - | - | not evaluated |"
+    depth_sweep.plot(rows, str(tmp_path / "gap.png"))
+    assert os.path.getsize(tmp_path / "gap.png") > 0
+    json.dumps(rows)  # depth_sweep.json takes them as they are
+
+
+def test_a_failed_run_leaves_the_others_to_go_on(run_base, monkeypatch, capsys):
+    tiny_scale(monkeypatch)
+    steps = {}
+
+    def fake_train(args):  # a finished run's files; sweep-gpt-d1-s1 fails
+        if args.run == "sweep-gpt-d1-s1" and not steps.get("fixed"):
+            raise RuntimeError("loss is NaN at step 3\nmore detail")
+        run_dir = os.path.join(run_base, "runs", args.run)
+        n = base_train.make_plan(args, 512, 1).num_iterations
+        os.makedirs(run_dir, exist_ok=True)
+        for name in (f"model_{n:06d}.pt", f"optim_{n:06d}_rank0.pt"):
+            open(os.path.join(run_dir, name), "w").close()
+        json.dump({"world_size": 1}, open(os.path.join(run_dir, f"meta_{n:06d}.json"), "w"))
+        steps[args.run] = n
+
+    def fake_eval(args):
+        json.dump(eval_record(steps[args.run], 1.8, seed=len(steps)), open(os.path.join(run_base, "runs", args.run, "eval.json"), "w"))
+    monkeypatch.setattr(depth_sweep.base_train, "train", fake_train)
+    monkeypatch.setattr(depth_sweep.base_eval, "evaluate", fake_eval)
+    with pytest.raises(SystemExit) as e:
+        depth_sweep.main(["--scale", "cpu", "--seeds", "1,2"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    log = os.path.join(run_base, "runs", "sweep-gpt-d1-s1.log")
+    assert f"depth 1 gpt seed 1: failed: loss is NaN at step 3 (log: {log})" in err
+    assert err[-1] == "error: failed: sweep-gpt-d1-s1 (rerun to retry them; finished runs are reused)"
+    assert sorted(steps) == sorted(f"sweep-{a}-d{d}-s{s}" for a in ("gpt", "nag") for d in (1, 2) for s in (1, 2)
+                                   if (a, d, s) != ("gpt", 1, 1))  # every other run trained and was evaluated
+    assert "RuntimeError: loss is NaN at step 3" in open(log).read()  # the traceback, in the run's log
+    report = open(os.path.join(run_base, "reports", "depth_sweep-cpu", "depth_sweep.md")).read()
+    assert "| 1 | 96 | 96 | 2 | " in report and re.search(r"^\| 2 \| \d+ \| \d+ \| 1,2 \| ", report, re.M)  # what finished
+    # the rerun trains only the failed run
+    steps["fixed"] = True
+    done = set(steps)
+    rows = depth_sweep.main(["--scale", "cpu", "--seeds", "1,2"])
+    assert set(steps) - done == {"sweep-gpt-d1-s1"} and [r["seeds"] for r in rows] == [[1, 2], [1, 2]]

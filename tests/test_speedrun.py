@@ -1,9 +1,12 @@
-"""speedrun.sh: the dry-run plan of the published pair, bad input caught before any work, and a tiny CPU
-pipeline run three times: everything, then nothing (every stage skipped), then a resume from a checkpoint."""
+"""speedrun.sh: the dry-run plan of the published pair (and of several seeds), bad input caught before any work,
+a tiny CPU pipeline run three times: everything, then nothing (every stage skipped), then a resume from a
+checkpoint; and a failed run that leaves the next one to go on."""
 
+import fcntl
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -188,7 +191,7 @@ def test_tiny_pipeline_skips_finished_stages_and_resumes(tiny_base_dir, tmp_path
     out = second.stdout
     for line in ("data already present, skipping", "tokenizer already trained, skipping", "report already up to date"):
         assert line in out
-    for stage in ("train gpt", "train nag", "eval gpt", "eval nag"):
+    for stage in ("train gpt-tiny", "train nag-tiny", "eval gpt-tiny", "eval nag-tiny"):
         assert re.search(rf"^  {stage} +\[done, skip\]", out, re.M), stage
     assert "step 00001" not in out and "evaluating" not in out
     assert {arch: mtimes(d) for arch, d in runs.items()} == before  # nothing retrained, nothing re-evaluated
@@ -196,7 +199,7 @@ def test_tiny_pipeline_skips_finished_stages_and_resumes(tiny_base_dir, tmp_path
     # an interruption between the checkpoints at 10 and 13: the run resumes from 10 and is evaluated again
     for f in ("model_000013.pt", "meta_000013.json", "optim_000013_rank0.pt"):
         os.remove(runs["gpt"] / f)
-    third = speedrun(base, *args[:-3], "--arch", "gpt", *args[-3:])
+    third = speedrun(base, *args)
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr
     assert "resumed from step 10" in third.stdout and "step 00011/00013" in third.stdout
     assert "step 00001/" not in third.stdout
@@ -216,6 +219,10 @@ def test_tiny_pipeline_skips_finished_stages_and_resumes(tiny_base_dir, tmp_path
 def fake_finished_run(run_dir, step, world_size):
     """The files that make checkpoint `step` complete (checkpoint_manager.is_complete), empty."""
     os.makedirs(run_dir)
+    fake_checkpoint(run_dir, step, world_size)
+
+
+def fake_checkpoint(run_dir, step, world_size):
     with open(os.path.join(run_dir, f"meta_{step:06d}.json"), "w") as f:
         json.dump({"world_size": world_size}, f)
     for name in [f"model_{step:06d}.pt"] + [f"optim_{step:06d}_rank{r}.pt" for r in range(world_size)]:
@@ -223,10 +230,15 @@ def fake_finished_run(run_dir, step, world_size):
 
 
 def plan_of(capsys, *argv):
+    """(the plan on stderr, the shell assignments: a value or, for an array, a list)"""
     from scripts import speedrun as sr
     sr.main(list(argv))
     out = capsys.readouterr()
-    return out.err, dict(line.split("=", 1) for line in out.out.splitlines() if "=" in line and not line.startswith(("LAUNCH", "ANALYSIS")))
+    sh = {}
+    for line in out.out.splitlines():
+        key, value = line.split("=", 1)
+        sh[key] = shlex.split(value[1:-1]) if value.startswith("(") else shlex.split(value)[0]
+    return out.err, sh
 
 
 def test_extra_flags_without_tag_get_runs_of_their_own(tmp_path, capsys):
@@ -234,18 +246,19 @@ def test_extra_flags_without_tag_get_runs_of_their_own(tmp_path, capsys):
     fake_finished_run(base / "runs" / "nag-published", 9425, 8)  # the default NAG run, finished
     common = ["--dry-run", "--arch", "nag", "--gpus", "8", "--base-dir", str(base)]
     err, sh = plan_of(capsys, *common)
-    assert sh["NAG_RUN"] == "nag-published" and sh["NAG_TRAIN_DONE"] == "1" and "tag:" not in err
+    assert sh["RUNS"] == ["nag-published"] and sh["TRAIN_DONE"] == ["1"] and "tag:" not in err
+    assert sh["PAIR"] == "0" and not re.search(r"^  (analysis|report) ", err, re.M)  # one arch: nothing to compare
     for _ in range(2):  # a rerun of the same command finds the same runs
         err, sh = plan_of(capsys, *common, "--", "--nag-mod-floor", "0")
-        assert sh["NAG_RUN"] == "nag-published-nag-mod-floor0" and sh["NAG_TRAIN_DONE"] == "0", err
+        assert sh["RUNS"] == ["nag-published-nag-mod-floor0"] and sh["TRAIN_DONE"] == ["0"], err
         assert re.search(r"^tag: nag-mod-floor0 \(from the base_train flags after --", err, re.M), err
-        assert re.search(r"^  train nag +\[to do\]", err, re.M)
+        assert re.search(r"^  train nag-published-nag-mod-floor0 +\[to do\]", err, re.M)
     fake_finished_run(base / "runs" / "nag-published-nag-mod-floor0", 9425, 8)
     err, sh = plan_of(capsys, *common, "--", "--nag-mod-floor", "0")
-    assert sh["NAG_TRAIN_DONE"] == "1" and re.search(r"^  train nag +\[done, skip\]", err, re.M)
+    assert sh["TRAIN_DONE"] == ["1"] and re.search(r"^  train nag-published-nag-mod-floor0 +\[done, skip\]", err, re.M)
     # flags that change how a run is saved or logged, not what it learns, keep the name; --tag always wins
-    assert plan_of(capsys, *common, "--", "--save-every", "5", "--nag-gate-log-every", "10")[1]["NAG_RUN"] == "nag-published"
-    assert plan_of(capsys, *common, "--tag", "nofloor", "--", "--nag-mod-floor", "0")[1]["NAG_RUN"] == "nag-published-nofloor"
+    assert plan_of(capsys, *common, "--", "--save-every", "5", "--nag-gate-log-every", "10")[1]["RUNS"] == ["nag-published"]
+    assert plan_of(capsys, *common, "--tag", "nofloor", "--", "--nag-mod-floor", "0")[1]["RUNS"] == ["nag-published-nofloor"]
     assert not (base / "base_data").exists()
 
 
@@ -258,3 +271,102 @@ def test_derived_tags():
     a, b = derived_tag(long + ["1e-6"]), derived_tag(long + ["1e-7"])
     assert a != b and len(a) <= MAX_TAG and a.startswith("matrix-lr0.02_embedding-lr0.3") and a == derived_tag(long + ["1e-6"])
     assert all(c.isalnum() or c in "._-" for c in derived_tag(["--eval-bundle", "/a b/c"]))
+
+
+# ---------------------------------------------------------------------------
+# --seeds: every arch once per seed, one failed run named at the end while the others go on
+
+
+def test_seeds_plan_every_run_and_their_total(tmp_path, capsys):
+    base = tmp_path / "base"
+    common = ["--dry-run", "--gpus", "8", "--base-dir", str(base)]
+    one_err, one = plan_of(capsys, *common)
+    err, sh = plan_of(capsys, *common, "--seeds", "1,2")
+    runs = ["gpt-published-s1", "nag-published-s1", "gpt-published-s2", "nag-published-s2"]
+    assert sh["RUNS"] == runs and sh["TRAIN_DONE"] == sh["EVAL_DONE"] == ["0"] * 4
+    plans = [json.loads(line[len("PLAN "):]) for line in err.splitlines() if line.startswith("PLAN ")]
+    assert [(p["run"], p["seed"], p["data_seed"]) for p in plans] == [(r, int(r[-1]), int(r[-1])) for r in runs]
+    for i, run in enumerate(runs):
+        assert re.search(rf"^{run} +[\d,]+ ", err, re.M)  # a row of the plan table
+        for stage in ("train", "eval"):
+            assert re.search(rf"^  {stage} {run} +\[to do\]$", err, re.M)
+        # the seeds after the user's flags, the run's own name last
+        seed = run[-1]
+        assert sh[f"TRAIN_{i}"][-8:] == ["--seed", seed, "--data-seed", seed, "--run", run, "--resume", "latest"]
+        assert sh[f"EVAL_{i}"][:2] == ["--run", run]
+    assert sh["COMPARE"] == ["--a", *runs[0::2], "--b", *runs[1::2], "--out", sh["REPORT"]]
+    assert sh["REPORT"] == str(base / "reports" / "gpt-published-seeds-1-2_vs_nag-published-seeds-1-2")
+    # the cost of all four runs: twice the pair's
+    hours = lambda text, pattern: (lambda m: int(m[1]) * 60 + int(m[2]))(re.search(pattern, text, re.M))
+    pair = hours(one_err, r"^training time: ≈ (\d+)h(\d+)m")
+    assert abs(hours(err, r"^seeds 1,2: 4 runs \(2 × gpt,nag\), ≈ (\d+)h(\d+)m of training on 8 × H100") - 2 * pair) <= 1
+    assert abs(hours(err, r"^training time: ≈ (\d+)h(\d+)m .*, all 4 runs$") - 2 * pair) <= 1
+    # without --seeds nothing changes: the same names, no seed flags, the pair's report
+    assert one["RUNS"] == ["gpt-published", "nag-published"] and "--seed" not in one["TRAIN_0"] + one["TRAIN_1"]
+    assert one["COMPARE"] == ["gpt-published", "nag-published", "--out", str(base / "reports" / "gpt-published_vs_nag-published")]
+    assert not re.search(r"^seeds", one_err, re.M)
+
+
+def test_group_report_is_found_current(tmp_path, capsys, monkeypatch):
+    from scripts import compare
+    from tests.test_compare import eval_record, write_run
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    common = ["--dry-run", "--preset", "tiny", "--base-dir", str(base), "--seeds", "1,2"]
+    err, sh = plan_of(capsys, *common)
+    assert sh["REPORT"] == str(base / "reports" / "gpt-tiny-seeds-1-2_vs_nag-tiny-seeds-1-2")
+    steps = {p["run"]: p["num_iterations"] for p in (json.loads(line[5:]) for line in err.splitlines() if line.startswith("PLAN "))}
+    for i, run in enumerate(sh["RUNS"]):  # finished runs of both seeds, evaluated after their last checkpoint
+        seed, step = int(run[-1]), steps[run]
+        run_dir = write_run(base / "runs", run, [eval_record(step, 1.30 - i % 2 / 100 + seed / 100, seed=seed)], arch=run[:3],
+                            args={"seed": seed, "data_seed": seed})
+        fake_checkpoint(run_dir, step, 1)
+        os.utime(os.path.join(run_dir, "eval.json"))
+    err, sh = plan_of(capsys, *common)
+    assert sh["EVAL_DONE"] == ["1"] * 4 and sh["REPORT_DONE"] == "0"
+    compare.main(sh["COMPARE"])  # what speedrun.sh runs: the groups' report, its inputs.json in compare's order
+    capsys.readouterr()
+    err, sh = plan_of(capsys, *common)
+    assert sh["REPORT_DONE"] == "1" and re.search(r"^  report +\[done, skip\]", err, re.M)
+    # a re-evaluation with other numbers makes the report stale
+    json.dump(eval_record(steps["nag-tiny-s2"], 1.25, seed=7), open(base / "runs" / "nag-tiny-s2" / "eval.json", "w"))
+    assert plan_of(capsys, *common)[1]["REPORT_DONE"] == "0"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seeds", "1,x"], "--seeds takes different non-negative integers separated by commas, like 1,2,3; got '1,x'"),
+    (["--seeds", "1,2,1"], "got '1,2,1'"),
+    (["--seeds=-1"], "got '-1'"),
+    (["--seeds", "1,2", "--", "--seed", "3"], "--seeds sets --seed and --data-seed of every run; drop --seed from the base_train flags after --"),
+    (["--seeds", "1", "--", "--data-seed=3"], "drop --data-seed from"),
+])
+def test_bad_seeds_are_one_line_errors(tmp_path, script_error, args, message):
+    from scripts import speedrun as sr
+    assert message in script_error(sr.main, "--dry-run", "--base-dir", str(tmp_path), *args)
+
+
+@needs_venv
+def test_a_failed_run_leaves_the_others_to_go_on(tiny_base_dir, tmp_path, capsys):
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("base_data", "tokenizer"):
+        os.symlink(os.path.join(tiny_base_dir, name), base / name)
+    # seed 1's run is busy (another process holds its lock): its training fails at once; seed 2's trains 2 steps
+    args = ["--preset", "tiny", "--arch", "gpt", "--seeds", "1,2", "--flops", "5e8", "--base-dir", str(base),
+            "--eval-bundle", write_bundle(tmp_path / "bundle")]
+    (base / "runs" / "gpt-tiny-s1").mkdir(parents=True)
+    with open(base / "runs" / "gpt-tiny-s1" / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        r = speedrun(base, *args)
+    assert r.returncode == 1, r.stdout[-3000:]
+    out = r.stdout
+    stages = re.findall(r"^=== \[[\d:]+\] (.*) ===$", out, re.M)
+    assert stages[2:] == ["train gpt-tiny-s1", "train gpt-tiny-s2", "evaluate gpt-tiny-s1", "evaluate gpt-tiny-s2"], stages
+    assert "gpt-tiny-s1 is in use by another process" in out and "skipped: its training failed" in out
+    assert (base / "runs" / "gpt-tiny-s2" / "eval.json").exists()
+    config = json.load(open(base / "runs" / "gpt-tiny-s2" / "config.json"))
+    assert (config["seed"], config["data_seed"]) == (2, 2)
+    assert out.strip().splitlines()[-1] == "error: failed: gpt-tiny-s1 (rerun to retry them; finished runs are reused)"
+    # the rerun finds seed 2 finished and evaluated, seed 1 to do
+    err, sh = plan_of(capsys, "--dry-run", *args)
+    assert sh["TRAIN_DONE"] == ["0", "1"] and sh["EVAL_DONE"] == ["0", "1"]
