@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# speedrun.sh: the FLOP-matched GPT vs NAG comparison on one GPU node, from a fresh machine to a report.
+# speedrun.sh: the FLOP-matched GPT vs NAG comparison on GPU nodes, from a fresh machine to a report.
 #
 #   bash speedrun.sh                          the published pair (docs/reproduce.md) on every visible GPU
 #   bash speedrun.sh --dry-run                the plan only: no GPU, no network, nothing written
@@ -7,16 +7,19 @@
 #   bash speedrun.sh --preset tiny            CPU smoke test of the whole pipeline (offline corpus, minutes)
 #   bash speedrun.sh --seeds 1,2,3            the pair once per seed (gpt-published-s1, nag-published-s1, ...), compared as groups
 #   bash speedrun.sh --arch nag --tag nofloor -- --nag-mod-floor 0    anything after -- goes to base_train
+#   bash speedrun.sh --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT    on each of two nodes (docs/runs.md; SLURM: runs/slurm_pair.sbatch)
 #   bash speedrun.sh --help                   the flags
 #
 # Flags: --preset published|d20|tiny, --arch gpt,nag, --flops X, --gpus N, --tag T (default: derived from
-# the flags after --), --seeds 1,2,3, --base-dir DIR, --shards N, --offline, --eval-bundle DIR, --dry-run.
+# the flags after --), --seeds 1,2,3, --nnodes N, --node-rank R, --rdzv-endpoint HOST:PORT, --max-restarts K,
+# --base-dir DIR, --shards N, --offline, --eval-bundle DIR, --dry-run.
 # Relative paths are taken from the directory you run it in.
 # Rerunning skips what is done: present shards, a trained tokenizer, finished runs (base_train
 # --resume latest continues an unfinished one), up-to-date evaluations and report. A run that fails is
 # named at the end (exit status 1) and the other runs go on; the next rerun retries it.
 set -euo pipefail
 export NANOCHAT_CALLER_CWD="${NANOCHAT_CALLER_CWD:-$PWD}"  # relative paths in the flags are the caller's, not the repo's
+unset SLURM_STEP_NUM_TASKS  # one srun task per node (runs/slurm_pair.sbatch) is not a rank: speedrun starts its own processes
 cd "$(dirname "${BASH_SOURCE[0]}")"
 stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
 
@@ -71,7 +74,7 @@ for i in "${!RUNS[@]}"; do
     stage "evaluate ${RUNS[$i]}"
     flags="EVAL_$i[@]"
     if [ "${TRAIN_DONE[$i]}" = 0 ]; then echo "skipped: its training failed"
-    elif "${LAUNCH[@]}" scripts.base_eval -- "${!flags}"; then EVAL_DONE[$i]=1
+    elif "${EVAL_LAUNCH[@]}" scripts.base_eval -- "${!flags}"; then EVAL_DONE[$i]=1
     else FAILED+=("eval ${RUNS[$i]}")
     fi
 done

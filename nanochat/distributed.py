@@ -141,16 +141,15 @@ class Watchdog:
 
 class StopRequest:
     """SIGTERM sets a flag instead of killing the process; training reads it after each step (every rank agrees on
-    it through the loss all-reduce), saves a checkpoint of that step and exits with EXIT_PREEMPTED."""
+    it through the loss all-reduce), saves a checkpoint of that step and exits with EXIT_PREEMPTED. SIGKILL, which
+    launchers send when that takes too long (torchrun after 30 s), still kills; Ctrl-C (SIGINT) stops at once."""
 
     def __init__(self):
         self.signal = None
         self.previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
-        if self.signal is not None:  # a second SIGTERM: the user means it
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        # a repeat changes nothing: under SLURM both the step's processes and torchrun (forwarding) send one
         self.signal = signum
 
     @property

@@ -24,7 +24,7 @@ from nanochat.common import UserError, exit_on_user_error, get_base_dir
 from nanochat.dataset import list_parquet_files
 from nanochat.tokenizer import get_tokenizer
 from nag.verdicts import collapse_verdict, gate_rows
-from scripts import base_train
+from scripts import base_train, speedrun
 from scripts.presets import get_preset
 from scripts.speedrun import base_dir_of
 from scripts.tok_train import prepare_cpu_data
@@ -166,10 +166,12 @@ def published(dry_run, extra, base):
         cmd = ["bash", "speedrun.sh", "--preset", "published", "--arch", "nag", "--tag", tag, *extra, *(["--dry-run"] if dry_run else []),
                "--", *flags]
         print(" ".join(cmd), file=sys.stderr)
+        if dry_run:  # speedrun.sh's plan, made here: its shell assignments are for speedrun.sh only
+            with contextlib.redirect_stdout(io.StringIO()):
+                speedrun.main(cmd[2:])
+            continue
         proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
         sys.stderr.write(proc.stderr)
-        if dry_run:
-            continue
         errors = [line[len("error: "):] for line in proc.stderr.splitlines() if line.startswith("error: non-finite")]
         if proc.returncode and not errors:
             raise UserError(f"the {tag} run failed for another reason (see above); rerun to resume it")

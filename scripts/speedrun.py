@@ -23,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 from nanochat.common import UserError, exit_on_user_error
 from nanochat import checkpoint_manager as ckpt
@@ -48,7 +49,12 @@ PEAK_FLOPS = 989e12
 # base_train flags that change how a run is saved, logged or computed, not what it learns: they add nothing to
 # the tag derived from the flags after `--`, so a rerun with another checkpoint period finds the same runs
 UNNAMED_FLAGS = {"--save-every", "--eval-every", "--eval-tokens", "--nag-gate-log-every", "--nag-impl", "--compile",
-                 "--no-compile", "--change-horizon", "--change-settings"}
+                 "--no-compile", "--change-horizon", "--change-settings", "--keep-checkpoints", "--step-timeout", "--start-timeout"}
+# Set for every torchrun launch. torch shares the rendezvous TCP store between torchrun's agent and the workers by
+# default, and a restart after a lost worker can then connect to the previous round's peers and fail or hang
+# (pytorch/pytorch#135712); with a store of the workers' own, every restart in our trials resumed (docs/LOG.md).
+LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+NODE_WAIT_S = 2 * 3600  # how long nodes other than node 0 wait for its data and tokenizer
 MAX_TAG = 40
 
 
@@ -63,7 +69,12 @@ def build_parser():
     p.add_argument("--tag", default="", help="run names become <arch>-<preset>-<tag> (default: derived from the base_train flags after --)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds, e.g. 1,2,3: every arch once per seed, named <run>-s<seed>, with "
                                                  "--seed and --data-seed set from it; the report compares the groups")
-    p.add_argument("--base-dir", default=None, help="everything goes here (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes, each running this command with its --node-rank (docs/runs.md)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1: node 0 fetches data, evaluates, reports")
+    p.add_argument("--rdzv-endpoint", default="", help="with --nnodes > 1: HOST:PORT of node 0, where every run's torchrun rendezvous meets")
+    p.add_argument("--max-restarts", type=int, default=2, help="torchrun restarts of a training run after a lost worker (it resumes)")
+    p.add_argument("--base-dir", default=None, help="everything goes here (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat); "
+                                                    "several nodes: one directory every node sees")
     p.add_argument("--shards", type=int, default=None, help="ClimbMix train shards to download (default: from the budget)")
     p.add_argument("--offline", action="store_true", help="build the offline corpus instead of downloading ClimbMix")
     p.add_argument("--eval-bundle", default="", help="a local CORE bundle (default: downloaded once into the base dir)")
@@ -140,6 +151,11 @@ def parse(argv):
             raise UserError(f"--seeds sets --seed and --data-seed of every run; drop {given[0]} from the base_train flags after --")
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be a positive integer, got {args.gpus}")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes or args.max_restarts < 0:
+        raise UserError(f"--nnodes must be >= 1, --node-rank in 0..nnodes-1 and --max-restarts >= 0 "
+                        f"(got {args.nnodes}, {args.node_rank}, {args.max_restarts})")
+    if args.nnodes > 1 and not re.fullmatch(r"[^\s:]+:\d+", args.rdzv_endpoint):
+        raise UserError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port), got {args.rdzv_endpoint!r}")
     if args.shards is not None and args.shards < 1:
         raise UserError(f"--shards must be a positive integer, got {args.shards}")
     if args.flops is not None and not (math.isfinite(args.flops) and args.flops > 0):
@@ -217,6 +233,32 @@ def compare_args(args):
     return [*pair, "--out", report_dir(args)]
 
 
+def launch_command(gpus, nnodes=1, max_restarts=2, endpoint=""):
+    """How speedrun starts a training run: one process as is; several under torchrun, which restarts them all when one
+    is lost (base_train --resume latest then continues from the newest checkpoint); several nodes meet at the
+    c10d rendezvous on node 0 (one per run: the run's torchrun on every node joins the same one)."""
+    if gpus == 1 and nnodes == 1:
+        return ["python", "-m"]
+    where = ["--standalone"] if nnodes == 1 else [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=nanochat"]
+    return ["torchrun", *where, f"--nproc_per_node={gpus}", f"--max-restarts={max_restarts}", "-m"]
+
+
+def wait_for_node0(args, records):
+    """Nodes other than node 0 train only: they wait until node 0 has the data and the tokenizer in the shared base dir."""
+    waited, say = 0, lambda *a: print(*a, file=sys.stderr, flush=True)
+    while True:
+        done = status(args, records)
+        if done["data"] and done["tokenizer"]:
+            return
+        if waited >= NODE_WAIT_S:
+            raise UserError(f"node {args.node_rank}: node 0 has not prepared the data and tokenizer in {args.base_dir} after "
+                            f"{NODE_WAIT_S // 3600} h; is node 0 running, and is the base dir shared?")
+        if waited % 300 == 0:
+            say(f"node {args.node_rank}: waiting for node 0's data and tokenizer in {args.base_dir} ({waited // 60} min so far)")
+        time.sleep(30)
+        waited += 30
+
+
 def newer(a, b):
     return os.path.exists(a) and os.path.exists(b) and os.path.getmtime(a) >= os.path.getmtime(b)
 
@@ -278,9 +320,11 @@ def plan_and_check(args):
         if have_vocab != vocab:
             raise UserError(f"the tokenizer in {args.base_dir}/tokenizer has {have_vocab:,} tokens but --preset {args.preset} trains with "
                             f"{vocab:,}; use a fresh --base-dir, or delete that tokenizer folder so speedrun trains the right one")
+    nproc = gpus * args.nnodes
     with contextlib.redirect_stdout(sys.stderr):  # base_train's notes are for the user, not for the shell
-        records = plans(args, vocab, gpus)
-    say(f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es)"
+        records = plans(args, vocab, nproc)
+    nodes = f" per node × {args.nnodes} nodes = {nproc}, this is node {args.node_rank}" if args.nnodes > 1 else ""
+    say(f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es){nodes}"
         + (" (no GPU visible here: planned for 8)" if not have and not args.gpus and args.preset != "tiny" else "") + f" | base dir {args.base_dir}"
         + (f" | eval bundle {args.eval_bundle}" if args.eval_bundle else "") + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else ""))
     if args.derived_tag:
@@ -296,7 +340,7 @@ def plan_and_check(args):
     done = status(args, records)
     for run, p in records.items():
         saves = math.ceil(p["num_iterations"] / p["save_every"]) if p["save_every"] else 1
-        secs = p["total_flops"] / (gpus * PEAK_FLOPS * MFU)
+        secs = p["total_flops"] / (nproc * PEAK_FLOPS * MFU)
         total_s += secs
         if not done[f"train {run}"]:
             need_gib += saves * p["checkpoint_gib"]
@@ -320,10 +364,10 @@ def plan_and_check(args):
     periods = " / ".join({p["arch"]: f"{p['save_every'] or p['num_iterations']:,}" for p in records.values()}.values())  # one per arch
     say(f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; optimizer state saved once by rank 0)")
     if args.seeds:
-        cost = "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {gpus} × H100"
+        cost = "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {nproc} × H100"
         say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({len(args.seeds)} × {','.join(args.archs)}), {cost}")
     if args.preset != "tiny":
-        say(f"training time: ≈ {hms(total_s)} on {gpus} × H100 at {MFU:.0%} MFU of 989 TFLOP/s (+ evaluation)"
+        say(f"training time: ≈ {hms(total_s)} on {nproc} × H100 at {MFU:.0%} MFU of 989 TFLOP/s (+ evaluation)"
             + (f", all {len(records)} runs" if args.seeds else ""))
     probe = args.base_dir
     while not os.path.isdir(probe):
@@ -335,25 +379,32 @@ def plan_and_check(args):
     w = max(len(stage) for stage in done) + 1
     for stage, is_done in done.items():
         say(f"  {stage:<{w}} [{'done, skip' if is_done else 'to do'}]")
+    launch = launch_command(gpus, args.nnodes, args.max_restarts, args.rdzv_endpoint)
+    say(f"training launch: {' '.join([*launch, 'scripts.base_train', '--', '...'])}"
+        + (" (node 0 alone: data, tokenizer, evaluation, report)" if args.nnodes > 1 else ""))
     if not args.dry_run:
         if not enough:
             raise UserError(f"not enough disk in {args.base_dir}: need ≈ {need_gib:.1f} GiB, {free_gib:.0f} GiB free (see --dry-run)")
-    launch = ["python", "-m"] if gpus == 1 else ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "-m"]
+        if args.node_rank > 0:
+            wait_for_node0(args, records)
+    others = args.node_rank > 0  # the other nodes join the training runs, nothing else
     shell = {"BASE": args.base_dir, "DRY_RUN": int(args.dry_run), "OFFLINE": int(args.offline), "SHARDS": args.shards_needed,
              "TOK_SHARDS": min(TOK_SHARDS, args.shards_needed), "VOCAB": get_preset(args.preset)["vocab"],
              "TOK_CHARS": TOKENIZER_CHARS.get(args.preset, 2_000_000_000), "PREFLIGHT": int(args.preset != "tiny" and "nag" in args.archs
                                                                                        and "--nag-impl" not in " ".join(args.extra)),
-             "DATA_DONE": int(done["data"]), "TOK_DONE": int(done["tokenizer"]), "PAIR": int(len(args.archs) == 2),
+             "DATA_DONE": int(done["data"] or others), "TOK_DONE": int(done["tokenizer"] or others), "PAIR": int(len(args.archs) == 2 and not others),
              "ANALYSIS_DONE": int(done.get("analysis", True)), "REPORT_DONE": int(done.get("report", True)),
              "REPORT": report_dir(args)}
     # per run i (training order: for each seed GPT, then NAG): RUNS[i], TRAIN_DONE[i], EVAL_DONE[i] and the arrays TRAIN_<i>, EVAL_<i>
     names = list(records)
-    arrays = {"LAUNCH": launch, "ANALYSIS": get_preset(args.preset)["analysis"], "COMPARE": compare_args(args), "RUNS": names,
-              "TRAIN_DONE": [int(done[f"train {r}"]) for r in names], "EVAL_DONE": [int(done[f"eval {r}"]) for r in names]}
+    arrays = {"LAUNCH": launch, "EVAL_LAUNCH": launch_command(gpus, max_restarts=0), "ANALYSIS": get_preset(args.preset)["analysis"],
+              "COMPARE": compare_args(args), "RUNS": names, "TRAIN_DONE": [int(done[f"train {r}"]) for r in names],
+              "EVAL_DONE": [int(done[f"eval {r}"] or others) for r in names]}
     for i, (arch, seed) in enumerate(runs(args)):
         arrays[f"TRAIN_{i}"] = train_args(args, arch, seed)
         arrays[f"EVAL_{i}"] = eval_args(args, arch, seed)
     lines = [f"{k}={shlex.quote(str(v))}" for k, v in shell.items()]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in LAUNCH_ENV.items()]
     lines += [f"{k}=({' '.join(shlex.quote(str(a)) for a in v)})" for k, v in arrays.items()]
     return "\n".join(lines)
 

@@ -127,6 +127,8 @@ def test_two_agents_equal_one_process(base):
     assert all(rc == 0 for rc, _ in results), results
     assert losses(base, "nodes") == losses(base, "single")
     assert same_weights(weights(base, "nodes", 4), weights(base, "single", 4))
+    bpbs = [[r["val_bpb"] for r in rows(base, run) if "val_bpb" in r] for run in ("nodes", "single")]
+    assert len(bpbs[0]) == 2 and bpbs[0] == bpbs[1]  # the val batches are shared between the ranks, not split by rank
 
 
 def test_run_directory_not_shared_is_refused(tiny_base_dir, tmp_path):
@@ -144,11 +146,11 @@ def test_run_directory_not_shared_is_refused(tiny_base_dir, tmp_path):
 def test_killed_worker_restarts_and_ends_bit_identical(base):
     """A worker killed twice under torchrun with restarts: each restart resumes from the newest checkpoint, none hangs,
     and the run ends with the weights and losses of an uninterrupted one."""
-    from scripts.speedrun import launch_command
+    from scripts.speedrun import LAUNCH_ENV, launch_command
     common = ["--num-iterations", "30", "--save-every", "5", "--resume", "latest"]
     launcher = launch_command(2, nnodes=1, max_restarts=3)
     assert launcher[0] == "torchrun"
-    env = clean_env(base, **dict(kv.split("=", 1) for kv in launch_env()))
+    env = clean_env(base, **LAUNCH_ENV)
     job = torchrun(base, launcher[1:-1], "--run", "killed", *common, env=env)
     lock = os.path.join(base, "runs", "killed", ".lock")
     for kill_after in (8, 18):  # steps: each kill lands past a checkpoint, in the middle of the next period
@@ -161,11 +163,6 @@ def test_killed_worker_restarts_and_ends_bit_identical(base):
     run_one(base, "--run", "whole", *common)
     assert losses(base, "killed") == losses(base, "whole")
     assert same_weights(weights(base, "killed", 30), weights(base, "whole", 30))
-
-
-def launch_env():
-    from scripts.speedrun import LAUNCH_ENV
-    return LAUNCH_ENV
 
 
 def test_sigterm_saves_on_every_rank_and_resume_on_other_process_counts(base):
@@ -219,3 +216,21 @@ def test_stopped_rank_is_named_within_the_timeout(base):
     assert rc == EXIT_HUNG, out[-2000:]
     assert "error: rank(s) 1 stopped, hung or died in a training step at step" in out, out[-2000:]
     assert waited < 3 + 2 + 10, waited  # the timeout, the others' grace to report, and start-up slack
+
+
+def test_slurm_script_runs_speedrun_on_every_node(tmp_path):
+    """runs/slurm_pair.sbatch with stand-ins for scontrol and srun (which runs the task of node 1 here): speedrun
+    gets the node count, this node's rank, the first node's address and the user's flags."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'gpu-a\\ngpu-b\\n'\n")
+    (bin_dir / "srun").write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift 2; done\nSLURM_NODEID=1 exec \"$@\"\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = clean_env(str(tmp_path / "base"), PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu-[a-b]",
+                    SLURM_SUBMIT_DIR=REPO, SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1")
+    out = subprocess.run(["bash", "runs/slurm_pair.sbatch", "--dry-run", "--seeds", "1,2"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "per node × 2 nodes = 16, this is node 1" in out.stderr
+    assert "--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=gpu-a:29500" in out.stderr and "gpt-published-s2" in out.stderr

@@ -370,3 +370,53 @@ def test_a_failed_run_leaves_the_others_to_go_on(tiny_base_dir, tmp_path, capsys
     # the rerun finds seed 2 finished and evaluated, seed 1 to do
     err, sh = plan_of(capsys, "--dry-run", *args)
     assert sh["TRAIN_DONE"] == ["0", "1"] and sh["EVAL_DONE"] == ["0", "1"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0"], "needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29500"], "--node-rank in 0..nnodes-1"),
+    (["--max-restarts", "-1"], "--max-restarts >= 0"),
+])
+def test_bad_node_flags_are_one_line_errors(tmp_path, script_error, args, message):
+    from scripts import speedrun as sr
+    assert message in script_error(sr.main, "--dry-run", "--base-dir", str(tmp_path), *args)
+
+
+def test_several_nodes_plan_launch_and_roles(tmp_path, capsys, monkeypatch):
+    base = tmp_path / "base"
+    common = ["--dry-run", "--gpus", "8", "--base-dir", str(base)]
+    _, one = plan_of(capsys, *common)
+    nodes = ["--nnodes", "2", "--rdzv-endpoint", "node0:29500"]
+    err, node0 = plan_of(capsys, *common, *nodes, "--node-rank", "0")
+    # one node: torchrun on its own; two: the c10d rendezvous at node 0; restarts either way; evaluation on node 0 alone
+    assert one["LAUNCH"] == ["torchrun", "--standalone", "--nproc_per_node=8", "--max-restarts=2", "-m"]
+    assert node0["LAUNCH"] == ["torchrun", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=nanochat",
+                               "--nproc_per_node=8", "--max-restarts=2", "-m"]
+    assert node0["EVAL_LAUNCH"] == ["torchrun", "--standalone", "--nproc_per_node=8", "--max-restarts=0", "-m"]
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in node0  # the setting every torchrun launch gets
+    plans = [json.loads(line[len("PLAN "):]) for line in err.splitlines() if line.startswith("PLAN ")]
+    assert [p["world_size"] for p in plans] == [16, 16] and "on 16 × H100" in err
+    assert node0["DATA_DONE"] == "0" and node0["PAIR"] == "1"
+    # node 1 trains, nothing else: data, tokenizer, evaluations, analysis and report are node 0's
+    _, node1 = plan_of(capsys, *common, *nodes, "--node-rank", "1")
+    assert node1["LAUNCH"] == node0["LAUNCH"] and node1["TRAIN_DONE"] == ["0", "0"] and node1["TRAIN_0"] == node0["TRAIN_0"]
+    assert node1["DATA_DONE"] == node1["TOK_DONE"] == "1" and node1["EVAL_DONE"] == ["1", "1"] and node1["PAIR"] == "0"
+
+
+def test_other_nodes_wait_for_node0s_data(tiny_base_dir, tmp_path, capsys, monkeypatch):
+    from scripts import speedrun as sr
+    monkeypatch.setattr(sr.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sr, "NODE_WAIT_S", 60)
+    args = ["--preset", "tiny", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29500"]
+    two_ranks = ["--", "--total-batch-size", "512"]  # the tiny preset's 256 tokens do not split over two processes
+    with pytest.raises(SystemExit) as e:
+        sr.main([*args, "--base-dir", str(tmp_path / "empty"), *two_ranks])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and err[-1].startswith("error: node 1: node 0 has not prepared the data and tokenizer"), err[-3:]
+    assert "node 1: waiting for node 0's data and tokenizer" in err[-2]
+    base = tmp_path / "ready"
+    base.mkdir()
+    for name in ("base_data", "tokenizer"):
+        os.symlink(os.path.join(tiny_base_dir, name), base / name)
+    sr.main([*args, "--base-dir", str(base), *two_ranks])  # ready: the plan goes on to the training
