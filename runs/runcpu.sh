@@ -81,12 +81,13 @@ done
 
 FIRST="${SUFFIXES[0]}"
 stage "residual geometry, attention sinks, confidence (docs/analysis.md) of cpu-gpt$FIRST and cpu-nag$FIRST"
-python -m analysis "cpu-gpt$FIRST" "cpu-nag$FIRST" --tokens 65536
+python -m analysis "cpu-gpt$FIRST" "cpu-nag$FIRST" --tokens 65536 || FAILED+=("analysis")
 
 stage "comparison report"
 if [ -z "${SEEDS:-}" ]; then
-    python -m scripts.compare cpu-gpt cpu-nag --out "$BASE/reports/cpu-gpt_vs_cpu-nag"
+    python -m scripts.compare cpu-gpt cpu-nag --out "$BASE/reports/cpu-gpt_vs_cpu-nag" || FAILED+=("report")
 else  # the groups: both training noise (seeds) and evaluation noise in the interval
-    python -m scripts.compare --a "${SUFFIXES[@]/#/cpu-gpt}" --b "${SUFFIXES[@]/#/cpu-nag}" --out "$BASE/reports/cpu-seeds-${SEEDS//,/-}"
+    python -m scripts.compare --a "${SUFFIXES[@]/#/cpu-gpt}" --b "${SUFFIXES[@]/#/cpu-nag}" --out "$BASE/reports/cpu-seeds-${SEEDS//,/-}" \
+        || FAILED+=("report")
 fi
 if [ "${#FAILED[@]}" -gt 0 ]; then echo "error: failed: ${FAILED[*]} (rerun to retry them; finished runs are reused)" >&2; exit 1; fi
