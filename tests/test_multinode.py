@@ -234,3 +234,47 @@ def test_slurm_script_runs_speedrun_on_every_node(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "per node × 2 nodes = 16, this is node 1" in out.stderr
     assert "--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=gpu-a:29500" in out.stderr and "gpt-published-s2" in out.stderr
+
+
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
+    def fake(step, world_size=2, complete=True):
+        for r in range(world_size):
+            open(ckpt.optim_path(str(tmp_path), step, r), "w").close()
+        open(ckpt.model_path(str(tmp_path), step), "w").close()
+        if complete:
+            json.dump({"world_size": world_size}, open(ckpt.meta_path(str(tmp_path), step), "w"))
+    for step in (10, 20, 30, 40):
+        fake(step)
+    fake(50, complete=False)  # a save cut short: not a checkpoint, and never counted as one of the newest
+    assert ckpt.prune_checkpoints(str(tmp_path), 2) == [10, 20]
+    assert ckpt.complete_steps(str(tmp_path)) == [30, 40]
+    left = [f"{kind}_{s:06d}{end}" for s in (30, 40, 50) for kind, end in (("model", ".pt"), ("optim", "_rank0.pt"), ("optim", "_rank1.pt"))]
+    assert sorted(os.listdir(tmp_path)) == sorted(left + ["meta_000030.json", "meta_000040.json"])
+    assert ckpt.prune_checkpoints(str(tmp_path), 1) == [30] and ckpt.complete_steps(str(tmp_path)) == [40]
+
+
+RANK0_DECIDES = """
+import sys
+from nanochat.common import UserError, dist_init
+from nanochat.distributed import rank0_decides
+_, rank, _, _, _ = dist_init("cpu")
+print("value", rank0_decides(lambda: 100 + rank, True))  # each rank would find another value: rank 0's wins
+def refuse():
+    raise UserError("rank 0 refuses")
+try:
+    rank0_decides(refuse, True)
+except UserError as e:
+    print("error", e)
+"""
+
+
+def test_rank0_decides_for_every_rank(tmp_path):
+    """Before, each rank chose its own start step (node A resumed at its checkpoint, node B started at 0, and the
+    first collective failed); now rank 0's answer, or its refusal, reaches every rank."""
+    port, procs = free_port(), []
+    for r in range(2):
+        env = clean_env(str(tmp_path), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK0_DECIDES], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for rc, out in finish(procs, timeout=60):
+        assert rc == 0 and out.split("\n")[:2] == ["value 100", "error rank 0 refuses"], out
