@@ -30,7 +30,7 @@ eval "$PLAN"
 if [ "$DRY_RUN" = 1 ]; then echo "dry run: nothing was started"; exit 0; fi
 export NANOCHAT_BASE_DIR="$BASE"
 mkdir -p "$BASE"
-exec > >(tee -a "$BASE/speedrun.log") 2>&1
+exec > >(tee -a "$BASE/$LOG") 2>&1  # speedrun.log (node 0), speedrun-node<R>.log (the other nodes)
 
 # 2. the fused NAG kernel against the reference on this GPU (seconds), before hours of GPT training
 if [ "$PREFLIGHT" = 1 ]; then
@@ -95,4 +95,4 @@ if [ "$PAIR" = 1 ]; then
     fi
 fi
 if [ "${#FAILED[@]}" -gt 0 ]; then echo "error: failed: ${FAILED[*]} (rerun to retry them; finished runs are reused)" >&2; exit 1; fi
-stage "done (log: $BASE/speedrun.log)"
+stage "done (log: $BASE/$LOG)"

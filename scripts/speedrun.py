@@ -394,7 +394,7 @@ def plan_and_check(args):
                                                                                        and "--nag-impl" not in " ".join(args.extra)),
              "DATA_DONE": int(done["data"] or others), "TOK_DONE": int(done["tokenizer"] or others), "PAIR": int(len(args.archs) == 2 and not others),
              "ANALYSIS_DONE": int(done.get("analysis", True)), "REPORT_DONE": int(done.get("report", True)),
-             "REPORT": report_dir(args)}
+             "REPORT": report_dir(args), "LOG": "speedrun.log" if args.node_rank == 0 else f"speedrun-node{args.node_rank}.log"}
     # per run i (training order: for each seed GPT, then NAG): RUNS[i], TRAIN_DONE[i], EVAL_DONE[i] and the arrays TRAIN_<i>, EVAL_<i>
     names = list(records)
     arrays = {"LAUNCH": launch, "EVAL_LAUNCH": launch_command(gpus, max_restarts=0), "ANALYSIS": get_preset(args.preset)["analysis"],
