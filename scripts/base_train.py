@@ -11,20 +11,28 @@ and does nothing for a finished run.
 """
 
 import os
+import gc
 import sys
 import json
 import math
-import time
 import argparse
 import contextlib
 import subprocess
 from dataclasses import dataclass
+
+# The CUDA caching allocator reads its settings once, no later than its first allocation, so they are set here, before
+# torch is even imported: the earliest point of start-up. Expandable segments grow a block of memory in place instead of reserving new fixed-size ones, so
+# the varying sizes of a step (evaluation batches, the optimizer's temporaries) do not fragment memory into reserved
+# but unusable pieces. A user's own setting, under either name torch reads, wins; without CUDA nothing reads it.
+if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 import torch
 import torch.distributed as dist
 
 from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes, ensure_writable_dir, script_argv, START_TIMEOUT
 from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
+from nanochat.step_timer import StepTimer, Readback, biggest
 from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
@@ -40,6 +48,7 @@ BATCH_EXPONENT = 0.383
 MAX_DECAY_PER_STEP = 0.01
 SAVES_PER_RUN = 5  # --save-every auto: about this many checkpoints before the last one
 MOMENTUM = {"start": 0.85, "peak": 0.97, "peak_step": 400, "end": 0.90}  # Muon momentum schedule of the published code
+PREFETCH = True  # fetch each micro-batch while the device works on the one before; False only to test that it changes nothing
 
 
 def build_parser():
@@ -80,6 +89,9 @@ def build_parser():
     p.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps and at the end; -1 = never")
     p.add_argument("--eval-tokens", type=int, default=10 * 2 ** 19, help="val tokens per evaluation (capped at what the split holds)")
     p.add_argument("--save-every", type=int, default=-1, help=f"checkpoint every N steps (-1: auto, ~{SAVES_PER_RUN} per run; 0: the last step only)")
+    p.add_argument("--log-every", type=int, default=1, metavar="N",
+                   help="a metrics row and a training line every N steps (and at evaluations, saves and the end); "
+                        "the steps between read nothing from the device")
     p.add_argument("--resume", type=str, default="", help="'latest' (newest complete checkpoint; starts the run if it has none) or a step")
     p.add_argument("--change-horizon", action="store_true", help="with --resume: allow a different number of steps than the run was planned with")
     p.add_argument("--change-settings", action="store_true",
@@ -133,6 +145,8 @@ def validate_args(args):
         raise UserError("--warmup-steps and --weight-decay must be >= 0")
     if args.muon_momentum != -1 and not 0 <= args.muon_momentum < 1:
         raise UserError(f"--muon-momentum must be in [0, 1), or -1 for the schedule (got {args.muon_momentum})")
+    if args.log_every < 1:
+        raise UserError(f"--log-every must be >= 1 (1 logs every step), got {args.log_every}")
     if args.keep_checkpoints < 0:
         raise UserError(f"--keep-checkpoints must be >= 0 (0 keeps every checkpoint), got {args.keep_checkpoints}")
     if not (args.step_timeout > 0 and args.start_timeout > 0):
@@ -377,18 +391,43 @@ class NonFiniteError(Exception):
     pass
 
 
+def finite_flags(model, loss):
+    """1 where finite, 0 where not: the loss, then the gradient of each parameter that has one (in model.parameters()
+    order, as graded_names), computed on the device: no host sync."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norms = torch.stack(torch._foreach_norm(grads)).to(loss.dtype) if grads else loss.new_zeros(0)
+    return torch.cat([loss.reshape(1), norms]).isfinite().to(loss.dtype)
+
+
+def graded_names(model):
+    return [n for n, p in model.named_parameters() if p.grad is not None]
+
+
+def nonfinite_message(step, loss, bad):
+    shown = ", ".join(bad[:12]) + (f" (+{len(bad) - 12} more)" if len(bad) > 12 else "")
+    return (f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at step {step} (loss {loss:.4g}); "
+            f"non-finite gradients in: {shown or 'none'}")
+
+
 def check_finite(model, loss, step, idx):
     """Stop on a non-finite loss or gradient, naming the step, the offending parameters and, where the model
     can tell (model.nonfinite_origin over idx, the last micro-batch), where it started."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.stack(torch._foreach_norm(grads)).sum() if grads else torch.zeros((), device=loss.device)
-    if (torch.isfinite(loss) & torch.isfinite(total)).item():  # one host sync
+    if finite_flags(model, loss).all().item():  # one host sync
         return
     bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
-    shown = ", ".join(bad[:12]) + (f" (+{len(bad) - 12} more)" if len(bad) > 12 else "")
-    raise NonFiniteError(f"non-finite {'loss' if not torch.isfinite(loss) else 'gradient'} at step {step} "
-                         f"(loss {loss.item():.4g}); non-finite gradients in: {shown or 'none'}"
-                         + (f"; origin: {origin}" if (origin := model.nonfinite_origin(idx)) else ""))
+    origin = model.nonfinite_origin(idx)
+    raise NonFiniteError(nonfinite_message(step, loss.item(), bad) + (f"; origin: {origin}" if origin else ""))
+
+
+def check_finite_late(values, step, names, log_every):
+    """check_finite for a step that logged no row, from its finite_flags read during the next step (Readback): the
+    weights have taken that step's update by now, so no origin is sought; no checkpoint holds them (saves log)."""
+    loss, flags = values[0], values[1:]
+    if all(flags):
+        return
+    bad = [n for n, ok in zip(names, flags[1:]) if not ok]
+    raise NonFiniteError(nonfinite_message(step, loss, bad) + f"; seen during step {step + 1} (with --log-every {log_every} a "
+                         "step that logs no row is checked during the next); --log-every 1 from the last checkpoint names its origin")
 
 
 # ---------------------------------------------------------------------------
@@ -401,7 +440,8 @@ RESUME_KEYS = ("arch", "model_config", "total_batch_size")
 
 # flags that change no number a run trains: where and how often it reports and saves, how it is launched
 NOT_SETTINGS = {"run", "resume", "dry_run", "dry_run_vocab", "change_horizon", "change_settings", "preset", "device_type", "compile",
-                "eval_every", "eval_tokens", "save_every", "nag_gate_log_every", "nag_impl", "keep_checkpoints", "step_timeout", "start_timeout",
+                "eval_every", "eval_tokens", "save_every", "log_every", "nag_gate_log_every", "nag_impl", "keep_checkpoints", "step_timeout",
+                "start_timeout",
                 "num_iterations", "target_flops", "target_param_data_ratio"}  # the horizon has its own check (--change-horizon)
 
 
@@ -511,7 +551,10 @@ def keep_history(metrics_path, step):
 # ---------------------------------------------------------------------------
 
 
-def train(args):
+def train(args, freeze_gc=False):
+    """freeze_gc: collect and freeze the heap after the first step (train_locked says why). Only for a process that is
+    this run alone (the command line, main()): a full collection walks a caller's whole heap too, seconds over a
+    test session of in-process runs, and freezing keeps a caller's cyclic garbage until the run ends."""
     if args.dry_run:
         return dry_run(args)
     validate_args(args)
@@ -550,8 +593,10 @@ def train(args):
         check_shared_dir(run_dir, is_ddp)
         stop = StopRequest()  # SIGTERM from here on: a checkpoint at the end of the current step, then EXIT_PREEMPTED
         stack.callback(stop.restore)
+        if freeze_gc:
+            stack.callback(gc.unfreeze)  # back to the collector's sight when training ends, however it ends
         return train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, device_type, compute_dtype,
-                            is_ddp, rank, local_rank, world_size, stop)
+                            is_ddp, rank, local_rank, world_size, stop, freeze_gc)
 
 
 def load_resume_state(run_dir, step, rank, world_size, grad_accum):
@@ -569,7 +614,7 @@ def load_resume_state(run_dir, step, rank, world_size, grad_accum):
 
 
 def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, device_type, compute_dtype,
-                 is_ddp, rank, local_rank, world_size, stop):
+                 is_ddp, rank, local_rank, world_size, stop, freeze_gc=False):
     is_master = rank == 0
     # one start step for all ranks: rank 0's view of the run directory decides
     first = rank0_decides(lambda: start_step(run_dir, args, record, tokenizer), is_ddp)
@@ -683,22 +728,54 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         if is_master and args.keep_checkpoints and (pruned := ckpt.prune_checkpoints(run_dir, args.keep_checkpoints)):
             print0(f"deleted the checkpoint(s) of step {', '.join(map(str, pruned))} (--keep-checkpoints {args.keep_checkpoints})")
 
+    def logs(step):
+        """Whether `step` writes a row: every --log-every-th, and every one that evaluates, saves or ends the run. The
+        same on every rank, so they all read (and stop) at the same steps."""
+        return (step % args.log_every == 0 or step == num_iterations or (evaluating and step % args.eval_every == 0)
+                or (plan.save_every > 0 and step % plan.save_every == 0))
+
     step = first
-    step_times = []
+    intervals = []  # (steps, training seconds) of each row: the ETA
     stop_flag = torch.zeros((), device=device)
     slow_step = True  # the first step compiles, a step after an evaluation may recompile: the start-up timeout
+    # Where each row's time went (nanochat/step_timer.py): the parts of the interval since the previous row, which
+    # also holds the checkpoint written after that row (a row goes out before its step's checkpoint, so that no
+    # checkpoint lacks its row). Marks cost no sync; the timer is read where a logged step syncs anyway.
+    timer = StepTimer(device)
+    # A step that logs no row leaves its loss on the device and reads nothing: its non-finite check and SIGTERM flag
+    # are copied to the host without waiting and read during the next step, once that step's work is queued. A
+    # SIGTERM therefore stops the run one step later than on a logged step, whatever --log-every is.
+    late = Readback(device)
+    last_row = first
+    batch = None  # the next micro-batch, fetched while the device works on the current one
     while step < num_iterations:
-        progress("the first step" if step == first else "a training step", step, args.start_timeout if slow_step else args.step_timeout)
-        t0 = time.time()
+        progress("the first step" if step == first else "a training step", step + 1, args.start_timeout if slow_step else args.step_timeout)
         model.set_tokens_seen(step * total_batch)
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
-            x, y, loader_states[micro] = next(train_loaders[micro])
+            if batch is None:  # the first micro-batch of this process, or every one without PREFETCH
+                batch = next(train_loaders[micro])
+                timer.mark("data")
+            # a checkpoint saves the loader state after the micro-batches consumed, never after one fetched ahead
+            x, y, loader_states[micro] = batch
+            batch = None
             sync = micro == grad_accum - 1 or not is_ddp
             with (contextlib.nullcontext() if sync else ddp.no_sync()):
                 loss = fwd(x, y)
                 loss_sum += loss.detach()
                 (loss / grad_accum).backward()
+            timer.mark("fwd_bwd")
+            if PREFETCH and (micro + 1 < grad_accum or step + 1 < num_iterations):
+                # the next micro-batch (of this step or the next) is read and packed on the host while the device runs
+                # this backward: nothing before this line waits for the device
+                batch = next(train_loaders[(micro + 1) % grad_accum])
+                timer.mark("data")
+        stopping = False
+        if (pending := late.take()) is not None:  # the previous step's checks (it logged no row)
+            values, (late_step, names) = pending
+            check_finite_late([values[0]] + values[2:], late_step, names, args.log_every)
+            stopping = values[1] > 0
+        logged = stopping or logs(step + 1)  # a stop saves, and a save logs
         # the loss and SIGTERM in one all-reduce: every rank learns in the same step that one of them was asked to stop
         if stop.requested:
             stop_flag.fill_(1.0)  # a kernel, not a host-to-device copy: no sync with the work queued before it
@@ -707,7 +784,12 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
             dist.all_reduce(reduced)
             reduced[0] /= world_size
         train_loss = reduced[0] / grad_accum
-        check_finite(model, train_loss, step + 1, x)
+        if logged:
+            check_finite(model, train_loss, step + 1, x)
+        else:
+            flags = finite_flags(model, train_loss)
+            late.put(torch.cat([train_loss.reshape(1), reduced[1:], flags]), (step + 1, graded_names(model)))
+        timer.mark("sync_log")
         lrm = lr_multiplier(step, plan)
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
@@ -717,45 +799,65 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         optimizer.step()
         model.after_optimizer_step()
         model.zero_grad(set_to_none=True)
-        train_loss, stopping = train_loss.item(), reduced[1].item() > 0  # also syncs the device, so the timing below is honest
+        timer.mark("optim")
         step += 1
         slow_step = False
-        dt = time.time() - t0
-        elapsed += dt
-        step_times.append(dt)
+        if step == first + 1 and freeze_gc:
+            # Start-up and compilation leave many objects that live to the end; every full collection would walk them
+            # all again, a host pause of a second or more in which the device runs dry. Collected once, then frozen:
+            # out of the collector's sight.
+            gc.collect()
+            gc.freeze()
+            timer.mark("sync_log")
+        if not logged:
+            continue
 
-        tok_per_sec = total_batch / dt
-        recent = step_times[-20:]
-        eta = (num_iterations - step) * sum(recent) / len(recent)
+        train_loss, stopping = train_loss.item(), stopping or reduced[1].item() > 0  # the step's one host sync
+        timer.mark("sync_log")
         row = {"step": step, "tokens": step * total_batch, "flops": step * total_batch * flops_per_token,
-               "train_loss": train_loss, "lr_mult": lrm, "tok_per_sec": tok_per_sec, "elapsed": elapsed}
+               "train_loss": train_loss, "lr_mult": lrm}
         # the packing's kept fraction on this rank's shards (the data budget assumes one: docs/reproduce.md), and the epoch
         read_into_rows = step * grad_accum * args.device_batch_size * (args.max_seq_len + 1)
         dropped = sum(s.get("dropped_tokens", 0) for s in loader_states)
         row.update(data_kept=read_into_rows / (read_into_rows + dropped), data_epoch=max(s["epoch"] for s in loader_states))
-        mfu = None
-        if peak:
-            mfu = flops_per_token * tok_per_sec / (peak * world_size)
-            row["mfu"] = mfu
-        line = (f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:5.1f}%) | loss {train_loss:.4f} | "
-                f"lrm {lrm:.3f} | {tok_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") +
-                f" | {dt * 1000:.0f} ms | elapsed {fmt_time(elapsed)} | eta {fmt_time(eta)}")
-        print0(line)
-        row.update(model.step_metrics())  # e.g. MoD's realised skip rates and FLOPs (every rank pops its own)
+        row.update(model.step_metrics())  # e.g. MoD's realised skip rates and FLOPs since the last row (every rank pops its own)
+        stats_line = None
         if is_master:
             stats, stats_line = model.telemetry(step, x, args)
             if stats is not None:
                 row["gate"] = stats
-                print0(stats_line)
-
+        timer.mark("sync_log")
         last = step == num_iterations
         if evaluating and (last or step % args.eval_every == 0):
             row["val_bpb"] = run_eval(step)
-            print0(f"step {step:05d} | val bpb {row['val_bpb']:.4f}")
+            timer.mark("eval")
             slow_step = True
+
+        parts, wall = timer.read()
+        steps, last_row = step - last_row, step
+        train_seconds = wall - parts.get("eval", 0.0) - parts.get("save", 0.0)  # tok/s and elapsed as before: training only
+        elapsed += train_seconds
+        intervals.append((steps, train_seconds))
+        recent = intervals[-20:]
+        eta = (num_iterations - step) * sum(t for _, t in recent) / sum(n for n, _ in recent)
+        tok_per_sec = steps * total_batch / train_seconds
+        row.update(tok_per_sec=tok_per_sec, elapsed=elapsed, time=parts)
+        mfu = None
+        if peak:
+            mfu = flops_per_token * tok_per_sec / (peak * world_size)
+            row["mfu"] = mfu
+        print0(f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:5.1f}%) | loss {train_loss:.4f} | "
+               f"lrm {lrm:.3f} | {tok_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") +
+               f" | {1000 * train_seconds / steps:.0f} ms | {biggest(parts)} | elapsed {fmt_time(elapsed)} | eta {fmt_time(eta)}")
+        if stats_line:
+            print0(stats_line)
+        if "val_bpb" in row:
+            print0(f"step {step:05d} | val bpb {row['val_bpb']:.4f}")
         write_row(row)
+        timer.mark("sync_log")
         if last or stopping or (plan.save_every > 0 and step % plan.save_every == 0):
             save(step)
+            timer.mark("save")
             slow_step = True
         if stopping and not last:
             print0(f"stopped by SIGTERM after step {step}: its checkpoint is complete; continue with --resume latest "
@@ -779,7 +881,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
 def main(argv=None):
     with exit_on_user_error(NonFiniteError, interrupted="interrupted: every checkpoint written so far is complete; "
                             "continue from the newest with --resume latest"):
-        return train(parse_args(argv))
+        return train(parse_args(argv), freeze_gc=argv is None)
 
 
 if __name__ == "__main__":
