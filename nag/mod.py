@@ -260,15 +260,16 @@ def mlp_executed(mlp, x, execute, bound=None):
     return flat.new_zeros(B * T, D).index_copy(0, idx[0], y.to(flat.dtype)).view(B, T, D)
 
 
-def attention_executed(attn, x, cos_sin, mask, execute, bound=None):
+def attention_executed(attn, x, cos_sin, mask, execute, bound=None, kv=None):
     """attn(x, cos_sin, mask) at the executed tokens and 0 at the others.
 
     Every token still makes its key and value (later tokens attend to it); only executed tokens make a
     query, attend and go through the output projection. Each row's executed positions are packed to the
     left, padded with skipped positions whose result is dropped, to `bound` (at most that many per row
-    execute) or, without one, to the longest row."""
+    execute) or, without one, to the longest row. With a KV cache (decoding) the keys and values of every
+    new token, skipped or not, are appended to it, which is what a full forward would have made of them."""
     if execute is None:
-        return attn(x, cos_sin, mask)
+        return attn(x, cos_sin, mask, kv)
     B, T, D = x.shape
     n = bound if bound is not None else int(execute.sum(dim=1).max())  # evaluation: one host sync
     Tq = min(max(n, 1), T)
@@ -284,17 +285,20 @@ def attention_executed(attn, x, cos_sin, mask, execute, bound=None):
     cq, sq = (torch.gather(c.expand(B, T, 1, half), 1, take) for c in (cos, sin))
     q = norm(apply_rotary(q, cq, sq)) * QK_SCALE
     k = norm(apply_rotary(k, cos, sin)) * QK_SCALE
-    allowed = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
-    rows = torch.gather(allowed.expand(B, 1, T, T), 2, qpos[:, None, :, None].expand(B, 1, Tq, T))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if kv is not None:
+        k, v = kv.extend(k, v)  # every key so far; a cache always comes with its mask
+    Tk = k.size(2)
+    allowed = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+    rows = torch.gather(allowed.expand(B, 1, T, Tk), 2, qpos[:, None, :, None].expand(B, 1, Tq, Tk))
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=rows, enable_gqa=KV != H)
     y = torch.where(valid[..., None], attn.c_proj(y.transpose(1, 2).reshape(B, Tq, D)), 0)
     return x.new_zeros(B, T, D).scatter(1, qpos[..., None].expand(B, Tq, D), y.to(x.dtype))
 
 
-def run_executed(kind, block, x, cos_sin, mask, execute, bound=None):
+def run_executed(kind, block, x, cos_sin, mask, execute, bound=None, kv=None):
     if kind == "attn":
-        return attention_executed(block.attn, x, cos_sin, mask, execute, bound)
+        return attention_executed(block.attn, x, cos_sin, mask, execute, bound, kv)
     return mlp_executed(block.mlp, x, execute, bound)
 
 

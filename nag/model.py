@@ -234,19 +234,23 @@ class NAGGPT(GPT):
         groups.append(dict(kind="adamw", name="nag_temp_gain", params=[self.log_gain_encode], lr=temp_gain_lr * lr_scale, betas=(0.8, 0.95)))
         return groups
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None):
+    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
+        # with a KV cache (decoding) only attention reads other positions, through their cached keys and values: the
+        # rest of a NAG update (R̄, s, the modulator, N_out) is per position (docs/design.md §9)
         T = idx.size(1)
-        cos_sin = self.rotary(T, positions)
-        masks = self.attention_masks(T, idx.device, positions, allowed)
+        cos_sin, masks, kvs = self.attention_inputs(T, idx.device, positions, allowed, cache)
         e = self.wte(idx)  # fp32 rows, centred
         rho = e.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)  # ρ₀ = ‖e‖/√d
         res_dir = (e / rho).to(self.compute_dtype)
         log_norm = torch.log(rho) + self.log_gain_encode  # (B, T, 1) fp32
-        for i, (block, gates, mask) in enumerate(zip(self.blocks, self.gates, masks)):
+        for i, (block, gates, mask, kv) in enumerate(zip(self.blocks, self.gates, masks, kvs)):
+            extra = {} if kv is None else {"kv": kv}  # analysis/capture.py wraps sublayer without kv (it never decodes)
             for kind, br in (("attn", gates.attn_branch), ("mlp", gates.mlp_branch)):
-                res_dir, log_norm = self.sublayer(kind, i, block, br, res_dir, log_norm, cos_sin, mask)
+                res_dir, log_norm = self.sublayer(kind, i, block, br, res_dir, log_norm, cos_sin, mask, **extra)
         if self.thresholds is not None:
             self.thresholds.finish()
+        if cache is not None:
+            cache.advance(T)
         if logits_at is not None:
             res_dir, log_norm = res_dir[logits_at], log_norm[logits_at]
         # cosine with each unit-RMS lm_head row, times the carried norm; no soft-cap
@@ -255,7 +259,7 @@ class NAGGPT(GPT):
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
 
-    def sublayer(self, kind, layer, block, br, res_dir, log_norm, cos_sin, mask):
+    def sublayer(self, kind, layer, block, br, res_dir, log_norm, cos_sin, mask, kv=None):
         """One NAG update. With MoD the sub-layer output is f̂ = f(R̄) + X_l for the tokens whose rotation
         score r = atan(α·m)/atan(α) is above the threshold and X_l alone for the others (which f never sees)."""
         mod_logits = br.m_down(res_dir)
@@ -267,7 +271,7 @@ class NAGGPT(GPT):
             m = modulator(mod_logits.detach(), br.coef.detach(), br.beta_raw.detach(), self.nag.mod_floor)
             execute = self.thresholds.decide(kind, layer, rotation_score(alpha, m))
             bound = self.thresholds.bound(kind, execute)  # training MLP: a static length, no host sync
-        out = run_executed(kind, block, res_dir, cos_sin, mask, execute, bound)
+        out = run_executed(kind, block, res_dir, cos_sin, mask, execute, bound, kv)
         if self.mod is not None and self.mod.covers(kind):
             out = out + self.mod_base[f"{kind}_{layer}"].to(out.dtype)
         return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, alpha,

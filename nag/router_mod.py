@@ -86,25 +86,26 @@ class RouterMoDGPT(GPT):
 
     # ----- forward -----
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None):
+    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
         T = idx.size(1)
-        cos_sin = self.rotary(T, positions)
-        masks = self.attention_masks(T, idx.device, positions, allowed)
+        cos_sin, masks, kvs = self.attention_inputs(T, idx.device, positions, allowed, cache)
         x = norm(self.wte(idx).to(self.compute_dtype))
-        for i, (block, mask) in enumerate(zip(self.blocks, masks)):
+        for i, (block, mask, kv) in enumerate(zip(self.blocks, masks, kvs)):
             for kind in KINDS:
-                x = x + self.routed(kind, i, block, norm(x), cos_sin, mask)
+                x = x + self.routed(kind, i, block, norm(x), cos_sin, mask, kv)
         self.thresholds.finish()
+        if cache is not None:
+            cache.advance(T)
         logits = self.logits_from_hidden(x if logits_at is None else x[logits_at])
         if targets is None:
             return logits
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
                                                  reduction=loss_reduction)
 
-    def routed(self, kind, layer, block, h, cos_sin, mask):
+    def routed(self, kind, layer, block, h, cos_sin, mask, kv=None):
         if not self.mod.skips(kind):
-            return run_executed(kind, block, h, cos_sin, mask, None)
+            return run_executed(kind, block, h, cos_sin, mask, None, kv=kv)
         gate = torch.sigmoid(self.routers[f"{kind}_{layer}"](h).float())  # (B, T, 1)
         execute = self.thresholds.decide(kind, layer, gate.squeeze(-1))
-        out = run_executed(kind, block, h, cos_sin, mask, execute, self.thresholds.bound(kind, execute))
+        out = run_executed(kind, block, h, cos_sin, mask, execute, self.thresholds.bound(kind, execute), kv)
         return out * gate.to(h.dtype)

@@ -80,8 +80,10 @@ class CausalSelfAttention(nn.Module):
         self.c_v = Linear(d, self.n_kv_head * hd, device=device)
         self.c_proj = Linear(d, d, device=device)
 
-    def forward(self, x, cos_sin, mask):
-        """mask: None for plain causal attention, else a bool mask of the keys each query sees."""
+    def forward(self, x, cos_sin, mask, kv=None):
+        """mask: None for plain causal attention, else a bool mask of the keys each query sees.
+        kv: this layer's KV cache (nanochat/engine.py) when decoding: x holds the new positions only, their keys and
+        values are appended to the cached ones, and mask (queries × every key so far) is always given."""
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
@@ -90,6 +92,8 @@ class CausalSelfAttention(nn.Module):
         q = norm(apply_rotary(q, cos, sin)) * QK_SCALE
         k = norm(apply_rotary(k, cos, sin)) * QK_SCALE
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if kv is not None:
+            k, v = kv.extend(k, v)
         gqa = self.n_kv_head != self.n_head
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -115,8 +119,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, device=device)
         self.mlp = MLP(config, device=device)
 
-    def forward(self, x, cos_sin, mask):
-        x = x + self.attn(norm(x), cos_sin, mask)
+    def forward(self, x, cos_sin, mask, kv=None):
+        x = x + self.attn(norm(x), cos_sin, mask, kv)
         x = x + self.mlp(norm(x))
         return x
 
@@ -281,39 +285,47 @@ class GPT(nn.Module):
         masks = {w: None if plain and w >= T else (allowed & (delta < w))[:, None] for w in set(self.windows)}
         return [masks[w] for w in self.windows]
 
+    def cached_masks(self, start, T, device):
+        """Per layer, the keys that queries at positions start..start+T-1 see among the positions 0..start+T-1
+        (decoding with a KV cache): causal, and within the layer's window. Always a bool mask (1, 1, T, start+T):
+        SDPA's is_causal aligns a short query block with the first keys, not the last."""
+        delta = torch.arange(start, start + T, device=device)[:, None] - torch.arange(start + T, device=device)[None]
+        masks = {w: ((delta >= 0) & (delta < w))[None, None] for w in set(self.windows)}
+        return [masks[w] for w in self.windows]
+
+    def attention_inputs(self, T, device, positions=None, allowed=None, cache=None):
+        """(cos_sin, per-layer masks, per-layer KV caches) of a forward over T positions: the first T of a row, the
+        packed rows of evaluation, or, with a cache, the T positions after those it holds."""
+        if cache is None:
+            return self.rotary(T, positions), self.attention_masks(T, device, positions, allowed), [None] * len(self.blocks)
+        assert positions is None and allowed is None, "a KV cache decodes plain rows"
+        start = cache.pos
+        assert start + T <= cache.max_len, f"{start + T} positions do not fit the KV cache ({cache.max_len})"
+        at = torch.arange(start, start + T, device=device)[None]
+        return self.rotary(T, at), self.cached_masks(start, T, device), cache.layers
+
     def logits_from_hidden(self, x):
         logits = self.lm_head(norm(x)).float()
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None):
+    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
         """Logits (B, T, V), or the loss against targets. Evaluation may pack rows (positions, allowed: see
-        attention_masks) and ask for the logits at some (rows, cols) only: (N, V)."""
+        attention_masks) and ask for the logits at some (rows, cols) only: (N, V). Decoding passes a KV cache
+        (nanochat/engine.py): idx then holds the positions after the cached ones, and the cache takes theirs."""
         T = idx.size(1)
-        cos_sin = self.rotary(T, positions)
-        masks = self.attention_masks(T, idx.device, positions, allowed)
+        cos_sin, masks, kvs = self.attention_inputs(T, idx.device, positions, allowed, cache)
         x = norm(self.wte(idx).to(self.compute_dtype))
-        for block, mask in zip(self.blocks, masks):
-            x = block(x, cos_sin, mask)
+        for block, mask, kv in zip(self.blocks, masks, kvs):
+            x = block(x, cos_sin, mask, kv)
+        if cache is not None:
+            cache.advance(T)
         logits = self.logits_from_hidden(x if logits_at is None else x[logits_at])
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
 
-    @torch.inference_mode()
-    def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
-        """Yield up to max_tokens sampled ids after the prompt `tokens` (list of ids). temperature 0 = greedy."""
-        device = self.cos.device
-        rng = torch.Generator(device=device).manual_seed(seed)
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        for _ in range(max_tokens):
-            logits = self(ids[:, -self.config.sequence_len:])[:, -1, :]
-            if temperature == 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
-                probs = F.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=rng)
-            ids = torch.cat([ids, nxt], dim=1)
-            yield nxt.item()
+    def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42, use_cache=True):
+        """Yield up to max_tokens sampled ids after the prompt `tokens` (list of ids), with a KV cache; temperature
+        0 = greedy. Stops early when the context (sequence_len positions) is full (nanochat/engine.py)."""
+        from nanochat.engine import generate
+        return generate(self, tokens, max_tokens, temperature=temperature, top_k=top_k, seed=seed, use_cache=use_cache)
