@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from nanochat.flash_attention import masked_attention, window_mask
 from nanochat.gpt import norm, apply_rotary, QK_SCALE
 
 BLOCKS = ("attn", "mlp", "both")
@@ -289,9 +289,11 @@ def attention_executed(attn, x, cos_sin, mask, execute, bound=None, kv=None):
     if kv is not None:
         k, v = kv.extend(k, v)  # every key so far; a cache always comes with its mask
     Tk = k.size(2)
-    allowed = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+    # the gathered queries sit at scattered positions, which FA3's causal window cannot express: always a mask
+    # (a plain row's None is causal within the layer's window, as in CausalSelfAttention)
+    allowed = mask if mask is not None else window_mask(T, attn.window, x.device)[None, None]
     rows = torch.gather(allowed.expand(B, 1, T, Tk), 2, qpos[:, None, :, None].expand(B, 1, Tq, Tk))
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=rows, enable_gqa=KV != H)
+    y = masked_attention(q, k, v, rows)
     y = torch.where(valid[..., None], attn.c_proj(y.transpose(1, 2).reshape(B, Tq, D)), 0)
     return x.new_zeros(B, T, D).scatter(1, qpos[..., None].expand(B, Tq, D), y.to(x.dtype))
 

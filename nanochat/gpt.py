@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat.flash_attention import causal_attention, masked_attention, load_fa3
+
 
 @dataclass
 class GPTConfig:
@@ -79,9 +81,12 @@ class CausalSelfAttention(nn.Module):
         self.c_k = Linear(d, self.n_kv_head * hd, device=device)
         self.c_v = Linear(d, self.n_kv_head * hd, device=device)
         self.c_proj = Linear(d, d, device=device)
+        self.window = config.sequence_len  # this layer's window, set by GPT from the pattern
+        self.kernel = "sdpa"  # of plain rows: "sdpa" or "fa3" (GPT.set_attention)
 
     def forward(self, x, cos_sin, mask, kv=None):
-        """mask: None for plain causal attention, else a bool mask of the keys each query sees.
+        """mask: None for a plain row (causal, within this layer's window: FA3's own window support, or SDPA's
+        is_causal / a window mask), else a bool mask of the keys each query sees (always SDPA).
         kv: this layer's KV cache (nanochat/engine.py) when decoding: x holds the new positions only, their keys and
         values are appended to the cached ones, and mask (queries × every key so far) is always given."""
         B, T, _ = x.shape
@@ -91,16 +96,14 @@ class CausalSelfAttention(nn.Module):
         cos, sin = cos_sin
         q = norm(apply_rotary(q, cos, sin)) * QK_SCALE
         k = norm(apply_rotary(k, cos, sin)) * QK_SCALE
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        if kv is not None:
-            k, v = kv.extend(k, v)
-        gqa = self.n_kv_head != self.n_head
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if mask is None and kv is None:
+            y = causal_attention(q, k, v, self.window, self.kernel)  # (B, T, H, D) in and out
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        y = y.transpose(1, 2).reshape(B, T, -1)
-        return self.c_proj(y)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            if kv is not None:
+                k, v = kv.extend(k, v)
+            y = masked_attention(q, k, v, mask).transpose(1, 2)
+        return self.c_proj(y.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -135,6 +138,9 @@ class GPT(nn.Module):
         self.windows = layer_windows(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd, device=device)
         self.blocks = nn.ModuleList([Block(config, device=device) for _ in range(config.n_layer)])
+        for block, w in zip(self.blocks, self.windows):
+            block.attn.window = w
+        self.attention = "sdpa"  # the kernel of plain rows (set_attention)
         self.lm_head = Linear(config.n_embd, config.vocab_size, device=device)
         # rotary tables are derived state, rebuilt by init_weights (not saved in checkpoints)
         self.rotary_len = config.sequence_len * 4
@@ -209,6 +215,16 @@ class GPT(nn.Module):
     def set_compute_dtype(self, dtype):
         self.compute_dtype = dtype
 
+    def set_attention(self, kernel):
+        """The attention kernel of plain rows, "sdpa" or "fa3" (nanochat/flash_attention.py resolves it): set once,
+        before torch.compile. FA3 takes each layer's window itself, so no mask is built for plain rows."""
+        assert kernel in ("sdpa", "fa3"), kernel
+        if kernel == "fa3":
+            load_fa3()  # loaded here, not on the first forward (nor inside a compiled graph)
+        self.attention = kernel
+        for block in self.blocks:
+            block.attn.kernel = kernel
+
     # ----- accounting -----
 
     def matmul_params(self):
@@ -269,12 +285,15 @@ class GPT(nn.Module):
         return self.cos[0, positions].to(dt), self.sin[0, positions].to(dt)
 
     def attention_masks(self, T, device, positions=None, allowed=None):
-        """Per layer, the keys each query sees: None for plain causal attention, else a bool mask.
+        """Per layer, the keys each query sees: None for a plain row the layer attends without a mask (causal, within
+        its window), else a bool mask.
         Packed rows (evaluation) give their positions (B, T) and allowed (B, T, T): which tokens each token may
-        attend to. Sliding windows count in positions, not in offsets along the row."""
+        attend to. Sliding windows count in positions, not in offsets along the row.
+        Plain rows under FA3 need no mask at all: the kernel takes each layer's window (window_size). Packed rows
+        keep their masks under either kernel: FA3's causal window cannot say where a document ends."""
         assert (positions is None) == (allowed is None), "packed rows need both positions and allowed"
         plain = allowed is None
-        if plain and all(w >= T for w in self.windows):
+        if plain and (self.attention == "fa3" or all(w >= T for w in self.windows)):
             return [None] * len(self.windows)
         if plain:
             positions = torch.arange(T, device=device)[None]

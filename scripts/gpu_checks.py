@@ -50,6 +50,9 @@ def stages(quick, eval_bundle=None):
     out = [
         Stage("kernel_tests", "fused-kernel CUDA tests: vs the reference, inductor compile, sm_90 build",
               [py, "-m", "scripts.gpu_checks", "--kernel-tests", "{json}"], 180, 100, kernel_figures),
+        # FA3 only where its hub kernel is installed and cached (no network here): else SDPA alone, and the reason
+        Stage("attention", "attention alone, FA3 vs SDPA, 16 × 2048, 5 heads × 128, bf16, windows L and S; FA3 compiled",
+              [py, "-m", "scripts.bench_attention", "--compile", "--json", "{json}"], 60, 30, attention_figures),
         Stage("branch_op", "branch op alone, 16 × 2048 rows × 640, bf16: GB/s against a copy",
               [py, "-m", "scripts.bench_nag", "--sections", "op", "--impls", "reference,compiled,fused",
                "--op-rows", str(16 * 2048), "--op-dim", "640", "--json", "{json}"], 120, 45, op_figures),
@@ -193,6 +196,19 @@ def kernel_figures(d):
     return f"{d['passed']} passed ({d['cuda_passed']} CUDA), {d['skipped']} skipped" + (f": {', '.join(skipped)}" if skipped else "")
 
 
+def attention_figures(d):
+    cells = [f"{r['kernel']} {r['window']} {r['fwd_bwd_ms']:.2f} ms" for r in d["results"]]
+    cells += [f"{x['window']}: fa3 {x['speedup']:.2f}× as fast, |fa3 − sdpa| out {x['out']:.1e}, grads "
+              f"{max(x['grad_q'], x['grad_k'], x['grad_v']):.1e}" for x in d["fa3_vs_sdpa"]]
+    if not d["fa3_vs_sdpa"]:
+        cells.append(f"FA3 not run: {d['attention']['reason']}")
+    c = d.get("compile")
+    if c:
+        cells.append(f"{c['kernel']} compiled: " + (f"{'fullgraph' if c['fullgraph'] else 'graph break'}, {c['compile_s']:.0f} s, "
+                                                    f"{c['fwd_bwd_ms']:.2f} ms" if "compile_s" in c else f"failed: {c['error']}"))
+    return "fwd+bwd " + "; ".join(cells)
+
+
 def op_figures(d):
     op = d["op"]
     cells = [f"{impl} fwd {r['forward_gbps']:.0f} GB/s ({100 * r['forward_of_copy']:.0f}%), bwd {r['backward_gbps']:.0f} GB/s "
@@ -251,6 +267,11 @@ def headline(out):
         lines.append(f"- measured at 64 blocks: step time {n64['step_ms'] / g64['step_ms']:.3f}× (GPT {g64['step_ms']:.0f} ms, "
                      f"NAG {n64['step_ms']:.0f} ms), peak memory {n64['peak_mem_gib'] / g64['peak_mem_gib']:.3f}×"
                      + (f", GPT MFU {100 * g64['mfu']:.1f}%" if "mfu" in g64 else ""))
+    attn = load(out, "attention")
+    for x in (attn or {}).get("fa3_vs_sdpa", []):
+        ms = {r["kernel"]: r["fwd_bwd_ms"] for r in attn["results"] if r["window"] == x["window"]}
+        lines.append(f"- attention alone, window {x['window']}, 16 × 2048, 5 heads × 128: FA3 {ms['fa3']:.2f} ms, SDPA {ms['sdpa']:.2f} ms "
+                     f"forward + backward ({x['speedup']:.2f}×); outputs differ by at most {x['out']:.1e}")
     op = (load(out, "branch_op") or {}).get("op")
     if op and "fused" in op["impls"]:
         f = op["impls"]["fused"]

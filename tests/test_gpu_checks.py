@@ -140,7 +140,7 @@ def test_headline_carries_two_depths_to_64(tmp_path):
 
 def test_quick_plan_fits_eight_minutes():
     quick = gpu_checks.stages(quick=True)
-    assert [s.name for s in quick] == ["kernel_tests", "branch_op", "step", "depth", "blocks", "mfu"]
+    assert [s.name for s in quick] == ["kernel_tests", "attention", "branch_op", "step", "depth", "blocks", "mfu"]
     assert sum(s.expect for s in quick) <= 480 and all(s.timeout < 240 for s in quick)
     full = gpu_checks.stages(quick=False, eval_bundle="/bundle")
     assert [s.name for s in full[len(quick):]] == ["published_gpt", "published_nag", "published_blocks", "mod", "core_batching"]
