@@ -21,10 +21,12 @@ import subprocess
 from dataclasses import dataclass
 
 # The CUDA caching allocator reads its settings once, no later than its first allocation, so they are set here, before
-# torch is even imported: the earliest point of start-up. Expandable segments grow a block of memory in place instead of reserving new fixed-size ones, so
-# the varying sizes of a step (evaluation batches, the optimizer's temporaries) do not fragment memory into reserved
-# but unusable pieces. A user's own setting, under either name torch reads, wins; without CUDA nothing reads it.
-if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+# torch is even imported: the earliest point of a training process's start-up (python -m scripts.base_train, what
+# torchrun starts; a module that merely imports this one keeps its environment). Expandable segments let a block of
+# memory grow in place instead of reserving new fixed-size ones, so the varying sizes of a run (evaluation batches,
+# the optimizer's temporaries) do not fragment memory into reserved but unusable pieces. A user's own setting, under
+# either name torch reads, wins; without CUDA nothing reads it.
+if __name__ == "__main__" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 import torch
@@ -440,8 +442,8 @@ RESUME_KEYS = ("arch", "model_config", "total_batch_size")
 
 # flags that change no number a run trains: where and how often it reports and saves, how it is launched
 NOT_SETTINGS = {"run", "resume", "dry_run", "dry_run_vocab", "change_horizon", "change_settings", "preset", "device_type", "compile",
-                "eval_every", "eval_tokens", "save_every", "log_every", "nag_gate_log_every", "nag_impl", "keep_checkpoints", "step_timeout",
-                "start_timeout",
+                "eval_every", "eval_tokens", "save_every", "log_every", "nag_gate_log_every", "nag_impl", "keep_checkpoints",
+                "step_timeout", "start_timeout",
                 "num_iterations", "target_flops", "target_param_data_ratio"}  # the horizon has its own check (--change-horizon)
 
 
@@ -812,7 +814,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         if not logged:
             continue
 
-        train_loss, stopping = train_loss.item(), stopping or reduced[1].item() > 0  # the step's one host sync
+        train_loss, stopping = train_loss.item(), stopping or reduced[1].item() > 0  # waits for the optimizer step: logged steps only
         timer.mark("sync_log")
         row = {"step": step, "tokens": step * total_batch, "flops": step * total_batch * flops_per_token,
                "train_loss": train_loss, "lr_mult": lrm}

@@ -29,6 +29,7 @@ import argparse
 from nanochat.common import UserError, exit_on_user_error, get_base_dir, atomic_write_bytes, atomic_write_json, ensure_writable_dir
 from nanochat.checkpoint_manager import resolve_run_dir, get_run_dir
 from nanochat.core_eval import NUM_CORE_TASKS, load_records
+from nanochat.step_timer import PHASES, LABELS
 from nanochat import stats
 
 N_RESAMPLES = 10000
@@ -831,7 +832,52 @@ def make_figures(runs, out_dir, beta, pairs=()):
     forest_plot(pairs, out_dir, figures)
     step_plot(runs, out_dir, figures)
     mod_curve_plot(runs, out_dir, figures)
+    step_time_plot(runs, out_dir, figures)
     return figures
+
+
+def time_shares(run):
+    """{part: its mean share of a logged step's time} over the rows with a breakdown (metrics.jsonl `time`, docs/runs.md),
+    or None for a run trained before base_train measured one. Each row counts once, whatever interval it covers."""
+    rows = [r["time"] for r in run["metrics"] if isinstance(r.get("time"), dict) and sum(r["time"].values()) > 0]
+    if not rows:
+        return None
+    return {p: sum(t.get(p, 0.0) / sum(t.values()) for t in rows) / len(rows) for p in PHASES}
+
+
+def step_time_plot(runs, out_dir, figures):
+    """One stacked bar per run: the mean share of each part of a logged step."""
+    import matplotlib.pyplot as plt
+    shares = [(r, time_shares(r)) for r in runs]
+    shares = [(r, s) for r, s in shares if s]
+    if not shares:
+        return
+    fig, ax = plt.subplots(figsize=(2.5 + 1.2 * len(shares), 4.5))
+    x = range(len(shares))
+    bottom = [0.0] * len(shares)
+    for k, phase in enumerate(PHASES):
+        h = [100 * s[phase] for _, s in shares]
+        ax.bar(x, h, bottom=bottom, width=0.6, color=f"C{k}", label=LABELS[phase])
+        for i, (b, v) in enumerate(zip(bottom, h)):
+            if v >= 4:  # a label only where it fits
+                ax.text(i, b + v / 2, f"{v:.0f}%", ha="center", va="center", fontsize=8, color="white")
+        bottom = [b + v for b, v in zip(bottom, h)]
+    ax.set_xticks(list(x), [r["name"] for r, _ in shares])
+    ax.set(ylabel="share of a logged step's time (%)", ylim=(0, 100), title="Where the step time went (mean over logged steps)")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1, 0.5))
+    save_figure(fig, ax, out_dir, "step_time.png", "Step time breakdown: mean share of each part per logged step", figures)
+
+
+def step_time_section(runs, figures):
+    shares = [(r, time_shares(r)) for r in runs]
+    if not any(s for _, s in shares):
+        return ""
+    rows = [[LABELS[p]] + [f"{100 * s[p]:.1f}%" if s else "—" for _, s in shares] for p in PHASES]
+    text = ("## Step time\n\nMean share of each part of a logged step (metrics.jsonl `time`, docs/runs.md); `save` is the "
+            "checkpoint written after the previous row.\n\n" + table(["part"] + [f"`{r['name']}`" for r, _ in shares], rows))
+    if "step_time.png" in figures:
+        text += f"\n\n![{figures['step_time.png']}](step_time.png)"
+    return text + "\n"
 
 
 def mod_curves(runs):
@@ -910,13 +956,16 @@ def compare(run_args, out_dir=None, beta=0.95):
             parts[-1] += f"\n![{figures['core_deltas.png']}](core_deltas.png)\n"
     if several_steps(runs):
         parts.append(steps_section(runs, figures))
-    curves = [f"![{cap}]({name})" for name, cap in figures.items() if not name.startswith(("gate_", "core_deltas", "mod_", "eval_vs_step"))]
+    curves = [f"![{cap}]({name})" for name, cap in figures.items()
+              if not name.startswith(("gate_", "core_deltas", "mod_", "eval_vs_step", "step_time"))]
     parts.append("## Training curves\n\n" + "\n\n".join(curves))
     gates = [f"![{cap}]({name})" for name, cap in figures.items() if name.startswith("gate_")]
     if gates:
         parts.append("## NAG gate telemetry\n\n" + "\n\n".join(gates))
     if mod_curves(runs):
         parts.append(mod_section(runs, figures))
+    if step_time_section(runs, figures):
+        parts.append(step_time_section(runs, figures))
     analysis = os.path.join(get_base_dir(), "reports", "analysis_" + "_vs_".join(os.path.basename(r["dir"]) for r in runs), "analysis.md")
     if os.path.exists(analysis):  # written by `python -m analysis` for the same runs
         rel = os.path.relpath(analysis, out_dir)

@@ -86,10 +86,17 @@ def test_report_of_a_pair(pair, capsys):
     assert "`--depth`" not in report and "`model_config.n_layer`" not in report
     assert table_row(report, "`nag_config.mod_floor`")[0] == "—"
 
-    for name in ("train_loss_vs_flops.png", "val_bpb_vs_flops.png", "gate_gain_by_depth.png", "gate_dead_branches.png"):
+    for name in ("train_loss_vs_flops.png", "val_bpb_vs_flops.png", "gate_gain_by_depth.png", "gate_dead_branches.png", "step_time.png"):
         data = open(os.path.join(os.path.dirname(path), name), "rb").read()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
         assert f"]({name})" in report
+    # the step-time breakdown: each part's mean share over the logged steps, a column per run adding up to 100%
+    for k, a in enumerate(("gpt", "nag")):
+        rows = [r["time"] for r in metrics[a] if "time" in r]
+        assert len(rows) == 6
+        fwd_bwd = sum(t["fwd_bwd"] / sum(t.values()) for t in rows) / len(rows)
+        assert table_row(report, "fwd+bwd")[k] == f"{100 * fwd_bwd:.1f}%"
+        assert abs(sum(float(table_row(report, part)[k][:-1]) for part in ("data", "fwd+bwd", "optim", "sync+log", "eval", "save")) - 100) < 0.5
     assert "partial CORE" in report and "missing: gone_task" in report
 
 
@@ -106,7 +113,8 @@ def test_run_without_eval_gets_training_parts(pair, tmp_path, capsys):
     # a single gpt run: no gate figures, nothing to diff
     path = compare.main([pair["runs"]["gpt"], "--out", str(tmp_path / "solo")])
     assert "nothing to compare" in open(path).read()
-    assert sorted(f for f in os.listdir(tmp_path / "solo") if f.endswith(".png")) == ["train_loss_vs_flops.png", "val_bpb_vs_flops.png"]
+    assert sorted(f for f in os.listdir(tmp_path / "solo") if f.endswith(".png")) == ["step_time.png", "train_loss_vs_flops.png",
+                                                                                      "val_bpb_vs_flops.png"]
 
 
 def edited_copy(pair, arch, dest, correct=None, settings_edit=None, items_edit=None):
@@ -395,6 +403,8 @@ def test_several_evaluated_steps_are_plotted(hand_base, capsys):
     assert table_row(report, "`a` | 4")[1] == f"{eval_record(4, 1.4)['val_bpb']:.4f}"
     assert "(partial, 3/22, interrupted)" in table_row(report, "`a` | 4")[2] and table_row(report, "`b` | 3")[2] == "—"
     assert "## Evaluated steps" in report
+    # runs logged before base_train measured where a step's time goes: no breakdown, no empty figure
+    assert "## Step time" not in report and not os.path.exists(os.path.join(hand_base, "reports", "a@6_vs_b@6", "step_time.png"))
 
 
 @pytest.mark.parametrize("how", ["file in the way", "read-only"])

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 
 import pytest
 import torch
@@ -122,8 +123,10 @@ def test_bad_inputs_one_line_and_nothing_overwritten(run_base, script_error):
     assert "cannot resume" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2",
                                         "--model-dim", "96")
     # the same total batch in more micro-steps would read other data shards: refused, not silently different
-    assert "grad_accum_steps" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2",
-                                           "--device-batch-size", "2")
+    assert "--device-batch-size 4 → 2" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2",
+                                                    "--device-batch-size", "2")
+    assert "its data was cut into 1 shards" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2",
+                                                         "--device-batch-size", "2", "--change-settings")
     from nanochat.tokenizer import Tokenizer
     real_vocab = Tokenizer.get_vocab_size
     with pytest.MonkeyPatch.context() as mp:
@@ -196,3 +199,140 @@ def test_a_registered_arch_trains_without_touching_base_train(run_base, monkeypa
 
 def test_unknown_arch_is_one_line(run_base, script_error):
     assert "unknown arch 'bert' (expected one of: gpt, nag)" in script_error(tiny_main, "--arch", "bert", "--run", "a", "--num-iterations", "2")
+
+
+# ---------------------------------------------------------------------------
+# the loader off the critical path, and steps that log no row
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from a second thread and lose much of their speed when the cores are busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def final_weights(run_dir, step):
+    return torch.load(os.path.join(run_dir, f"model_{step:06d}.pt"), weights_only=False)["model"]
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prefetch_changes_no_batch_and_resumes_exactly(run_base, monkeypatch, one_thread):
+    """Two micro-steps per step, each micro-batch fetched while the one before trains: the losses and weights of a run
+    that fetches each when it needs it, bit for bit; the checkpoint holds the loader state after the micro-batches
+    consumed (not after the one fetched ahead), so a resume from it continues exactly."""
+    from nanochat import checkpoint_manager as ckpt
+    common = ["--total-batch-size", "512", "--num-iterations", "8", "--save-every", "4", "--eval-every", "100"]
+    fetched, at_save = [0], {}
+    real_loader, real_save = base_train.data_loader, ckpt.save_checkpoint
+
+    def counting_loader(tokenizer, B, T, split, *args, **kwargs):
+        batches = real_loader(tokenizer, B, T, split, *args, **kwargs)
+        return (fetched.__setitem__(0, fetched[0] + 1) or b for b in batches) if split == "train" else batches
+
+    def noting_save(run_dir, step, *args):
+        at_save[(os.path.basename(run_dir), step)] = fetched[0]
+        return real_save(run_dir, step, *args)
+    monkeypatch.setattr(base_train, "data_loader", counting_loader)
+    monkeypatch.setattr(ckpt, "save_checkpoint", noting_save)
+    ahead = train(*common, "--run", "ahead")
+    fetched[0] = 0
+    monkeypatch.setattr(base_train, "PREFETCH", False)
+    plain = train(*common, "--run", "plain")
+    assert at_save == {("ahead", 4): 9, ("ahead", 8): 16, ("plain", 4): 8, ("plain", 8): 16}  # one ahead, none past the end
+    assert [r["train_loss"] for r in read_metrics(ahead)] == [r["train_loss"] for r in read_metrics(plain)]
+    assert same_weights(final_weights(ahead, 8), final_weights(plain, 8))
+    states = [ckpt.load_train_state(d, 4, 0)["dataloader"] for d in (ahead, plain)]
+    assert states[0] == states[1] and len(states[0]) == 2
+    monkeypatch.setattr(base_train, "PREFETCH", True)
+    full = [r["train_loss"] for r in read_metrics(ahead)]
+    train(*common, "--run", "ahead", "--resume", "4")
+    assert [r["train_loss"] for r in read_metrics(ahead)] == full
+    assert same_weights(final_weights(ahead, 8), final_weights(plain, 8))
+
+
+def test_log_every_4_logs_every_fourth_step_and_sigterm_still_saves(run_base, monkeypatch, one_thread):
+    """--log-every 4: rows at 4, 8 and the last step, the weights of --log-every 1. A SIGTERM during step 5 reaches the
+    all-reduce of step 6, which logs no row: it is read during step 7, which logs, saves a complete checkpoint and exits
+    EXIT_PREEMPTED; the resumed run ends with the same weights."""
+    from nanochat import checkpoint_manager as ckpt
+    from nanochat.distributed import EXIT_PREEMPTED
+    from nanochat.optim import MuonAdamW
+    common = ["--num-iterations", "10", "--save-every", "0", "--eval-every", "100"]
+    every1 = read_metrics(train(*common, "--run", "one"))
+    four = train(*common, "--run", "four", "--log-every", "4")
+    rows = read_metrics(four)
+    assert [r["step"] for r in rows] == [0, 4, 8, 10]
+    assert [r["train_loss"] for r in rows] == [every1[s]["train_loss"] for s in (0, 4, 8, 10)]
+    assert rows[1]["time"]["fwd_bwd"] > 0 and rows[1]["tok_per_sec"] > 0  # the row's interval covers four steps
+    one = os.path.join(run_base, "runs", "one")
+    assert same_weights(final_weights(four, 10), final_weights(one, 10))
+
+    calls, real_step = [0], MuonAdamW.step
+
+    def step_then_sigterm(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self, *args, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MuonAdamW, "step", step_then_sigterm)
+        with pytest.raises(SystemExit) as stopped:
+            train(*common, "--run", "stopped", "--log-every", "4")
+    assert stopped.value.code == EXIT_PREEMPTED
+    run_dir = os.path.join(run_base, "runs", "stopped")
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 4, 7] and ckpt.complete_steps(run_dir) == [7]
+    train(*common, "--run", "stopped", "--log-every", "4", "--resume", "latest")
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 4, 7, 8, 10]
+    assert same_weights(final_weights(run_dir, 10), final_weights(one, 10))
+
+
+def test_log_every_still_stops_on_a_nonfinite_step(run_base, script_error, monkeypatch, one_thread):
+    """A NaN gradient in step 3, which logs no row with --log-every 4: named during step 4, before any checkpoint of it."""
+    param, backward_calls = "blocks.1.mlp.c_fc.weight", [0]
+    original_init = GPT.init_weights
+
+    def init_with_poison(self):
+        original_init(self)
+
+        def poison(g):
+            backward_calls[0] += 1
+            return g * float("nan") if backward_calls[0] == 3 else g
+        dict(self.named_parameters())[param].register_hook(poison)
+    monkeypatch.setattr(GPT, "init_weights", init_with_poison)
+    err = script_error(tiny_main, "--run", "r", "--num-iterations", "8", "--save-every", "2", "--eval-every", "100", "--log-every", "4")
+    assert "non-finite gradient at step 3" in err and param in err and "seen during step 4" in err
+    run_dir = os.path.join(run_base, "runs", "r")
+    assert sorted(f for f in os.listdir(run_dir) if f.startswith("model_")) == ["model_000002.pt"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 2]
+
+
+ALLOC_CHECK = """
+import os, sys, runpy, contextlib, io
+def start():  # the module as `python -m scripts.base_train --help` runs it: to the end of its start-up, nothing trained
+    sys.argv = ["base_train", "--help"]
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+        runpy.run_module("scripts.base_train", run_name="__main__")
+os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:False"  # the user's own, under torch's newer name
+start()
+print("user", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+del os.environ["PYTORCH_ALLOC_CONF"]
+start()
+print("unset", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+"""
+
+
+def test_training_process_sets_the_allocator_unless_the_user_did():
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    out = subprocess.run([sys.executable, "-c", ALLOC_CHECK], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "user None\n" in out.stdout and "unset expandable_segments:True\n" in out.stdout, out.stdout[-2000:]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # importing base_train (this test session did) changes nothing

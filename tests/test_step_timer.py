@@ -1,0 +1,84 @@
+"""Where a step's time goes: the parts of each metrics row add up to its step time, and time spent in a part lands there."""
+
+import os
+import re
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import TINY_TRAIN
+from scripts import base_train
+from nanochat import checkpoint_manager as ckpt
+from nanochat.optim import MuonAdamW
+from nanochat.step_timer import StepTimer, Readback, biggest
+
+DATA_S, OPTIM_S, EVAL_S, SAVE_S = 0.02, 0.01, 0.05, 0.1  # added to every train micro-batch, optimizer step, evaluation, save
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_timer_parts_tile_the_interval():
+    timer = StepTimer("cpu")
+    time.sleep(0.01)
+    timer.mark("data")
+    timer.mark("fwd_bwd")
+    time.sleep(0.02)
+    timer.mark("data")  # a phase may come back: its parts add up
+    parts, wall = timer.read()
+    assert list(parts) == ["data", "fwd_bwd"] and parts["data"] >= 0.03 and abs(sum(parts.values()) - wall) < 1e-3
+    time.sleep(0.01)
+    timer.mark("save")
+    parts, _ = timer.read()  # the next interval starts at the last mark of the one before
+    assert list(parts) == ["save"] and 0.01 <= parts["save"] < 0.5
+    assert biggest({"fwd_bwd": 3.0, "data": 1.0}) == "fwd+bwd 75%" and biggest({}) == ""
+
+
+def test_readback_gives_the_value_put_one_step_before():
+    late = Readback("cpu")
+    assert late.take() is None
+    t = torch.tensor([1.5, 0.0])
+    late.put(t, (3, ["w"]))
+    t.fill_(7.0)  # the step goes on with its own tensors: the value read is the one put
+    assert late.take() == ([1.5, 0.0], (3, ["w"])) and late.take() is None
+
+
+def test_breakdown_adds_up_to_the_step_time(run_base, monkeypatch, capsys):
+    """A run with every part slowed down: each row's parts (eval and save aside) are its step time, time put into a
+    part lands in that part, and the rows together cover the wall clock between optimizer steps."""
+    ends = []
+    real_step, real_loader, real_eval, real_save = MuonAdamW.step, base_train.data_loader, base_train.evaluate_bpb_shared, ckpt.save_checkpoint
+
+    def slow_step(self, *args, **kwargs):
+        time.sleep(OPTIM_S)
+        real_step(self, *args, **kwargs)
+        ends.append(time.perf_counter())
+
+    def slow_loader(tokenizer, B, T, split, *args, **kwargs):
+        batches = real_loader(tokenizer, B, T, split, *args, **kwargs)
+        if split != "train":
+            return batches
+        return (time.sleep(DATA_S) or b for b in batches)
+    monkeypatch.setattr(MuonAdamW, "step", slow_step)
+    monkeypatch.setattr(base_train, "data_loader", slow_loader)
+    monkeypatch.setattr(base_train, "evaluate_bpb_shared", lambda *a: time.sleep(EVAL_S) or real_eval(*a))
+    monkeypatch.setattr(ckpt, "save_checkpoint", lambda *a: time.sleep(SAVE_S) or real_save(*a))
+    run_dir = base_train.main(TINY_TRAIN + ["--run", "bd", "--num-iterations", "8", "--eval-every", "4", "--save-every", "3"])
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    for r in rows:
+        t = r["time"]
+        assert {"fwd_bwd", "optim", "sync_log"} <= set(t)
+        # each step fetches the next one's micro-batch while the device works; the last has none to fetch
+        assert ("data" in t) == (r["step"] < 8) and t.get("data", DATA_S) >= DATA_S, t
+        assert ("eval" in t) == ("val_bpb" in r) and ("save" in t) == (r["step"] - 1 in (3, 6))  # a save shows in the next row
+        training = sum(v for k, v in t.items() if k not in ("eval", "save"))
+        assert abs(training - 256 / r["tok_per_sec"]) < 1e-6, r  # the step time behind tok/s and elapsed
+        assert t["optim"] >= OPTIM_S and t.get("eval", EVAL_S) >= EVAL_S and t.get("save", SAVE_S) >= SAVE_S, t
+    # independent of the timer: the rows of steps 2..7, eval and save included, span the wall clock from the end of
+    # step 1's optimizer step to the end of step 7's (each row is read a logging's worth of time after it)
+    covered = sum(sum(r["time"].values()) for r in rows[1:7])
+    measured = ends[6] - ends[0]
+    assert abs(covered - measured) < 0.03 + 0.05 * measured, (covered, measured)  # < a save: one left out would show
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 0000")]
+    assert all(re.search(r" \| (data|fwd\+bwd|optim|sync\+log|eval|save) \d+% \| ", line) for line in lines if "tok/s" in line)
