@@ -48,6 +48,7 @@ from nanochat.dataloader import data_loader
 from nanochat.loss_eval import held_batches, shared_batches, evaluate_bpb_shared
 from nanochat.stats import bpb_delta_interval, core_delta_interval
 from nanochat.core_eval import ensure_eval_bundle, evaluate_core, save_records, load_records, records_by_task
+from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
 from nanochat import checkpoint_manager as ckpt
 from scripts.archs import load_model
 from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
@@ -91,6 +92,8 @@ def build_parser():
     p.add_argument("--eval-bundle", type=str, default="", help="CORE eval bundle dir (default: <base_dir>/eval_bundle, downloaded once)")
     p.add_argument("--sample-tokens", type=int, default=16, help="tokens generated per sample")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--attn", type=str, default="auto", choices=list(ATTN_CHOICES),
+                   help="attention kernel of bpb (auto: FlashAttention-3 on Hopper when it loads, else SDPA; CORE's packed rows use masks)")
     p.add_argument("--mod-rate", type=str, default="", help="MoD trade-off curve: comma-separated target skip rates, e.g. 0.05,0.1,0.2")
     p.add_argument("--mod-blocks", type=str, default="both", choices=BLOCKS, help="sub-layers skipped along the curve")
     p.add_argument("--mod-calib-tokens", type=int, default=2 ** 20, help="train-split tokens that calibrate each rate's thresholds")
@@ -477,6 +480,8 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
         raise UserError(f"--mod-rate: {run_dir} holds a {meta['arch']!r} checkpoint, which has no router to score tokens by "
                         "(train the router-MoD baseline with --mod-router, or use a NAG checkpoint)")
     model.set_compute_dtype(compute_dtype_for(device_type))
+    attn_kernel, attn_reason = resolve_attention(args.attn, device, compute_dtype_for(device_type))
+    model.set_attention(attn_kernel)
     if "tokens" in meta:  # NAG's alpha warm-up is a function of tokens seen: evaluate the model as it was trained
         model.set_tokens_seen(meta["tokens"])
     step = meta["step"]
@@ -501,7 +506,8 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     old, done = broadcast((old, done))  # every rank resumes CORE at the same task
     record = {"run": os.path.basename(os.path.normpath(run_dir)), "step": step, "arch": meta["arch"], "tokens": meta.get("tokens"),
               "fingerprints": {k: v if v is not None else (old.get("fingerprints") or {}).get(k) for k, v in fingerprints.items()},
-              "checkpoint_fingerprints": meta.get("fingerprints"), "world_size": world_size}
+              "checkpoint_fingerprints": meta.get("fingerprints"), "world_size": world_size,
+              "attention": {"requested": args.attn, "kernel": attn_kernel, "reason": attn_reason}}
     for fields in SECTION_FIELDS.values():
         record.update({k: old.get(k, default) for k, default in fields.items()})
 

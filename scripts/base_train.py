@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from nanochat.common import UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes, ensure_writable_dir, script_argv, START_TIMEOUT
 from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
+from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
 from nanochat.step_timer import StepTimer, Readback, biggest
 from nanochat.gpt import GPTConfig
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
@@ -63,6 +64,8 @@ def build_parser():
     p.add_argument("--data-seed", type=int, default=None,
                    help="seed of the order the train documents are read in (row groups shuffled per epoch; default: file order)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model (default: on for cuda)")
+    p.add_argument("--attn", type=str, default="auto", choices=list(ATTN_CHOICES),
+                   help="attention kernel: auto = FlashAttention-3 on Hopper when its hub kernel loads (pip install kernels), else SDPA")
     # model
     p.add_argument("--depth", type=int, default=20)
     p.add_argument("--aspect-ratio", type=int, default=64, help="model dim = depth × aspect ratio, rounded up to a multiple of head dim")
@@ -441,7 +444,7 @@ RESUME_KEYS = ("arch", "model_config", "total_batch_size")
 
 
 # flags that change no number a run trains: where and how often it reports and saves, how it is launched
-NOT_SETTINGS = {"run", "resume", "dry_run", "dry_run_vocab", "change_horizon", "change_settings", "preset", "device_type", "compile",
+NOT_SETTINGS = {"run", "resume", "dry_run", "dry_run_vocab", "change_horizon", "change_settings", "preset", "device_type", "compile", "attn",
                 "eval_every", "eval_tokens", "save_every", "log_every", "nag_gate_log_every", "nag_impl", "keep_checkpoints",
                 "step_timeout", "start_timeout",
                 "num_iterations", "target_flops", "target_param_data_ratio"}  # the horizon has its own check (--change-horizon)
@@ -571,6 +574,7 @@ def train(args, freeze_gc=False):
     is_master = rank == 0
     torch.manual_seed(args.seed)
     compute_dtype = compute_dtype_for(device_type)
+    attn_kernel, attn_reason = resolve_attention(args.attn, device, compute_dtype)  # --attn fa3 where it cannot run: one line
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -584,7 +588,7 @@ def train(args, freeze_gc=False):
     record = plan.record(args)
     record.update(args=vars(args), device_type=device_type, compute_dtype=str(compute_dtype).replace("torch.", ""),
                   git_commit=git_commit(), torch_version=torch.__version__, command=" ".join(sys.argv),
-                  fingerprints=ckpt.fingerprints(tokenizer))
+                  fingerprints=ckpt.fingerprints(tokenizer), attention={"requested": args.attn, "kernel": attn_kernel, "reason": attn_reason})
     run_dir = ckpt.resolve_run_dir(plan.run)
     with contextlib.ExitStack() as stack:
         def open_run_dir():  # rank 0 only; a refusal reaches every rank
@@ -629,6 +633,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
     model.to_empty(device=device)
     model.init_weights()
     model.set_compute_dtype(compute_dtype)
+    model.set_attention(record["attention"]["kernel"])  # before DDP and compile: the compiled graph sees a constant
     optimizer = MuonAdamW(plan.optimizer_groups(args))
 
     loader_states, elapsed = None, 0.0
@@ -679,6 +684,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
     print0(f"run {plan.run} → {run_dir}")
     print0(f"arch {plan.arch} | {record['num_params']:,} params (S = {record['num_scaling_params']:,} for the size rules) | "
            f"d{plan.config.n_layer} dim {plan.config.n_embd} heads {plan.config.n_head} | device {device_type} × {world_size} | {record['compute_dtype']}")
+    print0(f"attention: {record['attention']['kernel']} ({record['attention']['reason']})")
     print0(f"horizon: {num_iterations:,} steps × {total_batch:,} tokens = {record['total_tokens']:,} tokens | "
            f"{flops_per_token:,} FLOPs/token | {record['total_flops']:.3e} FLOPs | grad accum {grad_accum} | "
            f"checkpoint every {plan.save_every or num_iterations} steps")

@@ -49,7 +49,7 @@ PEAK_FLOPS = 989e12
 # base_train flags that change how a run is saved, logged or computed, not what it learns: they add nothing to
 # the tag derived from the flags after `--`, so a rerun with another checkpoint period finds the same runs
 UNNAMED_FLAGS = {"--save-every", "--eval-every", "--eval-tokens", "--log-every", "--nag-gate-log-every", "--nag-impl", "--compile",
-                 "--no-compile", "--change-horizon", "--change-settings", "--keep-checkpoints", "--step-timeout", "--start-timeout"}
+                 "--no-compile", "--attn", "--change-horizon", "--change-settings", "--keep-checkpoints", "--step-timeout", "--start-timeout"}
 # Set for every torchrun launch. torch shares the rendezvous TCP store between torchrun's agent and the workers by
 # default, and a restart after a lost worker can then connect to the previous round's peers and fail or hang
 # (pytorch/pytorch#135712); with a store of the workers' own, every restart in our trials resumed (docs/LOG.md).
