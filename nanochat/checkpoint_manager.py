@@ -2,8 +2,8 @@
 Checkpoints in a run directory, written atomically (temp file + rename):
 
     model_{step:06d}.pt              {"model": state_dict, "meta": meta}   (written once, by rank 0)
-    optim_{step:06d}_rank{r}.pt      dataloader and RNG state, one per rank; rank 0's also holds the
-                                     optimizer state (replicated across ranks, so saved once)
+    optim_{step:06d}_rank{r}.pt      one per rank: its dataloader and RNG state and its share of the optimizer
+                                     state (its rows of each Muon stack; AdamW's on rank 0: nanochat/optim.py)
     meta_{step:06d}.json             the meta dict, human readable; written last, so its presence
                                      (with the files above) marks the checkpoint complete
 

@@ -1,13 +1,25 @@
 """
 Muon + AdamW in one optimizer, chosen per parameter group by its "kind".
 
-The update math lives in two plain functions (`adamw_update`, `muon_update`)
-that act on tensors, so a distributed version can hand each rank its own slice
-of the state (Muon parameters are stacked by shape: a rank owns a range of the
-stack) without touching the math.
+The update math lives in two plain functions (`adamw_update`, `muon_update`) that act on tensors; the optimizer
+compiles them where the parameters are on CUDA and, on several ranks, shards Muon (docs/optimizer.md):
+
+    opt = MuonAdamW(groups)                        # one process, every matrix; compile=False: the eager optimizer, bit for bit
+    opt = MuonAdamW(groups, rank=r, world_size=W)  # under DDP: each rank updates its chunk of every Muon stack, then all-gather
+    opt.step()                                     # after DDP averaged the gradients: every rank holds all of them
+    sd = opt.state_dict()                          # saved by every rank: its Muon rows, and on rank 0 the AdamW state
+    opt.ranks_to_load(saved_world_size)            # which saved ranks' state dicts this rank needs
+    opt.load_state_dicts([sd_0, sd_1, ...])        # those saved by a run on any number of ranks (None for one not read)
+    opt.load_state_dict(sd)                        # one full state dict: saved on one rank, or by rank 0 before sharding
+
+Sharding: a stack of n same-shape matrices is cut into contiguous chunks of ceil(n / W) (`shard_rows`); rank r keeps
+momentum and variance for its chunk only, updates only those matrices, and one all-gather per stack (padded to W
+chunks) gives every rank every updated matrix. AdamW (embeddings, lm_head, NAG gates) stays replicated: a few
+tensors, ~12% of the parameters at the published shape, one elementwise pass (scripts/bench_optim.py counts it).
 """
 
 import torch
+import torch.distributed as dist
 
 # Polar Express coefficients (Amsel et al., 2025) for the 5-iteration odd polynomial
 # approximation of the matrix sign function. The input is divided by its Frobenius norm times
@@ -21,6 +33,10 @@ POLAR_EXPRESS_COEFFS = [
 ]
 POLAR_NORM_FACTOR = 1.01
 NORMUON_BETA2 = 0.9  # decay of NorMuon's running second moment
+# compiled AdamW: a tensor this large gets its own fused update; smaller ones (hundreds of NAG gate tensors) stay in
+# eager foreach kernels, since one graph over hundreds of tensors takes minutes to compile and a call per tensor
+# would cost more launches than the fusion saves
+FUSE_MIN_NUMEL = 1 << 16
 
 
 def orthogonalize(G, dtype):
@@ -38,7 +54,8 @@ def orthogonalize(G, dtype):
 
 @torch.no_grad()
 def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_decay, beta2=NORMUON_BETA2, ortho_dtype=torch.float32):
-    """One Muon step on a stack of same-shape matrices, in place. params/grads/momentum_buf: (n, r, c)."""
+    """One Muon step on a stack of same-shape matrices, in place. params/grads/momentum_buf: (n, r, c).
+    lr, momentum, weight_decay: numbers, or 0-d tensors when compiled (then one graph serves every value)."""
     # Nesterov momentum
     momentum_buf.lerp_(grads, 1 - momentum)
     g = grads.lerp(momentum_buf, momentum)
@@ -53,28 +70,57 @@ def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_
     norm_after = ((v_mean * n_red) * step_size.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
     g = g * step_size * (norm_before / norm_after.clamp_min(1e-10))
     lr = lr * max(1.0, params.size(-2) / params.size(-1)) ** 0.5
-    # cautious weight decay: only where the update and the weight agree in sign
-    if weight_decay:
-        mask = (g * params) >= 0
-        params.sub_(lr * weight_decay * params * mask)
+    # cautious weight decay: only where the update and the weight agree in sign (at 0 it subtracts exact zeros:
+    # no branch on the value, which a compiled graph could not take)
+    mask = (g * params) >= 0
+    params.sub_(lr * weight_decay * params * mask)
     params.sub_(lr * g.to(params.dtype))
 
 
 @torch.no_grad()
-def adamw_update(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay):
-    """One AdamW step on lists of fp32 tensors that share a step count, in place, with
-    foreach kernels (a NAG model has hundreds of small gate tensors: one launch each would add up)."""
-    if weight_decay:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
+def adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, weight_decay, bias1, bias2, beta1, beta2, eps):
+    """One AdamW step on lists of fp32 tensors that share a step count (bias1 = 1 - beta1^step, bias2 the same with
+    beta2), in place, with foreach kernels (a NAG model has hundreds of small gate tensors: one launch each would add
+    up). lr, weight_decay, bias1, bias2: numbers, or 0-d tensors when compiled."""
+    torch._foreach_mul_(params, 1 - lr * weight_decay)  # at 0 a product with exactly 1
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    bias1 = 1 - beta1 ** step
-    bias2 = 1 - beta2 ** step
     denom = torch._foreach_div(exp_avg_sqs, bias2)
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
+    if isinstance(lr, torch.Tensor):  # addcdiv takes its factor as a number only
+        torch._foreach_sub_(params, torch._foreach_mul(torch._foreach_div(exp_avgs, denom), lr / bias1))
+    else:
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
+
+
+COMPILED = {}
+
+
+def compiled(fn):
+    """fn compiled once per process: one graph per input shape, hyperparameters passed as 0-d tensors. Not fullgraph:
+    past dynamo's recompile limit (8 shapes) a call runs eager instead of failing (tests/test_optim.py counts graphs)."""
+    if fn not in COMPILED:
+        COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return COMPILED[fn]
+
+
+def scalars(device, *values):
+    """0-d fp32 tensors on the parameters' device (a fill kernel each: no host sync, no cross-device operand)."""
+    return [torch.full((), v, dtype=torch.float32, device=device) for v in values]
+
+
+def shard_rows(n, rank, world_size):
+    """The matrices [start, stop) of an n-matrix stack that `rank` updates: contiguous chunks of ceil(n / world_size),
+    so the gathered chunks are the stack in order (the last ranks may hold fewer, or none)."""
+    chunk = -(-n // world_size)
+    return min(n, rank * chunk), min(n, (rank + 1) * chunk)
+
+
+def shard_of(sd):
+    """The "shard" record of a saved state dict; one without it (saved before sharding) holds every row."""
+    return sd.get("shard") or {"rank": 0, "world_size": 1, "rows": None}
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -83,9 +129,15 @@ class MuonAdamW(torch.optim.Optimizer):
     (lr, momentum, weight_decay, beta2 of NorMuon). Muon groups are split by parameter shape so each
     sub-group's matrices are updated as one stack. Each group keeps its
     "initial_lr" / "initial_weight_decay" so schedules can scale them.
+    rank, world_size, process_group: shard Muon over the ranks of process_group (default: the world); compile:
+    compile the update math (default: where the parameters are on CUDA).
     """
 
-    def __init__(self, groups):
+    def __init__(self, groups, rank=0, world_size=1, process_group=None, compile=None):
+        assert 0 <= rank < world_size, (rank, world_size)
+        if world_size > 1 and dist.is_initialized():
+            assert (dist.get_rank(process_group), dist.get_world_size(process_group)) == (rank, world_size), \
+                "rank and world_size must be this process's place in process_group"
         flat = []
         for g in groups:
             g = dict(g)
@@ -106,16 +158,32 @@ class MuonAdamW(torch.optim.Optimizer):
             g["initial_lr"] = g["lr"]
             g["initial_weight_decay"] = g["weight_decay"]
         super().__init__(flat, defaults={})
+        self.rank, self.world_size, self.process_group, self.compile = rank, world_size, process_group, compile
+
+    def compiles(self, tensor):
+        return self.compile if self.compile is not None else tensor.is_cuda
+
+    def ortho_dtype(self, tensor):
+        """Polar Express in bf16 on CUDA (tensor cores), fp32 elsewhere."""
+        return torch.bfloat16 if tensor.is_cuda else torch.float32
+
+    def rows(self, group):
+        """The matrices [start, stop) of a Muon group that this rank updates and keeps state for."""
+        return shard_rows(len(group["params"]), self.rank, self.world_size)
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
+            if group["kind"] not in ("adamw", "muon"):
+                raise ValueError(f"unknown optimizer group kind {group['kind']!r}")
+        # Muon first: its all-gathers run while the AdamW groups update
+        gathers = [self.step_muon(g) for g in self.param_groups if g["kind"] == "muon"]
+        for group in self.param_groups:
             if group["kind"] == "adamw":
                 self.step_adamw(group)
-            elif group["kind"] == "muon":
-                self.step_muon(group)
-            else:
-                raise ValueError(f"unknown optimizer group kind {group['kind']!r}")
+        for finish in gathers:
+            if finish:
+                finish()
 
     def step_adamw(self, group):
         beta1, beta2 = group["betas"]
@@ -132,21 +200,40 @@ class MuonAdamW(torch.optim.Optimizer):
             state["step"] += 1
             by_step.setdefault(state["step"], []).append(p)
         for step, ps in by_step.items():
-            adamw_update(ps, [p.grad.float() for p in ps], [self.state[p]["exp_avg"] for p in ps],
-                         [self.state[p]["exp_avg_sq"] for p in ps], step,
-                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+            fuse = [self.compiles(p) and p.numel() >= FUSE_MIN_NUMEL for p in ps]
+            for p in (p for p, f in zip(ps, fuse) if f):  # one compiled kernel per large tensor (wte, lm_head)
+                lr, wd, b1, b2 = scalars(p.device, group["lr"], group["weight_decay"], bias1, bias2)
+                compiled(adamw_update)([p], [p.grad.float()], [self.state[p]["exp_avg"]], [self.state[p]["exp_avg_sq"]],
+                                       lr, wd, b1, b2, beta1, beta2, group["eps"])
+            ps = [p for p, f in zip(ps, fuse) if not f]
+            if ps:
+                adamw_update(ps, [p.grad.float() for p in ps], [self.state[p]["exp_avg"] for p in ps],
+                             [self.state[p]["exp_avg_sq"] for p in ps], group["lr"], group["weight_decay"], bias1, bias2,
+                             beta1, beta2, group["eps"])
 
     def step_muon(self, group):
+        """Update this rank's matrices of the group; on several ranks, start the all-gather of every rank's and return
+        the function that finishes it."""
         params = group["params"]
+        if all(p.grad is None for p in params):  # the same on every rank: DDP gives each rank every gradient
+            return None
+        start, stop = self.rows(group)
+        self.update_matrices(group, params[start:stop])
+        return self.gather(params, start, stop) if self.world_size > 1 else None
+
+    def update_matrices(self, group, params):
+        """One Muon step on `params`, this rank's matrices of the group, whose momentum and variance rows are the
+        group's state (keyed by the group's first matrix)."""
+        state = self.state[group["params"][0]]
+        if not state:
+            r, c = group["params"][0].shape
+            var_shape = (len(params), r, 1) if r >= c else (len(params), 1, c)
+            state["momentum_buffer"] = torch.zeros((len(params), r, c), dtype=torch.float32, device=group["params"][0].device)
+            state["variance_buffer"] = torch.zeros(var_shape, dtype=torch.float32, device=group["params"][0].device)
         live = [i for i, p in enumerate(params) if p.grad is not None]
         if not live:
             return
-        state = self.state[params[0]]  # the stack's state, one row per matrix of the group
-        if not state:
-            r, c = params[0].shape
-            var_shape = (len(params), r, 1) if r >= c else (len(params), 1, c)
-            state["momentum_buffer"] = torch.zeros((len(params), r, c), dtype=torch.float32, device=params[0].device)
-            state["variance_buffer"] = torch.zeros(var_shape, dtype=torch.float32, device=params[0].device)
         momentum_buf, variance_buf = state["momentum_buffer"], state["variance_buffer"]
         # A matrix without a gradient (e.g. a MoD sub-layer that ran no token) is skipped alone: the others take
         # exactly the step of a group without it (orthogonalisation and NorMuon act per matrix) and its own
@@ -158,10 +245,118 @@ class MuonAdamW(torch.optim.Optimizer):
             momentum_buf, variance_buf = momentum_buf[rows], variance_buf[rows]
         stacked_p = torch.stack(params)
         stacked_g = torch.stack([p.grad for p in params]).float()
-        ortho_dtype = torch.bfloat16 if stacked_p.is_cuda else torch.float32
-        muon_update(stacked_p, stacked_g, momentum_buf, variance_buf,
-                    group["lr"], group["momentum"], group["weight_decay"], beta2=group["beta2"], ortho_dtype=ortho_dtype)
+        ortho_dtype = self.ortho_dtype(stacked_p)
+        update, hyper = muon_update, [group["lr"], group["momentum"], group["weight_decay"]]
+        if self.compiles(stacked_p) and not partial:  # a skipped matrix (rare) would need a graph for another stack size
+            update, hyper = compiled(muon_update), scalars(stacked_p.device, *hyper)
+        update(stacked_p, stacked_g, momentum_buf, variance_buf, *hyper, beta2=group["beta2"], ortho_dtype=ortho_dtype)
         torch._foreach_copy_(params, list(stacked_p.unbind(0)))
         if partial:  # the rows were gathered copies: write the updated ones back
             state["momentum_buffer"].index_copy_(0, rows, momentum_buf)
             state["variance_buffer"].index_copy_(0, rows, variance_buf)
+
+    def gather(self, params, start, stop):
+        """Start the all-gather of every rank's chunk of the stack (padded to equal chunks); returns the function that
+        waits for it and copies the other ranks' matrices into this rank's weights."""
+        chunk, p0 = -(-len(params) // self.world_size), params[0]
+        send = torch.empty((chunk, *p0.shape), dtype=p0.dtype, device=p0.device)  # rows past `stop`: padding, dropped
+        if stop > start:
+            torch.stack(params[start:stop], out=send[:stop - start])
+        recv = torch.empty((chunk * self.world_size, *p0.shape), dtype=p0.dtype, device=p0.device)
+        work = self.all_gather(recv, send)
+
+        def finish():
+            work.wait()
+            others = [i for i in range(len(params)) if not start <= i < stop]
+            if others:
+                torch._foreach_copy_([params[i] for i in others], [recv[i] for i in others])
+        return finish
+
+    def all_gather(self, out, inp):
+        return dist.all_gather_single(out, inp, group=self.process_group, async_op=True)
+
+    # ----- checkpoints: per rank, reloadable on any number of ranks -----
+
+    def state_dict(self):
+        """torch's format (state by parameter index, the group settings) holding this rank's Muon rows only, the
+        AdamW state on rank 0 only (replicated: saved once), and "shard": which rows of each Muon group it holds."""
+        sd = super().state_dict()
+        if self.rank > 0:
+            for g in sd["param_groups"]:
+                if g["kind"] == "adamw":
+                    for i in g["params"]:
+                        sd["state"].pop(i, None)
+        sd["shard"] = {"rank": self.rank, "world_size": self.world_size,
+                       "rows": [list(self.rows(g)) if g["kind"] == "muon" else None for g in self.param_groups]}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        self.load_state_dicts([state_dict])
+
+    def ranks_to_load(self, saved_world_size):
+        """The saved ranks whose state dicts this rank's load_state_dicts needs: 0 (the AdamW state) and the owners of
+        this rank's Muon rows. A checkpoint saved before sharding has everything on rank 0 (the others saved None)."""
+        need = {0}
+        for g in self.param_groups:
+            if g["kind"] == "muon":
+                start, stop = self.rows(g)
+                for r in range(saved_world_size):
+                    a, b = shard_rows(len(g["params"]), r, saved_world_size)
+                    if max(a, start) < min(b, stop):
+                        need.add(r)
+        return sorted(need)
+
+    def load_state_dicts(self, state_dicts):
+        """This rank's state from the state dicts saved by the ranks of a run on any number of ranks (a list in any order,
+        None for a rank not read, or {saved rank: state dict}): the group settings and AdamW state from rank 0's, this
+        rank's Muon rows from whichever hold them."""
+        if isinstance(state_dicts, dict):
+            state_dicts = [state_dicts] if "param_groups" in state_dicts else state_dicts.values()
+        saved = [sd for sd in state_dicts if sd is not None]
+        full = [sd for sd in saved if shard_of(sd)["rank"] == 0]
+        if not full:
+            raise ValueError("load_state_dicts needs the state dict of saved rank 0 (it holds the AdamW state)")
+        saved_groups = full[0]["param_groups"]
+        if [(g["kind"], len(g["params"])) for g in saved_groups] != [(g["kind"], len(g["params"])) for g in self.param_groups]:
+            raise ValueError("the saved optimizer state has other parameter groups than this optimizer (another model?)")
+        state = {}
+        for k, (group, saved_group) in enumerate(zip(self.param_groups, saved_groups)):
+            group.update({key: v for key, v in saved_group.items() if key != "params"})
+            ids = saved_group["params"]  # the saved indices of the group's parameters
+            if group["kind"] == "adamw":
+                for p, i in zip(group["params"], ids):
+                    if i in full[0]["state"]:
+                        state[p] = {key: v.to(p.device, copy=True) if torch.is_tensor(v) else v for key, v in full[0]["state"][i].items()}
+            elif rows := self.load_rows(k, group, ids[0], saved):
+                state[group["params"][0]] = rows
+        self.state.clear()
+        self.state.update(state)
+
+    def load_rows(self, k, group, key, saved):
+        """This rank's momentum and variance rows of Muon group k, cut from the saved ranks' rows (key: the saved index
+        of the group's first matrix, which keys its state). None if the group had no state (it never stepped)."""
+        start, stop = self.rows(group)
+        p0, n = group["params"][0], len(group["params"])
+        pieces = []
+        for sd in saved:
+            rows = shard_of(sd)["rows"]
+            a, b = rows[k] if rows else (0, n)
+            if key in sd["state"]:
+                pieces.append((a, b, sd["state"][key]))
+        if not pieces:
+            return None
+        rows = {}
+        for name in ("momentum_buffer", "variance_buffer"):
+            shape = pieces[0][2][name].shape[1:]
+            rows[name] = torch.zeros((stop - start, *shape), dtype=torch.float32, device=p0.device)
+        covered = set()
+        for a, b, st in pieces:
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                for name, buf in rows.items():
+                    buf[lo - start:hi - start] = st[name][lo - a:hi - a]
+                covered.update(range(lo, hi))
+        if len(covered) < stop - start:
+            raise ValueError(f"the saved state dicts lack matrices {sorted(set(range(start, stop)) - covered)} of "
+                             f"{group['name']}: pass those of every saved rank in ranks_to_load")
+        return rows

@@ -605,17 +605,20 @@ def train(args, freeze_gc=False):
                             is_ddp, rank, local_rank, world_size, stop, freeze_gc)
 
 
-def load_resume_state(run_dir, step, rank, world_size, grad_accum):
-    """This rank's share of the train state saved at `step`: the optimizer (replicated, so saved by rank 0 alone),
-    the loader states of its data shards, the RNG state and the elapsed time. The data is cut into world_size ×
-    grad_accum shards whatever the split over processes (start_step checks the count), so a checkpoint of another
-    process count resumes too: shard s was micro-step s % a of saved rank s // a, and is now that of rank s // grad_accum."""
+def load_resume_state(run_dir, step, rank, world_size, grad_accum, optimizer):
+    """Load this rank's share of the train state saved at `step` into `optimizer` (each saved rank holds its rows of
+    the sharded Muon state, rank 0 the AdamW state: ranks_to_load names the files this rank needs), and return the
+    loader states of its data shards, the RNG state and the elapsed time. The data is cut into world_size × grad_accum
+    shards whatever the split over processes (start_step checks the count), so a checkpoint of another process count
+    resumes too: shard s was micro-step s % a of saved rank s // a, and is now that of rank s // grad_accum."""
     saved_world = ckpt.load_meta(run_dir, step).get("world_size", 1)
     saved_accum = world_size * grad_accum // saved_world
     mine = range(rank * grad_accum, (rank + 1) * grad_accum)
-    owners = sorted({s // saved_accum for s in mine} | {0})
+    optim_ranks = optimizer.ranks_to_load(saved_world)
+    owners = sorted({s // saved_accum for s in mine} | {0} | set(optim_ranks))
     states = {r: ckpt.load_train_state(run_dir, step, r) for r in owners}  # on the CPU: RNG states must stay there
-    return {"optimizer": states[0]["optimizer"], "elapsed": states[0].get("elapsed", 0.0), "rng": states[mine[0] // saved_accum]["rng"],
+    optimizer.load_state_dicts({r: states[r]["optimizer"] for r in optim_ranks})  # moved to the params' device
+    return {"elapsed": states[0].get("elapsed", 0.0), "rng": states[mine[0] // saved_accum]["rng"],
             "dataloader": [states[s // saved_accum]["dataloader"][s % saved_accum] for s in mine]}
 
 
@@ -634,13 +637,14 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
     model.init_weights()
     model.set_compute_dtype(compute_dtype)
     model.set_attention(record["attention"]["kernel"])  # before DDP and compile: the compiled graph sees a constant
-    optimizer = MuonAdamW(plan.optimizer_groups(args))
+    use_compile = args.compile if args.compile is not None else device_type == "cuda"
+    # under DDP each rank updates its chunk of every Muon stack, then all-gathers them (docs/optimizer.md)
+    optimizer = MuonAdamW(plan.optimizer_groups(args), rank=rank, world_size=world_size, compile=use_compile)
 
     loader_states, elapsed = None, 0.0
     if first > 0:
         ckpt.load_weights(model, ckpt.load_model_file(run_dir, first, device))
-        state = load_resume_state(run_dir, first, rank, world_size, grad_accum)
-        optimizer.load_state_dict(state["optimizer"])  # moved to the params' device
+        state = load_resume_state(run_dir, first, rank, world_size, grad_accum, optimizer)
         loader_states, elapsed = state["dataloader"], state["elapsed"]
         torch.set_rng_state(state["rng"]["cpu"])
         if device_type == "cuda" and state["rng"].get("cuda") is not None:
@@ -670,7 +674,6 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
     if is_ddp:
         dist.barrier()
 
-    use_compile = args.compile if args.compile is not None else device_type == "cuda"
     ddp = None
     if is_ddp:  # gradients averaged across ranks, bucketed and overlapped with the backward
         from torch.nn.parallel import DistributedDataParallel
@@ -727,7 +730,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
 
     def save(step):
         progress("checkpoint save", step, args.start_timeout)
-        train_state = {"optimizer": optimizer.state_dict() if is_master else None, "dataloader": loader_states, "elapsed": elapsed,
+        train_state = {"optimizer": optimizer.state_dict(), "dataloader": loader_states, "elapsed": elapsed,
                        "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
         meta = {"arch": plan.arch, "model_config": plan.config.to_dict(), **model.extra_meta(),
                 "step": step, "tokens": step * total_batch, "world_size": world_size, "fingerprints": record["fingerprints"]}

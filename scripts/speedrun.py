@@ -362,7 +362,7 @@ def plan_and_check(args):
     for p in records.values():  # base_train's full plan, optimizer included: diff two configurations with these lines
         say(f"PLAN {json.dumps(p)}")
     periods = " / ".join({p["arch"]: f"{p['save_every'] or p['num_iterations']:,}" for p in records.values()}.values())  # one per arch
-    say(f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; optimizer state saved once by rank 0)")
+    say(f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; the optimizer state sharded over the ranks' files)")
     if args.seeds:
         cost = "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {nproc} × H100"
         say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({len(args.seeds)} × {','.join(args.archs)}), {cost}")
