@@ -8,6 +8,7 @@
 #   - a GPU node whose driver is 580 or newer: PyPI's build (CUDA 13.0, which needs driver >= 580);
 #   - an older driver (many rented H100 nodes run 550-575): the CUDA 12.8 build from PyTorch's index.
 # NANOCHAT_TORCH_INDEX=URL picks another index (e.g. https://download.pytorch.org/whl/cu126).
+# NANOCHAT_EXTRAS=hf,track also installs the optional extras (see below).
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${NANOCHAT_VENV:-$REPO_ROOT/.venv}"
@@ -37,6 +38,24 @@ fi
 if ! "$VENV/bin/python" -c "import nanochat, tiktoken, rustbpe, pyarrow, matplotlib, pytest, yaml" 2>/dev/null; then
     echo "[setup] installing the project and its dependencies"
     "$VENV/bin/pip" install -q -e "$REPO_ROOT[test]"
+fi
+# optional extras (pyproject.toml, docs/interop.md), only when asked: NANOCHAT_EXTRAS=hf,track (any subset)
+#   hf: transformers, safetensors, lm-eval (scripts.export_hf, lm_eval); track: tensorboard, wandb, trackio (--log-to)
+# each is installed only when one of its packages is missing, so a second run costs a look-up
+EXTRAS_MISSING=""
+for extra in $(echo "${NANOCHAT_EXTRAS:-}" | tr ',' ' '); do
+    case "$extra" in
+        hf) probe="transformers safetensors lm_eval accelerate" ;;
+        track) probe="tensorboard wandb trackio" ;;
+        *) echo "error: NANOCHAT_EXTRAS takes a comma-separated subset of hf,track, got '$NANOCHAT_EXTRAS'" >&2
+           return 1 2>/dev/null || exit 1 ;;
+    esac
+    "$VENV/bin/python" -c "import sys, importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $probe \
+        || EXTRAS_MISSING="$EXTRAS_MISSING,$extra"
+done
+if [ -n "$EXTRAS_MISSING" ]; then
+    echo "[setup] installing the optional extras ${EXTRAS_MISSING#,}"
+    "$VENV/bin/pip" install -q -e "$REPO_ROOT[test$EXTRAS_MISSING]"
 fi
 export PATH="$VENV/bin:$PATH"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"

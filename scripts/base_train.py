@@ -42,6 +42,7 @@ from nanochat.dataloader import data_loader
 from nanochat.loss_eval import evaluate_bpb_shared, held_batches, shared_batches
 from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import checkpoint_manager as ckpt
+from nanochat import tracking
 from scripts.archs import ARCHS, arch_for_args
 from scripts.presets import PRESETS, preset_args
 
@@ -97,6 +98,8 @@ def build_parser():
     p.add_argument("--log-every", type=int, default=1, metavar="N",
                    help="a metrics row and a training line every N steps (and at evaluations, saves and the end); "
                         "the steps between read nothing from the device")
+    p.add_argument("--log-to", type=str, default="", metavar="KINDS",
+                   help="also send every metrics row to tensorboard, wandb and/or trackio, comma-separated (the [track] extra; docs/interop.md §5)")
     p.add_argument("--resume", type=str, default="", help="'latest' (newest complete checkpoint; starts the run if it has none) or a step")
     p.add_argument("--change-horizon", action="store_true", help="with --resume: allow a different number of steps than the run was planned with")
     p.add_argument("--change-settings", action="store_true",
@@ -131,6 +134,7 @@ def parse_args(argv=None):
 
 def validate_args(args):
     """Every value that would crash later or train silently wrong, refused up front in one line."""
+    tracking.parse_log_to(args.log_to)  # an unknown tracker or a missing package, before anything starts
     positive = {"--depth": args.depth, "--head-dim": args.head_dim, "--max-seq-len": args.max_seq_len,
                 "--device-batch-size": args.device_batch_size, "--aspect-ratio": args.aspect_ratio,
                 "--matrix-lr": args.matrix_lr, "--embedding-lr": args.embedding_lr, "--unembedding-lr": args.unembedding_lr}
@@ -445,7 +449,7 @@ RESUME_KEYS = ("arch", "model_config", "total_batch_size")
 
 # flags that change no number a run trains: where and how often it reports and saves, how it is launched
 NOT_SETTINGS = {"run", "resume", "dry_run", "dry_run_vocab", "change_horizon", "change_settings", "preset", "device_type", "compile", "attn",
-                "eval_every", "eval_tokens", "save_every", "log_every", "nag_gate_log_every", "nag_impl", "keep_checkpoints",
+                "eval_every", "eval_tokens", "save_every", "log_every", "log_to", "nag_gate_log_every", "nag_impl", "keep_checkpoints",
                 "step_timeout", "start_timeout",
                 "num_iterations", "target_flops", "target_param_data_ratio"}  # the horizon has its own check (--change-horizon)
 
@@ -661,6 +665,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
 
     # every check has passed: only now does the run directory change
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    trackers = tracking.Trackers()  # rank 0 opens them below: one tracked run per run
     if is_master:
         if first == 0 and os.path.exists(os.path.join(run_dir, "config.json")):
             print0(f"note: {run_dir} has no complete checkpoint: starting it again")
@@ -669,6 +674,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         old_cfg = json.load(open(cfg_path)) if first > 0 and os.path.exists(cfg_path) else {}
         record["segments"] = settings_segments(old_cfg, record, first)
         atomic_write_json(cfg_path, record)
+        trackers = tracking.open_trackers(tracking.parse_log_to(args.log_to), os.path.basename(run_dir), run_dir, record)
     if first > 0:
         print0(f"resumed from step {first} of {run_dir}")
     if is_ddp:
@@ -720,6 +726,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         if is_master:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            trackers.log(row)
 
     if first == 0:
         row = {"step": 0, "tokens": 0, "flops": 0, "train_loss": None, "lr_mult": lr_multiplier(0, plan), "tok_per_sec": None}
@@ -877,6 +884,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
                 watchdog.stop()
             if is_ddp:
                 dist.destroy_process_group()
+            trackers.close()
             sys.exit(EXIT_PREEMPTED)
 
     if device_type == "cuda":
@@ -886,6 +894,7 @@ def train_locked(args, plan, record, run_dir, tokenizer, token_bytes, device, de
         watchdog.stop()
     if is_ddp:
         dist.destroy_process_group()
+    trackers.close()
     return run_dir
 
 

@@ -48,7 +48,7 @@ MFU = 0.40  # wall-time estimate: 40% of an H100's 989 TFLOP/s dense bf16 (evalu
 PEAK_FLOPS = 989e12
 # base_train flags that change how a run is saved, logged or computed, not what it learns: they add nothing to
 # the tag derived from the flags after `--`, so a rerun with another checkpoint period finds the same runs
-UNNAMED_FLAGS = {"--save-every", "--eval-every", "--eval-tokens", "--log-every", "--nag-gate-log-every", "--nag-impl", "--compile",
+UNNAMED_FLAGS = {"--save-every", "--eval-every", "--eval-tokens", "--log-every", "--log-to", "--nag-gate-log-every", "--nag-impl", "--compile",
                  "--no-compile", "--attn", "--change-horizon", "--change-settings", "--keep-checkpoints", "--step-timeout", "--start-timeout"}
 # Set for every torchrun launch. torch shares the rendezvous TCP store between torchrun's agent and the workers by
 # default, and a restart after a lost worker can then connect to the previous round's peers and fail or hang

@@ -1,0 +1,304 @@
+"""
+An exported nag-chat model for transformers: the GPT baseline (nanochat/gpt.py), NAG (nag/model.py, nag/functional.py),
+NAG-MoD (nag/mod.py) and the router-MoD GPT (nag/router_mod.py), inference only.
+
+Copied into the export folder by scripts/export_hf.py and loaded with `trust_remote_code=True`, so it imports torch
+and transformers only: the math below restates the repo's (docs/design.md §2, §4, §9), and the tests check that it
+gives the native model's logits. The weights keep the native names (blocks.0.attn.c_q.weight, gates.0.attn_branch.alpha, ...).
+
+What differs from the native forward, and why the result is the same:
+- positions come from attention_mask (left padding, as generate and lm-eval batch prompts), else 0..T-1;
+  a padded key is masked, and a padding query attends to itself only, so that no softmax row is empty;
+- MoD runs every sub-layer on every token and keeps the output of the executed ones (the native model gathers them
+  first to save the FLOPs); the decision is the evaluation one, a token's score against a fixed threshold;
+- the KV cache is transformers' DynamicCache: per layer, the keys (after rotary and QK-norm) and values of every
+  position so far, which is all a new position reads of the others (docs/design.md §9).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_nagchat import NagChatConfig
+
+ROTARY_BASE = 100_000
+QK_SCALE = 1.2
+SOFTCAP = 15.0
+ORTHO_EPS = 1e-24
+RMS_EPS = 1e-20
+# transformers 5 renamed the output's past_key_values to cache; take whichever this version has
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary(x, cos, sin):
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def layer_windows(config):
+    """Attention window of each layer: the pattern cycled (L = the whole context, S = half), the last layer L."""
+    pattern = config.window_pattern.upper()
+    long_w, short_w = config.sequence_len, config.sequence_len // 2
+    windows = [long_w if pattern[i % len(pattern)] == "L" else short_w for i in range(config.n_layer)]
+    windows[-1] = long_w
+    return windows
+
+
+def work_dtype(dtype):
+    return torch.promote_types(dtype, torch.float32)
+
+
+def modulator(mod_logits, coef, beta_raw, floor):
+    """m = max(u, floor) ** softplus(beta_raw), u = Σ_i softmax(coef)_i σ(mod_logits_i): shape (..., 1)."""
+    dtype = mod_logits.dtype
+    weights = torch.softmax(coef, dim=-1, dtype=work_dtype(coef.dtype)).to(dtype)
+    u = (torch.sigmoid(mod_logits) * weights).sum(dim=-1, keepdim=True)
+    beta = F.softplus(beta_raw.to(work_dtype(beta_raw.dtype))).to(dtype)
+    return torch.clamp(u, min=floor) ** beta
+
+
+def residual_update(res_dir, log_norm, branch_out, gain, renorm):
+    """Rotate R̄ towards N_out(branch_out) by atan(g); add ½·log1p(g²) to the log-norm (paper eqs. 10-17)."""
+    dim = res_dir.size(-1)
+    work = work_dtype(res_dir.dtype)
+    r, x, g = res_dir.to(work), branch_out.to(work), gain.to(work)
+    x = x - x.mean(dim=-1, keepdim=True)
+    x = x - (x * r).sum(dim=-1, keepdim=True) / (r * r).sum(dim=-1, keepdim=True) * r
+    o = x * (math.sqrt(dim) * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + ORTHO_EPS))
+    y = r + g * o
+    if renorm == "measured":
+        new_dir = y * torch.rsqrt((y * y).mean(dim=-1, keepdim=True) + RMS_EPS)
+    else:
+        new_dir = y * torch.rsqrt(1 + g * g)
+    g_log = gain.to(log_norm.dtype)
+    return new_dir.to(res_dir.dtype), log_norm + 0.5 * torch.log1p(g_log * g_log)
+
+
+def rotation_score(alpha, m):
+    """NAG-MoD's score r = atan(α·m)/atan(α), (B, T); r = m where α is ~0."""
+    a = alpha.float().reshape(())
+    m = m.float().squeeze(-1)
+    small = a.abs() < 1e-6
+    return torch.where(small, m, torch.atan(a * m) / torch.atan(torch.where(small, torch.ones_like(a), a)))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        d, hd = config.n_embd, self.head_dim
+        self.c_q = nn.Linear(d, self.n_head * hd, bias=False)
+        self.c_k = nn.Linear(d, self.n_kv_head * hd, bias=False)
+        self.c_v = nn.Linear(d, self.n_kv_head * hd, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cos_sin, mask, cache, layer):
+        B, T, _ = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        cos, sin = cos_sin
+        q = norm(apply_rotary(q, cos, sin)) * QK_SCALE
+        k = norm(apply_rotary(k, cos, sin)) * QK_SCALE
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.update(k, v, layer)  # every key and value so far, this forward's appended
+        gqa = self.n_kv_head != self.n_head
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.attn = CausalSelfAttention(config)
+        self.mlp = MLP(config)
+
+
+class NAGBranch(nn.Module):
+    def __init__(self, dim, directions):
+        super().__init__()
+        self.m_down = nn.Linear(dim, directions, bias=True)
+        self.coef = nn.Parameter(torch.zeros(directions))
+        self.beta_raw = nn.Parameter(torch.zeros(1))
+        self.alpha = nn.Parameter(torch.zeros(1))
+
+
+class NAGBlockGates(nn.Module):
+    def __init__(self, dim, directions):
+        super().__init__()
+        self.attn_branch = NAGBranch(dim, directions)
+        self.mlp_branch = NAGBranch(dim, directions)
+
+
+class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = NagChatConfig
+    base_model_prefix = "nagchat"
+    _no_split_modules = ["Block"]
+    _supports_sdpa = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.arch not in ("gpt", "nag", "gpt-router"):
+            raise ValueError(f"unknown arch {config.arch!r} (gpt, nag, gpt-router)")
+        d, L = config.n_embd, config.n_layer
+        self.windows = layer_windows(config)
+        self.wte = nn.Embedding(config.vocab_size, d)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(L)])
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        mod = config.mod or {"blocks": "both", "rate": 0.0}
+        self.covers = {k: config.mod is not None and mod["blocks"] in (k, "both") for k in ("attn", "mlp")}
+        self.skips = {k: self.covers[k] and mod["rate"] > 0 for k in ("attn", "mlp")}
+        if config.arch == "nag":
+            self.gates = nn.ModuleList([NAGBlockGates(d, config.nag["directions"]) for _ in range(L)])
+            self.log_gain_encode = nn.Parameter(torch.zeros(1))
+            if config.mod is not None:  # X_l, the learned output of a skipped sub-layer
+                self.mod_base = nn.ParameterDict({f"{k}_{i}": nn.Parameter(torch.zeros(d))
+                                                  for i in range(L) for k in ("attn", "mlp") if self.covers[k]})
+        if config.arch == "gpt-router":
+            self.routers = nn.ModuleDict({f"{k}_{i}": nn.Linear(d, 1, bias=True) for i in range(L) for k in ("attn", "mlp")
+                                          if self.covers[k]})
+        if config.mod is not None:  # [attention, mlp 0, mlp 1, ...]: the evaluation thresholds, fixed
+            self.register_buffer("mod_thresholds", torch.zeros(1 + L))
+        self.post_init()
+
+    def _init_weights(self, module):
+        """Nothing: an exported model is always loaded from its weights (training from scratch is the repo's job)."""
+
+    def get_input_embeddings(self):
+        return self.wte
+
+    def set_input_embeddings(self, value):
+        self.wte = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    # ----- positions and masks -----
+
+    def rotary(self, positions, dtype):
+        """cos, sin (B, T, 1, head_dim/2) of the given positions, as the native table computes them (fp32)."""
+        hd = self.config.n_embd // self.config.n_head
+        inv_freq = ROTARY_BASE ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=positions.device) / hd)
+        freqs = positions.float()[..., None] * inv_freq
+        return freqs.cos()[:, :, None].to(dtype), freqs.sin()[:, :, None].to(dtype)
+
+    def attention_inputs(self, T, past, attention_mask, device):
+        """(positions of the T new tokens (B or 1, T), per-layer masks: None = plain causal). A key is seen when it
+        is not padding, not after the query, and within the layer's window counted in positions."""
+        L = past + T
+        valid = None if attention_mask is None else attention_mask[:, -L:].bool()
+        if valid is not None and bool(valid.all()):
+            valid = None
+        pos_k = torch.arange(L, device=device)[None] if valid is None else (valid.long().cumsum(-1) - 1).clamp_min(0)
+        pos_q = pos_k[:, past:]
+        if valid is None and past == 0 and all(w >= T for w in self.windows):
+            return pos_q, [None] * len(self.windows)
+        idx_q = torch.arange(past, L, device=device)[:, None]
+        idx_k = torch.arange(L, device=device)[None]
+        seen = (idx_k <= idx_q)[None]
+        if valid is not None:
+            seen = (seen & valid[:, None, :]) | (idx_k == idx_q)[None]
+        delta = pos_q[:, :, None] - pos_k[:, None, :]
+        masks = {w: (seen & (delta < w))[:, None] for w in set(self.windows)}
+        return pos_q, [masks[w] for w in self.windows]
+
+    # ----- the sub-layers -----
+
+    def executed(self, out, execute):
+        return out if execute is None else torch.where(execute[..., None], out, 0)
+
+    def run(self, kind, layer, x, cos_sin, mask, cache):
+        block = self.blocks[layer]
+        if kind == "attn":
+            return block.attn(x, cos_sin, mask, cache, layer)
+        return block.mlp(x)
+
+    def threshold(self, kind, layer):
+        return self.mod_thresholds[0 if kind == "attn" else 1 + layer]
+
+    def gpt_layer(self, layer, x, cos_sin, mask, cache):
+        for kind in ("attn", "mlp"):
+            h = norm(x)
+            out = self.run(kind, layer, h, cos_sin, mask, cache)
+            if self.skips[kind]:  # router-MoD: the executed tokens' output, scaled by their gate
+                gate = torch.sigmoid(self.routers[f"{kind}_{layer}"](h).float())
+                out = self.executed(out, gate.squeeze(-1) > self.threshold(kind, layer)) * gate.to(h.dtype)
+            x = x + out
+        return x
+
+    def nag_layer(self, layer, res_dir, log_norm, cos_sin, mask, cache):
+        nag = self.config.nag
+        for kind in ("attn", "mlp"):
+            br = getattr(self.gates[layer], f"{kind}_branch")
+            mod_logits = br.m_down(res_dir)
+            alpha = br.alpha * self.config.alpha_warmup
+            m = modulator(mod_logits, br.coef, br.beta_raw, nag["mod_floor"])
+            out = self.run(kind, layer, res_dir, cos_sin, mask, cache)
+            if self.skips[kind]:  # NAG-MoD: tokens whose rotation score is at or below the threshold skip f
+                out = self.executed(out, rotation_score(alpha, m) > self.threshold(kind, layer))
+            if self.covers[kind]:
+                out = out + self.mod_base[f"{kind}_{layer}"].to(out.dtype)
+            res_dir, log_norm = residual_update(res_dir, log_norm, out, alpha * m, nag["renorm"])
+        return res_dir, log_norm
+
+    # ----- forward -----
+
+    def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None, labels=None, use_cache=None,
+                logits_to_keep=0, **kwargs):
+        """Logits (B, T, V) and, with labels, the mean next-token loss (labels are input_ids; -100 is ignored).
+        Other inputs of transformers' models (position_ids, inputs_embeds, ...) are not taken: positions follow
+        attention_mask. cache (past_key_values before transformers 5.2x): a DynamicCache, which this forward extends."""
+        cache = cache if cache is not None else past_key_values
+        T = input_ids.size(1)
+        past = cache.get_seq_length() if cache is not None else 0
+        positions, masks = self.attention_inputs(T, past, attention_mask, input_ids.device)
+        if int(positions.max()) >= self.config.sequence_len:  # no sliding window: the long layers would see more than in training
+            raise ValueError(f"position {int(positions.max())} is past the context: the model was trained on {self.config.sequence_len} "
+                             "positions, which a prompt and its new tokens must fit")
+        dtype = self.wte.weight.dtype
+        cos_sin = self.rotary(positions, dtype)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep > 0 else slice(None)
+        if self.config.arch == "nag":
+            e = self.wte(input_ids).float()
+            rho = e.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)  # ρ₀ = ‖e‖/√d
+            res_dir = (e / rho).to(dtype)
+            log_norm = torch.log(rho) + self.log_gain_encode.float()
+            for layer, mask in enumerate(masks):
+                res_dir, log_norm = self.nag_layer(layer, res_dir, log_norm, cos_sin, mask, cache)
+            res_dir, log_norm = res_dir[:, keep], log_norm[:, keep]
+            logits = self.lm_head(res_dir).float() / self.config.n_embd * log_norm.exp()  # cosine × carried norm
+        else:
+            x = norm(self.wte(input_ids))
+            for layer, mask in enumerate(masks):
+                x = self.gpt_layer(layer, x, cos_sin, mask, cache)
+            logits = self.lm_head(norm(x[:, keep])).float()
+            logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1).to(logits.device),
+                                   ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
