@@ -19,6 +19,8 @@ needs_venv = pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv", "
 MARKERS = ("(GPU)", "(network)")
 # shown, but run elsewhere: the suite itself, and the ~15-minute CPU demo made of the commands below
 NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.sh": "~7 minutes; docs/LOG.md records its runs",
+               "python -m scripts.bench_sample --run cpu-gpt --run cpu-nag": "the CPU demo's runs (runs/runcpu.sh); the same code "
+                                                                              "runs on random weights without --run",
                "bash speedrun.sh --preset tiny --base-dir /tmp/nag-chat-tiny": "tests/test_speedrun.py runs this pipeline three times",
                **{c: "needs three evaluated seeds per arm; tests/test_compare.py compares groups of hand-made runs"
                   for c in ("python -m scripts.compare --a cpu-gpt-s1 cpu-gpt-s2 cpu-gpt-s3 --b cpu-nag-s1 cpu-nag-s2 cpu-nag-s3",

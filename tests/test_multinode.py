@@ -153,10 +153,12 @@ def test_killed_worker_restarts_and_ends_bit_identical(base):
     env = clean_env(base, **LAUNCH_ENV)
     job = torchrun(base, launcher[1:-1], "--run", "killed", *common, env=env)
     lock = os.path.join(base, "runs", "killed", ".lock")
-    for kill_after in (8, 18):  # steps: each kill lands past a checkpoint, in the middle of the next period
+    holder = lambda: (open(lock).read().split() + ["", ""])[1]  # rank 0's worker, named in the run's lock ("" mid-write)
+    for kill_after in (8, 18):  # steps: each kill lands past a checkpoint
         wait_for(lambda: logged_steps(base, "killed") >= kill_after, what=f"step {kill_after}")
-        os.kill(int(open(lock).read().split()[1]), signal.SIGKILL)  # rank 0's worker, named in the run's lock
-        wait_for(lambda: logged_steps(base, "killed") < kill_after, what="the restart")
+        killed = holder()
+        os.kill(int(killed), signal.SIGKILL)
+        wait_for(lambda: holder() not in (killed, ""), what="the restart")  # the new rank 0 holds the lock
     rc, out = finish([job], timeout=200)[0]
     assert rc == 0, out[-3000:]
     assert out.count("resumed from step") == 2  # once per restart (rank 0 prints it)
