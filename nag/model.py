@@ -278,9 +278,9 @@ class NAGGPT(GPT):
     def branch_update(self, br, res_dir, log_norm, out, mod_logits):
         """R̄ and s after the sub-layer output out: the gain, the rotation and the log-norm step
         (scripts/bench_nag.py counts the kernel launches of this part)."""
-        alpha = br.alpha * self.alpha_warmup
-        return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, alpha,
-                              self.nag.mod_floor, self.nag.renorm)
+        # the warm-up factor goes in as alpha_scale: the fused op applies it in its kernels, no extra launch
+        return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, br.alpha,
+                              self.nag.mod_floor, self.nag.renorm, self.alpha_warmup)
 
     def nonfinite_origin(self, idx):
         """Where a non-finite step started (failure 1), from a no-grad forward over idx (the last micro-batch; the

@@ -30,6 +30,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nag  # noqa: F401  (first: on a machine without a GPU it selects Triton's interpreter before torch imports Triton)
 
 SECTIONS = ("steps", "op", "activations", "launches")  # the four parts above
+# launches of the fused update before the gate transforms and the parameter-gradient sums moved into the kernels
+# (softmax, softplus and α × warm-up forward; those again and 8 small ops of partial sums and chain rule backward),
+# measured by this script's launches section at commit 9716561 (2026-12-01)
+FUSED_LAUNCHES_BEFORE = {"forward": 4, "backward": 13}
 SHAPES = {
     # name: (depth, model dim, head dim, seq len, device batch)
     "small": (4, 256, 64, 256, 8),
@@ -191,8 +195,9 @@ def activation_memory(args, impls):
 
 class LaunchCounter(TorchDispatchMode):
     """Counts the kernel launches of the code run inside it. The rule: every launch of a Triton kernel of
-    nag.kernels, plus every aten op dispatched outside those launches that is neither a view nor an
-    allocation (on CUDA each such op launches at least one kernel; views and empty tensors launch none).
+    nag.kernels, plus every aten op dispatched outside those launches that returns a tensor and is neither
+    a view nor an allocation (on CUDA each such op launches at least one kernel; views, empty tensors and
+    ops on dtypes or shapes launch none).
     The same count on a CPU (kernels interpreted) as on a GPU. Ops the Triton interpreter dispatches to
     move a launch's arguments are not counted: the launch is one."""
 
@@ -213,9 +218,11 @@ class LaunchCounter(TorchDispatchMode):
             from torch._library.custom_ops import _maybe_get_opdef
             with self:
                 return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
-        if not (self.in_launch or func.is_view or name in self.ALLOCATIONS):
+        out = func(*args, **(kwargs or {}))
+        makes_tensor = any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(out))
+        if makes_tensor and not (self.in_launch or func.is_view or name in self.ALLOCATIONS):
             self.aten.append(name)
-        return func(*args, **(kwargs or {}))
+        return out
 
     def __enter__(self):
         self.depth = getattr(self, "depth", 0) + 1
@@ -292,6 +299,11 @@ def launches(args, impls):
                          "backward_ops": bwd.triton + bwd.aten}
         print(f"  {impl:9s} forward {fwd.total:3d} ({len(fwd.triton)} Triton) | backward {bwd.total:3d} ({len(bwd.triton)} Triton)"
               f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * (fwd.total + bwd.total):,}")
+        if impl == "fused":
+            before = FUSED_LAUNCHES_BEFORE
+            print(f"            before folding (commit 9716561): forward {before['forward']} | backward {before['backward']}"
+                  f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * sum(before.values()):,}")
+            figures[impl]["before"] = before
         print(f"            forward: {' '.join(fwd.triton + fwd.aten)}")
         print(f"            backward: {' '.join(bwd.triton + bwd.aten)}")
     return figures
