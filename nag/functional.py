@@ -13,7 +13,8 @@ Shapes and dtypes:
     mod_logits  (..., C)  R̄·w_i + b_i for the C preferred directions
     coef        (C,)      softmax logits mixing the C sigmoids
     beta_raw    (1,)      softplus(beta_raw) is the modulator exponent β
-    alpha       (1,)      effective α (learned α × warm-up factor)
+    alpha       (1,)      α: the effective one, or the learned one when alpha_scale is given
+    alpha_scale (1,)      optional constant factor of α (the warm-up), no gradient
     gain        (..., 1)  realised gain g; tan θ = g
 """
 
@@ -82,7 +83,10 @@ def residual_update(res_dir, log_norm, branch_out, gain, renorm="measured"):
     return new_dir.to(res_dir.dtype), new_log_norm
 
 
-def nag_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm="measured"):
-    """One full NAG update: gain = alpha · modulator(...), then residual_update."""
+def nag_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm="measured",
+               alpha_scale=None):
+    """One full NAG update: gain = alpha · alpha_scale · modulator(...), then residual_update."""
+    if alpha_scale is not None:
+        alpha = alpha * alpha_scale.detach()
     gain = alpha * modulator(mod_logits, coef, beta_raw, floor)
     return residual_update(res_dir, log_norm, branch_out, gain, renorm=renorm)

@@ -7,6 +7,13 @@ orthogonalisation, N_out, update, renorm and log-norm update. The backward
 pass recomputes the row quantities from the inputs instead of saving D-sized
 intermediates, so the update costs no activation memory beyond its inputs.
 
+One update is three kernel launches and nothing else: the forward kernel, the
+backward kernel, and a one-program kernel that sums the backward's per-program
+partials of the gate parameter gradients. Every program computes the gate's
+parameter transforms (softmax of coef, softplus of beta_raw, α times its
+warm-up factor) in registers from the raw parameters, so no small eager op
+runs around the kernels (scripts/bench_nag.py --sections launches counts them).
+
 Both passes are torch.library custom ops (nag::fused_branch and
 nag::fused_branch_backward) tied together with register_autograd, so a
 torch.compile'd model treats the update as one opaque node without a graph
@@ -17,7 +24,8 @@ and Inductor could not fuse this kernel with its neighbours anyway.
 Computation is in fp32 inside the kernels whatever the input dtype; outputs
 and gradients come back in the dtype of the matching input.
 Shapes follow nag.functional: rows (..., D), log_norm (..., 1), mod_logits
-(..., C), coef (C,), beta_raw (1,), alpha (1,); leading dims are flattened.
+(..., C), coef (C,), beta_raw (1,), alpha (1,), alpha_scale (1,) or None;
+leading dims are flattened.
 """
 
 import os
@@ -38,7 +46,7 @@ if os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.sum, triton.runti
                       "the fused kernels: import nag before torch._functorch, torch._inductor or triton")
 
 # -----------------------------------------------------------------------------
-# Row math shared by the forward and backward kernels
+# Gate and row math shared by the kernels
 
 
 @triton.jit
@@ -51,19 +59,32 @@ def _log1p(x):
 
 
 @triton.jit
-def _gate(logits_ptr, weights_ptr, beta_ptr, alpha_ptr, row, floor, C, BLOCK_C: tl.constexpr):
-    """Modulator and gain of one row: returns (sigmoids, weights, u, clamped u, m, g, β, α)."""
+def _gate_params(coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr, C, BLOCK_C: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """The gate's parameter transforms, recomputed by every program (C is small): returns
+    (softmax(coef), softplus(beta_raw), α × alpha_scale)."""
     cols = tl.arange(0, BLOCK_C)
-    mask = cols < C
-    z = tl.load(logits_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
-    weights = tl.load(weights_ptr + cols, mask=mask, other=0.0)  # 0 on padding: no effect on u
+    coef = tl.load(coef_ptr + cols, mask=cols < C, other=-float("inf")).to(tl.float32)
+    e = tl.exp(coef - tl.max(coef, axis=0))  # 0 on padding: no effect on u
+    weights = e / tl.sum(e, axis=0)
+    beta_raw = tl.load(beta_raw_ptr).to(tl.float32)
+    # torch's softplus: the identity above 20, where log1p(e^x) = x in fp32
+    beta = tl.where(beta_raw > 20.0, beta_raw, _log1p(tl.exp(tl.minimum(beta_raw, 20.0))))
+    alpha = tl.load(alpha_ptr).to(tl.float32)
+    if HAS_SCALE:
+        alpha = alpha * tl.load(scale_ptr).to(tl.float32)
+    return weights, beta, alpha
+
+
+@triton.jit
+def _gate(logits_ptr, weights, beta, alpha, row, floor, C, BLOCK_C: tl.constexpr):
+    """Modulator and gain of one row: returns (sigmoids, u, clamped u, m, g)."""
+    cols = tl.arange(0, BLOCK_C)
+    z = tl.load(logits_ptr + row * C + cols, mask=cols < C, other=0.0).to(tl.float32)
     sig = tl.sigmoid(z)
     u = tl.sum(weights * sig, axis=0)
     u_clamped = tl.maximum(u, floor)
-    beta = tl.load(beta_ptr)
-    alpha = tl.load(alpha_ptr)
     m = tl.exp2(beta * tl.log2(u_clamped))  # u_clamped ** beta, and 0 ** beta = 0
-    return sig, weights, u, u_clamped, m, alpha * m, beta, alpha
+    return sig, u, u_clamped, m, alpha * m
 
 
 @triton.jit
@@ -78,21 +99,22 @@ def _n_out(res, x, mask, D, sqrt_d, ORTHO_EPS: tl.constexpr):
 
 
 # -----------------------------------------------------------------------------
-# Kernels: one program per row
+# Kernels: forward one program per row, backward one per run of rows, then one for the gate
 
 
 @triton.jit
 def _nag_forward_kernel(
-    res_ptr, log_norm_ptr, branch_ptr, logits_ptr, weights_ptr, beta_ptr, alpha_ptr,
+    res_ptr, log_norm_ptr, branch_ptr, logits_ptr, coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr,
     new_res_ptr, new_log_norm_ptr,
     floor, D, C, sqrt_d,
-    BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PREDICTED: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PREDICTED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ORTHO_EPS: tl.constexpr, RMS_EPS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    _, _, _, _, _, g, _, _ = _gate(logits_ptr, weights_ptr, beta_ptr, alpha_ptr, row, floor, C, BLOCK_C)
+    weights, beta, alpha = _gate_params(coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr, C, BLOCK_C, HAS_SCALE)
+    _, _, _, _, g = _gate(logits_ptr, weights, beta, alpha, row, floor, C, BLOCK_C)
     res = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(branch_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     _, _, _, _, _, o = _n_out(res, x, mask, D, sqrt_d, ORTHO_EPS)
@@ -109,67 +131,114 @@ def _nag_forward_kernel(
 
 @triton.jit
 def _nag_backward_kernel(
-    res_ptr, branch_ptr, logits_ptr, weights_ptr, beta_ptr, alpha_ptr,
+    res_ptr, branch_ptr, logits_ptr, coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr,
     grad_new_res_ptr, grad_new_log_norm_ptr,
     grad_res_ptr, grad_branch_ptr, grad_logits_ptr,
-    part_weights_ptr, part_beta_ptr, part_alpha_ptr,
-    floor, D, C, sqrt_d,
-    BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PREDICTED: tl.constexpr,
+    part_weights_ptr, part_scalars_ptr,
+    floor, n_rows, rows_per_program, D, C, sqrt_d,
+    BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PREDICTED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ORTHO_EPS: tl.constexpr, RMS_EPS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    # recompute the forward row
-    sig, weights, u, u_clamped, m, g, beta, alpha = _gate(
-        logits_ptr, weights_ptr, beta_ptr, alpha_ptr, row, floor, C, BLOCK_C)
-    res = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(branch_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    x_c, along, res_sq, x_perp, inv_norm, o = _n_out(res, x, mask, D, sqrt_d, ORTHO_EPS)
-    y = res + g * o
-
-    grad_new_res = tl.load(grad_new_res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    grad_new_log_norm = tl.load(grad_new_log_norm_ptr + row).to(tl.float32)
-    grad_g = grad_new_log_norm * g / (1.0 + g * g)
-    # renorm
-    if PREDICTED:
-        scale = tl.rsqrt(1.0 + g * g)
-        grad_y = scale * grad_new_res
-        grad_g -= g * scale * scale * scale * tl.sum(grad_new_res * y, axis=0)
-    else:
-        scale = tl.rsqrt(tl.sum(y * y, axis=0) / D + RMS_EPS)
-        new_res = y * scale
-        grad_y = scale * (grad_new_res - new_res * (tl.sum(new_res * grad_new_res, axis=0) / D))
-    # y = R̄ + g·o
-    grad_res = grad_y
-    grad_g += tl.sum(grad_y * o, axis=0)
-    grad_o = g * grad_y
-    # o = √D · x_⊥ / ‖x_⊥‖
-    grad_perp = (sqrt_d * inv_norm) * (grad_o - x_perp * (inv_norm * inv_norm * tl.sum(x_perp * grad_o, axis=0)))
-    # x_⊥ = x_c − along·R̄, along = ⟨x_c,R̄⟩/⟨R̄,R̄⟩
-    grad_along = -tl.sum(grad_perp * res, axis=0)
-    grad_centred = grad_perp + (grad_along / res_sq) * res
-    grad_res += -along * grad_perp + (grad_along / res_sq) * (x_c - 2.0 * along * res)
-    # x_c = x − mean(x)
-    grad_x = grad_centred - tl.sum(tl.where(mask, grad_centred, 0.0), axis=0) / D
-    tl.store(grad_res_ptr + row * D + cols, grad_res.to(grad_res_ptr.dtype.element_ty), mask=mask)
-    tl.store(grad_branch_ptr + row * D + cols, grad_x.to(grad_branch_ptr.dtype.element_ty), mask=mask)
-
-    # gate: g = α·m, m = max(u, floor)^β, u = Σ w_i σ(z_i)
-    tl.store(part_alpha_ptr + row, grad_g * m)
-    grad_m = grad_g * alpha
-    # like torch.pow, the exponent's gradient is 0 where the base is 0
-    log_u = tl.log(tl.where(u_clamped > 0.0, u_clamped, 1.0))
-    tl.store(part_beta_ptr + row, grad_m * m * log_u)
-    # β·u^(β−1) is inf at u == 0 for β < 1: kept, this is failure 1 with floor 0
-    power = tl.where(beta == 1.0, 1.0, tl.exp2((beta - 1.0) * tl.log2(u_clamped)))
-    # clamp passes the gradient where u ≥ floor, like torch.clamp
-    grad_u = tl.where(u >= floor, grad_m * beta * power, 0.0)
     c_cols = tl.arange(0, BLOCK_C)
     c_mask = c_cols < C
-    tl.store(part_weights_ptr + row * C + c_cols, grad_u * sig, mask=c_mask)
-    grad_z = grad_u * weights * sig * (1.0 - sig)
-    tl.store(grad_logits_ptr + row * C + c_cols, grad_z.to(grad_logits_ptr.dtype.element_ty), mask=c_mask)
+    weights, beta, alpha = _gate_params(coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr, C, BLOCK_C, HAS_SCALE)
+    # this program's sums of the gate parameter gradients over its rows, in a fixed order: deterministic
+    acc_weights = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc_scalars = tl.zeros([2], dtype=tl.float32)  # (β, α)
+    for i in range(rows_per_program):
+        # past the last row, redo the last row (valid memory, finite values) and keep nothing of it
+        valid = program * rows_per_program + i < n_rows
+        row = tl.minimum(program * rows_per_program + i, n_rows - 1).to(tl.int64)
+        stored = cols < tl.where(valid, D, 0)  # the row's columns, none on a redone row
+        # recompute the forward row
+        sig, u, u_clamped, m, g = _gate(logits_ptr, weights, beta, alpha, row, floor, C, BLOCK_C)
+        res = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(branch_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        x_c, along, res_sq, x_perp, inv_norm, o = _n_out(res, x, mask, D, sqrt_d, ORTHO_EPS)
+        y = res + g * o
+
+        grad_new_res = tl.load(grad_new_res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        grad_new_log_norm = tl.load(grad_new_log_norm_ptr + row).to(tl.float32)
+        grad_g = grad_new_log_norm * g / (1.0 + g * g)
+        # renorm
+        if PREDICTED:
+            scale = tl.rsqrt(1.0 + g * g)
+            grad_y = scale * grad_new_res
+            grad_g -= g * scale * scale * scale * tl.sum(grad_new_res * y, axis=0)
+        else:
+            scale = tl.rsqrt(tl.sum(y * y, axis=0) / D + RMS_EPS)
+            new_res = y * scale
+            grad_y = scale * (grad_new_res - new_res * (tl.sum(new_res * grad_new_res, axis=0) / D))
+        # y = R̄ + g·o
+        grad_res = grad_y
+        grad_g += tl.sum(grad_y * o, axis=0)
+        grad_o = g * grad_y
+        # o = √D · x_⊥ / ‖x_⊥‖
+        grad_perp = (sqrt_d * inv_norm) * (grad_o - x_perp * (inv_norm * inv_norm * tl.sum(x_perp * grad_o, axis=0)))
+        # x_⊥ = x_c − along·R̄, along = ⟨x_c,R̄⟩/⟨R̄,R̄⟩
+        grad_along = -tl.sum(grad_perp * res, axis=0)
+        grad_centred = grad_perp + (grad_along / res_sq) * res
+        grad_res += -along * grad_perp + (grad_along / res_sq) * (x_c - 2.0 * along * res)
+        # x_c = x − mean(x)
+        grad_x = grad_centred - tl.sum(tl.where(mask, grad_centred, 0.0), axis=0) / D
+        tl.store(grad_res_ptr + row * D + cols, grad_res.to(grad_res_ptr.dtype.element_ty), mask=stored)
+        tl.store(grad_branch_ptr + row * D + cols, grad_x.to(grad_branch_ptr.dtype.element_ty), mask=stored)
+
+        # gate: g = α·m, m = max(u, floor)^β, u = Σ w_i σ(z_i)
+        grad_alpha = grad_g * m
+        grad_m = grad_g * alpha
+        # like torch.pow, the exponent's gradient is 0 where the base is 0
+        log_u = tl.log(tl.where(u_clamped > 0.0, u_clamped, 1.0))
+        grad_beta = grad_m * m * log_u
+        # β·u^(β−1) is inf at u == 0 for β < 1: kept, this is failure 1 with floor 0
+        power = tl.where(beta == 1.0, 1.0, tl.exp2((beta - 1.0) * tl.log2(u_clamped)))
+        # clamp passes the gradient where u ≥ floor, like torch.clamp
+        grad_u = tl.where(u >= floor, grad_m * beta * power, 0.0)
+        grad_z = grad_u * weights * sig * (1.0 - sig)
+        tl.store(grad_logits_ptr + row * C + c_cols, grad_z.to(grad_logits_ptr.dtype.element_ty),
+                 mask=c_cols < tl.where(valid, C, 0))
+        # tl.where, not a product: a non-finite gradient (failure 1) must reach the sums, and a redone row must not
+        acc_weights += tl.where(valid, grad_u * sig, 0.0)
+        acc_scalars += tl.where(valid, tl.where(tl.arange(0, 2) == 0, grad_beta, grad_alpha), 0.0)
+    tl.store(part_weights_ptr + program * C + c_cols, acc_weights, mask=c_mask)
+    tl.store(part_scalars_ptr + program * 2 + tl.arange(0, 2), acc_scalars)
+
+
+@triton.jit
+def _nag_gate_grad_kernel(
+    part_weights_ptr, part_scalars_ptr, coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr,
+    grad_coef_ptr, grad_beta_raw_ptr, grad_alpha_ptr,
+    n_parts, C,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    """One program: sums the backward's partials, then chains through softmax(coef), softplus(beta_raw)
+    and the α scale."""
+    c_cols = tl.arange(0, BLOCK_C)
+    c_mask = c_cols < C
+    s_cols = tl.arange(0, 2)
+    grad_weights = tl.zeros([BLOCK_C], dtype=tl.float32)
+    grad_scalars = tl.zeros([2], dtype=tl.float32)  # (β, α)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        p_mask = parts < n_parts
+        w = tl.load(part_weights_ptr + parts[:, None] * C + c_cols[None, :], mask=p_mask[:, None] & c_mask[None, :], other=0.0)
+        grad_weights += tl.sum(w, axis=0)
+        sc = tl.load(part_scalars_ptr + parts[:, None] * 2 + s_cols[None, :], mask=p_mask[:, None], other=0.0)
+        grad_scalars += tl.sum(sc, axis=0)
+    weights, _, _ = _gate_params(coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr, C, BLOCK_C, HAS_SCALE)
+    grad_coef = weights * (grad_weights - tl.sum(weights * grad_weights, axis=0))
+    tl.store(grad_coef_ptr + c_cols, grad_coef.to(grad_coef_ptr.dtype.element_ty), mask=c_mask)
+    # softplus' = sigmoid; α's gradient is the effective α's times the scale
+    beta_raw = tl.load(beta_raw_ptr).to(tl.float32)
+    factor = tl.where(s_cols == 0, tl.sigmoid(beta_raw), 1.0)
+    if HAS_SCALE:
+        factor = tl.where(s_cols == 1, tl.load(scale_ptr).to(tl.float32), factor)
+    grad_scalars = grad_scalars * factor
+    tl.store(grad_beta_raw_ptr + s_cols, grad_scalars.to(grad_beta_raw_ptr.dtype.element_ty), mask=s_cols == 0)
+    tl.store(grad_alpha_ptr + s_cols - 1, grad_scalars.to(grad_alpha_ptr.dtype.element_ty), mask=s_cols == 1)
 
 
 # -----------------------------------------------------------------------------
@@ -187,11 +256,10 @@ def _launch_config(dim, channels):
     return block_d, block_c, num_warps
 
 
-def _gate_params(coef, beta_raw, alpha):
-    # tiny per-call parameter transforms, passed to the kernels by pointer (no host sync)
-    weights = torch.softmax(coef.float(), dim=-1).contiguous()
-    beta = torch.nn.functional.softplus(beta_raw.float()).reshape(1).contiguous()
-    return weights, beta, alpha.float().reshape(1).contiguous()
+def _rows_per_program(rows):
+    # the backward's programs each take a run of rows, so that its partial sums stay a few thousand
+    # rows of C + 2 floats for the one-program gate kernel; a guess, not yet tuned on a GPU
+    return max(1, min(16, rows // 2048))
 
 
 # -----------------------------------------------------------------------------
@@ -201,7 +269,8 @@ def _gate_params(coef, beta_raw, alpha):
 @torch.library.custom_op("nag::fused_branch", mutates_args=())
 def _fused_branch(
     res_dir: torch.Tensor, log_norm: torch.Tensor, branch_out: torch.Tensor, mod_logits: torch.Tensor,
-    coef: torch.Tensor, beta_raw: torch.Tensor, alpha: torch.Tensor, floor: float, renorm: str,
+    coef: torch.Tensor, beta_raw: torch.Tensor, alpha: torch.Tensor, alpha_scale: torch.Tensor | None,
+    floor: float, renorm: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_renorm(renorm)
     dim, channels = res_dir.size(-1), mod_logits.size(-1)
@@ -210,16 +279,16 @@ def _fused_branch(
     log_norm_rows = _rows(log_norm, 1)
     branch = _rows(branch_out, dim)
     logits = _rows(mod_logits, channels)
-    weights, beta, alpha_ = _gate_params(coef, beta_raw, alpha)
     new_res = torch.empty_like(res)
     new_log_norm = torch.empty_like(log_norm_rows)
     block_d, block_c, num_warps = _launch_config(dim, channels)
     if rows > 0:
         _nag_forward_kernel[(rows,)](
-            res, log_norm_rows, branch, logits, weights, beta, alpha_,
+            res, log_norm_rows, branch, logits, coef.contiguous(), beta_raw, alpha,
+            alpha if alpha_scale is None else alpha_scale,  # not read without a scale
             new_res, new_log_norm,
             float(floor), dim, channels, math.sqrt(dim),
-            BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted",
+            BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted", HAS_SCALE=alpha_scale is not None,
             ORTHO_EPS=ORTHO_EPS, RMS_EPS=RMS_EPS, num_warps=num_warps,
         )
     return new_res.view(res_dir.shape), new_log_norm.view(log_norm.shape)
@@ -232,7 +301,7 @@ def _fresh(t):
 
 
 @_fused_branch.register_fake
-def _(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm):
+def _(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale, floor, renorm):
     return _fresh(res_dir), _fresh(log_norm)
 
 
@@ -240,7 +309,8 @@ def _(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, r
 def _fused_branch_backward(
     grad_new_dir: torch.Tensor, grad_new_log_norm: torch.Tensor,
     res_dir: torch.Tensor, branch_out: torch.Tensor, mod_logits: torch.Tensor,
-    coef: torch.Tensor, beta_raw: torch.Tensor, alpha: torch.Tensor, floor: float, renorm: str,
+    coef: torch.Tensor, beta_raw: torch.Tensor, alpha: torch.Tensor, alpha_scale: torch.Tensor | None,
+    floor: float, renorm: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the gradients of (res_dir, branch_out, mod_logits, coef, beta_raw, alpha)."""
     check_renorm(renorm)
@@ -251,66 +321,73 @@ def _fused_branch_backward(
     logits = _rows(mod_logits, channels)
     grad_new_res = _rows(grad_new_dir, dim)
     grad_new_log_norm = _rows(grad_new_log_norm, 1)
-    weights, beta, alpha_ = _gate_params(coef, beta_raw, alpha)
+    coef_ = coef.contiguous()
+    scale = alpha if alpha_scale is None else alpha_scale  # not read without a scale
     grad_res = torch.empty_like(res)
     grad_branch = torch.empty_like(branch)
     grad_logits = torch.empty_like(logits)
-    # per-row partials of the parameter gradients, summed below: deterministic, no atomics
-    part_weights = torch.empty(rows, channels, dtype=torch.float32, device=res.device)
-    part_beta = torch.empty(rows, dtype=torch.float32, device=res.device)
-    part_alpha = torch.empty(rows, dtype=torch.float32, device=res.device)
+    grad_coef, grad_beta_raw, grad_alpha = _fresh(coef), _fresh(beta_raw), _fresh(alpha)
+    # per-program partials of the parameter gradients, summed by the gate kernel: deterministic, no atomics
+    per_program = _rows_per_program(rows)
+    programs = triton.cdiv(rows, per_program)
+    part_weights = torch.empty(programs, channels, dtype=torch.float32, device=res.device)
+    part_scalars = torch.empty(programs, 2, dtype=torch.float32, device=res.device)
     block_d, block_c, num_warps = _launch_config(dim, channels)
     if rows > 0:
-        _nag_backward_kernel[(rows,)](
-            res, branch, logits, weights, beta, alpha_,
+        _nag_backward_kernel[(programs,)](
+            res, branch, logits, coef_, beta_raw, alpha, scale,
             grad_new_res, grad_new_log_norm,
             grad_res, grad_branch, grad_logits,
-            part_weights, part_beta, part_alpha,
-            float(floor), dim, channels, math.sqrt(dim),
-            BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted",
+            part_weights, part_scalars,
+            float(floor), rows, per_program, dim, channels, math.sqrt(dim),
+            BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted", HAS_SCALE=alpha_scale is not None,
             ORTHO_EPS=ORTHO_EPS, RMS_EPS=RMS_EPS, num_warps=num_warps,
         )
-    # chain through softmax(coef) and softplus(beta_raw)
-    grad_weights = part_weights.sum(dim=0)
-    grad_coef = weights * (grad_weights - (weights * grad_weights).sum())
-    grad_beta_raw = part_beta.sum().reshape(1) * torch.sigmoid(beta_raw.float().reshape(1))
-    grad_alpha = part_alpha.sum().reshape(1)
+    # with no rows it still runs: the parameter gradients are then 0
+    _nag_gate_grad_kernel[(1,)](
+        part_weights, part_scalars, coef_, beta_raw, alpha, scale,
+        grad_coef, grad_beta_raw, grad_alpha,
+        programs, channels,
+        BLOCK_P=max(16, 2048 // block_c), BLOCK_C=block_c, HAS_SCALE=alpha_scale is not None, num_warps=4,
+    )
     return (
         grad_res.view(res_dir.shape),
         grad_branch.view(branch_out.shape),
         grad_logits.view(mod_logits.shape),
-        grad_coef.to(coef.dtype),
-        grad_beta_raw.to(beta_raw.dtype).view(beta_raw.shape),
-        grad_alpha.to(alpha.dtype).view(alpha.shape),
+        grad_coef, grad_beta_raw, grad_alpha,
     )
 
 
 @_fused_branch_backward.register_fake
-def _(grad_new_dir, grad_new_log_norm, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm):
+def _(grad_new_dir, grad_new_log_norm, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale, floor, renorm):
     # each gradient in its input's dtype and shape (the parameter ones are reduced in fp32, then cast)
     return _fresh(res_dir), _fresh(branch_out), _fresh(mod_logits), _fresh(coef), _fresh(beta_raw), _fresh(alpha)
 
 
 def _setup_context(ctx, inputs, output):
-    res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm = inputs
+    res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale, floor, renorm = inputs
     # inputs only: the backward kernel recomputes every row quantity
-    ctx.save_for_backward(res_dir, branch_out, mod_logits, coef, beta_raw, alpha)
+    ctx.save_for_backward(res_dir, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale)
     ctx.floor, ctx.renorm = floor, renorm
 
 
 def _backward(ctx, grad_new_dir, grad_new_log_norm):
-    res_dir, branch_out, mod_logits, coef, beta_raw, alpha = ctx.saved_tensors
+    res_dir, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale = ctx.saved_tensors
     grad_res, grad_branch, grad_logits, grad_coef, grad_beta_raw, grad_alpha = _fused_branch_backward(
-        grad_new_dir, grad_new_log_norm, res_dir, branch_out, mod_logits, coef, beta_raw, alpha,
+        grad_new_dir, grad_new_log_norm, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale,
         ctx.floor, ctx.renorm)
-    # new_log_norm = log_norm + f(g), so log_norm's gradient passes straight through
-    return grad_res, grad_new_log_norm, grad_branch, grad_logits, grad_coef, grad_beta_raw, grad_alpha, None, None
+    # new_log_norm = log_norm + f(g), so log_norm's gradient passes straight through; alpha_scale is a
+    # constant (the warm-up factor): no gradient
+    return (grad_res, grad_new_log_norm, grad_branch, grad_logits, grad_coef, grad_beta_raw, grad_alpha,
+            None, None, None)
 
 
 _fused_branch.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_nag_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm="measured"):
+def fused_nag_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm="measured",
+                     alpha_scale=None):
     """Fused nag.functional.nag_branch: returns (new_dir, new_log_norm), log_norm shaped (..., 1)."""
     check_renorm(renorm)  # raise here, not deep inside a compiled graph
-    return _fused_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, float(floor), renorm)
+    return _fused_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale,
+                         float(floor), renorm)

@@ -263,19 +263,24 @@ class NAGGPT(GPT):
         """One NAG update. With MoD the sub-layer output is f̂ = f(R̄) + X_l for the tokens whose rotation
         score r = atan(α·m)/atan(α) is above the threshold and X_l alone for the others (which f never sees)."""
         mod_logits = br.m_down(res_dir)
-        alpha = br.alpha * self.alpha_warmup
         if self.record_telemetry:
-            self.record_branch(mod_logits, br, alpha)
+            self.record_branch(mod_logits, br, br.alpha * self.alpha_warmup)
         execute = bound = None
         if self.mod is not None and self.mod.skips(kind):
             m = modulator(mod_logits.detach(), br.coef.detach(), br.beta_raw.detach(), self.nag.mod_floor)
-            execute = self.thresholds.decide(kind, layer, rotation_score(alpha, m))
+            execute = self.thresholds.decide(kind, layer, rotation_score(br.alpha * self.alpha_warmup, m))
             bound = self.thresholds.bound(kind, execute)  # training MLP: a static length, no host sync
         out = run_executed(kind, block, res_dir, cos_sin, mask, execute, bound, kv)
         if self.mod is not None and self.mod.covers(kind):
             out = out + self.mod_base[f"{kind}_{layer}"].to(out.dtype)
-        return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, alpha,
-                              self.nag.mod_floor, self.nag.renorm)
+        return self.branch_update(br, res_dir, log_norm, out, mod_logits)
+
+    def branch_update(self, br, res_dir, log_norm, out, mod_logits):
+        """R̄ and s after the sub-layer output out: the gain, the rotation and the log-norm step
+        (scripts/bench_nag.py counts the kernel launches of this part)."""
+        # the warm-up factor goes in as alpha_scale: the fused op applies it in its kernels, no extra launch
+        return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, br.alpha,
+                              self.nag.mod_floor, self.nag.renorm, self.alpha_warmup)
 
     def nonfinite_origin(self, idx):
         """Where a non-finite step started (failure 1), from a no-grad forward over idx (the last micro-batch; the

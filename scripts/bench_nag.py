@@ -9,6 +9,10 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
 3. Activation memory: the bytes per token per layer a bf16 training forward saves for backward,
    eager and compiled, GPT vs each NAG impl. It does not depend on the device, so a CPU measures
    the activation share of peak GPU memory without the CPU process's baseline in the way.
+4. Launches: the kernels one NAG sub-layer's update (NAGGPT.branch_update: the gain, the rotation,
+   the log-norm step; not f or m_down) launches forward and backward, per impl (see count_launches).
+
+    python -m scripts.bench_nag --sections launches --impls fused   # runs on a CPU too (interpreter)
 
     python -m scripts.bench_nag --sections op --op-rows 256 --impls reference   # a quick look on a CPU
     python -m scripts.bench_nag --shapes small,published --impls reference,compiled,fused   # (GPU)
@@ -21,10 +25,15 @@ import time
 import argparse
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nag  # noqa: F401  (first: on a machine without a GPU it selects Triton's interpreter before torch imports Triton)
 
-SECTIONS = ("steps", "op", "activations")  # the three parts above
+SECTIONS = ("steps", "op", "activations", "launches")  # the four parts above
+# launches of the fused update before the gate transforms and the parameter-gradient sums moved into the kernels
+# (softmax, softplus and α × warm-up forward; those again and 8 small ops of partial sums and chain rule backward),
+# measured by this script's launches section at commit 9716561 (2026-12-01)
+FUSED_LAUNCHES_BEFORE = {"forward": 4, "backward": 13}
 SHAPES = {
     # name: (depth, model dim, head dim, seq len, device batch)
     "small": (4, 256, 64, 256, 8),
@@ -43,7 +52,7 @@ def parse():
     p.add_argument("--warmup", type=int, default=3 if on_cuda else 1)
     p.add_argument("--vocab-size", type=int, default=32768 if on_cuda else 4096)
     p.add_argument("--sections", type=str, default=",".join(SECTIONS),
-                   help="comma list of the parts to run: steps (1), op (2), activations (3)")
+                   help="comma list of the parts to run: steps (1), op (2), activations (3), launches (4)")
     p.add_argument("--op-rows", type=int, default=16 * 2048 if on_cuda else 2048)
     p.add_argument("--op-dim", type=int, default=640)
     p.add_argument("--json", type=str, default="", help="also write the figures of the sections run here")
@@ -184,6 +193,122 @@ def activation_memory(args, impls):
     return per_layer
 
 
+class LaunchCounter(TorchDispatchMode):
+    """Counts the kernel launches of the code run inside it. The rule: every launch of a Triton kernel of
+    nag.kernels, plus every aten op dispatched outside those launches that returns a tensor and is neither
+    a view nor an allocation (on CUDA each such op launches at least one kernel; views, empty tensors and
+    ops on dtypes or shapes launch none).
+    The same count on a CPU (kernels interpreted) as on a GPU. Ops the Triton interpreter dispatches to
+    move a launch's arguments are not counted: the launch is one."""
+
+    ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+    def __init__(self):
+        super().__init__()
+        self.aten, self.triton, self.in_launch = [], [], False
+
+    @property
+    def total(self):
+        return len(self.aten) + len(self.triton)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "nag":
+            # a custom op of nag.kernels launches nothing itself: count what its Python body runs
+            from torch._library.custom_ops import _maybe_get_opdef
+            with self:
+                return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        makes_tensor = any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(out))
+        if makes_tensor and not (self.in_launch or func.is_view or name in self.ALLOCATIONS):
+            self.aten.append(name)
+        return out
+
+    def __enter__(self):
+        self.depth = getattr(self, "depth", 0) + 1
+        if self.depth == 1:
+            self.count_kernels()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if self.depth == 0:
+            from nag import kernels
+            for k, v in self.saved.items():
+                setattr(kernels, k, v)
+        return super().__exit__(*exc)
+
+    def count_kernels(self):
+        from triton.runtime.jit import KernelInterface
+        from nag import kernels
+        counter = self
+
+        class Counted:
+            def __init__(self, kernel):
+                self.kernel = kernel
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    counter.triton.append(self.kernel.__name__)
+                    counter.in_launch = True
+                    try:
+                        return self.kernel[grid](*args, **kwargs)
+                    finally:
+                        counter.in_launch = False
+                return launch
+
+        # the launch helpers look their kernels up in the module at call time; the kernels are the
+        # *_kernel functions (the other @triton.jit functions are helpers they call)
+        self.saved = {k: v for k, v in vars(kernels).items() if isinstance(v, KernelInterface) and k.endswith("_kernel")}
+        for k, v in self.saved.items():
+            setattr(kernels, k, Counted(v))
+
+
+def count_launches(impl, device="cpu", rows=6, dim=96, channels=8):
+    """(forward, backward) LaunchCounters of one NAGGPT.branch_update on (rows, dim) inputs in bf16, the
+    backward taking the gradients of its four inputs and of the gate's coef, β_raw and α. The count does not
+    depend on the number of rows, so a few interpreted rows give the figure of a full micro-batch."""
+    from nag.model import NAGGPT, NAGConfig
+    from nanochat.gpt import GPTConfig
+    model = NAGGPT(GPTConfig(sequence_len=rows, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=dim),
+                   nag=NAGConfig(directions=channels), impl=impl, device=device)
+    model.init_weights()
+    br = model.gates[0].mlp_branch
+    gen = torch.Generator().manual_seed(0)
+    res_dir = torch.randn(rows, dim, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    log_norm = torch.zeros(rows, 1, device=device).requires_grad_()
+    out = torch.randn(rows, dim, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    mod_logits = torch.randn(rows, channels, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    grads = [torch.randn(rows, dim, generator=gen).to(device, torch.bfloat16), torch.randn(rows, 1, generator=gen).to(device)]
+    with LaunchCounter() as forward:
+        new_dir, new_log_norm = model.branch_update(br, res_dir, log_norm, out, mod_logits)
+    with LaunchCounter() as backward:
+        torch.autograd.grad((new_dir, new_log_norm), (res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, br.alpha), grads)
+    return forward, backward
+
+
+def launches(args, impls):
+    """The count_launches table: kernels per sub-layer update, forward and backward."""
+    print("\nkernel launches per NAG sub-layer update (NAGGPT.branch_update; Triton + other aten ops):")
+    figures = {}
+    for impl in impls:
+        if impl == "compiled":
+            continue  # Inductor decides its own launches; not counted here
+        fwd, bwd = count_launches(impl)
+        figures[impl] = {"forward": fwd.total, "backward": bwd.total, "forward_ops": fwd.triton + fwd.aten,
+                         "backward_ops": bwd.triton + bwd.aten}
+        print(f"  {impl:9s} forward {fwd.total:3d} ({len(fwd.triton)} Triton) | backward {bwd.total:3d} ({len(bwd.triton)} Triton)"
+              f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * (fwd.total + bwd.total):,}")
+        if impl == "fused":
+            before = FUSED_LAUNCHES_BEFORE
+            print(f"            before folding (commit 9716561): forward {before['forward']} | backward {before['backward']}"
+                  f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * sum(before.values()):,}")
+            figures[impl]["before"] = before
+        print(f"            forward: {' '.join(fwd.triton + fwd.aten)}")
+        print(f"            backward: {' '.join(bwd.triton + bwd.aten)}")
+    return figures
+
+
 def main():
     args = parse()
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
@@ -210,6 +335,8 @@ def main():
     if "activations" in sections:
         per_layer = activation_memory(args, impls)
         figures["activations"] = [{"variant": v, "compiled": c, "bytes_per_token_per_layer": b} for (v, c), b in per_layer.items()]
+    if "launches" in sections:
+        figures["launches"] = launches(args, impls)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

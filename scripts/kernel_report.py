@@ -34,8 +34,8 @@ from nag import kernels  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 64, 32
 # pointer arguments that are fp32 whatever the input dtype; every other pointer has the input's dtype
-FP32_POINTERS = {"log_norm_ptr", "new_log_norm_ptr", "grad_new_log_norm_ptr", "weights_ptr", "beta_ptr",
-                 "alpha_ptr", "part_weights_ptr", "part_beta_ptr", "part_alpha_ptr"}
+FP32_POINTERS = {"log_norm_ptr", "new_log_norm_ptr", "grad_new_log_norm_ptr", "coef_ptr", "beta_raw_ptr",
+                 "alpha_ptr", "scale_ptr", "part_weights_ptr", "part_scalars_ptr"}
 
 
 def build(kernel, dim, channels, dtype, renorm):
@@ -52,11 +52,13 @@ def build(kernel, dim, channels, dtype, renorm):
             signature[name] = "i32"
             if (dim if name == "D" else channels) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("n_rows", "rows_per_program"):
+            signature[name] = "i32"
         elif name in ("floor", "sqrt_d"):
             signature[name] = "fp32"
         else:
             signature[name] = "constexpr"
-    constexprs = dict(BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted",
+    constexprs = dict(BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted", HAS_SCALE=True,
                       ORTHO_EPS=kernels.ORTHO_EPS, RMS_EPS=kernels.RMS_EPS)
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps})

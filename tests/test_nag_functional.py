@@ -185,3 +185,16 @@ def test_nag_branch_matches_parts():
     torch.testing.assert_close(new_log_norm, ref_log_norm, rtol=0, atol=0)
     # the gain really moves the state: log_norm grows by ½·log1p(g²) > 0
     assert (new_log_norm > log_norm).all()
+
+
+def test_alpha_scale_is_a_constant_factor_of_alpha():
+    # the model passes the warm-up factor as alpha_scale: the same update as the scaled α, and the factor
+    # itself gets no gradient (it is a schedule, not a parameter)
+    res_dir, log_norm, branch_out, _ = make_state()
+    mod_logits, coef, beta_raw, alpha = make_gates()
+    scale = torch.tensor([0.25], dtype=torch.float64, requires_grad=True)
+    scaled = nag_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, 1e-6, alpha_scale=scale)
+    direct = nag_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha * 0.25, 1e-6)
+    for a, b in zip(scaled, direct):
+        torch.testing.assert_close(a, b)
+    assert not scaled[0].requires_grad

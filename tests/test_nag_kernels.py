@@ -142,6 +142,43 @@ def test_one_output_unused(device, used):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("renorm", ["measured", "predicted"])
+def test_alpha_scale(device, renorm):
+    # the warm-up factor goes in as alpha_scale, applied in the kernels: α's gradient carries it, the scale gets none
+    inputs = make_inputs((7,), 96, 32, device=device)
+    scale = torch.tensor([0.37], device=device)
+    fused_out, fused_grads = run(lambda *a: fused_nag_branch(*a, alpha_scale=scale), inputs, 1e-6, renorm)
+    ref_out, ref_grads = run(lambda *a: nag_branch(*a, alpha_scale=scale), fresh(inputs), 1e-6, renorm)
+    assert_matches(fused_out, ref_out, 2e-5)
+    assert_matches(fused_grads, ref_grads, 2e-5)
+    unscaled, _ = run(fused_nag_branch, fresh(inputs), 1e-6, renorm)
+    assert (unscaled[1] - fused_out[1]).abs().max() > 1e-3  # the scale was applied
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows, per_program", [(7, 3), (13, 4), (0, 1)])
+def test_rows_split_over_programs(device, rows, per_program, monkeypatch):
+    # several rows per backward program, the last program short (it redoes a row and keeps nothing of it),
+    # and no rows at all (the parameter gradients are then 0); real shapes split only past 4,096 rows
+    monkeypatch.setattr("nag.kernels._rows_per_program", lambda n: per_program)
+    inputs = make_inputs((rows,), 96, 32, device=device)
+    fused_out, fused_grads = run(fused_nag_branch, inputs, 1e-6, "measured")
+    ref_out, ref_grads = run(nag_branch, fresh(inputs), 1e-6, "measured")
+    assert_matches(fused_out, ref_out, 2e-5)
+    assert_matches(fused_grads, ref_grads, 2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launches_per_sublayer(device):
+    # one NAG sub-layer update is 1 kernel forward and 2 backward, no eager op around them (was 4 and 13);
+    # the count of scripts/bench_nag.py --sections launches, so that no small op creeps back in
+    from scripts.bench_nag import count_launches
+    forward, backward = count_launches("fused", device=device)
+    assert forward.triton == ["_nag_forward_kernel"] and forward.aten == []
+    assert backward.triton == ["_nag_backward_kernel", "_nag_gate_grad_kernel"] and backward.aten == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_parameter_grads_deterministic(device):
     inputs = make_inputs((13,), 96, 32, device=device)
     _, first = run(fused_nag_branch, inputs, 1e-6, "measured")
@@ -187,7 +224,8 @@ def test_custom_op_registration(device):
     inputs = [t.detach() for t in make_inputs((3,), 96, 8, device=device)]
     inputs[1].requires_grad_()
     inputs[2].requires_grad_()
-    torch.library.opcheck(torch.ops.nag.fused_branch.default, (*inputs, 1e-6, "measured"))
+    torch.library.opcheck(torch.ops.nag.fused_branch.default, (*inputs, None, 1e-6, "measured"))
+    torch.library.opcheck(torch.ops.nag.fused_branch.default, (*inputs, torch.tensor([0.5], device=device), 1e-6, "predicted"))
 
 
 def non_contiguous(t, layout):
@@ -208,7 +246,7 @@ def test_custom_ops_on_non_contiguous_inputs(device, layout, op):
     inputs = [non_contiguous(t.detach(), layout) for t in make_inputs((4,), 8, 4, device=device)]
     assert not inputs[0].is_contiguous() and not inputs[3].is_contiguous() and not inputs[4].is_contiguous()
     if op == "forward":
-        torch.library.opcheck(torch.ops.nag.fused_branch.default, (*[t.requires_grad_() for t in inputs], 1e-6, "measured"))
+        torch.library.opcheck(torch.ops.nag.fused_branch.default, (*[t.requires_grad_() for t in inputs], None, 1e-6, "measured"))
         return
     gen = torch.Generator().manual_seed(2)
     grads = [non_contiguous(torch.randn(t.shape, generator=gen).to(device), layout) for t in (inputs[0], inputs[1])]
@@ -216,7 +254,7 @@ def test_custom_ops_on_non_contiguous_inputs(device, layout, op):
     # the backward op has no autograd formula of its own (no double backward), so the autograd check,
     # which needs inputs that require grad, does not apply
     torch.library.opcheck(torch.ops.nag.fused_branch_backward.default,
-                          (*grads, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, 1e-6, "predicted"),
+                          (*grads, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, None, 1e-6, "predicted"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
