@@ -94,13 +94,36 @@ def run_variant(args, variant, mode):
         if device_type == "cuda":
             torch.cuda.synchronize()
 
-    def step():
+    # where a step's time goes: marks after the backward and after the optimizer (CUDA events: device time, no
+    # extra sync; on a CPU the work is done when the call returns)
+    cuda = device_type == "cuda"
+
+    def now():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def between(a, b):
+        return a.elapsed_time(b) / 1000 if cuda else b - a
+
+    split = {"fwd_bwd": 0.0, "optim": 0.0}
+
+    def step(timed=False):
+        t0 = now()
         loss = fwd(x, y)
         loss.backward()
+        t1 = now()
         optimizer.step()
         model.after_optimizer_step()
         model.zero_grad(set_to_none=True)
-        return loss.item()  # syncs
+        t2 = now()
+        value = loss.item()  # syncs
+        if timed:
+            split["fwd_bwd"] += between(t0, t1)
+            split["optim"] += between(t1, t2)
+        return value
 
     sync()
     t0 = time.time()
@@ -112,11 +135,12 @@ def run_variant(args, variant, mode):
     sync()
     t0 = time.time()
     for _ in range(args.steps):
-        last_loss = step()
+        last_loss = step(timed=True)
     sync()
     dt = (time.time() - t0) / args.steps
     tok_per_sec = B * T / dt
     result = {"arch": variant, "compile": mode, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
+              "fwd_bwd_ms": 1000 * split["fwd_bwd"] / args.steps, "optim_ms": 1000 * split["optim"] / args.steps,
               "first_step_s": first_step_s, "compile_s": max(first_step_s - dt, 0.0),
               "graphs": counters["stats"]["unique_graphs"], "first_loss": first_loss, "last_loss": last_loss,
               "params": sum(p.numel() for p in model.parameters()), "flops_per_token": model.estimate_flops(),

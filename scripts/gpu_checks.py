@@ -218,7 +218,9 @@ def op_figures(d):
 
 def step_figures(d):
     rs = d["results"]
-    cells = [f"{r['arch']} {r['step_ms']:.1f} ms, {r['peak_mem_gib']:.1f} GiB, compile {r['compile_s']:.0f} s"
+    cells = [f"{r['arch']} {r['step_ms']:.1f} ms"
+             + (f" (fwd+bwd {r['fwd_bwd_ms']:.1f}, optimizer {r['optim_ms']:.1f})" if "optim_ms" in r else "")
+             + f", {r['peak_mem_gib']:.1f} GiB, compile {r['compile_s']:.0f} s"
              + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "") for r in rs]
     cells += [f"{q['what']}: {q['step_time']:.3f}× time, {q['peak_mem']:.3f}× memory" for q in d["ratios"]]
     return f"depth {rs[0]['depth']} × {rs[0]['dim']}: " + "; ".join(cells)

@@ -176,3 +176,6 @@ def test_per_block_compile_matches_eager(tmp_path):
         assert blocks["last_loss"] == pytest.approx(eager["last_loss"], rel=1e-4)
     assert "nag / gpt (compiled per block)" in r.stdout
     assert gpu_checks.step_figures(d).startswith("depth 3 × 64: gpt ")
+    for x in d["results"]:  # the split of a timed step: its two parts are most of it (the rest: zero_grad's return, .item())
+        assert x["fwd_bwd_ms"] > 0 and x["optim_ms"] > 0 and 0.5 * x["step_ms"] <= x["fwd_bwd_ms"] + x["optim_ms"] <= x["step_ms"] * 1.01
+    assert "optimizer" in gpu_checks.step_figures(d)
