@@ -182,3 +182,23 @@ def _write_eval_bundle(root, tasks, extra_baselines=None):
 def write_eval_bundle():
     """write_eval_bundle(root, tasks, extra_baselines=None) -> root: see _write_eval_bundle."""
     return _write_eval_bundle
+
+
+def random_model(cls, config, vocab_size, **kwargs):
+    """A model with random weights (init_weights, then noise on every parameter, so the zero-initialised projections
+    are awake), MoD thresholds calibrated on random tokens, in eval mode: for tests that compare two paths through it."""
+    from nag.mod import calibrate
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = cls(config, **kwargs)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    if getattr(model, "thresholds", None) is not None:
+        batches = [(torch.randint(0, vocab_size, (4, 64), generator=torch.Generator().manual_seed(s)),) for s in range(3)]
+        calibrate(model, iter(batches), 3)
+    model.eval()
+    return model

@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from conftest import linked_base
+from conftest import linked_base, random_model
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.engine import context_room, generate
 from nanochat import checkpoint_manager as ckpt
 from nanochat.tokenizer import get_tokenizer
 from nag.model import NAGGPT, NAGConfig
-from nag.mod import ModConfig, calibrate
+from nag.mod import ModConfig
 from nag.router_mod import RouterMoDGPT
 from scripts import export_hf
 
@@ -39,20 +39,10 @@ TEXTS = ["The model data token", "Héllo wörld — naïve café; 東京 дан�
 
 
 def build(name):
-    """A variant with random weights (the zero-initialised projections woken), MoD thresholds calibrated, eval mode."""
+    """A variant with random weights and calibrated MoD thresholds (conftest.random_model), at TOKENS seen."""
     cls, cfg, kwargs = VARIANTS[name]
-    torch.manual_seed(0)
-    model = cls(GPTConfig(**{**CFG, **cfg}), **kwargs)
-    model.init_weights()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    if getattr(model, "thresholds", None) is not None:
-        batches = [(torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(s)),) for s in range(3)]
-        calibrate(model, iter(batches), 3)
+    model = random_model(cls, GPTConfig(**{**CFG, **cfg}), 512, **kwargs)
     model.set_tokens_seen(TOKENS)
-    model.eval()
     return model
 
 

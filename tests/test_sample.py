@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 
-from conftest import TINY_TRAIN, linked_base
+from conftest import TINY_TRAIN, linked_base, random_model
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.engine import KVCache, LAST, Utf8Stream, context_room, generate, sample_next
 from nag.model import NAGGPT, NAGConfig
-from nag.mod import ModConfig, calibrate
+from nag.mod import ModConfig
 from nag.router_mod import RouterMoDGPT
 from scripts import base_train, sample
 
@@ -33,21 +33,9 @@ VARIANTS = {
 
 
 def build(name):
-    """A variant with random weights: the zero-initialised projections and X_l woken, MoD thresholds calibrated."""
+    """A variant with random weights and calibrated MoD thresholds (conftest.random_model)."""
     cls, cfg, kwargs = VARIANTS[name]
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = cls(GPTConfig(**{**CFG, **cfg}), **kwargs)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    if getattr(model, "thresholds", None) is not None:
-        calibrate(model, iter([(tokens(4, 64, seed=s),) for s in range(3)]), 3)
-    model.eval()
-    return model
+    return random_model(cls, GPTConfig(**{**CFG, **cfg}), 128, **kwargs)
 
 
 def tokens(b, t, seed=0):
