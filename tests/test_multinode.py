@@ -267,7 +267,8 @@ try:
     rank0_decides(refuse, True)
 except UserError as e:
     print("error", e)
-torch.distributed.destroy_process_group()  # gloo's threads would abort an exit that skips this
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()  # gloo aborts an exit that skips this, or tears a pair down mid-use
 """
 
 

@@ -110,6 +110,7 @@ def worker(out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(gathered, f)
+    dist.barrier()  # both ranks done with every collective: gloo aborts an exit that tears a pair down mid-use
     dist.destroy_process_group()
 
 
