@@ -24,7 +24,7 @@ import torch
 from nanochat.common import UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes, ensure_writable_dir
 from nanochat import checkpoint_manager as ckpt
 from nanochat.loss_eval import held_batches
-from scripts.archs import load_model
+from nag.archs import load_model
 from analysis.capture import CaptureConfig, capture
 from analysis.summary import summarise
 from analysis.figures import make_figures

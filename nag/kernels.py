@@ -12,7 +12,7 @@ backward kernel, and a one-program kernel that sums the backward's per-program
 partials of the gate parameter gradients. Every program computes the gate's
 parameter transforms (softmax of coef, softplus of beta_raw, α times its
 warm-up factor) in registers from the raw parameters, so no small eager op
-runs around the kernels (scripts/bench_nag.py --sections launches counts them).
+runs around the kernels (scripts/bench/nag.py --sections launches counts them).
 
 Both passes are torch.library custom ops (nag::fused_branch and
 nag::fused_branch_backward) tied together with register_autograd, so a

@@ -277,7 +277,7 @@ class NAGGPT(GPT):
 
     def branch_update(self, br, res_dir, log_norm, out, mod_logits):
         """R̄ and s after the sub-layer output out: the gain, the rotation and the log-norm step
-        (scripts/bench_nag.py counts the kernel launches of this part)."""
+        (scripts/bench/nag.py counts the kernel launches of this part)."""
         # the warm-up factor goes in as alpha_scale: the fused op applies it in its kernels, no extra launch
         return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, br.alpha,
                               self.nag.mod_floor, self.nag.renorm, self.alpha_warmup)

@@ -190,7 +190,7 @@ def load_train_state(run_dir, step, rank=0, device="cpu"):
 
 def build_model(meta, device, model_class):
     """A fresh, initialised model of the arch and config recorded in meta; model_class maps an arch name to
-    its class (scripts/archs.py: the baseline package never imports nag/)."""
+    its class (nag/archs.py: the baseline package never imports nag/)."""
     cls = model_class(meta["arch"])
     config = GPTConfig(**meta["model_config"])
     with torch.device("meta"):

@@ -149,7 +149,7 @@ class GPT(nn.Module):
         self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2, device=device), persistent=False)
         self.compute_dtype = torch.float32
 
-    # ----- the arch hook: what base_train asks of a model class (scripts/archs.py lists the classes) -----
+    # ----- the arch hook: what base_train asks of a model class (nag/archs.py lists the classes) -----
 
     @staticmethod
     def add_args(parser):

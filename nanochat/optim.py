@@ -15,7 +15,7 @@ compiles them where the parameters are on CUDA and, on several ranks, shards Muo
 Sharding: a stack of n same-shape matrices is cut into contiguous chunks of ceil(n / W) (`shard_rows`); rank r keeps
 momentum and variance for its chunk only, updates only those matrices, and one all-gather per stack (padded to W
 chunks) gives every rank every updated matrix. AdamW (embeddings, lm_head, NAG gates) stays replicated: a few
-tensors, ~12% of the parameters at the published shape, one elementwise pass (scripts/bench_optim.py counts it).
+tensors, ~12% of the parameters at the published shape, one elementwise pass (scripts/bench/optim.py counts it).
 """
 
 import torch

@@ -15,4 +15,4 @@ set -euo pipefail
 export NANOCHAT_CALLER_CWD="${NANOCHAT_CALLER_CWD:-$PWD}"  # setup_env.sh changes to the repo root; relative paths are the caller's
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
-python -m scripts.failures "$@"
+python -m scripts.experiments.failures "$@"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements only a GPU can make (scripts/gpu_checks.py has the stages, their time limits and the
+# The measurements only a GPU can make (scripts/bench/gpu_checks.py has the stages, their time limits and the
 # figures each writes). No network and no data: the benchmarks use random tokens.
 #
 #   bash runs/gpu_checks.sh --quick     # at most 8 minutes on one H100/H200, compiles included
@@ -26,4 +26,4 @@ fi
 
 # 2. the checks
 export PYTHONUNBUFFERED=1
-exec "$PY" -m scripts.gpu_checks "$@"
+exec "$PY" -m scripts.bench.gpu_checks "$@"

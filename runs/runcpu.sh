@@ -46,7 +46,7 @@ else
 fi
 python -m scripts.tok_eval --max-chars 1000000
 
-# The demo model, preset "demo" in scripts/presets.py: 4 blocks × 256, 256-token context, 4096 tokens per step,
+# The demo model, preset "demo" in nag/presets.py: 4 blocks × 256, 256-token context, 4096 tokens per step,
 # LRs raised against the tiny batch; for NAG a 10-step α warm-up and faster gate and temperature-gain LRs.
 MODEL=(--preset demo --target-flops "$TARGET_FLOPS")
 

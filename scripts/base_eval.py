@@ -50,7 +50,7 @@ from nanochat.stats import bpb_delta_interval, core_delta_interval
 from nanochat.core_eval import ensure_eval_bundle, evaluate_core, save_records, load_records, records_by_task
 from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
 from nanochat import checkpoint_manager as ckpt
-from scripts.archs import load_model
+from nag.archs import load_model
 from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
 
 EVALS = ("core", "bpb", "sample")

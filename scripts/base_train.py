@@ -1,5 +1,5 @@
 """
-Pretrain a base model: the GPT baseline (--arch gpt) or NAG (--arch nag); scripts/archs.py lists the archs.
+Pretrain a base model: the GPT baseline (--arch gpt) or NAG (--arch nag); nag/archs.py lists the archs.
 
     python -m scripts.base_train --depth 2 --max-seq-len 64 --device-batch-size 4 --total-batch-size 256 --num-iterations 20 --eval-every 10 --eval-tokens 1024
     python -m scripts.base_train --preset published --arch nag --dry-run 8        # the plan only; no data, no GPU
@@ -43,8 +43,8 @@ from nanochat.loss_eval import evaluate_bpb_shared, held_batches, shared_batches
 from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import checkpoint_manager as ckpt
 from nanochat import tracking
-from scripts.archs import ARCHS, arch_for_args
-from scripts.presets import PRESETS, preset_args
+from nag.archs import ARCHS, arch_for_args
+from nag.presets import PRESETS, preset_args
 
 REFERENCE_BATCH = 2 ** 19  # tokens; the d12 reference of the muP-style batch rules
 REFERENCE_DEPTH = 12
@@ -57,7 +57,7 @@ PREFETCH = True  # fetch each micro-batch while the device works on the one befo
 
 def build_parser():
     p = argparse.ArgumentParser(description="Pretrain a GPT or NAG base model.")
-    p.add_argument("--preset", type=str, default="", help=f"a named configuration ({', '.join(PRESETS)}; scripts/presets.py); later flags override it")
+    p.add_argument("--preset", type=str, default="", help=f"a named configuration ({', '.join(PRESETS)}; nag/presets.py); later flags override it")
     p.add_argument("--run", type=str, default=None, help="run name (one directory under $NANOCHAT_BASE_DIR/runs) or a directory path; default <arch>-d<depth>")
     p.add_argument("--arch", type=str, default="gpt", help=f"one of {', '.join(ARCHS)}")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")

@@ -31,10 +31,10 @@ import torch
 from nanochat.common import UserError, exit_on_user_error, script_argv, FILE_MODE
 from nanochat.tokenizer import get_tokenizer
 from nanochat import checkpoint_manager as ckpt
-from nanochat.hf.tokenizer import PAD
-from scripts.archs import load_model
+from nag.hf.tokenizer import PAD
+from nag.archs import load_model
 
-HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanochat", "hf")
+HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nag", "hf")
 CODE_FILES = ("configuration_nagchat.py", "modeling_nagchat.py")
 AUTO_MAP = {"AutoConfig": "configuration_nagchat.NagChatConfig", "AutoModelForCausalLM": "modeling_nagchat.NagChatForCausalLM"}
 ARCHS = ("gpt", "nag", "gpt-router")
@@ -86,7 +86,7 @@ def alpha_warmup(meta):
 
 
 def hf_config(meta, bos, pad):
-    from nanochat.hf.configuration_nagchat import NagChatConfig
+    from nag.hf.configuration_nagchat import NagChatConfig
     arch = meta["arch"]
     nag = meta.get("nag_config")
     mod = meta.get("mod_config")
@@ -113,7 +113,7 @@ def write_model(out, model, meta, bos, pad):
 
 
 def write_tokenizer(out, tokenizer, sequence_len):
-    from nanochat.hf.tokenizer import hf_tokenizer, id_mismatches  # these import tokenizers and transformers
+    from nag.hf.tokenizer import hf_tokenizer, id_mismatches  # these import tokenizers and transformers
     tok = hf_tokenizer(tokenizer.enc, sequence_len)
     bad = id_mismatches(tokenizer.enc, tok)
     if bad:
@@ -131,7 +131,7 @@ def verify(out, model, tokenizer):
     over one row of text, <|bos|> first, up to VERIFY_TOKENS tokens."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
-    from nanochat.hf.tokenizer import CHECK_TEXTS
+    from nag.hf.tokenizer import CHECK_TEXTS
     logging.disable_progress_bar()
     hf, info = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, output_loading_info=True)
     wrong = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}

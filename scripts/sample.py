@@ -32,7 +32,7 @@ from nanochat.tokenizer import get_tokenizer
 from nanochat.dataloader import data_loader
 from nanochat.engine import generate, context_room, Utf8Stream
 from nanochat import checkpoint_manager as ckpt
-from scripts.archs import load_model
+from nag.archs import load_model
 from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
 
 DEVICE_TYPES = ("cuda", "cpu", "mps")

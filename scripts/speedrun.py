@@ -29,7 +29,7 @@ from nanochat.common import UserError, exit_on_user_error
 from nanochat import checkpoint_manager as ckpt
 from scripts import base_train, compare
 from scripts.check_cuda import cuda_problem, nvidia_smi
-from scripts.presets import PRESETS, get_preset
+from nag.presets import PRESETS, get_preset
 
 # Estimates, not measurements: a ClimbMix shard holds ~250M characters ≈ 55M tokens of a 32K-vocab
 # tokenizer (400B tokens / 6,543 shards ≈ 61M) in ~100 MB. BOS-aligned best-fit packing crops the tail of a

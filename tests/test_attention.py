@@ -17,7 +17,7 @@ from nanochat.engine import generate
 from nanochat.gpt import GPT, GPTConfig
 from nag.mod import attention_executed
 from nag.model import NAGGPT
-from scripts import bench_attention, gpu_checks
+from scripts.bench import attention as bench_attention, gpu_checks
 
 CFG = dict(sequence_len=32, vocab_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, window_pattern="SSL")
 
@@ -272,7 +272,7 @@ def test_fa3_leaves_packed_rows_mod_and_the_kv_cache_to_masks(fake_fa3):
 
 
 # ---------------------------------------------------------------------------
-# scripts/bench_attention.py and its gpu_checks stage, on the CPU
+# scripts/bench/attention.py and its gpu_checks stage, on the CPU
 
 
 def test_bench_runs_on_the_cpu_with_sdpa_alone(tmp_path, monkeypatch):

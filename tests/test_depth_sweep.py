@@ -1,4 +1,4 @@
-"""scripts/depth_sweep.py: the planner's parameter matching across depths, a tiny end-to-end sweep, bad input,
+"""scripts/experiments/depth_sweep.py: the planner's parameter matching across depths, a tiny end-to-end sweep, bad input,
 and with --seeds: the plan of every seed, the results of several seeds, a failed run that the others outlive."""
 
 import json
@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 
-from scripts import base_train, compare, depth_sweep
-from scripts.archs import ARCHS
+from scripts import base_train, compare
+from scripts.experiments import depth_sweep
+from nag.archs import ARCHS
 from tests.test_compare import eval_record, write_run
 
 

@@ -22,7 +22,7 @@ MARKERS = ("(GPU)", "(network)")
 NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.sh": "~7 minutes; docs/LOG.md records its runs",
                "python -m scripts.sample --run nag-tiny --prompt-file prompts.txt": "needs a prompts file of yours; "
                                                                                   "tests/test_sample.py reads one",
-               "python -m scripts.bench_sample --run cpu-gpt --run cpu-nag": "the CPU demo's runs (runs/runcpu.sh); the same code "
+               "python -m scripts.bench.sample --run cpu-gpt --run cpu-nag": "the CPU demo's runs (runs/runcpu.sh); the same code "
                                                                               "runs on random weights without --run",
                "bash speedrun.sh --preset tiny --base-dir /tmp/nag-chat-tiny": "tests/test_speedrun.py runs this pipeline three times",
                **{c: "needs three evaluated seeds per arm; tests/test_compare.py compares groups of hand-made runs"
@@ -30,18 +30,18 @@ NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.
                             "python -m scripts.compare --a gpt-s1 gpt-s2 gpt-s3 --b nag-s1 nag-s2 nag-s3")},
                **{c: "minutes of training; tests/test_failures.py runs the same code on a tiny model"
                   for c in ("bash runs/failures.sh --scale cpu", "bash runs/failures.sh --scale cpu --seeds 1,2,3",
-                            "python -m scripts.failures --scale cpu", "python -m scripts.failures --scale cpu --seeds 1,2,3")},
+                            "python -m scripts.experiments.failures --scale cpu", "python -m scripts.experiments.failures --scale cpu --seeds 1,2,3")},
                **{c: "~16 minutes of training; tests/test_depth_sweep.py runs the same code on a tiny model"
-                  for c in ("bash runs/depth_sweep.sh --scale cpu", "python -m scripts.depth_sweep --scale cpu")}}
+                  for c in ("bash runs/depth_sweep.sh --scale cpu", "python -m scripts.experiments.depth_sweep --scale cpu")}}
 # benchmarks whose own test runs the same code on a smaller shape: their shown commands are not run again here
-TESTED_ELSEWHERE = {"scripts.bench_sample": "tests/test_sample.py::test_bench_sample_prints_both_modes",
-                    "scripts.bench_attention": "tests/test_attention.py::test_bench_runs_on_the_cpu_with_sdpa_alone",
-                    "scripts.bench_optim": "tests/test_optim_sharded.py::test_bench_counts_a_share_of_muon_per_rank"}
+TESTED_ELSEWHERE = {"scripts.bench.sample": "tests/test_sample.py::test_bench_sample_prints_both_modes",
+                    "scripts.bench.attention": "tests/test_attention.py::test_bench_runs_on_the_cpu_with_sdpa_alone",
+                    "scripts.bench.optim": "tests/test_optim_sharded.py::test_bench_counts_a_share_of_muon_per_rank"}
 LIMIT_S = 300  # per command, generous for a contended 2-core machine
 # what must run before what: data, tokenizer, training, evaluation, comparison, the rest
 # the benchmarks print figures and nothing else reads them: check they still print what they promise
-PRINTS = {"scripts.bench_train": "nag / gpt (eager): step time", "scripts.bench_nag": ("% of copy", "kernel launches per NAG sub-layer"),
-          "scripts.kernel_report": "_nag_backward_kernel"}
+PRINTS = {"scripts.bench.train": "nag / gpt (eager): step time", "scripts.bench.nag": ("% of copy", "kernel launches per NAG sub-layer"),
+          "scripts.bench.kernel_report": "_nag_backward_kernel"}
 ORDER = ["nanochat.dataset", "scripts.tok_train", "scripts.tok_eval", "scripts.base_train", "scripts.base_eval", "scripts.compare"]
 
 

@@ -77,7 +77,7 @@ def write_metrics(path, m_by_step):
 
 
 def test_collapse_verdict(tmp_path):
-    from nag.verdicts import collapse_verdict
+    from nag.gate_collapse import collapse_verdict
     n = 10
     init = [0.5] * n
     collapsed = write_metrics(tmp_path / "c.jsonl", {0: init, 50: [0.01] * 3 + [0.4] * 7, 100: [0.02] * 3 + [0.6] * 7})
@@ -100,17 +100,17 @@ def test_collapse_verdict(tmp_path):
 
 def test_tiny_run_telemetry_feeds_the_verdict(run_base):
     run_dir = tiny_main(["--arch", "nag", "--run", "v", "--num-iterations", "4", "--eval-every", "100", "--nag-gate-log-every", "2"])
-    from nag.verdicts import collapse_verdict
+    from nag.gate_collapse import collapse_verdict
     v = collapse_verdict(os.path.join(run_dir, "metrics.jsonl"))
     assert v["verdict"] == "healthy" and v["num_branches"] == 4 and v["end_step"] == 4
 
 
 # ---------------------------------------------------------------------------
-# scripts/failures.py: the four runs and the verdict table
+# scripts/experiments/failures.py: the four runs and the verdict table
 
 
 def test_failures_table_and_rerun(run_base, monkeypatch, capsys):
-    from scripts import failures
+    from scripts.experiments import failures
     # the tiny test model for seconds-long runs; branch 0.mlp shut from the start makes failure 1 certain
     monkeypatch.setattr(failures, "CPU", ["--preset", "tiny", "--nag-gate-log-every", "2", "--eval-every", "100000", "--save-every", "2"])
     monkeypatch.setattr(failures, "CPU_STEPS", {"fail1": 4, "fail2": 4})
@@ -146,13 +146,13 @@ def test_failures_table_and_rerun(run_base, monkeypatch, capsys):
 
 
 def test_failures_bad_scale(run_base, script_error):
-    from scripts import failures
+    from scripts.experiments import failures
     assert "unknown --scale 'gpu' (expected cpu or published)" in script_error(failures.main, "--scale", "gpu")
     assert "unknown arguments for --scale cpu: --gpus 8" in script_error(failures.main, "--scale", "cpu", "--gpus", "8")
 
 
 def test_failures_bad_seeds_are_one_line(run_base, script_error):
-    from scripts import failures
+    from scripts.experiments import failures
     assert "--seeds takes comma-separated integers like 1,2,3, got 'a'" in script_error(failures.main, "--seeds", "a")
     assert "--seeds needs one or more different integers" in script_error(failures.main, "--seeds", "1,1")
     assert "--seeds needs one or more different integers" in script_error(failures.main, "--seeds", ",")
@@ -162,7 +162,7 @@ def test_failures_bad_seeds_are_one_line(run_base, script_error):
 
 
 def test_failures_cpu_dry_run_trains_nothing(tmp_path, monkeypatch, capsys):
-    from scripts import failures
+    from scripts.experiments import failures
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("a dry run trained or prepared data")

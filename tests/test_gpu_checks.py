@@ -1,4 +1,4 @@
-"""runs/gpu_checks.sh and scripts/gpu_checks.py on a CPU: the one-line stop without a GPU, the stage runner
+"""runs/gpu_checks.sh and scripts/bench/gpu_checks.py on a CPU: the one-line stop without a GPU, the stage runner
 with fake stages (ok, failing, timed out, out of budget), the kernel-test verdict when no CUDA test can run,
 the headline arithmetic, and bench_train's per-block compile against eager on a tiny model."""
 
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from scripts import gpu_checks
+from scripts.bench import gpu_checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the machine without a GPU")
@@ -108,7 +108,7 @@ def test_main_exit_status_and_summary(tmp_path, monkeypatch):
 def test_kernel_tests_fail_when_no_cuda_test_ran(tmp_path):
     # on a CPU every CUDA test skips itself and pytest exits 0; the stage must still fail
     path = tmp_path / "kernel_tests.json"
-    r = subprocess.run([sys.executable, "-m", "scripts.gpu_checks", "--kernel-tests", str(path)], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_checks", "--kernel-tests", str(path)], cwd=REPO,
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 1, r.stdout + r.stderr
     d = json.loads(path.read_text())
@@ -149,7 +149,7 @@ def test_quick_plan_fits_eight_minutes():
 
 def test_branch_op_json(tmp_path):
     path = tmp_path / "op.json"
-    r = subprocess.run([sys.executable, "-m", "scripts.bench_nag", "--sections", "op", "--op-rows", "64", "--impls", "reference",
+    r = subprocess.run([sys.executable, "-m", "scripts.bench.nag", "--sections", "op", "--op-rows", "64", "--impls", "reference",
                         "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
     d = json.loads(path.read_text())
@@ -162,7 +162,7 @@ def test_per_block_compile_matches_eager(tmp_path):
     # the CPU twin of --compile blocks: the same first loss as eager (same weights, same batch), the model
     # really compiled, and identical blocks sharing one graph (NAG: one per sub-layer kind)
     path = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "scripts.bench_train", "--depth", "3", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64",
+    cmd = [sys.executable, "-m", "scripts.bench.train", "--depth", "3", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64",
            "--vocab-size", "512", "--device-batch-size", "4", "--steps", "1", "--warmup", "1", "--arch", "gpt,nag",
            "--compile", "off,blocks", "--json", str(path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -11,7 +11,8 @@ from nanochat.gpt import GPT, GPTConfig
 from nag.model import NAGGPT, NAGConfig
 from nag.mod import ModConfig, Thresholds, attention_executed, mlp_executed, run_executed, batch_threshold, calibrate, savable_flops
 from nag.router_mod import RouterMoDGPT
-from scripts import archs, base_train, base_eval
+from nag import archs
+from scripts import base_train, base_eval
 
 CFG = dict(sequence_len=32, vocab_size=128, n_layer=3, n_head=2, n_kv_head=2, n_embd=32)
 
@@ -362,7 +363,7 @@ def test_exact_resume_with_thresholds(run_base):
 
 
 def test_bench_mod_prints_savings(capsys):
-    from scripts import bench_mod
+    from scripts.bench import mod as bench_mod
     rows = bench_mod.main(["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "32", "--vocab-size", "128",
                            "--device-batch-size", "2", "--steps", "1", "--warmup", "1", "--rates", "0.4", "--blocks", "mlp,both"])
     out = capsys.readouterr().out

@@ -171,8 +171,8 @@ def test_rows_split_over_programs(device, rows, per_program, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_launches_per_sublayer(device):
     # one NAG sub-layer update is 1 kernel forward and 2 backward, no eager op around them (was 4 and 13);
-    # the count of scripts/bench_nag.py --sections launches, so that no small op creeps back in
-    from scripts.bench_nag import count_launches
+    # the count of scripts/bench/nag.py --sections launches, so that no small op creeps back in
+    from scripts.bench.nag import count_launches
     forward, backward = count_launches("fused", device=device)
     assert forward.triton == ["_nag_forward_kernel"] and forward.aten == []
     assert backward.triton == ["_nag_backward_kernel", "_nag_gate_grad_kernel"] and backward.aten == []
@@ -298,7 +298,7 @@ def test_whole_model_compiles_as_one_graph(device):
 def test_compiled_model_activations_within_target(device):
     # the memory target (NAG-fused ≤ 1.05× GPT) in its device-independent part: what a compiled
     # model keeps for backward per token per layer at the real width, D = 640
-    from scripts.bench_nag import activations_per_layer
+    from scripts.bench.nag import activations_per_layer
 
     def per_layer(variant):
         return activations_per_layer(variant, 640, 256, device, compiled=True)
@@ -315,7 +315,7 @@ def test_kernels_build_for_hopper():
         assert triton.knobs.nvidia.cuobjdump.path
     except RuntimeError:
         pytest.skip("this Triton build ships no cuobjdump")
-    code = "import json; from scripts.kernel_report import report; print(json.dumps(report()))"
+    code = "import json; from scripts.bench.kernel_report import report; print(json.dumps(report()))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     builds = json.loads(out.stdout.strip().splitlines()[-1])

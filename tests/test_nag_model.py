@@ -9,7 +9,7 @@ from nanochat.gpt import GPT, GPTConfig
 from nanochat.common import UserError
 from nanochat import checkpoint_manager as ckpt
 from nag.model import NAGGPT, NAGConfig
-from scripts import archs
+from nag import archs
 
 CFG = dict(sequence_len=32, vocab_size=128, n_layer=3, n_head=2, n_kv_head=2, n_embd=32)
 

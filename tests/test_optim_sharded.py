@@ -203,9 +203,9 @@ def test_state_dicts_reload_on_any_number_of_ranks():
 
 
 def test_bench_counts_a_share_of_muon_per_rank(capsys):
-    # scripts/bench_optim.py on the tiny preset over 2 ranks: stacks of 8, 2 and 2 matrices split evenly, so each rank
+    # scripts/bench/optim.py on the tiny preset over 2 ranks: stacks of 8, 2 and 2 matrices split evenly, so each rank
     # does exactly half of Muon's FLOPs and bytes; AdamW's are the same as replicated, and only the sharded step gathers
-    from scripts import bench_optim
+    from scripts.bench import optim as bench_optim
     rep, sharded = bench_optim.main(["--preset", "tiny", "--arch", "gpt", "--world-size", "2"])
     muon = lambda r, key: r["by_kind"]["muon"][key]
     assert muon(rep, "flops") == 2 * muon(sharded, "flops") > 0

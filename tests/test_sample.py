@@ -201,7 +201,7 @@ def test_script_errors_are_one_line(runs, script_error, argv, message):
 
 
 def test_bench_sample_prints_both_modes(capsys):
-    from scripts import bench_sample
+    from scripts.bench import sample as bench_sample
     rows = bench_sample.main(["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--vocab-size", "128",
                               "--prompt-tokens", "8", "--max-tokens", "16", "--repeats", "1", "--arch", "gpt,nag,nag-mod", "--json"])
     out = capsys.readouterr().out

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import TINY_TRAIN
-from scripts import base_train, archs
+from scripts import base_train
+from nag import archs
 from nanochat.gpt import GPT
 
 

@@ -2,7 +2,7 @@
 What the fused NAG kernels compile to on a Hopper GPU (sm_90: H100, H200), built ahead of time
 on any machine: Triton ships ptxas and cuobjdump, so this needs neither a GPU nor a driver.
 
-    python -m scripts.kernel_report --dims 640
+    python -m scripts.bench.kernel_report --dims 640
 
 For each build (forward and backward kernel × D ∈ {640, 768} × bf16/fp32 × both renorm modes):
 registers per thread, spilled bytes (local memory), shared memory, the blocks per SM the registers

@@ -3,9 +3,9 @@ Sampling speed with and without the KV cache (docs/design.md §9): greedy tokens
 random tokens, the whole sequence recomputed for every token (uncached) against one prefill and one token per
 step (cached), and whether both give the same tokens.
 
-    OMP_NUM_THREADS=1 python -m scripts.bench_sample                     # the demo preset's shape (4 × 256, seq 256), random weights, GPT and NAG
-    OMP_NUM_THREADS=1 python -m scripts.bench_sample --arch gpt,nag,nag-mod --json
-    python -m scripts.bench_sample --run cpu-gpt --run cpu-nag           # trained checkpoints instead
+    OMP_NUM_THREADS=1 python -m scripts.bench.sample                     # the demo preset's shape (4 × 256, seq 256), random weights, GPT and NAG
+    OMP_NUM_THREADS=1 python -m scripts.bench.sample --arch gpt,nag,nag-mod --json
+    python -m scripts.bench.sample --run cpu-gpt --run cpu-nag           # trained checkpoints instead
 
 Random weights: init_weights, then the zero-initialised output projections get small random values, so that every
 sub-layer contributes. nag-mod is NAG with MoD over both blocks at --mod-rate, its thresholds calibrated on random
@@ -103,7 +103,7 @@ def main(argv=None):
     device = torch.device(args.device_type)
     models = []
     if args.run:
-        from scripts.archs import load_model
+        from nag.archs import load_model
         from nanochat import checkpoint_manager as ckpt
         for run in args.run:
             model, meta = load_model(ckpt.resolve_run_dir(run), None, device)

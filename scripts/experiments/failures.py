@@ -1,10 +1,10 @@
 """
 The two failure cases of the published NAG run (docs/failures.md), each beside its fixed twin, and a verdict table.
 
-    python -m scripts.failures --scale cpu                 # tiny runs in $NANOCHAT_BASE_DIR, minutes on a CPU
-    python -m scripts.failures --scale cpu --seeds 1,2,3
-    python -m scripts.failures --scale cpu --dry-run       # the CPU runs, their steps and status; nothing is written
-    python -m scripts.failures --scale published --dry-run # the four published-scale runs, through speedrun.sh
+    python -m scripts.experiments.failures --scale cpu                 # tiny runs in $NANOCHAT_BASE_DIR, minutes on a CPU
+    python -m scripts.experiments.failures --scale cpu --seeds 1,2,3
+    python -m scripts.experiments.failures --scale cpu --dry-run       # the CPU runs, their steps and status; nothing is written
+    python -m scripts.experiments.failures --scale published --dry-run # the four published-scale runs, through speedrun.sh
 
 Failure 1 (NaN), faithful: floor 0, gate LR = matrix LR, no α warm-up; twin: the same with the floor (1e-6) back.
 Failure 2 (gate collapse): gate LR = matrix LR, no α warm-up; twin: gate LR = matrix LR / 12 (the published
@@ -23,9 +23,9 @@ import sys
 from nanochat.common import UserError, exit_on_user_error, get_base_dir
 from nanochat.dataset import list_parquet_files
 from nanochat.tokenizer import get_tokenizer
-from nag.verdicts import collapse_verdict, gate_rows
+from nag.gate_collapse import collapse_verdict, gate_rows
 from scripts import base_train, speedrun
-from scripts.presets import get_preset
+from nag.presets import get_preset
 from scripts.speedrun import base_dir_of
 from scripts.tok_train import prepare_cpu_data
 

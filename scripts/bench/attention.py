@@ -4,8 +4,8 @@ forward + backward time of one attention call, for a full causal window (L) and 
 (SDPA: the mask the model builds; FA3: its own window_size), and the largest differences between the two kernels'
 outputs and input gradients, each kernel also against a reference in a wider dtype.
 
-    python -m scripts.bench_attention                    # CUDA: the published shape (16 × 2048, 5 heads × 128, bf16); CPU: a tiny one
-    python -m scripts.bench_attention --compile --json attention.json   # gpu_checks' stage: also FA3 under torch.compile
+    python -m scripts.bench.attention                    # CUDA: the published shape (16 × 2048, 5 heads × 128, bf16); CPU: a tiny one
+    python -m scripts.bench.attention --compile --json attention.json   # gpu_checks' stage: also FA3 under torch.compile
 
 FA3 is timed when it loads (--attn auto); --attn fa3 makes a machine where it cannot an error, --attn sdpa skips it.
 The reference is SDPA in fp32 on CUDA (fp64 on the CPU) of the same inputs. The run fails (exit status 1) when FA3's

@@ -2,9 +2,9 @@
 Mixture-of-Depths: training step time and FLOPs per token against the skip rate, for each set of
 skippable blocks, on random tokens. Compares the time saved with the FLOPs saved (docs/mod.md).
 
-    OMP_NUM_THREADS=1 python -m scripts.bench_mod                          # the CPU demo model (d4, dim 256, T 256)
-    OMP_NUM_THREADS=1 python -m scripts.bench_mod --depth 8 --rates 0,0.2,0.4 --blocks attn,mlp,both
-    python -m scripts.bench_mod --arch gpt-router --depth 2 --model-dim 64 --head-dim 32 --max-seq-len 64 --vocab-size 512 --steps 2   # the router baseline, tiny
+    OMP_NUM_THREADS=1 python -m scripts.bench.mod                          # the CPU demo model (d4, dim 256, T 256)
+    OMP_NUM_THREADS=1 python -m scripts.bench.mod --depth 8 --rates 0,0.2,0.4 --blocks attn,mlp,both
+    python -m scripts.bench.mod --arch gpt-router --depth 2 --model-dim 64 --head-dim 32 --max-seq-len 64 --vocab-size 512 --steps 2   # the router baseline, tiny
 
 The reference is the same arch without MoD. The variants take their steps in turn, so that on a
 shared machine they all meet the same load; the median step time of each is shown. "FLOPs saved" is what the realised skip rates save in the
@@ -39,7 +39,7 @@ def parse(argv=None):
 
 
 def build(args, mod):
-    from scripts.archs import model_class
+    from nag.archs import model_class
     from nag.model import NAGConfig
     config = GPTConfig(sequence_len=args.max_seq_len, vocab_size=args.vocab_size, n_layer=args.depth,
                        n_head=args.model_dim // args.head_dim, n_kv_head=args.model_dim // args.head_dim, n_embd=args.model_dim)

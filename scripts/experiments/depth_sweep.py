@@ -6,10 +6,10 @@ the reference shape. Each run's val bpb is measured with base_eval, and the NAG 
 plotted against depth, with a 95% interval: from the paired val batches with one seed, and with --seeds from
 the runs of every seed, paired by seed, over training and evaluation noise (docs/failures.md §5).
 
-    python -m scripts.depth_sweep --scale cpu --dry-run          # the CPU plan: widths, parameters, steps
-    python -m scripts.depth_sweep --scale cpu                    # 3 depths x 2 archs on a CPU, ~16 minutes
-    python -m scripts.depth_sweep --scale published --dry-run    # the published-size plan with GPU hours
-    python -m scripts.depth_sweep --scale published --gpus 8     # one speedrun.sh pair per depth   (GPU)
+    python -m scripts.experiments.depth_sweep --scale cpu --dry-run          # the CPU plan: widths, parameters, steps
+    python -m scripts.experiments.depth_sweep --scale cpu                    # 3 depths x 2 archs on a CPU, ~16 minutes
+    python -m scripts.experiments.depth_sweep --scale published --dry-run    # the published-size plan with GPU hours
+    python -m scripts.experiments.depth_sweep --scale published --gpus 8     # one speedrun.sh pair per depth   (GPU)
 
 --seeds 1,2,3 trains every pair once per seed (sweep-<arch>-d<depth>-s<seed>; at the published scale speedrun.sh
 --seeds), each seed setting --seed and --data-seed; the table then gives each arch's mean over the seeds.
@@ -34,9 +34,9 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.common import UserError, exit_on_user_error, get_base_dir, ensure_writable_dir, atomic_write_json
 from nanochat import stats
 from scripts import base_eval, base_train
-from scripts.archs import ARCHS
+from nag.archs import ARCHS
 from scripts.compare_groups import bpb_inputs, group_mean_ci
-from scripts.presets import get_preset
+from nag.presets import get_preset
 from scripts.speedrun import MFU, PEAK_FLOPS, base_dir_of, parse_seeds
 from scripts.tok_train import prepare_cpu_data
 

@@ -1,7 +1,7 @@
 """
 What NAG costs over the GPT baseline, per implementation of the branch update.
 
-1. Whole training steps (via scripts.bench_train, one process per variant): GPT vs
+1. Whole training steps (via scripts.bench.train, one process per variant): GPT vs
    NAG-reference vs NAG-compiled vs NAG-fused, step time and peak memory as ratios to GPT,
    at a small shape and (on CUDA) the published one: 64 blocks, dim 640, seq 2048, batch 16.
 2. The branch op alone: time of forward and forward+backward, and the achieved bytes/s
@@ -12,10 +12,10 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
 4. Launches: the kernels one NAG sub-layer's update (NAGGPT.branch_update: the gain, the rotation,
    the log-norm step; not f or m_down) launches forward and backward, per impl (see count_launches).
 
-    python -m scripts.bench_nag --sections launches --impls fused   # runs on a CPU too (interpreter)
+    python -m scripts.bench.nag --sections launches --impls fused   # runs on a CPU too (interpreter)
 
-    python -m scripts.bench_nag --sections op --op-rows 256 --impls reference   # a quick look on a CPU
-    python -m scripts.bench_nag --shapes small,published --impls reference,compiled,fused   # (GPU)
+    python -m scripts.bench.nag --sections op --op-rows 256 --impls reference   # a quick look on a CPU
+    python -m scripts.bench.nag --shapes small,published --impls reference,compiled,fused   # (GPU)
 """
 
 import sys
@@ -108,7 +108,7 @@ def bench_op(args, impls):
     iters = 20 if device_type == "cuda" else 3
     for impl in impls:
         if impl == "fused" and device_type != "cuda":
-            print("  fused: skipped on CPU (Triton runs in its interpreter here); `python -m scripts.kernel_report` shows its sm_90 build")
+            print("  fused: skipped on CPU (Triton runs in its interpreter here); `python -m scripts.bench.kernel_report` shows its sm_90 build")
             continue
         fn = branch_function(impl)
         args_ = (res, log_norm, out, logits, coef, beta, alpha, 1e-6, "measured")
@@ -134,7 +134,7 @@ def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled
     backward graph (the graphs then run uncompiled: only the partition matters here)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from scripts.bench_train import build_variant
+    from scripts.bench.train import build_variant
     model = build_variant(variant, ["--depth", str(depth), "--model-dim", str(dim), "--max-seq-len", str(seq_len),
                                     "--head-dim", str(math.gcd(dim, 128))], vocab_size, device)  # the published 128 where D allows
     model.set_compute_dtype(torch.bfloat16)
@@ -317,7 +317,7 @@ def main():
         sys.exit(f"error: unknown sections {sorted(sections - set(SECTIONS))} (choose from {', '.join(SECTIONS)})")
     figures = {}
     if "steps" in sections:
-        from scripts import bench_train
+        from scripts.bench import train as bench_train
         for shape in args.shapes.split(","):
             if shape not in SHAPES:
                 sys.exit(f"error: unknown shape {shape!r} (choose from {', '.join(SHAPES)})")

@@ -3,8 +3,8 @@ One optimizer step per rank, counted on the meta device (nothing allocated, noth
 written, matmul FLOPs and the state held, for MuonAdamW replicated (every rank updates every matrix, as before) and
 sharded over --world-size ranks (each rank its chunk of every Muon stack, then one all-gather per stack).
 
-    python -m scripts.bench_optim
-    python -m scripts.bench_optim --preset d20 --arch nag --world-size 4
+    python -m scripts.bench.optim
+    python -m scripts.bench.optim --preset d20 --arch nag --world-size 4
 
 Counting rule: each aten op the eager step dispatches counts once, except views and allocations of uninitialised
 memory (they move no data). Its bytes are those of its tensor operands read (every input; an in-place op's first
@@ -126,7 +126,7 @@ def count_step(groups, rank, world_size):
 
 def plan_groups(preset, arch):
     from scripts import base_train
-    from scripts.presets import get_preset
+    from nag.presets import get_preset
     args = base_train.parse_args(["--preset", preset, "--arch", arch])
     plan = base_train.make_plan(args, get_preset(preset)["vocab"], 1)  # the groups do not depend on the process count
     return plan.optimizer_groups(args), plan
@@ -134,8 +134,8 @@ def plan_groups(preset, arch):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="published", help="the model shape: a base_train preset (scripts/presets.py)")
-    p.add_argument("--arch", default="gpt,nag", help="comma list of archs (scripts/archs.py)")
+    p.add_argument("--preset", default="published", help="the model shape: a base_train preset (nag/presets.py)")
+    p.add_argument("--arch", default="gpt,nag", help="comma list of archs (nag/archs.py)")
     p.add_argument("--world-size", type=int, default=8, help="ranks the sharded optimizer is cut over (rank 0 is counted)")
     p.add_argument("--json", default="", help="also write the figures to this file")
     args = p.parse_args(argv)

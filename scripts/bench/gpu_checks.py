@@ -4,7 +4,7 @@ the benchmarks use random tokens).
 
     bash runs/gpu_checks.sh --quick    # (GPU) at most 8 minutes on one H100/H200, compiles included
     bash runs/gpu_checks.sh            # (GPU) also the published shape at full depth and CORE batching (with EVAL_BUNDLE=DIR)
-    python -m scripts.gpu_checks --quick --dry-run   # the stages, their time limits and expected times; needs no GPU
+    python -m scripts.bench.gpu_checks --quick --dry-run   # the stages, their time limits and expected times; needs no GPU
 
 Without a GPU it says so in one line and stops. Otherwise each stage runs in its own process under its
 own time limit (and all of them under --budget), writes $OUT/<stage>.json and $OUT/<stage>.log, and
@@ -42,19 +42,19 @@ class Stage:
 
 
 def bench_train(*argv):
-    return [sys.executable, "-m", "scripts.bench_train", *argv, *TIMED, "--json", "{json}"]
+    return [sys.executable, "-m", "scripts.bench.train", *argv, *TIMED, "--json", "{json}"]
 
 
 def stages(quick, eval_bundle=None):
     py = sys.executable
     out = [
         Stage("kernel_tests", "fused-kernel CUDA tests: vs the reference, inductor compile, sm_90 build",
-              [py, "-m", "scripts.gpu_checks", "--kernel-tests", "{json}"], 180, 100, kernel_figures),
+              [py, "-m", "scripts.bench.gpu_checks", "--kernel-tests", "{json}"], 180, 100, kernel_figures),
         # FA3 only where its hub kernel is installed and cached (no network here): else SDPA alone, and the reason
         Stage("attention", "attention alone, FA3 vs SDPA, 16 × 2048, 5 heads × 128, bf16, windows L and S; FA3 compiled",
-              [py, "-m", "scripts.bench_attention", "--compile", "--json", "{json}"], 60, 30, attention_figures),
+              [py, "-m", "scripts.bench.attention", "--compile", "--json", "{json}"], 60, 30, attention_figures),
         Stage("branch_op", "branch op alone, 16 × 2048 rows × 640, bf16: GB/s against a copy",
-              [py, "-m", "scripts.bench_nag", "--sections", "op", "--impls", "reference,compiled,fused",
+              [py, "-m", "scripts.bench.nag", "--sections", "op", "--impls", "reference,compiled,fused",
                "--op-rows", str(16 * 2048), "--op-dim", "640", "--json", "{json}"], 120, 45, op_figures),
         Stage("step", "GPT vs NAG-fused, published shape at depth 8, compiled whole",
               bench_train("--depth", "8", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "on"), 150, 80, step_figures),
@@ -76,12 +76,12 @@ def stages(quick, eval_bundle=None):
               bench_train("--depth", "64", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "blocks"), 240, 100, step_figures),
         # MoD is eager (data-dependent shapes): time saved against FLOPs saved, with the MLP path free of host syncs
         Stage("mod", "NAG-MoD at 20 / 40 % skipped vs full depth, width 640, depth 8: time saved for FLOPs saved",
-              [py, "-m", "scripts.bench_mod", "--depth", "8", *PUBLISHED, "--rates", "0,0.2,0.4", "--blocks", "attn,mlp,both",
+              [py, "-m", "scripts.bench.mod", "--depth", "8", *PUBLISHED, "--rates", "0,0.2,0.4", "--blocks", "attn,mlp,both",
                "--steps", "10", "--warmup", "3"], 240, 90, writes_json=False),
     ]
     if eval_bundle:
         out.append(Stage("core_batching", "CORE scoring batched vs one at a time on the GPU",
-                         [py, "-m", "scripts.bench_core", "--eval-bundle", eval_bundle, "--depth", "12", "--dim", "768",
+                         [py, "-m", "scripts.bench.core", "--eval-bundle", eval_bundle, "--depth", "12", "--dim", "768",
                           "--seq-len", "2048", "--threads", "0"], 300, 120, writes_json=False))
     return out
 

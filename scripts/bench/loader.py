@@ -1,8 +1,8 @@
 """
 Tokens per second of the train loader in one process, against what a training rank consumes.
 
-    python -m scripts.bench_loader                                  # B × T = 16 × 2048 (published) and 16 × 256 (CPU demo)
-    python -m scripts.bench_loader --shapes 16x2048 --batches 200 --tokenizer-threads 1
+    python -m scripts.bench.loader                                  # B × T = 16 × 2048 (published) and 16 × 256 (CPU demo)
+    python -m scripts.bench.loader --shapes 16x2048 --batches 200 --tokenizer-threads 1
 
 The loader (nanochat/dataloader.py) reads parquet row groups, tokenizes them and packs rows by best fit, all on
 the host. What one rank of the published run needs: 2^20 tokens per step at ~1.1 s per step (8 × H100), shared by

@@ -2,8 +2,8 @@
 Time CORE scoring batched vs one example at a time, on a tiny random GPT, and check that every
 per-example verdict (correct, predicted choice) is the same both ways.
 
-python -m scripts.bench_core                        # the CORE bundle is downloaded once (network)
-python -m scripts.bench_core --tokenizer trained    # the base dir's BPE tokenizer: real sequence lengths and vocab (network)
+python -m scripts.bench.core                        # the CORE bundle is downloaded once (network)
+python -m scripts.bench.core --tokenizer trained    # the base dir's BPE tokenizer: real sequence lengths and vocab (network)
 
 On a CPU the forward is compute-bound, so the batched path gains mostly by doing less work: shared
 prefixes packed once, logits only at scored tokens. Its gain therefore grows with the vocab (lm_head

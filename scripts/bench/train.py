@@ -1,8 +1,8 @@
 """
 Training throughput and peak memory, GPT vs NAG, eager vs compiled, on random tokens.
 
-    python -m scripts.bench_train --depth 2 --model-dim 64 --head-dim 32 --max-seq-len 64 --vocab-size 512 --device-batch-size 4 --steps 2 --warmup 1 --arch gpt,nag
-    python -m scripts.bench_train --depth 20 --device-batch-size 32 --max-seq-len 2048   # (GPU): also MFU
+    python -m scripts.bench.train --depth 2 --model-dim 64 --head-dim 32 --max-seq-len 64 --vocab-size 512 --device-batch-size 4 --steps 2 --warmup 1 --arch gpt,nag
+    python -m scripts.bench.train --depth 20 --device-batch-size 32 --max-seq-len 2048   # (GPU): also MFU
 
 Each variant runs in its own process so peak memory is its own (CUDA: max allocated;
 CPU: peak resident set size). Ratios to the first variant are measured in the same
@@ -50,7 +50,7 @@ def parse(argv=None):
 
 def build_variant(variant, train_argv, vocab_size, device):
     """An initialised model for variant gpt, nag or nag:IMPL, shaped by base_train's flags in train_argv."""
-    from scripts.archs import model_class
+    from nag.archs import model_class
     from scripts.base_train import build_parser, model_config_from_args
     config = model_config_from_args(build_parser().parse_args(train_argv), vocab_size)
     arch, _, impl = variant.partition(":")
@@ -191,7 +191,7 @@ def benchmark(args, archs, argv):
     results = []
     for mode in compile_modes(args.compile):
         for arch in archs:
-            cmd = [sys.executable, "-m", "scripts.bench_train", "--worker", f"{arch}@{mode}"] + list(argv)
+            cmd = [sys.executable, "-m", "scripts.bench.train", "--worker", f"{arch}@{mode}"] + list(argv)
             env = dict(os.environ)
             cache = tempfile.mkdtemp(prefix="bench_train_cache_") if args.fresh_cache else None
             if cache:
