@@ -4,13 +4,14 @@
 #   bash speedrun.sh                          the published pair (docs/reproduce.md) on every visible GPU
 #   bash speedrun.sh --dry-run                the plan only: no GPU, no network, nothing written
 #   bash speedrun.sh --preset d20 --arch nag  one nanochat-d20-like run
+#   bash speedrun.sh --preset demo            the CPU demo's pair (runs/runcpu.sh's model) through the GPU pipeline
 #   bash speedrun.sh --preset tiny            CPU smoke test of the whole pipeline (offline corpus, minutes)
 #   bash speedrun.sh --seeds 1,2,3            the pair once per seed (gpt-published-s1, nag-published-s1, ...), compared as groups
 #   bash speedrun.sh --arch nag --tag nofloor -- --nag-mod-floor 0    anything after -- goes to base_train
 #   bash speedrun.sh --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT    on each of two nodes (docs/runs.md; SLURM: runs/slurm_pair.sbatch)
 #   bash speedrun.sh --help                   the flags
 #
-# Flags: --preset published|d20|tiny, --arch gpt,nag, --flops X, --gpus N, --tag T (default: derived from
+# Flags: --preset published|d20|demo|tiny, --arch gpt,nag, --flops X, --gpus N, --tag T (default: derived from
 # the flags after --), --seeds 1,2,3, --nnodes N, --node-rank R, --rdzv-endpoint HOST:PORT, --max-restarts K,
 # --base-dir DIR, --shards N, --offline, --eval-bundle DIR, --dry-run.
 # Relative paths are taken from the directory you run it in.
@@ -25,7 +26,7 @@ stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
 
 # 1. environment and plan: flags checked, steps / tokens / FLOPs / disk / time printed, stage status
 source runs/setup_env.sh
-PLAN=$(python -m scripts.speedrun "$@")  # shell assignments: BASE, DRY_RUN, the *_DONE flags, the runs and their commands (--help: exit 0)
+PLAN=$(python -m scripts.speedrun "$@")  # shell assignments: BASE, PRESET, DRY_RUN, the *_DONE flags, the runs (--help: exit 0)
 eval "$PLAN"
 if [ "$DRY_RUN" = 1 ]; then echo "dry run: nothing was started"; exit 0; fi
 export NANOCHAT_BASE_DIR="$BASE"
@@ -58,29 +59,31 @@ else
 fi
 if [ -n "$DL_PID" ]; then stage "waiting for the ClimbMix download"; wait "$DL_PID"; fi
 
-# 5. training: RUNS[i] with the base_train flags in the array TRAIN_<i>; for each seed GPT, then NAG, on the same
-#    FLOP budget and data order (a finished run is a no-op). A failed run is named at the end; the others go on.
+# 5. training: run RUNS[i] of arch RUN_ARCH[i]; for each seed GPT, then NAG, on the same FLOP budget (FLOPS: --flops)
+#    and data order. The user's base_train flags (EXTRA: those after --) come after the preset's, the seeds and the
+#    run's name last. A finished run is a no-op; a failed one is named at the end, and the others go on.
 FAILED=()
 for i in "${!RUNS[@]}"; do
     if [ "${TRAIN_DONE[$i]}" = 1 ]; then continue; fi
     stage "train ${RUNS[$i]}"
-    flags="TRAIN_$i[@]"
-    if "${LAUNCH[@]}" scripts.base_train -- "${!flags}"; then TRAIN_DONE[$i]=1; else FAILED+=("${RUNS[$i]}"); fi
+    SEED=(); if [ -n "${RUN_SEED[$i]}" ]; then SEED=(--seed "${RUN_SEED[$i]}" --data-seed "${RUN_SEED[$i]}"); fi
+    if "${LAUNCH[@]}" scripts.base_train -- --preset "$PRESET" --arch "${RUN_ARCH[$i]}" "${FLOPS[@]}" "${EXTRA[@]}" "${SEED[@]}" \
+        --run "${RUNS[$i]}" --resume latest
+    then TRAIN_DONE[$i]=1; else FAILED+=("${RUNS[$i]}"); fi
 done
 
-# 6. evaluation: CORE, bpb, samples, of every run that trained (base_eval flags in the array EVAL_<i>)
+# 6. evaluation: CORE, bpb, samples, of every run that trained (EVAL_PRESET: the preset's base_eval flags; BUNDLE:
+#    --eval-bundle)
 for i in "${!RUNS[@]}"; do
     if [ "${EVAL_DONE[$i]}" = 1 ]; then continue; fi
     stage "evaluate ${RUNS[$i]}"
-    flags="EVAL_$i[@]"
     if [ "${TRAIN_DONE[$i]}" = 0 ]; then echo "skipped: its training failed"
-    elif "${EVAL_LAUNCH[@]}" scripts.base_eval -- "${!flags}"; then EVAL_DONE[$i]=1
-    else FAILED+=("eval ${RUNS[$i]}")
-    fi
+    elif "${EVAL_LAUNCH[@]}" scripts.base_eval -- --run "${RUNS[$i]}" --eval core,bpb,sample "${EVAL_PRESET[@]}" "${BUNDLE[@]}"
+    then EVAL_DONE[$i]=1; else FAILED+=("eval ${RUNS[$i]}"); fi
 done
 
 # 7. with both archs: residual geometry, attention sinks, confidence (docs/analysis.md) of the first seed's pair
-#    (RUNS[0], RUNS[1]), then the report of every run (the pair's, or with several seeds the groups')
+#    (RUNS[0], RUNS[1]), then the report of every run (COMPARE_RUNS: the pair, or with several seeds --a GPT's --b NAG's)
 evaluated() { for i in "$@"; do if [ "${EVAL_DONE[$i]}" = 0 ]; then return 1; fi; done; }
 if [ "$PAIR" = 1 ]; then
     stage "analyse ${RUNS[0]} vs ${RUNS[1]}"
@@ -91,7 +94,7 @@ if [ "$PAIR" = 1 ]; then
     stage "compare: $REPORT"
     if [ "$REPORT_DONE" = 1 ]; then echo "report already up to date, skipping"
     elif ! evaluated "${!RUNS[@]}"; then echo "skipped: needs every run evaluated"
-    elif ! python -m scripts.compare "${COMPARE[@]}"; then FAILED+=("report")
+    elif ! python -m scripts.compare "${COMPARE_RUNS[@]}" --out "$REPORT"; then FAILED+=("report")
     fi
 fi
 if [ "${#FAILED[@]}" -gt 0 ]; then echo "error: failed: ${FAILED[*]} (rerun to retry them; finished runs are reused)" >&2; exit 1; fi

@@ -8,4 +8,5 @@ paper (arXiv:2606.16112, Figs. 3-7 and 12, Tables III-IV) measured on GPT and NA
     figures.py   the PNG figures
     report.py    analysis.md, beside the published numbers
     run.py       the command: python -m analysis RUN [RUN ...]
+    compare/     the comparison reports of scripts.compare (a pair, or two groups of seeds)
 """

@@ -42,7 +42,7 @@ def parse_args(argv):
     p.add_argument("--device-batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--seed", type=int, default=0, help="seed of the token samples and of k-means")
     p.add_argument("--out", type=str, default=None, help="output directory (default: $NANOCHAT_BASE_DIR/reports/analysis_<run1>_vs_<run2>)")
-    p.add_argument("--device", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
+    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     return p.parse_args(argv)
 
 
@@ -160,7 +160,7 @@ def analyse(args, cmdline):
     plans = check_runs(args, tokenizer)
     out_dir = args.out or os.path.join(get_base_dir(), "reports", "analysis_" + "_vs_".join(p["name"] for p in plans))
     check_writable(out_dir)
-    device = torch.device(args.device or autodetect_device_type())
+    device = torch.device(args.device_type or autodetect_device_type())
     results = {}
     for plan in plans:
         results[plan["name"]] = analyse_run(plan, args, tokenizer, device)

@@ -1,24 +1,91 @@
 """
 The architectures base_train can train, by name: the one place that knows both nanochat/ and nag/.
 
-A model class plugs in through the hooks GPT defines (add_args, init_kwargs_from_args,
-optimizer_kwargs_from_args, optimizer_groups, set_tokens_seen, after_optimizer_step,
-telemetry, step_metrics, extra_meta / extra_init_kwargs); base_train calls only those, so a new arch
-is a subclass plus one line here.
+An arch is a model class (a GPT subclass: its runtime hooks are optimizer_groups, set_tokens_seen,
+after_optimizer_step, step_metrics, nonfinite_origin, extra_meta / extra_init_kwargs) plus an ArchSpec:
+the functions it brings to the command line (its flags, the constructor and optimizer arguments read from
+them, its telemetry). A new arch is a subclass plus one entry in ARCHS; base_train never names an arch.
 """
+
+from dataclasses import dataclass, field
 
 from nanochat.common import UserError
 from nanochat.gpt import GPT
 from nanochat import checkpoint_manager as ckpt
-from nag.model import NAGGPT
+from nanochat import plan as run_plan
+from nanochat.resume import NOT_SETTINGS as BASELINE_NOT_SETTINGS
+from nag.model import NAGGPT, add_nag_args, nag_config_from_args
+from nag.mod import add_mod_args, mod_config_from_args
 from nag.router_mod import RouterMoDGPT
 
-ARCHS = {"gpt": GPT, "nag": NAGGPT}
+
+def no_flags(parser):
+    pass
+
+
+def no_kwargs(args):
+    return {}
+
+
+def no_telemetry(model, step, idx, args):
+    return None, None
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What an arch brings to base_train beyond its model class (torchtitan's ModelSpec is the model)."""
+    model_class: type
+    add_args: callable = no_flags  # its own flags (an arch sharing another's flags leaves this out)
+    init_kwargs: callable = no_kwargs  # constructor arguments beyond the GPTConfig, from parsed flags (may raise UserError)
+    optimizer_kwargs: callable = no_kwargs  # extra keyword arguments of model.optimizer_groups, from parsed flags
+    telemetry: callable = no_telemetry  # (model, step, idx, args) -> (dict for metrics.jsonl or None, line to print or None)
+    reads: frozenset = field(default_factory=frozenset)  # flags of other archs it reads too
+    not_settings: frozenset = field(default_factory=frozenset)  # its flags that change no number it trains
+
+
+def add_nag_and_mod_args(parser):
+    add_nag_args(parser)
+    add_mod_args(parser)  # read by the router-MoD variant too
+
+
+def nag_init_kwargs(args):
+    return {"nag": nag_config_from_args(args), "impl": args.nag_impl or None, "mod": mod_config_from_args(args)}
+
+
+def nag_telemetry(model, step, idx, args):
+    every = args.nag_gate_log_every
+    if every <= 0 or step % every:
+        return None, None
+    t = model.gate_telemetry(idx)  # one extra no-grad forward on the last micro-batch
+    return t, model.format_telemetry(t)
+
+
+def router_init_kwargs(args):
+    mod = mod_config_from_args(args)
+    if mod is None:
+        raise UserError("the router-MoD baseline needs --mod-rate (the target share of skipped token-sublayers)")
+    return {"mod": mod}
+
+
+ARCHS = {
+    "gpt": ArchSpec(GPT),
+    "nag": ArchSpec(NAGGPT, add_args=add_nag_and_mod_args, init_kwargs=nag_init_kwargs,
+                    optimizer_kwargs=lambda args: {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr},
+                    telemetry=nag_telemetry, not_settings=frozenset({"nag_gate_log_every", "nag_impl"})),
+}
 # variants picked by a flag on top of --arch; their checkpoints record the variant's name
-VARIANTS = {"gpt-router": RouterMoDGPT}  # --arch gpt --mod-router: the router-MoD baseline (paper eq. 40)
+VARIANTS = {
+    # --arch gpt --mod-router: the router-MoD baseline (paper eq. 40). Its --mod-* flags are NAG's (registered
+    # once, by the nag spec), and --nag-gate-lr sets its routers' LR, as the gates' LR of its NAG twin
+    "gpt-router": ArchSpec(RouterMoDGPT, init_kwargs=router_init_kwargs,
+                           optimizer_kwargs=lambda args: {"router_lr": args.nag_gate_lr}, reads=frozenset({"nag_gate_lr"})),
+}
+
+# every flag of every arch that changes no number a run trains (nanochat/resume.py says what that list is for)
+NOT_SETTINGS = BASELINE_NOT_SETTINGS | frozenset().union(*(s.not_settings for s in {**ARCHS, **VARIANTS}.values()))
 
 
-def model_class(arch):
+def arch_spec(arch):
     if arch in ARCHS:
         return ARCHS[arch]
     if arch in VARIANTS:
@@ -26,20 +93,52 @@ def model_class(arch):
     raise UserError(f"unknown arch {arch!r} (expected one of: {', '.join(ARCHS)})")
 
 
+def model_class(arch):
+    return arch_spec(arch).model_class
+
+
+def add_arch_args(parser):
+    """Every arch's own flags (each registered once, whatever arch the command line picks)."""
+    for add_args in dict.fromkeys(s.add_args for s in ARCHS.values()):
+        add_args(parser)
+
+
 def arch_for_args(args):
-    """(arch name, model class) that the flags ask for: --arch, turned into its router-MoD variant by --mod-router."""
-    cls = model_class(args.arch)
+    """(arch name, ArchSpec) that the flags ask for: --arch, turned into its router-MoD variant by --mod-router."""
+    spec = arch_spec(args.arch)
     if getattr(args, "mod_router", False):
-        if cls is NAGGPT:
+        if spec.model_class is NAGGPT:
             raise UserError("--mod-router is the GPT baseline's MoD (paper eq. 40); NAG skips by its rotation score: "
                             "drop --mod-router, or use --arch gpt")
-        if cls is not GPT and cls is not RouterMoDGPT:
+        if spec.model_class not in (GPT, RouterMoDGPT):
             raise UserError(f"--mod-router applies to --arch gpt only (got --arch {args.arch})")
-        return RouterMoDGPT.arch, RouterMoDGPT
-    if cls is GPT and (getattr(args, "mod_rate", None) is not None or getattr(args, "mod_blocks", None)):
+        return RouterMoDGPT.arch, VARIANTS[RouterMoDGPT.arch]
+    if spec.model_class is GPT and (getattr(args, "mod_rate", None) is not None or getattr(args, "mod_blocks", None)):
         raise UserError("the GPT baseline has no score to skip tokens by: add --mod-router for the router-MoD baseline, "
                         "or use --arch nag")
-    return args.arch, cls
+    return args.arch, spec
+
+
+def ignored_nag_flags(args, defaults):
+    """NAG flags set on an arch that does not read them (defaults: the parser's defaults). Not an error:
+    speedrun.sh passes one flag list to both runs of a pair; but never silent either."""
+    arch, spec = arch_for_args(args)
+    if spec.model_class is NAGGPT:
+        return []
+    return [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+            if k.startswith("nag_") and k not in spec.reads and v != getattr(defaults, k)]
+
+
+def check_args(args):
+    """base_train's flags checked (nanochat/plan.py) and its arch picked: one line for the first problem."""
+    run_plan.check_args(args)
+    return arch_for_args(args)
+
+
+def plan_for(args, vocab_size, nproc):
+    """The Plan (nanochat/plan.py) of a run's flags: its arch's model built on the meta device, batch, horizon, LRs."""
+    arch, spec = check_args(args)
+    return run_plan.make_plan(args, vocab_size, nproc, arch, spec.model_class, spec.init_kwargs(args), spec.optimizer_kwargs(args))
 
 
 def load_model(run_dir, step=None, device="cpu"):

@@ -6,8 +6,7 @@ is below DEAD_MODULATOR (0.1). A run has collapsed when at least COLLAPSE_SHARE 
 mid-run and the same branches are still shut at the end: gates that slammed shut and never reopened.
 """
 
-import json
-
+from nanochat.run_dir import rows_with
 from nag.model import DEAD_MODULATOR
 
 # The walkthrough saw "almost a quarter" of the updates shut; 0.2 accepts that with margin, while a healthy
@@ -17,15 +16,7 @@ COLLAPSE_SHARE = 0.2
 
 def gate_rows(metrics_path):
     """The metrics.jsonl rows that carry gate telemetry, in step order (a restarted run's repeats: the last wins)."""
-    rows = {}
-    with open(metrics_path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                r = json.loads(line)
-                if "gate" in r:
-                    rows[r["step"]] = r
-    return [rows[s] for s in sorted(rows)]
+    return rows_with(metrics_path, "gate")
 
 
 def shut(gate):

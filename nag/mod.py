@@ -43,7 +43,7 @@ class ModConfig:
 
 
 def add_mod_args(parser):
-    """The MoD flags, read by both MoD models (registered once, by NAGGPT.add_args)."""
+    """The MoD flags, read by both MoD models (registered once, by the nag spec in nag/archs.py)."""
     g = parser.add_argument_group("Mixture-of-Depths (--arch nag: rotation score; --arch gpt --mod-router: router baseline)")
     g.add_argument("--mod-rate", type=float, default=None, help="target share of skipped token-sublayers, in [0, 0.95)")
     g.add_argument("--mod-blocks", type=str, default=None, choices=BLOCKS, help="sub-layers tokens may skip (default: both)")

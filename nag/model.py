@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from nanochat.gpt import GPT, Linear
 from nag.functional import nag_branch, modulator
-from nag.mod import add_mod_args, ModConfig, Thresholds, mod_config_from_args, rotation_score, run_executed, flops_with_skips, skip_summary
+from nag.mod import ModConfig, Thresholds, mod_config_from_args, rotation_score, run_executed, flops_with_skips, skip_summary
 
 BETA_RAW_INIT = 0.5413  # softplus⁻¹(1): the modulator starts linear in u
 DEAD_GAIN = 1e-3  # a branch whose mean |g| falls below this counts as dead in telemetry
@@ -122,32 +122,12 @@ class NAGGPT(GPT):
         if mod is not None:
             self.configure_mod(mod, device)
 
-    # ----- the arch hook (see GPT) -----
-
-    @staticmethod
-    def add_args(parser):
-        add_nag_args(parser)
-        add_mod_args(parser)  # read by the router-MoD GPT variant too
-
-    @classmethod
-    def init_kwargs_from_args(cls, args):
-        return {"nag": nag_config_from_args(args), "impl": args.nag_impl or None, "mod": mod_config_from_args(args)}
-
-    @classmethod
-    def optimizer_kwargs_from_args(cls, args):
-        return {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr}
+    # ----- hooks (see GPT; the command-line side is nag/archs.py) -----
 
     @classmethod
     def extra_init_kwargs(cls, meta):
         mod = meta.get("mod_config")
         return {"nag": NAGConfig(**meta["nag_config"]), "mod": ModConfig(**mod) if mod else None}
-
-    def telemetry(self, step, idx, args):
-        every = args.nag_gate_log_every
-        if every <= 0 or step % every:
-            return None, None
-        t = self.gate_telemetry(idx)  # one extra no-grad forward on the last micro-batch
-        return t, self.format_telemetry(t)
 
     def extra_meta(self):
         return {"nag_config": asdict(self.nag), **({"mod_config": asdict(self.mod)} if self.mod else {})}

@@ -57,7 +57,7 @@ PRESETS = {
                   "--save-every", "20", "--device-type", "cpu"],
         "nag": ["--nag-alpha-warmup-tokens", "1024", "--nag-gate-log-every", "10"],
         "eval": ["--max-per-task", "8", "--split-tokens", "512", "--device-batch-size", "4", "--sample-tokens", "8", "--device-type", "cpu"],
-        "analysis": ["--tokens", "1024", "--clusters", "4", "--state-sample", "64", "--device-batch-size", "4", "--device", "cpu"],
+        "analysis": ["--tokens", "1024", "--clusters", "4", "--state-sample", "64", "--device-batch-size", "4", "--device-type", "cpu"],
         "vocab": 512,
     },
 }

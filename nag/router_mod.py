@@ -29,19 +29,7 @@ class RouterMoDGPT(GPT):
                                       for i in range(config.n_layer) for kind in KINDS if self.mod.covers(kind)})
         self.thresholds = Thresholds(config.n_layer, self.mod, device)
 
-    # ----- the arch hook (see GPT) -----
-
-    # its flags (--mod-*) are registered by NAGGPT.add_args; --nag-gate-lr sets the routers' LR
-    @classmethod
-    def init_kwargs_from_args(cls, args):
-        mod = mod_config_from_args(args)
-        if mod is None:
-            raise UserError("the router-MoD baseline needs --mod-rate (the target share of skipped token-sublayers)")
-        return {"mod": mod}
-
-    @classmethod
-    def optimizer_kwargs_from_args(cls, args):
-        return {"router_lr": args.nag_gate_lr}
+    # ----- hooks (see GPT; the command-line side, --mod-* and --nag-gate-lr for the routers, is nag/archs.py) -----
 
     @classmethod
     def extra_init_kwargs(cls, meta):

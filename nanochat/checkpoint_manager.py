@@ -7,8 +7,8 @@ Checkpoints in a run directory, written atomically (temp file + rename):
     meta_{step:06d}.json             the meta dict, human readable; written last, so its presence
                                      (with the files above) marks the checkpoint complete
 
-meta records the arch, the model config, the number of ranks and (for NAG) every
-NAG setting, so the right model class can be rebuilt from the checkpoint alone.
+meta records the arch, the model config, the number of ranks and whatever else the model class asks
+for (its extra_meta), so the right model can be rebuilt from the checkpoint alone.
 """
 
 import os
@@ -190,14 +190,9 @@ def load_train_state(run_dir, step, rank=0, device="cpu"):
 
 def build_model(meta, device, model_class):
     """A fresh, initialised model of the arch and config recorded in meta; model_class maps an arch name to
-    its class (nag/archs.py: the baseline package never imports nag/)."""
+    its class (the caller's registry of archs: this package knows only the baseline)."""
     cls = model_class(meta["arch"])
-    config = GPTConfig(**meta["model_config"])
-    with torch.device("meta"):
-        model = cls(config, **cls.extra_init_kwargs(meta))
-    model.to_empty(device=device)
-    model.init_weights()
-    return model
+    return cls.initialised(GPTConfig(**meta["model_config"]), device, **cls.extra_init_kwargs(meta))
 
 
 def load_weights(model, ckpt):

@@ -1,14 +1,29 @@
-"""Small shared utilities: base directory, device and dtype choice, distributed info, logging, atomic writes."""
+"""Small shared utilities: base directory, device and dtype choice, distributed info, logging, atomic writes,
+the peak-FLOPs table, the git commit and the one rule for a list of seeds."""
 
 import os
 import sys
 import json
 import tempfile
 import contextlib
+import re
+import subprocess
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+def caller_path(path):
+    """A path the user typed, made absolute from the directory the command was started in (speedrun.sh and
+    the runs/ scripts cd to the repo root; they pass their starting directory as $NANOCHAT_CALLER_CWD)."""
+    return os.path.abspath(os.path.join(os.environ.get("NANOCHAT_CALLER_CWD") or os.getcwd(), os.path.expanduser(path)))
+
+
+def base_dir_path(flag=None):
+    """The base dir, not created: --base-dir (flag), else $NANOCHAT_BASE_DIR, else ~/.cache/nanochat; absolute,
+    a relative path taken from the caller's directory."""
+    return caller_path(flag or os.environ.get("NANOCHAT_BASE_DIR") or "~/.cache/nanochat")
 
 
 def get_base_dir():
@@ -148,3 +163,75 @@ def dist_init(device_type, timeout=START_TIMEOUT):
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout),
                                 device_id=device if device_type == "cuda" else None)
     return is_ddp, rank, local_rank, world_size, device
+
+
+# dense bf16 peak of one GPU, FLOP/s, by a part of torch.cuda.get_device_name(): the denominator of MFU
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_flops(device_type):
+    """This process's GPU's peak from PEAK_FLOPS, or None (not a GPU, or one the table lacks: no MFU is shown)."""
+    if device_type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def git_commit():
+    """The repo's HEAD commit, with -dirty when tracked files differ from it; "unknown" outside a git checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def parse_seeds(text, flag="--seeds"):
+    """A list of seeds like 1,2,3: different non-negative integers, comma-separated, nothing else."""
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise UserError(f"{flag} takes different non-negative integers separated by commas, like 1,2,3; got {text!r}")
+    return seeds
+
+
+def fmt_time(s):
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def nvidia_smi():
+    """(GPUs listed, driver version, the CUDA version the driver supports); (0, None, None) without nvidia-smi."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        header = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, None, None
+    count = sum(line.startswith("GPU") for line in listed.splitlines())
+    driver = re.search(r"Driver Version:\s*([\d.]+)", header)
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
+    return count, driver and driver.group(1), cuda and cuda.group(1)
+
+
+def cuda_problem(need=None):
+    """None when torch sees at least `need` CUDA devices (default: every GPU nvidia-smi lists, at least one);
+    else one line saying what torch and the driver report and what to do."""
+    listed, driver, driver_cuda = nvidia_smi()
+    need = need or max(listed, 1)
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if seen >= need:
+        return None
+    build = f"torch {torch.__version__} (" + (f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build, no CUDA") + ")"
+    smi = (f"nvidia-smi lists {listed} GPU(s), driver {driver or '?'} (CUDA {driver_cuda or '?'})" if listed
+           else "nvidia-smi lists no GPU")
+    if not torch.version.cuda:
+        fix = "remove .venv and run `source runs/setup_env.sh` on this node to install the CUDA build"
+    elif listed:
+        fix = f"the driver must support CUDA {torch.version.cuda}: upgrade the driver, or set NANOCHAT_TORCH_INDEX (README) and rebuild .venv"
+    else:
+        fix = "check that the GPUs are visible here (CUDA_VISIBLE_DEVICES, the container's --gpus)"
+    return f"torch sees {seen} CUDA device(s), {need} needed: {build}; {smi}; {fix}"

@@ -11,7 +11,7 @@ Two ways to score, with the same verdicts example for example:
 - one at a time (evaluate_example, the reference): one forward per example over its own
   sequences, right-padded to the longest of them (this is what upstream nanochat does);
 - batched (the default): rows of many examples sorted by length, right-padded, one forward per
-  group. With our models (GPT, NAG) each example whose sequences share a long prefix (few-shot
+  group. With this repo's models each example whose sequences share a long prefix (few-shot
   blocks, the question) becomes one packed row that holds the prefix once, and logits are computed
   only where tokens are scored; other models get a row per sequence. Floating point results depend
   a little on batch shape and packing, so an example whose verdict is close to a tie (decisive gap
@@ -382,7 +382,7 @@ def worth_packing(seqs):
 
 
 def takes_packed_rows(model):
-    """Our models (GPT, NAGGPT) take packed rows and logits_at; any other ids -> logits callable gets plain rows."""
+    """A GPT (or a subclass) takes packed rows and logits_at; any other ids -> logits callable gets plain rows."""
     inner = getattr(model, "module", model)  # DDP
     return isinstance(getattr(inner, "_orig_mod", inner), GPT)  # torch.compile
 

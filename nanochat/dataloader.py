@@ -173,3 +173,21 @@ def _check_state(state, split, rank, world_size, num_row_groups, data_seed):
         raise UserError(f"the {split} data changed since the checkpoint ({state['num_row_groups']} row groups for this rank then, {num_row_groups} now); resume with the same shards")
     if state.get("data_seed") != data_seed:  # a state saved before data seeds existed read the file order
         raise UserError(f"dataloader resume state is for data seed {state.get('data_seed')}, not {data_seed}; resume with the same --data-seed")
+
+
+class MicroBatches:
+    """This process's micro-batches: micro-step m reads shard m's loader. fetch_ahead reads the next one on the host
+    while the device works; the loader states kept for a checkpoint are those of the micro-batches consumed, never
+    of one fetched ahead."""
+
+    def __init__(self, loaders):
+        self.loaders, self.ahead = loaders, None
+        self.states = [None] * len(loaders)
+
+    def take(self, micro):
+        batch, self.ahead = self.ahead or next(self.loaders[micro]), None
+        x, y, self.states[micro] = batch
+        return x, y
+
+    def fetch_ahead(self, micro):
+        self.ahead = next(self.loaders[micro])

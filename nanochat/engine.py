@@ -2,11 +2,10 @@
 Sampling with a KV cache (docs/design.md §9), for every arch: a prefill forward over the whole prompt, then
 one forward of one token per sampled token.
 
-Attention is the only part of either model that reads other positions, and it reads them through their keys
+Attention is the only part of the model that reads other positions, and it reads them through their keys
 and values: so the cache holds, per layer, the keys (after rotary and QK-norm) and values of every position
-so far, and a new position's forward is exactly the one it has in a forward over the whole sequence. That
-holds for NAG too: its direction R̄, carried log-norm s, modulator and N_out are per position, and the α
-warm-up factor and MoD's evaluation thresholds are fixed numbers.
+so far, and a new position's forward is exactly the one it has in a forward over the whole sequence. A
+subclass that keeps the cache exact keeps everything else per position (docs/design.md §9 says which do).
 
 Decoding stops when the context is full: the model was trained on sequence_len positions, and a cache of
 that length holds them all (no sliding window).

@@ -149,21 +149,17 @@ class GPT(nn.Module):
         self.register_buffer("sin", torch.empty(1, self.rotary_len, 1, head_dim // 2, device=device), persistent=False)
         self.compute_dtype = torch.float32
 
-    # ----- the arch hook: what base_train asks of a model class (nag/archs.py lists the classes) -----
-
-    @staticmethod
-    def add_args(parser):
-        """Command-line flags of this arch only (the baseline has none beyond base_train's own)."""
-
     @classmethod
-    def init_kwargs_from_args(cls, args):
-        """Constructor arguments beyond the GPTConfig, from parsed flags (may raise UserError)."""
-        return {}
+    def initialised(cls, config, device="cpu", **kwargs):
+        """A fresh model with its init_weights values: built on the meta device (nothing allocated), then placed on
+        `device` and initialised there. The one way a model is made, whether to train, load or benchmark."""
+        with torch.device("meta"):
+            model = cls(config, **kwargs)
+        model.to_empty(device=device)
+        model.init_weights()
+        return model
 
-    @classmethod
-    def optimizer_kwargs_from_args(cls, args):
-        """Extra keyword arguments of optimizer_groups, from parsed flags."""
-        return {}
+    # ----- hooks of a model class: what training and checkpoints ask of it (a subclass overrides them) -----
 
     @classmethod
     def extra_init_kwargs(cls, meta):
@@ -173,10 +169,6 @@ class GPT(nn.Module):
     def extra_meta(self):
         """What a checkpoint must record to rebuild this model, beyond arch and GPTConfig."""
         return {}
-
-    def telemetry(self, step, idx, args):
-        """A dict of per-step statistics for metrics.jsonl (or None), and the line to print; the baseline logs none."""
-        return None, None
 
     def step_metrics(self):
         """A dict merged into every step's metrics.jsonl row (what the model measured during the step); the baseline has none."""

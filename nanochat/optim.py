@@ -14,7 +14,7 @@ compiles them where the parameters are on CUDA and, on several ranks, shards Muo
 
 Sharding: a stack of n same-shape matrices is cut into contiguous chunks of ceil(n / W) (`shard_rows`); rank r keeps
 momentum and variance for its chunk only, updates only those matrices, and one all-gather per stack (padded to W
-chunks) gives every rank every updated matrix. AdamW (embeddings, lm_head, NAG gates) stays replicated: a few
+chunks) gives every rank every updated matrix. AdamW (embeddings, lm_head, small gate tensors) stays replicated: a few
 tensors, ~12% of the parameters at the published shape, one elementwise pass (scripts/bench/optim.py counts it).
 """
 
@@ -33,7 +33,7 @@ POLAR_EXPRESS_COEFFS = [
 ]
 POLAR_NORM_FACTOR = 1.01
 NORMUON_BETA2 = 0.9  # decay of NorMuon's running second moment
-# compiled AdamW: a tensor this large gets its own fused update; smaller ones (hundreds of NAG gate tensors) stay in
+# compiled AdamW: a tensor this large gets its own fused update; smaller ones (a model may have hundreds of small gate tensors) stay in
 # eager foreach kernels, since one graph over hundreds of tensors takes minutes to compile and a call per tensor
 # would cost more launches than the fusion saves
 FUSE_MIN_NUMEL = 1 << 16
@@ -80,7 +80,7 @@ def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_
 @torch.no_grad()
 def adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, weight_decay, bias1, bias2, beta1, beta2, eps):
     """One AdamW step on lists of fp32 tensors that share a step count (bias1 = 1 - beta1^step, bias2 the same with
-    beta2), in place, with foreach kernels (a NAG model has hundreds of small gate tensors: one launch each would add
+    beta2), in place, with foreach kernels (a model may have hundreds of small gate tensors: one launch each would add
     up). lr, weight_decay, bias1, bias2: numbers, or 0-d tensors when compiled."""
     torch._foreach_mul_(params, 1 - lr * weight_decay)  # at 0 a product with exactly 1
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)

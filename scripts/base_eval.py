@@ -28,12 +28,6 @@ A small --max-per-task (say 5) works: tasks then use fewer few-shot examples, wi
 """
 
 import os
-import io
-import re
-import csv
-import json
-import time
-import shutil
 import signal
 import argparse
 import tempfile
@@ -42,22 +36,19 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for, atomic_write_json, atomic_write_bytes
+from nanochat.common import UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import held_batches, shared_batches, evaluate_bpb_shared
 from nanochat.stats import bpb_delta_interval, core_delta_interval
-from nanochat.core_eval import ensure_eval_bundle, evaluate_core, save_records, load_records, records_by_task
+from nanochat.core_eval import ensure_eval_bundle, evaluate_core, load_records, records_by_task
 from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
 from nanochat import checkpoint_manager as ckpt
+from nanochat.run_dir import EVAL_DIR, TOP, step_files, evaluated_steps, adopt_legacy, previous_results, write_results
 from nag.archs import load_model
 from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
 
 EVALS = ("core", "bpb", "sample")
-EVAL_DIR = "eval"  # one set of files per evaluated step
-RECORDS = "core_records.parquet"
-CSV = "core_tasks.csv"
-TOP = {"json": "eval.json", "records": RECORDS, "csv": CSV}  # copies of the highest step evaluated
 PROMPTS = [
     "The capital of France is",
     "The chemical symbol of gold is",
@@ -260,60 +251,7 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
 
 
 # ---------------------------------------------------------------------------
-# output: eval/step_NNNNNN.* per evaluated step, and top-level copies of the highest one
-
-
-def core_csv(tasks):
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["task", "accuracy", "centered", "num_examples"])
-    for label, r in tasks.items():
-        w.writerow([label, r["accuracy"], r["centered"], r["num_examples"]])
-    return buf.getvalue()
-
-
-def step_files(step):
-    """The run-dir-relative names of one step's results: its json, CORE records and per-task CSV."""
-    stem = os.path.join(EVAL_DIR, f"step_{step:06d}")
-    return {"json": stem + ".json", "records": f"{stem}_{RECORDS}", "csv": f"{stem}_{CSV}"}
-
-
-def evaluated_steps(run_dir):
-    d = os.path.join(run_dir, EVAL_DIR)
-    names = os.listdir(d) if os.path.isdir(d) else []
-    return sorted(int(m.group(1)) for m in map(re.compile(r"step_(\d+)\.json$").match, names) if m)
-
-
-def read_record(path):
-    """A results json as a dict, or None when absent or unreadable (then it is rewritten from scratch)."""
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def adopt_legacy(run_dir):
-    """A top-level eval.json from before eval/ existed (one per run) becomes its step's entry in eval/, with its
-    records and CSV, so that evaluating another step does not lose it."""
-    old = read_record(os.path.join(run_dir, TOP["json"]))
-    if old is None or not isinstance(old.get("step"), int) or os.path.exists(os.path.join(run_dir, step_files(old["step"])["json"])):
-        return
-    names = step_files(old["step"])
-    os.makedirs(os.path.join(run_dir, EVAL_DIR), exist_ok=True)
-    if old.get("core_records"):
-        try:
-            _, settings = load_records(os.path.join(run_dir, TOP["records"]))
-            ok = settings.get("step") == old["step"]
-        except UserError:
-            ok = False
-        if ok:
-            shutil.copyfile(os.path.join(run_dir, TOP["records"]), os.path.join(run_dir, names["records"]))
-        old["core_records"] = names["records"] if ok else None
-    atomic_write_bytes(os.path.join(run_dir, names["csv"]), core_csv(old.get("tasks") or {}).encode())
-    atomic_write_json(os.path.join(run_dir, names["json"]), old)
-    print0(f"kept the earlier eval.json of step {old['step']} as {names['json']}")
+# output: the step's files in eval/ and their top-level copies (nanochat/run_dir.py writes them)
 
 
 def current_fingerprints(tokenizer):
@@ -323,36 +261,6 @@ def current_fingerprints(tokenizer):
         return ckpt.fingerprints(tokenizer)
     except UserError:
         return {"tokenizer": tokenizer.fingerprint(), "data_train": None, "data_val": None}
-
-
-def mergeable(old, new):
-    """Whether results measured with fingerprints `old` may be merged with ones measured with `new`: the same
-    tokenizer, and the same data where both know it. Results without fingerprints (from before they were
-    recorded) may not: nothing says what they were measured with."""
-    if not isinstance(old, dict) or old.get("tokenizer") != new["tokenizer"]:
-        return False
-    return all(old.get(k) is None or v is None or old[k] == v for k, v in new.items())
-
-
-def previous_results(run_dir, step, fingerprints):
-    """The earlier results of this step, to keep the sections not re-run, else {}. Results measured with another
-    tokenizer or data are not merged with the new ones: their files move to eval/replaced/ (never deleted)."""
-    names = step_files(step)
-    old = read_record(os.path.join(run_dir, names["json"]))
-    if old is None or old.get("step") != step:
-        return {}
-    if mergeable(old.get("fingerprints"), fingerprints):
-        return old
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = os.path.join(run_dir, EVAL_DIR, "replaced")
-    os.makedirs(moved, exist_ok=True)
-    for name in names.values():
-        if os.path.exists(os.path.join(run_dir, name)):
-            base = os.path.basename(name).replace(f"step_{step:06d}", f"step_{step:06d}_{stamp}", 1)
-            os.replace(os.path.join(run_dir, name), os.path.join(moved, base))
-    print0(f"note: the results of step {step} were measured with other fingerprints ({old.get('fingerprints')}, now "
-           f"{fingerprints}): they are replaced, not merged, and kept in {os.path.join(EVAL_DIR, 'replaced')}/")
-    return {}
 
 
 def unfinished_core(run_dir, old, args, bundle):
@@ -372,32 +280,6 @@ def unfinished_core(run_dir, old, args, bundle):
         return None
     print0(f"resuming the interrupted CORE evaluation of step {old['step']}: {len(old['tasks'])} task(s) already scored")
     return {"tasks": old["tasks"], "records": records_by_task(cols), "settings": settings}
-
-
-def write_results(run_dir, record, records=None, settings=None):
-    """Write one step's results into eval/ (its CORE records first, when given, with the settings), then the
-    top-level copies when it is the highest step evaluated. Every file is written atomically."""
-    step = record["step"]
-    names = step_files(step)
-    path = {k: os.path.join(run_dir, v) for k, v in names.items()}
-    top = {k: os.path.join(run_dir, v) for k, v in TOP.items()}
-    if records is not None:
-        meta = {**settings, "step": step, "run": record["run"], "fingerprints": record["fingerprints"]}
-        save_records(path["records"], records, meta, atomic_write_bytes)
-    elif record["core_records"] is None and os.path.exists(path["records"]):
-        os.remove(path["records"])  # records of an earlier CORE run no longer described by the json
-    # rewritten every time, so it always matches the json (a header alone when CORE has no results)
-    atomic_write_bytes(path["csv"], core_csv(record["tasks"]).encode())
-    atomic_write_json(path["json"], record)
-    if step < max(evaluated_steps(run_dir)):
-        return  # an earlier step: the top-level copies stay those of the highest one
-    if record["core_records"]:
-        with open(path["records"], "rb") as f:
-            atomic_write_bytes(top["records"], f.read())
-    elif os.path.exists(top["records"]):
-        os.remove(top["records"])  # a copy of another step's records (its own file in eval/ stays)
-    atomic_write_bytes(top["csv"], core_csv(record["tasks"]).encode())
-    atomic_write_json(top["json"], record)
 
 
 def print_table(record):

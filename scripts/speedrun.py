@@ -21,15 +21,17 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 
-from nanochat.common import UserError, exit_on_user_error
+from nanochat.common import UserError, exit_on_user_error, caller_path, base_dir_path, parse_seeds, cuda_problem, nvidia_smi
 from nanochat import checkpoint_manager as ckpt
-from scripts import base_train, compare
-from scripts.check_cuda import cuda_problem, nvidia_smi
+from nanochat.plan import PLANNED_MFU, PLANNED_PEAK, planned_seconds
+from nanochat.resume import HORIZON
+from nag.archs import NOT_SETTINGS, plan_for
 from nag.presets import PRESETS, get_preset
+from scripts import base_train
+from analysis.compare.inputs import report_is_current
 
 # Estimates, not measurements: a ClimbMix shard holds ~250M characters ≈ 55M tokens of a 32K-vocab
 # tokenizer (400B tokens / 6,543 shards ≈ 61M) in ~100 MB. BOS-aligned best-fit packing crops the tail of a
@@ -44,12 +46,10 @@ DATA_MARGIN = 1.05
 TOK_SHARDS = 8
 VAL_SHARD = 6542
 TOKENIZER_CHARS = {"tiny": 2_000_000}  # default 2B characters
-MFU = 0.40  # wall-time estimate: 40% of an H100's 989 TFLOP/s dense bf16 (evaluation not included)
-PEAK_FLOPS = 989e12
-# base_train flags that change how a run is saved, logged or computed, not what it learns: they add nothing to
-# the tag derived from the flags after `--`, so a rerun with another checkpoint period finds the same runs
-UNNAMED_FLAGS = {"--save-every", "--eval-every", "--eval-tokens", "--log-every", "--log-to", "--nag-gate-log-every", "--nag-impl", "--compile",
-                 "--no-compile", "--attn", "--change-horizon", "--change-settings", "--keep-checkpoints", "--step-timeout", "--start-timeout"}
+# base_train flags that change how a run is saved, logged or computed, not what it learns (nanochat/resume.py's list
+# and the archs'): they add nothing to the tag derived from the flags after `--`, so a rerun with another checkpoint
+# period finds the same runs. speedrun sets the others of that list itself; the horizon changes what a run learns.
+UNNAMED_FLAGS = {f"--{k.replace('_', '-')}" for k in NOT_SETTINGS - HORIZON - {"run", "resume", "dry_run", "preset", "device_type"}} | {"--no-compile"}
 # Set for every torchrun launch. torch shares the rendezvous TCP store between torchrun's agent and the workers by
 # default, and a restart after a lost worker can then connect to the previous round's peers and fail or hang
 # (pytorch/pytorch#135712); with a store of the workers' own, every restart in our trials resumed (docs/LOG.md).
@@ -82,17 +82,6 @@ def build_parser():
     return p
 
 
-def caller_path(path):
-    """A path the user typed, made absolute from the directory the command was started in (speedrun.sh and
-    the runs/ scripts cd to the repo root; they pass their starting directory as $NANOCHAT_CALLER_CWD)."""
-    return os.path.abspath(os.path.join(os.environ.get("NANOCHAT_CALLER_CWD") or os.getcwd(), os.path.expanduser(path)))
-
-
-def base_dir_of(flag=None):
-    """--base-dir, else $NANOCHAT_BASE_DIR, else ~/.cache/nanochat; absolute, relative paths from the caller's directory."""
-    return caller_path(flag or os.environ.get("NANOCHAT_BASE_DIR") or "~/.cache/nanochat")
-
-
 def derived_tag(extra):
     """A readable, stable tag for the base_train flags after `--`: `--nag-mod-floor 0 --depth 32` gives
     nag-mod-floor0_depth32; a long one keeps its start and adds a hash of the whole. Flags that do not change
@@ -117,17 +106,6 @@ def derived_tag(extra):
         digest = hashlib.sha1("\0".join(a for g in groups for a in g).encode()).hexdigest()[:8]
         tag = tag[:MAX_TAG - len(digest) - 1].rstrip("._-") + "-" + digest
     return tag
-
-
-def parse_seeds(text):
-    """--seeds 1,2,3 as a list of different non-negative integers."""
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise UserError(f"--seeds takes different non-negative integers separated by commas, like 1,2,3; got {text!r}")
-    return seeds
 
 
 def parse(argv):
@@ -166,7 +144,7 @@ def parse(argv):
         if not os.path.isdir(caller_path(args.eval_bundle)):
             raise UserError(f"--eval-bundle {caller_path(args.eval_bundle)} is not a directory")
         args.eval_bundle = caller_path(args.eval_bundle)
-    args.base_dir = base_dir_of(args.base_dir)
+    args.base_dir = base_dir_path(args.base_dir)
     args.offline = args.offline or args.preset == "tiny" or os.environ.get("NANOCHAT_OFFLINE") == "1"
     return args
 
@@ -190,17 +168,26 @@ def runs(args):
     return [(arch, seed) for seed in (args.seeds or [None]) for arch in args.archs]
 
 
+def flops_args(args):
+    return ["--target-flops", f"{args.flops:g}"] if args.flops else []
+
+
+def bundle_args(args):
+    return ["--eval-bundle", args.eval_bundle] if args.eval_bundle else []
+
+
 def train_args(args, arch, seed=None):
-    """The base_train command line of one run; the seeds after the user's flags, the run's own --run and --resume
-    last, so they win. A seed sets the init and the data order: the GPT and NAG runs of one seed read the same data."""
-    flops = ["--target-flops", f"{args.flops:g}"] if args.flops else []
+    """The base_train command line of one run, as speedrun.sh writes it: the seeds after the user's flags, the run's own
+    --run and --resume last, so they win. A seed sets the init and the data order: the GPT and NAG runs of one seed
+    read the same data."""
     seeds = ["--seed", str(seed), "--data-seed", str(seed)] if seed is not None else []
-    return ["--preset", args.preset, "--arch", arch, *flops, *args.extra, *seeds, "--run", run_name(args, arch, seed), "--resume", "latest"]
+    return ["--preset", args.preset, "--arch", arch, *flops_args(args), *args.extra, *seeds, "--run", run_name(args, arch, seed),
+            "--resume", "latest"]
 
 
 def eval_args(args, arch, seed=None):
-    bundle = ["--eval-bundle", args.eval_bundle] if args.eval_bundle else []
-    return ["--run", run_name(args, arch, seed), "--eval", "core,bpb,sample", *get_preset(args.preset)["eval"], *bundle]
+    """The base_eval command line of one run, as speedrun.sh writes it."""
+    return ["--run", run_name(args, arch, seed), "--eval", "core,bpb,sample", *get_preset(args.preset)["eval"], *bundle_args(args)]
 
 
 def plans(args, vocab, gpus):
@@ -208,7 +195,7 @@ def plans(args, vocab, gpus):
     out = {}
     for arch, seed in runs(args):
         train = base_train.parse_args(train_args(args, arch, seed))
-        out[run_name(args, arch, seed)] = base_train.make_plan(train, vocab, gpus).record(train)
+        out[run_name(args, arch, seed)] = plan_for(train, vocab, gpus).record(train)
     return out
 
 
@@ -226,11 +213,11 @@ def report_dir(args):
     return os.path.join(args.base_dir, "reports", f"{run_name(args, 'gpt')}-{seeds}_vs_{run_name(args, 'nag')}-{seeds}")
 
 
-def compare_args(args):
-    """scripts.compare's command line: the pair, or with several seeds group a (GPT) against group b (NAG)."""
+def compared_runs(args):
+    """scripts.compare's runs, as speedrun.sh passes them with --out REPORT: the pair, or with several seeds group a
+    (GPT) against group b (NAG)."""
     gpt, nag = arch_runs(args, "gpt"), arch_runs(args, "nag")
-    pair = [*gpt, *nag] if len(gpt) == 1 else ["--a", *gpt, "--b", *nag]
-    return [*pair, "--out", report_dir(args)]
+    return [*gpt, *nag] if len(gpt) == 1 else ["--a", *gpt, "--b", *nag]
 
 
 def launch_command(gpus, nnodes=1, max_restarts=2, endpoint=""):
@@ -287,7 +274,7 @@ def status(args, plan_records):
     done["analysis"] = done[f"eval {gpt}"] and done[f"eval {nag}"] and all(newer(analysis, e) for e in evals)
     # the runs in compare's order (GPT's, then NAG's, each in seed order): the order its inputs.json records
     compared = [os.path.join(base, "runs", r) for a in ("gpt", "nag") for r in arch_runs(args, a)]
-    current = compare.report_is_current(report_dir(args), compared)
+    current = report_is_current(report_dir(args), compared)
     if args.seeds and len(args.seeds) > 1:  # the group report links no analysis
         done["report"] = all(done[f"eval {r}"] for r in plan_records) and current
     else:  # the pair's report links the analysis: made after it
@@ -299,9 +286,9 @@ def hms(s):
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
-def plan_and_check(args):
-    """Print the plan to stderr; return the shell assignments for speedrun.sh."""
-    say = lambda *a: print(*a, file=sys.stderr)
+def gpus_and_vocab(args):
+    """(GPUs per node, the preset's vocab), after the checks that need neither data nor a plan: GPUs that torch sees,
+    a reused tokenizer of the preset's size."""
     have = nvidia_smi()[0]  # GPUs listed; whether torch sees them is cuda_problem's check
     gpus = args.gpus or (1 if args.preset == "tiny" else have)
     if not gpus:
@@ -320,9 +307,13 @@ def plan_and_check(args):
         if have_vocab != vocab:
             raise UserError(f"the tokenizer in {args.base_dir}/tokenizer has {have_vocab:,} tokens but --preset {args.preset} trains with "
                             f"{vocab:,}; use a fresh --base-dir, or delete that tokenizer folder so speedrun trains the right one")
-    nproc = gpus * args.nnodes
-    with contextlib.redirect_stdout(sys.stderr):  # base_train's notes are for the user, not for the shell
-        records = plans(args, vocab, nproc)
+    return gpus, vocab, have
+
+
+def print_plan(args, records, done, gpus, have, nproc):
+    """The plan on stderr: every run's size, steps, FLOPs and time, the data, checkpoints, disk and stage status.
+    Returns the disk space still needed, GiB."""
+    say = lambda *a: print(*a, file=sys.stderr)
     nodes = f" per node × {args.nnodes} nodes = {nproc}, this is node {args.node_rank}" if args.nnodes > 1 else ""
     say(f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es){nodes}"
         + (" (no GPU visible here: planned for 8)" if not have and not args.gpus and args.preset != "tiny" else "") + f" | base dir {args.base_dir}"
@@ -336,15 +327,13 @@ def plan_and_check(args):
     say(f"{'run':<{w}}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  {'checkpoints':<22}est. time")
     need_gib, total_s = 0.0, 0.0
     tokens = max(p["total_tokens"] for p in records.values())
-    args.shards_needed = 0 if args.offline else (args.shards or max(TOK_SHARDS, shards_for(tokens)))
-    done = status(args, records)
     for run, p in records.items():
         saves = math.ceil(p["num_iterations"] / p["save_every"]) if p["save_every"] else 1
-        secs = p["total_flops"] / (nproc * PEAK_FLOPS * MFU)
+        secs = planned_seconds(p["total_flops"], nproc)
         total_s += secs
         if not done[f"train {run}"]:
             need_gib += saves * p["checkpoint_gib"]
-        when = "CPU: minutes" if args.preset == "tiny" else f"{hms(secs)} at {MFU:.0%} MFU"
+        when = "CPU: minutes" if args.preset == "tiny" else f"{hms(secs)} at {PLANNED_MFU:.0%} MFU"
         saved = f"{saves} × {p['checkpoint_gib']:.3g} GiB"
         say(f"{p['run']:<{w}}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}{p['total_tokens']:>17,}"
             f"{p['total_flops']:>13.4e}  {saved:<22}{when}")
@@ -367,7 +356,7 @@ def plan_and_check(args):
         cost = "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {nproc} × H100"
         say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({len(args.seeds)} × {','.join(args.archs)}), {cost}")
     if args.preset != "tiny":
-        say(f"training time: ≈ {hms(total_s)} on {nproc} × H100 at {MFU:.0%} MFU of 989 TFLOP/s (+ evaluation)"
+        say(f"training time: ≈ {hms(total_s)} on {nproc} × H100 at {PLANNED_MFU:.0%} MFU of {PLANNED_PEAK / 1e12:.0f} TFLOP/s (+ evaluation)"
             + (f", all {len(records)} runs" if args.seeds else ""))
     probe = args.base_dir
     while not os.path.isdir(probe):
@@ -379,30 +368,44 @@ def plan_and_check(args):
     w = max(len(stage) for stage in done) + 1
     for stage, is_done in done.items():
         say(f"  {stage:<{w}} [{'done, skip' if is_done else 'to do'}]")
+    return need_gib, free_gib
+
+
+def plan_and_check(args):
+    """Print the plan to stderr; return the shell assignments for speedrun.sh."""
+    gpus, vocab, have = gpus_and_vocab(args)
+    nproc = gpus * args.nnodes
+    with contextlib.redirect_stdout(sys.stderr):  # base_train's notes are for the user, not for the shell
+        records = plans(args, vocab, nproc)
+    tokens = max(p["total_tokens"] for p in records.values())
+    args.shards_needed = 0 if args.offline else (args.shards or max(TOK_SHARDS, shards_for(tokens)))
+    done = status(args, records)
+    need_gib, free_gib = print_plan(args, records, done, gpus, have, nproc)
+    say = lambda *a: print(*a, file=sys.stderr)
     launch = launch_command(gpus, args.nnodes, args.max_restarts, args.rdzv_endpoint)
     say(f"training launch: {' '.join([*launch, 'scripts.base_train', '--', '...'])}"
         + (" (node 0 alone: data, tokenizer, evaluation, report)" if args.nnodes > 1 else ""))
     if not args.dry_run:
-        if not enough:
+        if need_gib > free_gib:
             raise UserError(f"not enough disk in {args.base_dir}: need ≈ {need_gib:.1f} GiB, {free_gib:.0f} GiB free (see --dry-run)")
         if args.node_rank > 0:
             wait_for_node0(args, records)
     others = args.node_rank > 0  # the other nodes join the training runs, nothing else
-    shell = {"BASE": args.base_dir, "DRY_RUN": int(args.dry_run), "OFFLINE": int(args.offline), "SHARDS": args.shards_needed,
+    shell = {"BASE": args.base_dir, "PRESET": args.preset, "DRY_RUN": int(args.dry_run), "OFFLINE": int(args.offline), "SHARDS": args.shards_needed,
              "TOK_SHARDS": min(TOK_SHARDS, args.shards_needed), "VOCAB": get_preset(args.preset)["vocab"],
              "TOK_CHARS": TOKENIZER_CHARS.get(args.preset, 2_000_000_000), "PREFLIGHT": int(args.preset != "tiny" and "nag" in args.archs
                                                                                        and "--nag-impl" not in " ".join(args.extra)),
              "DATA_DONE": int(done["data"] or others), "TOK_DONE": int(done["tokenizer"] or others), "PAIR": int(len(args.archs) == 2 and not others),
              "ANALYSIS_DONE": int(done.get("analysis", True)), "REPORT_DONE": int(done.get("report", True)),
              "REPORT": report_dir(args), "LOG": "speedrun.log" if args.node_rank == 0 else f"speedrun-node{args.node_rank}.log"}
-    # per run i (training order: for each seed GPT, then NAG): RUNS[i], TRAIN_DONE[i], EVAL_DONE[i] and the arrays TRAIN_<i>, EVAL_<i>
+    # per run i (training order: for each seed GPT, then NAG): RUNS[i], RUN_ARCH[i], RUN_SEED[i] ("" without --seeds),
+    # TRAIN_DONE[i], EVAL_DONE[i]; speedrun.sh writes their base_train and base_eval commands out (train_args, eval_args)
     names = list(records)
     arrays = {"LAUNCH": launch, "EVAL_LAUNCH": launch_command(gpus, max_restarts=0), "ANALYSIS": get_preset(args.preset)["analysis"],
-              "COMPARE": compare_args(args), "RUNS": names, "TRAIN_DONE": [int(done[f"train {r}"]) for r in names],
-              "EVAL_DONE": [int(done[f"eval {r}"] or others) for r in names]}
-    for i, (arch, seed) in enumerate(runs(args)):
-        arrays[f"TRAIN_{i}"] = train_args(args, arch, seed)
-        arrays[f"EVAL_{i}"] = eval_args(args, arch, seed)
+              "FLOPS": flops_args(args), "EXTRA": args.extra, "EVAL_PRESET": get_preset(args.preset)["eval"], "BUNDLE": bundle_args(args),
+              "COMPARE_RUNS": compared_runs(args), "RUNS": names, "RUN_ARCH": [a for a, _ in runs(args)],
+              "RUN_SEED": ["" if s is None else s for _, s in runs(args)],
+              "TRAIN_DONE": [int(done[f"train {r}"]) for r in names], "EVAL_DONE": [int(done[f"eval {r}"] or others) for r in names]}
     lines = [f"{k}={shlex.quote(str(v))}" for k, v in shell.items()]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in LAUNCH_ENV.items()]
     lines += [f"{k}=({' '.join(shlex.quote(str(a)) for a in v)})" for k, v in arrays.items()]

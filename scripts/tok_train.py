@@ -28,16 +28,6 @@ def text_iterator(max_chars, doc_cap):
                 return
 
 
-def prepare_cpu_data(base):
-    """What runs/runcpu.sh builds first, for scripts that run tiny models: the offline corpus and the demo's
-    tokenizer (the command in this module's docstring), each unless the base dir already has one."""
-    from nanochat.dataset import build_offline_corpus, list_parquet_files
-    if not list_parquet_files(os.path.join(base, "base_data")):
-        build_offline_corpus(data_dir=os.path.join(base, "base_data"))
-    if not os.path.exists(os.path.join(base, "tokenizer", "tokenizer.pkl")):
-        main(["--vocab-size", "4096", "--max-chars", "20000000"])
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Train the BPE tokenizer.")
     parser.add_argument("--max-chars", type=int, default=2_000_000_000, help="train on at most this many characters")

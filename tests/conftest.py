@@ -96,6 +96,14 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def no_heap_freeze(monkeypatch):
+    """In-process training runs skip base_train's collect-and-freeze after the first step: a full collection would
+    walk the whole test session's heap each time (seconds over the suite). Runs started as commands still do it."""
+    import scripts.base_train
+    monkeypatch.setattr(scripts.base_train, "freeze_heap", lambda: None)
+
+
 @pytest.fixture
 def run_base(tiny_base_dir, tmp_path, monkeypatch):
     """A private NANOCHAT_BASE_DIR sharing the session's corpus and tokenizer, with an empty runs/."""
@@ -189,10 +197,7 @@ def random_model(cls, config, vocab_size, **kwargs):
     are awake), MoD thresholds calibrated on random tokens, in eval mode: for tests that compare two paths through it."""
     from nag.mod import calibrate
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = cls(config, **kwargs)
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model = cls.initialised(config, "cpu", **kwargs)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():

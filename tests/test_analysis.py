@@ -278,7 +278,7 @@ def test_command_on_a_gpt_nag_pair(pair, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
     out = tmp_path / "out"
     main(["gpt", os.path.join(pair, "runs", "nag"), "--tokens", "512", "--clusters", "4", "--state-sample", "64",
-          "--device-batch-size", "2", "--device", "cpu", "--out", str(out)])
+          "--device-batch-size", "2", "--device-type", "cpu", "--out", str(out)])
     printed = capsys.readouterr()
     assert "| attention on BOS |" in printed.out and "batch 4/4" in printed.err
     data = json.loads((out / "analysis.json").read_text())
@@ -310,7 +310,7 @@ def test_bad_input_is_one_line_and_writes_nothing(pair, tmp_path, monkeypatch, s
     from analysis.run import main
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
     out = tmp_path / "out"
-    err = script_error(main, *args, "--device-batch-size", "2", "--device", "cpu", "--out", str(out))
+    err = script_error(main, *args, "--device-batch-size", "2", "--device-type", "cpu", "--out", str(out))
     assert message in err
     assert not out.exists() and not list(tmp_path.glob(".analysis-tmp-*"))
 
@@ -326,7 +326,7 @@ def test_unwritable_output_is_one_line_before_the_pass(pair, tmp_path, monkeypat
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     try:  # one line and nothing else on stderr: the pass, whose progress goes there, never started
         err = script_error(main, "gpt", "nag", "--tokens", "256", "--clusters", "2", "--state-sample", "16",
-                           "--device-batch-size", "2", "--device", "cpu")
+                           "--device-batch-size", "2", "--device-type", "cpu")
     finally:
         os.chmod(base / "reports", 0o755)
     assert "cannot write to" in err and str(base / "reports") in err
@@ -338,7 +338,7 @@ def test_compare_links_the_analysis(pair, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
     report = compare.main(["gpt", "nag", "--out", str(tmp_path / "before")])
     assert "analysis.md" not in open(report).read()
-    out = main(["gpt", "nag", "--tokens", "256", "--clusters", "2", "--state-sample", "16", "--device-batch-size", "2", "--device", "cpu"])
+    out = main(["gpt", "nag", "--tokens", "256", "--clusters", "2", "--state-sample", "16", "--device-batch-size", "2", "--device-type", "cpu"])
     assert out == os.path.join(pair, "reports", "analysis_gpt_vs_nag")
     report = compare.main(["gpt", "nag", "--out", str(tmp_path / "after")])
     link = os.path.relpath(os.path.join(out, "analysis.md"), tmp_path / "after")

@@ -11,6 +11,8 @@ import torch
 
 from conftest import linked_base, train_tiny_pair, unwritable_reports
 from scripts import base_eval, compare
+from analysis.compare.inputs import report_is_current
+from analysis.compare.tables import config_section
 from nanochat import stats
 from nanochat.common import atomic_write_bytes
 from nanochat.core_eval import load_records, save_records, centered_accuracy
@@ -230,11 +232,11 @@ def test_config_table_shows_optimizer_differences():
                 "optimizer": {"groups": [{"name": "lm_head", "kind": "adamw", "num_params": 10, "lr": 0.1, "betas": lm_head_betas}],
                               "muon_momentum": {"start": 0.85, "end": momentum_end}, "polar_norm_factor": 1.01}}
     runs = [{"name": "a", "config": config([0.8, 0.96], 0.9)}, {"name": "b", "config": config([0.8, 0.95], 0.9)}]
-    section = compare.config_section(runs)
+    section = config_section(runs)
     assert "`optimizer.lm_head.betas`" in section and "[0.8, 0.95]" in section
     assert "polar_norm_factor" not in section and "muon_momentum" not in section  # equal: not listed
     runs[1]["config"]["optimizer"]["muon_momentum"]["end"] = 0.95
-    assert "`optimizer.muon_momentum.end`" in compare.config_section(runs)
+    assert "`optimizer.muon_momentum.end`" in config_section(runs)
 
 
 # ---------------------------------------------------------------------------
@@ -374,7 +376,7 @@ def test_default_folder_never_replaces_a_report_of_other_inputs(hand_base, tmp_p
     write_run(hand_base / "runs", "b", [eval_record(6, 1.20, seed=1)])
     path = compare.main(["a", "b"])
     folder = os.path.join(hand_base, "reports", "a@6_vs_b@6")
-    assert path == os.path.join(folder, "report.md") and compare.report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
+    assert path == os.path.join(folder, "report.md") and report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
     os.utime(path, (0, 0))
     assert compare.main(["a", "b"]) == path and os.path.getmtime(path) > 0  # the same inputs: rewritten
     # runs of the same names in another base dir
@@ -387,9 +389,9 @@ def test_default_folder_never_replaces_a_report_of_other_inputs(hand_base, tmp_p
     json.dump(eval_record(6, 1.29, seed=4), open(os.path.join(a, "eval.json"), "w"))
     err = script_error(compare.main, "a", "b")
     assert f"an earlier evaluation of {os.path.realpath(a)}" in err
-    assert not compare.report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
+    assert not report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
     assert compare.main(["a", "b", "--out", folder]) == path  # asked for: replaced
-    assert compare.report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
+    assert report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
 
 
 def test_several_evaluated_steps_are_plotted(hand_base, capsys):

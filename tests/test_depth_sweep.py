@@ -9,16 +9,18 @@ import re
 import pytest
 import torch
 
+from nag.archs import plan_for
 from scripts import base_train, compare
 from scripts.experiments import depth_sweep
-from nag.archs import ARCHS
+from nanochat.gpt import GPT
+from nanochat.plan import model_config_from_args
 from tests.test_compare import eval_record, write_run
 
 
 def gpt_block_params(scale, depth, dim, vocab):
     args = base_train.parse_args(depth_sweep.train_argv(scale, "gpt", depth, dim, 1, "x"))
     with torch.device("meta"):
-        return depth_sweep.block_params(ARCHS["gpt"](base_train.model_config_from_args(args, vocab)))
+        return depth_sweep.block_params(GPT(model_config_from_args(args, vocab)))
 
 
 @pytest.mark.parametrize("scale,vocab", [("published", 32768), ("cpu", 4096)])
@@ -56,7 +58,7 @@ def test_published_plan_ends_at_the_published_pair():
     assert (d16["dim"], d16["aspect_ratio"]) == (1280, 80)  # the paper's widest ratio at this block size
     for arch in ("gpt", "nag"):
         args = base_train.parse_args(["--preset", "published", "--arch", arch])
-        assert d64["runs"][arch]["num_iterations"] == base_train.make_plan(args, 32768, 8).num_iterations
+        assert d64["runs"][arch]["num_iterations"] == plan_for(args, 32768, 8).num_iterations
     text = depth_sweep.plan_table(plan)
     assert "est. hours" in text and "4 runs" in text and "GPUs at 40% MFU" in text
 
@@ -238,7 +240,7 @@ def test_a_failed_run_leaves_the_others_to_go_on(run_base, monkeypatch, capsys):
         if args.run == "sweep-gpt-d1-s1" and not steps.get("fixed"):
             raise RuntimeError("loss is NaN at step 3\nmore detail")
         run_dir = os.path.join(run_base, "runs", args.run)
-        n = base_train.make_plan(args, 512, 1).num_iterations
+        n = plan_for(args, 512, 1).num_iterations
         os.makedirs(run_dir, exist_ok=True)
         for name in (f"model_{n:06d}.pt", f"optim_{n:06d}_rank0.pt"):
             open(os.path.join(run_dir, name), "w").close()

@@ -57,9 +57,11 @@ def read(name):
 def test_numbers_the_docs_quote_are_the_codes():
     """Figures the docs state about the code, recomputed from it: a change to the code that leaves a doc stale fails here."""
     from scripts import base_train, speedrun
+    from nag.archs import plan_for
+    from nanochat.plan import MOMENTUM
     reproduce, design, readme = read("docs/reproduce.md"), read("docs/design.md"), read("README.md")
     # the two momentum schedules differ only when the warm-down starts before the momentum peak
-    peak, warmdown = base_train.MOMENTUM["peak_step"], 0.65
+    peak, warmdown = MOMENTUM["peak_step"], 0.65
     assert f"< ~{round(peak / (1 - warmdown)):,} steps" in reproduce
     # the published data budget: shards and expected epochs of the longer run (GPT, 9,474 steps of 2^20 tokens)
     tokens = 9474 * 2 ** 20
@@ -68,7 +70,7 @@ def test_numbers_the_docs_quote_are_the_codes():
     assert f"{1 - speedrun.PACKING_KEPT:.0%} cropped" in reproduce
     # the published Muon weight decays
     for arch in ("gpt", "nag"):
-        plan = base_train.make_plan(base_train.parse_args(["--preset", "published", "--arch", arch]), 32768, 8)
+        plan = plan_for(base_train.parse_args(["--preset", "published", "--arch", arch]), 32768, 8)
         assert f"{plan.weight_decay:.7f}" in design, (arch, plan.weight_decay)
     # README's NAG flag table: the defaults base_train really has
     defaults = base_train.build_parser().parse_args([])

@@ -74,7 +74,7 @@ def test_runcpu_bad_seeds_is_one_line_and_writes_nothing(tmp_path):
 @needs_venv
 def test_failures_bad_seeds_is_one_line_and_writes_nothing(tmp_path):
     code, out, _ = run("runs/failures.sh", "--seeds", "a", cwd=tmp_path, base=tmp_path / "base")
-    assert code == 1 and out.strip() == "error: --seeds takes comma-separated integers like 1,2,3, got 'a'", out[-3000:]
+    assert code == 1 and out.strip() == "error: --seeds takes different non-negative integers separated by commas, like 1,2,3; got 'a'", out[-3000:]
     assert not (tmp_path / "base").exists()  # checked before the corpus and tokenizer are built
 
 

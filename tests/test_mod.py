@@ -247,8 +247,7 @@ def read_metrics(run_dir):
 
 
 def test_iso_flop_plan_buys_more_steps(capsys):
-    common = ["--arch", "nag", "--depth", "4", "--head-dim", "64", "--max-seq-len", "256", "--device-batch-size", "16",
-              "--total-batch-size", "4096", "--target-flops", "1e13", "--dry-run", "1", "--dry-run-vocab", "4096"]
+    common = ["--preset", "demo", "--arch", "nag", "--dry-run", "1"]  # the demo: 4 × 256, 4,096 tokens per step and vocab, 1e13 FLOPs
     full = base_train.main(common)
     mod = base_train.main(common + ["--mod-rate", "0.2"])
     assert mod["flops_per_token"] < full["flops_per_token"]
@@ -302,7 +301,7 @@ def test_mod_rate_at_eval_on_a_plain_gpt_checkpoint_is_one_line(run_base, script
 
 
 def test_inference_curve_on_a_full_depth_nag_goes_into_eval_json_and_compare_plots_it(run_base, capsys):
-    from scripts import compare
+    from analysis.compare.pair import compare
     for arch in ("gpt", "nag"):
         base_train.main(TINY_TRAIN + ["--arch", arch, "--run", arch, "--num-iterations", "4", "--eval-every", "-1"])
     splits = []
@@ -326,7 +325,7 @@ def test_inference_curve_on_a_full_depth_nag_goes_into_eval_json_and_compare_plo
         assert p["val_bpb_delta"] == pytest.approx(p["val_bpb"] - pts[0]["val_bpb"], abs=1e-9)
         assert p["val_bpb_delta_ci"][0] <= p["val_bpb_delta"] <= p["val_bpb_delta_ci"][1]
     assert "val_bpb_delta" not in pts[0] and "core" not in pts[0]  # no bundle: no CORE along the curve
-    report = compare.compare(["gpt", "nag"], out_dir=str(run_base / "report"))
+    report = compare(["gpt", "nag"], out_dir=str(run_base / "report"))
     text = open(report).read()
     assert "## Mixture-of-Depths at inference" in text and "mod_curve.png" in text
     d = pts[2]

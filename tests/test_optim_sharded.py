@@ -22,8 +22,9 @@ FLAGS = ["--preset", "tiny", "--depth", "3"]
 def tiny_model(arch):
     """A tiny model with the same seeded weights in every process, and its optimizer groups as base_train makes them."""
     from scripts import base_train
+    from nag.archs import plan_for
     args = base_train.parse_args(FLAGS + ["--arch", arch])
-    plan = base_train.make_plan(args, 512, 1)  # the groups do not depend on the process count
+    plan = plan_for(args, 512, 1)  # the groups do not depend on the process count
     plan.model.to_empty(device="cpu")
     with torch.no_grad():
         for i, p in enumerate(plan.model.parameters()):

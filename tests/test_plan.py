@@ -6,13 +6,15 @@ import math
 import pytest
 import torch
 
+from nag.archs import plan_for
+from nanochat.plan import momentum_at
 from scripts import base_train
 from nanochat.optim import orthogonalize, POLAR_EXPRESS_COEFFS, MuonAdamW
 
 
 def published(arch, nproc=8):
     args = base_train.parse_args(["--preset", "published", "--arch", arch])
-    return args, base_train.make_plan(args, 32768, nproc)
+    return args, plan_for(args, 32768, nproc)
 
 
 @pytest.mark.parametrize("arch,steps,decay", [("gpt", 9474, 0.094355), ("nag", 9425, 0.094198)])
@@ -44,7 +46,7 @@ def test_published_preset_keeps_the_momentum_schedule():
     assert args.muon_momentum == -1  # no constant override
     n, wd = plan.num_iterations, plan.warmdown_steps
     start = n - wd
-    m = lambda s: base_train.momentum_at(s, plan, args)
+    m = lambda s: momentum_at(s, plan, args)
     assert m(0) == pytest.approx(0.85)
     assert m(200) == pytest.approx(0.91)
     assert m(400) == pytest.approx(0.97)

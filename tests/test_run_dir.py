@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from conftest import TINY_TRAIN
+from nag.archs import plan_for
+from nanochat.plan import lr_multiplier
 from scripts import base_train
 from nanochat import checkpoint_manager as ckpt
 
@@ -74,14 +76,14 @@ def test_a_failed_resume_keeps_history_and_a_real_one_keeps_the_removed_rows(run
     assert open(metrics).read() == before
     # a shorter horizon is a different LR schedule: refused unless asked for
     err = script_error(cli, *COMMON[:3], "6", *COMMON[4:], "--resume", "4")
-    assert "planned for 8 steps" in err and "--change-horizon" in err
+    assert "planned for 8 steps" in err and "--change-settings" in err
     assert open(metrics).read() == before
     # a real resume from step 4: rows 5..8 move to metrics.jsonl.bak-4, then 5..8 are written again
     main(*COMMON, "--resume", "4")
     assert steps_of(metrics) == list(range(9))
     assert steps_of(metrics + ".bak-4") == [5, 6, 7, 8]
     # an explicit horizon change
-    main(*COMMON[:3], "12", *COMMON[4:], "--resume", "latest", "--change-horizon")
+    main(*COMMON[:3], "12", *COMMON[4:], "--resume", "latest", "--change-settings")
     assert steps_of(metrics) == list(range(13))
     assert json.load(open(os.path.join(run_dir, "config.json")))["num_iterations"] == 12
 
@@ -126,7 +128,7 @@ def test_resume_on_other_data_is_refused(run_base, tiny_base_dir, script_error, 
     shard = os.path.join(data, "shard_00000.parquet")
     table = pq.read_table(shard)
     pq.write_table(table.slice(0, table.num_rows - 1), shard, row_group_size=8)
-    err = script_error(cli, *COMMON, "--resume", "latest", "--change-horizon")
+    err = script_error(cli, *COMMON, "--resume", "latest", "--change-settings")
     assert "its train data changed" in err and cfg["fingerprints"]["data_train"] in err
 
 
@@ -270,8 +272,8 @@ def test_a_run_path_is_a_directory_everywhere(run_base, tmp_path, monkeypatch):
 @pytest.mark.parametrize("steps, warmdown", [(10, 0.65), (40, 0.65), (50, 0.65), (7, 1.0)])
 def test_warmup_and_warmdown_never_overlap(run_base, steps, warmdown):
     args = base_train.parse_args(TINY_TRAIN + ["--num-iterations", str(steps), "--warmup-steps", "40", "--warmdown-ratio", str(warmdown)])
-    plan = base_train.make_plan(args, 512, 1)
-    lrm = [base_train.lr_multiplier(s, plan) for s in range(steps)]
+    plan = plan_for(args, 512, 1)
+    lrm = [lr_multiplier(s, plan) for s in range(steps)]
     assert plan.warmup_steps + plan.warmdown_steps <= steps
     peak = lrm.index(max(lrm))
     assert max(lrm) == 1.0  # the warm-up always reaches the full LR

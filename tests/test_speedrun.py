@@ -292,9 +292,9 @@ def test_seeds_plan_every_run_and_their_total(tmp_path, capsys):
             assert re.search(rf"^  {stage} {run} +\[to do\]$", err, re.M)
         # the seeds after the user's flags, the run's own name last
         seed = run[-1]
-        assert sh[f"TRAIN_{i}"][-8:] == ["--seed", seed, "--data-seed", seed, "--run", run, "--resume", "latest"]
-        assert sh[f"EVAL_{i}"][:2] == ["--run", run]
-    assert sh["COMPARE"] == ["--a", *runs[0::2], "--b", *runs[1::2], "--out", sh["REPORT"]]
+        assert sh_commands(sh, i)["train"][-8:] == ["--seed", seed, "--data-seed", seed, "--run", run, "--resume", "latest"]
+        assert sh_commands(sh, i)["eval"][:2] == ["--run", run]
+    assert sh["COMPARE_RUNS"] == ["--a", *runs[0::2], "--b", *runs[1::2]]
     assert sh["REPORT"] == str(base / "reports" / "gpt-published-seeds-1-2_vs_nag-published-seeds-1-2")
     # the cost of all four runs: twice the pair's
     hours = lambda text, pattern: (lambda m: int(m[1]) * 60 + int(m[2]))(re.search(pattern, text, re.M))
@@ -302,8 +302,9 @@ def test_seeds_plan_every_run_and_their_total(tmp_path, capsys):
     assert abs(hours(err, r"^seeds 1,2: 4 runs \(2 × gpt,nag\), ≈ (\d+)h(\d+)m of training on 8 × H100") - 2 * pair) <= 1
     assert abs(hours(err, r"^training time: ≈ (\d+)h(\d+)m .*, all 4 runs$") - 2 * pair) <= 1
     # without --seeds nothing changes: the same names, no seed flags, the pair's report
-    assert one["RUNS"] == ["gpt-published", "nag-published"] and "--seed" not in one["TRAIN_0"] + one["TRAIN_1"]
-    assert one["COMPARE"] == ["gpt-published", "nag-published", "--out", str(base / "reports" / "gpt-published_vs_nag-published")]
+    assert one["RUNS"] == ["gpt-published", "nag-published"] and "--seed" not in sh_commands(one, 0)["train"] + sh_commands(one, 1)["train"]
+    assert one["COMPARE_RUNS"] == ["gpt-published", "nag-published"]
+    assert one["REPORT"] == str(base / "reports" / "gpt-published_vs_nag-published")
     assert not re.search(r"^seeds", one_err, re.M)
 
 
@@ -324,7 +325,7 @@ def test_group_report_is_found_current(tmp_path, capsys, monkeypatch):
         os.utime(os.path.join(run_dir, "eval.json"))
     err, sh = plan_of(capsys, *common)
     assert sh["EVAL_DONE"] == ["1"] * 4 and sh["REPORT_DONE"] == "0"
-    compare.main(sh["COMPARE"])  # what speedrun.sh runs: the groups' report, its inputs.json in compare's order
+    compare.main([*sh["COMPARE_RUNS"], "--out", sh["REPORT"]])  # what speedrun.sh runs: the groups' report, its inputs.json in compare's order
     capsys.readouterr()
     err, sh = plan_of(capsys, *common)
     assert sh["REPORT_DONE"] == "1" and re.search(r"^  report +\[done, skip\]", err, re.M)
@@ -400,7 +401,7 @@ def test_several_nodes_plan_launch_and_roles(tmp_path, capsys, monkeypatch):
     assert node0["DATA_DONE"] == "0" and node0["PAIR"] == "1"
     # node 1 trains, nothing else: data, tokenizer, evaluations, analysis and report are node 0's
     _, node1 = plan_of(capsys, *common, *nodes, "--node-rank", "1")
-    assert node1["LAUNCH"] == node0["LAUNCH"] and node1["TRAIN_DONE"] == ["0", "0"] and node1["TRAIN_0"] == node0["TRAIN_0"]
+    assert node1["LAUNCH"] == node0["LAUNCH"] and node1["TRAIN_DONE"] == ["0", "0"] and sh_commands(node1, 0) == sh_commands(node0, 0)
     assert node1["DATA_DONE"] == node1["TOK_DONE"] == "1" and node1["EVAL_DONE"] == ["1", "1"] and node1["PAIR"] == "0"
 
 
@@ -420,3 +421,39 @@ def test_other_nodes_wait_for_node0s_data(tiny_base_dir, tmp_path, capsys, monke
     for name in ("base_data", "tokenizer"):
         os.symlink(os.path.join(tiny_base_dir, name), base / name)
     sr.main([*args, "--base-dir", str(base), *two_ranks])  # ready: the plan goes on to the training
+
+
+def sh_commands(sh, i):
+    """The base_train and base_eval flags of run i as speedrun.sh's own lines expand them (the lines that start
+    each launch, run by bash with the plan's variables and a launcher that prints its arguments)."""
+    lines = open(SPEEDRUN).read().splitlines()
+    def command(marker):
+        start = next(k for k, line in enumerate(lines) if marker in line)
+        text = lines[start].split(marker, 1)[1]
+        while text.endswith("\\"):
+            start += 1
+            text = text[:-1] + lines[start].strip()
+        return text.split("; then")[0].strip()  # the command's own arguments, up to the end of its line(s)
+    seed = sh["RUN_SEED"][i]
+    assign = "\n".join(f"{k}=({' '.join(shlex.quote(v) for v in vs)})" if isinstance(vs, list) else f"{k}={shlex.quote(vs)}"
+                       for k, vs in sh.items())
+    out = {}
+    for name, marker in (("train", 'scripts.base_train -- '), ("eval", 'scripts.base_eval -- ')):
+        script = (f"{assign}\ni={i}\nSEED=(); if [ -n {shlex.quote(seed)} ]; then SEED=(--seed {shlex.quote(seed)} --data-seed {shlex.quote(seed)}); fi\n"
+                  f"printf '%s\\n' {command(marker)}")
+        out[name] = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    return out
+
+
+def test_speedrun_sh_runs_the_commands_the_plan_made(tmp_path, capsys):
+    """The base_train and base_eval lines written out in speedrun.sh give exactly the flags speedrun planned each run
+    with (train_args / eval_args), extra flags after -- and seeds included."""
+    from scripts import speedrun as sr
+    argv = ["--dry-run", "--gpus", "8", "--base-dir", str(tmp_path / "b"), "--seeds", "3,4", "--flops", "1e18",
+            "--eval-bundle", str(tmp_path), "--", "--nag-mod-floor", "1e-7"]
+    _, sh = plan_of(capsys, *argv)
+    args = sr.parse(argv)
+    for i, (arch, seed) in enumerate(sr.runs(args)):
+        got = sh_commands(sh, i)
+        assert got["train"] == sr.train_args(args, arch, seed)
+        assert got["eval"] == sr.eval_args(args, arch, seed)

@@ -133,7 +133,7 @@ def test_bad_inputs_one_line_and_nothing_overwritten(run_base, script_error):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Tokenizer, "get_vocab_size", lambda self: real_vocab(self) - 1)
         assert "does not match the tokenizer" in script_error(tiny_main, "--run", "taken", "--num-iterations", "3",
-                                                              "--resume", "2", "--change-horizon")
+                                                              "--resume", "2", "--change-settings")
     assert before == mtimes(run_dir)
 
 
@@ -166,14 +166,6 @@ class ToyGPT(GPT):
     """A registered arch that base_train has never heard of: a flag, a telemetry row and its own meta."""
     arch = "toy"
 
-    @staticmethod
-    def add_args(parser):
-        parser.add_argument("--toy-scale", type=float, default=1.0)
-
-    @classmethod
-    def init_kwargs_from_args(cls, args):
-        return {"scale": args.toy_scale}
-
     @classmethod
     def extra_init_kwargs(cls, meta):
         return {"scale": meta["toy_scale"]}
@@ -185,12 +177,14 @@ class ToyGPT(GPT):
     def extra_meta(self):
         return {"toy_scale": self.scale}
 
-    def telemetry(self, step, idx, args):
-        return {"scale": self.scale}, f"  toy | scale {self.scale}"
+
+TOY = archs.ArchSpec(ToyGPT, add_args=lambda p: p.add_argument("--toy-scale", type=float, default=1.0),
+                     init_kwargs=lambda args: {"scale": args.toy_scale},
+                     telemetry=lambda model, step, idx, args: ({"scale": model.scale}, f"  toy | scale {model.scale}"))
 
 
 def test_a_registered_arch_trains_without_touching_base_train(run_base, monkeypatch):
-    monkeypatch.setitem(archs.ARCHS, "toy", ToyGPT)
+    monkeypatch.setitem(archs.ARCHS, "toy", TOY)
     run_dir = train("--arch", "toy", "--toy-scale", "2.5", "--run", "toy", "--num-iterations", "3", "--eval-every", "-1")
     rows = read_metrics(run_dir)
     assert [r["gate"]["scale"] for r in rows[1:]] == [2.5] * 3
@@ -243,14 +237,16 @@ def test_prefetch_changes_no_batch_and_resumes_exactly(run_base, monkeypatch, on
     monkeypatch.setattr(ckpt, "save_checkpoint", noting_save)
     ahead = train(*common, "--run", "ahead")
     fetched[0] = 0
-    monkeypatch.setattr(base_train, "PREFETCH", False)
+    from nanochat.dataloader import MicroBatches
+    fetch_ahead = MicroBatches.fetch_ahead
+    monkeypatch.setattr(MicroBatches, "fetch_ahead", lambda self, micro: None)  # each fetched when it is needed
     plain = train(*common, "--run", "plain")
     assert at_save == {("ahead", 4): 9, ("ahead", 8): 16, ("plain", 4): 8, ("plain", 8): 16}  # one ahead, none past the end
     assert [r["train_loss"] for r in read_metrics(ahead)] == [r["train_loss"] for r in read_metrics(plain)]
     assert same_weights(final_weights(ahead, 8), final_weights(plain, 8))
     states = [ckpt.load_train_state(d, 4, 0)["dataloader"] for d in (ahead, plain)]
     assert states[0] == states[1] and len(states[0]) == 2
-    monkeypatch.setattr(base_train, "PREFETCH", True)
+    monkeypatch.setattr(MicroBatches, "fetch_ahead", fetch_ahead)
     full = [r["train_loss"] for r in read_metrics(ahead)]
     train(*common, "--run", "ahead", "--resume", "4")
     assert [r["train_loss"] for r in read_metrics(ahead)] == full

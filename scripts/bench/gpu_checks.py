@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN_STAGE_S = 20  # a stage is not started with less of the budget left: it could not finish
-PUBLISHED = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
+PUBLISHED_SHAPE = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
 D20 = ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
 TIMED = ["--steps", "10", "--warmup", "3", "--fresh-cache"]  # fresh caches: every compile is a cold one
 
@@ -57,11 +57,11 @@ def stages(quick, eval_bundle=None):
               [py, "-m", "scripts.bench.nag", "--sections", "op", "--impls", "reference,compiled,fused",
                "--op-rows", str(16 * 2048), "--op-dim", "640", "--json", "{json}"], 120, 45, op_figures),
         Stage("step", "GPT vs NAG-fused, published shape at depth 8, compiled whole",
-              bench_train("--depth", "8", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "on"), 150, 80, step_figures),
+              bench_train("--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on"), 150, 80, step_figures),
         Stage("depth", "the same at depth 4: per-layer cost, extrapolation to 64, compile time per depth",
-              bench_train("--depth", "4", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "on"), 120, 65, step_figures),
+              bench_train("--depth", "4", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on"), 120, 65, step_figures),
         Stage("blocks", "the same at depth 8 with each block compiled on its own (compare with step)",
-              bench_train("--depth", "8", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "blocks"), 120, 60, step_figures),
+              bench_train("--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "blocks"), 120, 60, step_figures),
         Stage("mfu", "GPT d20-like (20 × 1280, 32 × 2048), compiled whole: MFU",
               bench_train(*D20, "--arch", "gpt", "--compile", "on"), 150, 80, step_figures),
     ]
@@ -69,14 +69,14 @@ def stages(quick, eval_bundle=None):
         return out
     out += [
         Stage("published_gpt", "GPT at the published shape, depth 64, compiled whole",
-              bench_train("--depth", "64", *PUBLISHED, "--arch", "gpt", "--compile", "on"), 420, 200, step_figures),
+              bench_train("--depth", "64", *PUBLISHED_SHAPE, "--arch", "gpt", "--compile", "on"), 420, 200, step_figures),
         Stage("published_nag", "NAG-fused at the published shape, depth 64, compiled whole",
-              bench_train("--depth", "64", *PUBLISHED, "--arch", "nag:fused", "--compile", "on"), 480, 240, step_figures),
+              bench_train("--depth", "64", *PUBLISHED_SHAPE, "--arch", "nag:fused", "--compile", "on"), 480, 240, step_figures),
         Stage("published_blocks", "GPT vs NAG-fused at depth 64, each block compiled on its own",
-              bench_train("--depth", "64", *PUBLISHED, "--arch", "gpt,nag:fused", "--compile", "blocks"), 240, 100, step_figures),
+              bench_train("--depth", "64", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "blocks"), 240, 100, step_figures),
         # MoD is eager (data-dependent shapes): time saved against FLOPs saved, with the MLP path free of host syncs
         Stage("mod", "NAG-MoD at 20 / 40 % skipped vs full depth, width 640, depth 8: time saved for FLOPs saved",
-              [py, "-m", "scripts.bench.mod", "--depth", "8", *PUBLISHED, "--rates", "0,0.2,0.4", "--blocks", "attn,mlp,both",
+              [py, "-m", "scripts.bench.mod", "--depth", "8", *PUBLISHED_SHAPE, "--rates", "0,0.2,0.4", "--blocks", "attn,mlp,both",
                "--steps", "10", "--warmup", "3"], 240, 90, writes_json=False),
     ]
     if eval_bundle:
@@ -303,7 +303,7 @@ def headline(out):
 
 
 def environment():
-    from scripts.check_cuda import nvidia_smi
+    from nanochat.common import nvidia_smi
     import torch
     import triton
     env = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,

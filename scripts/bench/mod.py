@@ -48,11 +48,7 @@ def build(args, mod):
     if mod is not None or args.arch == "gpt-router":
         kwargs["mod"] = mod or ModConfig(rate=0.0)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = cls(config, **kwargs)
-    model.to_empty(device="cpu")
-    model.init_weights()
-    return model
+    return cls.initialised(config, "cpu", **kwargs)
 
 
 class Variant:

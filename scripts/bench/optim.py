@@ -126,9 +126,10 @@ def count_step(groups, rank, world_size):
 
 def plan_groups(preset, arch):
     from scripts import base_train
+    from nag.archs import plan_for
     from nag.presets import get_preset
     args = base_train.parse_args(["--preset", preset, "--arch", arch])
-    plan = base_train.make_plan(args, get_preset(preset)["vocab"], 1)  # the groups do not depend on the process count
+    plan = plan_for(args, get_preset(preset)["vocab"], 1)  # the groups do not depend on the process count
     return plan.optimizer_groups(args), plan
 
 

@@ -54,10 +54,7 @@ def build(args, arch, device):
     if arch == "nag-mod":
         kwargs["mod"] = ModConfig("both", args.mod_rate)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = (GPT if arch == "gpt" else NAGGPT)(config, **kwargs)
-    model.to_empty(device=device)
-    model.init_weights()
+    model = (GPT if arch == "gpt" else NAGGPT).initialised(config, device, **kwargs)
     g = torch.Generator(device=device).manual_seed(1)
     with torch.no_grad():
         for block in model.blocks:

@@ -51,15 +51,12 @@ def parse(argv=None):
 def build_variant(variant, train_argv, vocab_size, device):
     """An initialised model for variant gpt, nag or nag:IMPL, shaped by base_train's flags in train_argv."""
     from nag.archs import model_class
-    from scripts.base_train import build_parser, model_config_from_args
-    config = model_config_from_args(build_parser().parse_args(train_argv), vocab_size)
+    from nanochat.plan import model_config_from_args
+    from scripts.base_train import parse_args
+    config = model_config_from_args(parse_args(train_argv), vocab_size)
     arch, _, impl = variant.partition(":")
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = model_class(arch)(config, **({"impl": impl} if impl else {}))
-    model.to_empty(device=device)
-    model.init_weights()
-    return model
+    return model_class(arch).initialised(config, device, **({"impl": impl} if impl else {}))
 
 
 def compile_blocks(model):
@@ -75,7 +72,7 @@ def compile_blocks(model):
 def run_variant(args, variant, mode):
     from torch._dynamo.utils import counters
     from nanochat.common import autodetect_device_type, compute_dtype_for
-    from scripts.base_train import PEAK_FLOPS
+    from nanochat.common import peak_flops
     device_type = args.device_type or autodetect_device_type()
     device = torch.device(device_type)
     model = build_variant(variant, ["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio),
@@ -147,7 +144,7 @@ def run_variant(args, variant, mode):
               "device": device_type, "depth": args.depth, "dim": model.config.n_embd, "tokens_per_step": B * T}
     if device_type == "cuda":
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-        result["peak_flops"] = next((v for k, v in PEAK_FLOPS.items() if k in torch.cuda.get_device_name()), None)
+        result["peak_flops"] = peak_flops("cuda")
         if result["peak_flops"]:
             result["mfu"] = model.estimate_flops() * tok_per_sec / result["peak_flops"]
     else:

@@ -31,14 +31,15 @@ import traceback
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat.common import UserError, exit_on_user_error, get_base_dir, ensure_writable_dir, atomic_write_json
+from nanochat.common import UserError, exit_on_user_error, get_base_dir, ensure_writable_dir, atomic_write_json, base_dir_path, parse_seeds
 from nanochat import stats
+from nanochat.gpt import GPT
+from nanochat.plan import PLANNED_MFU, model_config_from_args, planned_seconds
+from nag.archs import plan_for
 from scripts import base_eval, base_train
-from nag.archs import ARCHS
-from scripts.compare_groups import bpb_inputs, group_mean_ci
+from scripts.experiments import prepare_cpu_data
+from analysis.compare.groups import bpb_inputs, group_mean_ci
 from nag.presets import get_preset
-from scripts.speedrun import MFU, PEAK_FLOPS, base_dir_of, parse_seeds
-from scripts.tok_train import prepare_cpu_data
 
 ARCH_PAIR = ("gpt", "nag")
 # Each scale: a preset, the reference shape whose block parameters every depth matches, the depths and the
@@ -74,9 +75,9 @@ def width_for(scale, depth, target, vocab):
     guess = math.sqrt(target / (12 * depth))  # a block holds ~12·d² matmul parameters (4d² attention, 8d² MLP)
     best = None
     for k in range(max(1, int(guess // head) - 1), int(guess // head) + 3):
-        config = base_train.model_config_from_args(base_train.parse_args(train_argv(scale, "gpt", depth, k * head, 1, "x")), vocab)
+        config = model_config_from_args(base_train.parse_args(train_argv(scale, "gpt", depth, k * head, 1, "x")), vocab)
         with torch.device("meta"):
-            p = block_params(ARCHS["gpt"](config))
+            p = block_params(GPT(config))
         err = abs(math.log(p / target))
         if best is None or err < best[0]:
             best = (err, k * head, p)
@@ -89,7 +90,7 @@ def plan_sweep(scale, depths, flops, vocab, nproc, seeds=None):
     ref_depth, ref_dim = SCALES[scale]["reference"]
     ref_args = base_train.parse_args(train_argv(scale, "gpt", ref_depth, ref_dim, 1, "x"))
     with torch.device("meta"):
-        target = block_params(ARCHS["gpt"](base_train.model_config_from_args(ref_args, vocab)))
+        target = block_params(GPT(model_config_from_args(ref_args, vocab)))
     rows = []
     for depth in depths:
         dim, params = width_for(scale, depth, target, vocab)
@@ -97,7 +98,7 @@ def plan_sweep(scale, depths, flops, vocab, nproc, seeds=None):
                "block_params_vs_reference": params / target, "runs": {}}
         for arch in ARCH_PAIR:
             args = base_train.parse_args(train_argv(scale, arch, depth, dim, flops, "x"))
-            rec = base_train.make_plan(args, vocab, nproc).record(args)
+            rec = plan_for(args, vocab, nproc).record(args)
             row["runs"][arch] = {k: rec[k] for k in ("num_params", "flops_per_token", "num_iterations", "total_tokens", "total_flops")}
         rows.append(row)
     return {"scale": scale, "reference": {"depth": ref_depth, "dim": ref_dim, "block_params": target},
@@ -105,7 +106,7 @@ def plan_sweep(scale, depths, flops, vocab, nproc, seeds=None):
 
 
 def hours(flops, gpus):
-    return flops / (gpus * PEAK_FLOPS * MFU) / 3600
+    return planned_seconds(flops, gpus) / 3600
 
 
 def plan_table(plan):
@@ -126,7 +127,7 @@ def plan_table(plan):
     each = f" ({len(plan['depths'])} depths × {len(ARCH_PAIR)} archs × seeds {seeds_text(seeds)})" if plan.get("seeds") else ""
     foot = f"\n{runs} runs{each}, {total:.3g} FLOPs in all"
     if plan["scale"] == "published":
-        foot += f", about {hours(total, plan['nproc']):.0f} hours on {plan['nproc']} GPUs at {MFU:.0%} MFU (evaluation not included)"
+        foot += f", about {hours(total, plan['nproc']):.0f} hours on {plan['nproc']} GPUs at {PLANNED_MFU:.0%} MFU (evaluation not included)"
     return "\n".join(lines) + foot
 
 
@@ -368,7 +369,7 @@ def main(argv=None):
         if not (math.isfinite(flops) and flops > 0):
             raise UserError(f"--flops must be a positive number (got {flops:g})")
         seeds = parse_seeds(args.seeds) if args.seeds is not None else None
-        base = base_dir_of(args.base_dir)
+        base = base_dir_path(args.base_dir)
         os.environ["NANOCHAT_BASE_DIR"] = base  # for base_train and base_eval here and speedrun.sh below
         get_base_dir()  # created here, or one line saying why it cannot be
         out_dir = os.path.join(base, "reports", f"depth_sweep-{args.scale}")

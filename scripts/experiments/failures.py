@@ -20,14 +20,15 @@ import os
 import subprocess
 import sys
 
-from nanochat.common import UserError, exit_on_user_error, get_base_dir
+from nanochat.common import UserError, exit_on_user_error, get_base_dir, base_dir_path, parse_seeds
+from nanochat.nonfinite import NonFiniteError
 from nanochat.dataset import list_parquet_files
 from nanochat.tokenizer import get_tokenizer
 from nag.gate_collapse import collapse_verdict, gate_rows
-from scripts import base_train, speedrun
+from nag.archs import plan_for
 from nag.presets import get_preset
-from scripts.speedrun import base_dir_of
-from scripts.tok_train import prepare_cpu_data
+from scripts import base_train, speedrun
+from scripts.experiments import prepare_cpu_data
 
 # The CPU scale, from the search in docs/failures.md: 8 blocks × 128 on the tiny preset's batch (256 tokens per
 # step). A high matrix LR (= gate LR in the broken runs) stands in for width: a gate's logit moves ~d·lr per step,
@@ -91,7 +92,7 @@ def run_cpu(case, role, flags, seed, base):
     with open(os.path.join(base, "runs", f"{name}.log"), "a") as log, contextlib.redirect_stdout(log):
         try:
             base_train.train(base_train.parse_args(argv))
-        except base_train.NonFiniteError as e:
+        except NonFiniteError as e:
             error = str(e)
             print(f"error: {error}")  # the log ends as the command line's output would
     outcome = {"run": name, "seed": seed, "argv": argv, "error": error, **summarise(os.path.join(run_dir, "metrics.jsonl"))}
@@ -147,7 +148,7 @@ def cpu_plan(seeds, base):
         for seed in seeds:
             name, argv = cpu_run(case, role, flags, seed)
             with contextlib.redirect_stdout(io.StringIO()):  # base_train's notes: in each run's log, once it trains
-                plan = base_train.make_plan(base_train.parse_args(argv), vocab, 1)
+                plan = plan_for(base_train.parse_args(argv), vocab, 1)
             run_dir, done = os.path.join(base, "runs", name), os.path.join(base, "runs", name, "outcome.json")
             if os.path.exists(done):
                 status = "done (reused)" if json.load(open(done)).get("argv") == argv else "other settings (refused)"
@@ -180,16 +181,6 @@ def published(dry_run, extra, base):
     return rows
 
 
-def parse_seeds(text):
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise UserError(f"--seeds takes comma-separated integers like 1,2,3, got {text!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise UserError(f"--seeds needs one or more different integers like 1,2,3, got {text!r}")
-    return seeds
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description="NAG's two failure cases beside their fixed twins, with verdicts",
                                 epilog="--scale published: further flags go to speedrun.sh (e.g. --gpus 8)")
@@ -200,7 +191,7 @@ def main(argv=None):
     args, extra = p.parse_known_args(argv)
     with exit_on_user_error(interrupted="interrupted: finished runs are kept; the same command resumes (an unfinished "
                             "run from its newest checkpoint)"):
-        base = base_dir_of(args.base_dir)
+        base = base_dir_path(args.base_dir)
         os.environ["NANOCHAT_BASE_DIR"] = base  # for base_train here and speedrun.sh below
         if args.scale == "published":
             if args.seeds is not None:

@@ -18,15 +18,18 @@ import numpy as np
 
 from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_write_json, ensure_writable_dir
 from nanochat.core_eval import NUM_CORE_TASKS
+from nanochat.run_dir import load_run
 from nanochat import stats
-from scripts import compare as cmp
-from scripts.base_train import NOT_SETTINGS
+from nag.archs import NOT_SETTINGS
+from analysis.compare.runs import N_RESAMPLES, pair_differences, check_same_items
+from analysis.compare.inputs import INPUTS, report_inputs, distinct_names, run_step, check_report_folder
+from analysis.compare.tables import fmt, value_cell, table
 
 # what runs of one comparison may differ in: their seeds, and what is no setting of the model or its training
 SEED_ARGS = {"seed", "data_seed"}
 IGNORED_ARGS = NOT_SETTINGS - {"num_iterations", "target_flops", "target_param_data_ratio"} | SEED_ARGS | {"arch"}
 # the published single-pair gaps (NAG − GPT, 64 × 640 at 3e19 FLOPs): how many runs would resolve them
-PUBLISHED = {"core": 0.0148, "val_bpb": 0.0086}
+PUBLISHED_GAPS = {"core": 0.0148, "val_bpb": 0.0086}
 
 
 def seeds(run):
@@ -70,7 +73,7 @@ def check_measured(runs):
     """Refuse runs measured with other data, tokenizer, val tokens or processes; (notes) on what was not recorded."""
     notes = []
     for r in runs[1:]:
-        differ, unknown = cmp.pair_differences(runs[0], r)
+        differ, unknown = pair_differences(runs[0], r)
         if differ:
             what = "; ".join(f"{label} ({text})" for label, text in differ.items())
             raise UserError(f"`{r['name']}` and `{runs[0]['name']}` differ in {what}: a group comparison needs every run "
@@ -108,7 +111,7 @@ def core_inputs(runs):
         missing = next(r for r in runs if r not in have)
         raise UserError(f"`{missing['name']}` has no CORE scores, `{have[0]['name']}` has: evaluate every run with --eval core")
     for r in runs[1:]:
-        cmp.check_same_items(runs[0], r)
+        check_same_items(runs[0], r)
     return [r["records"][0] for r in runs], runs[0]["records"][1]
 
 
@@ -140,7 +143,7 @@ def metric_stats(name, runs, values, reps, ka, paired, units):
         sigma = None
     r["sigma"] = sigma
     r["runs_needed"] = {"observed": stats.runs_needed(sigma, r["delta"], paired),
-                        "published": stats.runs_needed(sigma, PUBLISHED[name], paired)}
+                        "published": stats.runs_needed(sigma, PUBLISHED_GAPS[name], paired)}
     r["groups"] = {g: {"mean": float(v.mean()), "sd": float(v.std(ddof=1)) if v.size > 1 else None, "n": int(v.size),
                        "ci": group_mean_ci(v, rep)} for g, v, rep in (("a", va, ra), ("b", vb, rb))}
     return r
@@ -159,7 +162,7 @@ def group_mean_ci(values, reps):
     return (float(values.mean() - half), float(values.mean() + half))
 
 
-def sentence(label, r, names):
+def group_verdict(label, r, names):
     a, b = names
     if r["too_few"]:
         return f"{b} − {a} {label} = {r['delta']:+.4f}: {r['too_few']}"
@@ -201,15 +204,15 @@ def groups_figure(groups, metrics, out_dir):
 def report_text(groups, metrics, paired, why, notes):
     names = [r["name"] for g in ("a", "b") for r in groups[g]]
     labels = {name: m["label"] for name, m in metrics.items()}
-    rows = [[g, f"`{r['name']}`", r["config"].get("arch", "—"), *map(cmp.cell, seeds(r)),
+    rows = [[g, f"`{r['name']}`", r["config"].get("arch", "—"), *map(value_cell, seeds(r)),
              *[f"{metrics[m]['runs'][r['name']]:.4f}" for m in metrics]] for g in ("a", "b") for r in groups[g]]
     parts = [f"# Groups: {' '.join(f'`{n}`' for n in names[:len(groups['a'])])} (a) vs "
              f"{' '.join(f'`{n}`' for n in names[len(groups['a']):])} (b)",
-             "## Runs\n\n" + cmp.table(["group", "run", "arch", "seed", "data seed", *labels.values()], rows)]
-    rows = [[g, len(groups[g]), *[f"{m['groups'][g]['mean']:.4f} ± {cmp.fmt(m['groups'][g]['sd'])}" for m in metrics.values()]]
+             "## Runs\n\n" + table(["group", "run", "arch", "seed", "data seed", *labels.values()], rows)]
+    rows = [[g, len(groups[g]), *[f"{m['groups'][g]['mean']:.4f} ± {fmt(m['groups'][g]['sd'])}" for m in metrics.values()]]
             for g in ("a", "b")]
-    parts.append("## Group means (± seed-to-seed standard deviation)\n\n" + cmp.table(["group", "runs", *labels.values()], rows))
-    lines = [sentence(m["label"], m, (group_label(groups["a"]), group_label(groups["b"]))) for m in metrics.values()]
+    parts.append("## Group means (± seed-to-seed standard deviation)\n\n" + table(["group", "runs", *labels.values()], rows))
+    lines = [group_verdict(m["label"], m, (group_label(groups["a"]), group_label(groups["b"]))) for m in metrics.values()]
     text = (f"## Difference of the group means (b − a)\n\nDesign: {why}.\n\n" + "\n".join(f"- {s}" for s in lines))
     if any(m["eval_only"] for m in metrics.values()):
         text += ("\n\nWith fewer than 2 runs in a group there is no seed-to-seed variance: the interval covers evaluation noise "
@@ -219,12 +222,12 @@ def report_text(groups, metrics, paired, why, notes):
     rows = []
     for name, m in metrics.items():
         need = m["runs_needed"]
-        rows.append([m["label"], cmp.fmt(m["sigma"]), f"{m['delta']:+.4f}", cmp.fmt(need["observed"], "d"),
-                     f"{PUBLISHED[name]:.4f}", cmp.fmt(need["published"], "d")])
+        rows.append([m["label"], fmt(m["sigma"]), f"{m['delta']:+.4f}", fmt(need["observed"], "d"),
+                     f"{PUBLISHED_GAPS[name]:.4f}", fmt(need["published"], "d")])
     power = ("## Runs needed\n\nRuns per arm for a two-sided 5% test to find the difference 80% of the time, normal approximation: "
              + ("n = (z₀.₉₇₅ + z₀.₈)² σ_d² / δ² pairs (paired)" if paired else "n = 2 (z₀.₉₇₅ + z₀.₈)² σ² / δ² (unpaired)")
              + ". The published gaps are the NAG − GPT differences of the published pair (64 × 640, 3e19 FLOPs), one seed each.\n\n"
-             + cmp.table(["metric", sd_name, "observed δ", "runs (observed δ)", "published δ", "runs (published δ)"], rows))
+             + table(["metric", sd_name, "observed δ", "runs (observed δ)", "published δ", "runs (published δ)"], rows))
     if all(m["sigma"] is None for m in metrics.values()):
         power += "\n\nFewer than 2 seeds per group: no seed-to-seed standard deviation, so no run count."
     parts.append(power)
@@ -243,18 +246,15 @@ def comparison_json(groups, metrics, paired, why):
             "groups": m["groups"],
             "delta": {"value": m["delta"], "ci": None if m["too_few"] else list(m["ci"]), "p": None if m["too_few"] else m["p"],
                       "se": m["se"], "df": m["df"] if np.isfinite(m["df"]) else None, "eval_only": m["eval_only"], "too_few": m["too_few"] or None},
-            "seed_sd": m["sigma"], "runs_needed": m["runs_needed"], "published_delta": PUBLISHED[name]}
+            "seed_sd": m["sigma"], "runs_needed": m["runs_needed"], "published_delta": PUBLISHED_GAPS[name]}
     return out
 
 
 def compare_groups(args_a, args_b, out_dir=None):
-    groups = {"a": [cmp.load_run(x) for x in args_a], "b": [cmp.load_run(x) for x in args_b]}
-    runs = groups["a"] + groups["b"]
-    seen = {}
-    for r in runs:  # run names key the numbers: two runs of one name stay apart
-        seen[r["name"]] = seen.get(r["name"], 0) + 1
-        if seen[r["name"]] > 1:
-            r["name"] = f"{r['name']}#{seen[r['name']]}"
+    """report.md, groups.png, comparison.json and inputs.json of group b against group a, in out_dir (default:
+    named after the runs and their steps, never replacing a report of other inputs there); the report's path."""
+    groups = {"a": [load_run(x) for x in args_a], "b": [load_run(x) for x in args_b]}
+    runs = distinct_names(groups["a"] + groups["b"])
     for r in runs:
         if r["eval"] is None:
             raise UserError(f"`{r['name']}` has no eval.json: a group comparison needs every run evaluated "
@@ -267,19 +267,19 @@ def compare_groups(args_a, args_b, out_dir=None):
     if bpb is None and core is None:
         raise UserError("no run has val bpb or CORE in its eval.json: nothing to compare")
     ka = len(groups["a"])
-    inputs = cmp.report_inputs([r["dir"] for r in runs])
+    inputs = report_inputs([r["dir"] for r in runs])
     if out_dir is None:
-        parts = ["+".join(f"{r['name'].replace(os.sep, '_')}@{cmp.run_step(r)}" for r in groups[g]) for g in ("a", "b")]
+        parts = ["+".join(f"{r['name'].replace(os.sep, '_')}@{run_step(r)}" for r in groups[g]) for g in ("a", "b")]
         out_dir = os.path.join(get_base_dir(), "reports", "_vs_".join(parts))
-        cmp.check_report_folder(out_dir, inputs)
+        check_report_folder(out_dir, inputs)
 
     metrics = {}
     if bpb is not None:
-        values, reps = stats.bpb_replicates(bpb[0], bpb[1], cmp.N_RESAMPLES, seed=0)
+        values, reps = stats.bpb_replicates(bpb[0], bpb[1], N_RESAMPLES, seed=0)
         metrics["val_bpb"] = metric_stats("val_bpb", runs, values, reps, ka, paired, (bpb[1].size, "batches"))
         metrics["val_bpb"]["label"] = "val bpb"
     if core is not None:
-        values, reps = stats.core_replicates(core[0], core[1], cmp.N_RESAMPLES, seed=0)
+        values, reps = stats.core_replicates(core[0], core[1], N_RESAMPLES, seed=0)
         T = len(core[1]["tasks"])
         full = T == NUM_CORE_TASKS and all(r["eval"].get("core_metric") is not None for r in runs)
         # the aggregate rests on all its items (as in the pairwise report): each run scored the same ones
@@ -287,13 +287,13 @@ def compare_groups(args_a, args_b, out_dir=None):
         metrics["core"]["label"] = "CORE" if full else f"partial CORE ({T}/{NUM_CORE_TASKS})"
 
     ensure_writable_dir(out_dir)
-    atomic_write_json(os.path.join(out_dir, cmp.INPUTS), inputs)  # first: a report cut short is still known as of these inputs
+    atomic_write_json(os.path.join(out_dir, INPUTS), inputs)  # first: a report cut short is still known as of these inputs
     groups_figure(groups, metrics, out_dir)
     atomic_write_json(os.path.join(out_dir, "comparison.json"), comparison_json(groups, metrics, paired, why))
     report = os.path.join(out_dir, "report.md")
     atomic_write_bytes(report, report_text(groups, metrics, paired, why, notes).encode())
     names = (group_label(groups["a"]), group_label(groups["b"]))
-    for line in [f"{why}"] + [sentence(m["label"], m, names) for m in metrics.values()] + notes:
+    for line in [f"{why}"] + [group_verdict(m["label"], m, names) for m in metrics.values()] + notes:
         print(line)
     print(f"\nreport with figures: {report}")
     return report

@@ -1,0 +1,124 @@
+"""
+The comparison of runs against the first one, typically a FLOP-matched GPT / NAG pair: paired 95% bootstrap
+intervals of each delta (nanochat/stats.py), and compare(), which writes report.md, the figures and inputs.json.
+"""
+
+import os
+
+from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_write_json, ensure_writable_dir
+from nanochat.core_eval import NUM_CORE_TASKS
+from nanochat.run_dir import load_run
+from nanochat import stats
+from analysis.compare.runs import N_RESAMPLES, BPB_DEPENDS_ON, mod_curves, several_steps, pair_differences, check_same_items
+from analysis.compare.inputs import INPUTS, report_inputs, distinct_names, default_out_dir, check_report_folder
+from analysis.compare.tables import (items_text, verdict_sentence, difference_lines, summary_section, measured_section, config_section,
+                                     core_section, significance_section, steps_section, step_time_section, mod_section, notes_section)
+from analysis.compare.figures import make_figures
+
+
+def core_stats(a, b):
+    """CORE interval of b against a, per task and aggregate, each marked too_few where it has too few items."""
+    check_same_items(a, b)
+    (cols_a, settings), (cols_b, _) = a["records"], b["records"]
+    r = stats.core_delta_interval(cols_a, cols_b, settings, n_resamples=N_RESAMPLES, seed=0)
+    T = len(settings["tasks"])
+    full = T == NUM_CORE_TASKS and a["eval"].get("core_metric") is not None and b["eval"].get("core_metric") is not None
+    r["label"] = "CORE" if full else f"partial CORE ({T}/{NUM_CORE_TASKS})"
+    # each task's interval resamples its items; the aggregate sums them, so it rests on all the items
+    for t in r["tasks"].values():
+        t["too_few"] = stats.too_few_units(t["n"], "items")
+    r["too_few"] = stats.too_few_units(sum(t["n"] for t in r["tasks"].values()), "items")
+    # the smallest difference this evaluation resolves, from how often the two runs disagree per task
+    disc, sizes, bases = {}, {}, {}
+    for label, info in settings["tasks"].items():
+        ca = {i: c for t, i, c in zip(cols_a["task"], cols_a["idx"], cols_a["correct"]) if t == label}
+        cb = {i: c for t, i, c in zip(cols_b["task"], cols_b["idx"], cols_b["correct"]) if t == label}
+        disc[label] = sum(ca[i] != cb[i] for i in ca) / len(ca)
+        sizes[label], bases[label] = len(ca), info["random_baseline"]
+    r["mde"], r["se"] = stats.min_detectable_core_diff(sizes, bases, discordance=disc)
+    return r
+
+
+def pair_stats(a, b):
+    """Intervals of run b against run a: CORE (with per-task deltas) and val bpb, each where both runs
+    have what it needs; `verdicts` says what was found, `no_interval` why an interval is missing."""
+    out = {"a": a, "b": b, "core": None, "bpb": None, "verdicts": [], "no_interval": []}
+    out["differ"], out["unknown"] = pair_differences(a, b)
+    if a["records"] and b["records"]:
+        r = out["core"] = core_stats(a, b)
+        out["verdicts"].append(verdict_sentence(a["name"], b["name"], r["label"], r, f"at {items_text(r['tasks'])}"))
+    elif (a["eval"] or {}).get("tasks") or (b["eval"] or {}).get("tasks"):
+        out["no_interval"].append("only one of the runs has CORE results: no CORE interval")
+    ea, eb = a["eval"] or {}, b["eval"] or {}
+    if ea.get("val_bpb") is None or eb.get("val_bpb") is None:
+        return out
+    va, vb = ea.get("val_batches"), eb.get("val_batches")
+    both = f"{b['name']} − {a['name']} val bpb = {eb['val_bpb'] - ea['val_bpb']:+.4f} ({a['name']} {ea['val_bpb']:.4f}, {b['name']} {eb['val_bpb']:.4f})"
+    refuse = [f"{label} ({out['differ'][label]})" for label in BPB_DEPENDS_ON if label in out["differ"]]
+    if refuse:  # both numbers, and the true reason they do not pair
+        out["verdicts"].append(f"{both}: no interval, the runs differ in {'; '.join(refuse)}")
+    elif not (isinstance(va, dict) and isinstance(vb, dict) and va.get("nats") and vb.get("nats")):
+        out["no_interval"].append("an eval.json without per-batch val losses (from before they were kept): no bpb interval; rerun base_eval")
+    elif va.get("bytes") != vb.get("bytes"):
+        unknown = [label for label in BPB_DEPENDS_ON if label in out["unknown"]]
+        why = (f"{', '.join(unknown)} not recorded" if unknown else
+               "with the same tokenizer, val data, val tokens and processes: another --device-batch-size or sequence length")
+        out["verdicts"].append(f"{both}: no interval, the runs' val batches differ ({len(va['nats'])} vs {len(vb['nats'])} batches, "
+                                f"other byte counts; {why})")
+    else:
+        r = stats.bpb_delta_interval(va["nats"], vb["nats"], va["bytes"], n_resamples=N_RESAMPLES, seed=0)
+        r["too_few"] = stats.too_few_units(r["batches"], "batches")
+        out["bpb"] = r
+        out["verdicts"].append(verdict_sentence(a["name"], b["name"], "val bpb", r, f"on {r['batches']} shared val batches (lower is better)"))
+    return out
+
+
+def compare(run_args, out_dir=None, beta=0.95):
+    """report.md, figures and inputs.json of the runs against the first one, in out_dir (default: named after
+    the runs and their steps, never replacing a report of other inputs there); the report's path."""
+    if not 0 <= beta < 1:
+        raise UserError(f"--ema must be in [0, 1), got {beta}")
+    runs = distinct_names([load_run(a) for a in run_args])
+    inputs = report_inputs([r["dir"] for r in runs])
+    if out_dir is None:  # named after the runs and steps only: it must not replace a report of other inputs
+        out_dir = default_out_dir(runs)
+        check_report_folder(out_dir, inputs)
+    pairs = [pair_stats(runs[0], r) for r in runs[1:]]  # before any output: refused pairs write nothing
+    ensure_writable_dir(out_dir)
+    atomic_write_json(os.path.join(out_dir, INPUTS), inputs)  # first: a report cut short is still known as of these inputs
+    figures = make_figures(runs, out_dir, beta, pairs)
+
+    title = " vs ".join(f"`{r['name']}`" for r in runs)
+    parts = [f"# {title}", "\n".join(f"- `{r['name']}` ({r['config'].get('arch', '?')}): {r['dir']}" for r in runs),
+             summary_section(runs, beta), measured_section(runs, pairs), config_section(runs), core_section(runs)]
+    if pairs:
+        parts.append(significance_section(pairs))
+        if "core_deltas.png" in figures:
+            parts[-1] += f"\n![{figures['core_deltas.png']}](core_deltas.png)\n"
+    if several_steps(runs):
+        parts.append(steps_section(runs, figures))
+    curves = [f"![{cap}]({name})" for name, cap in figures.items()
+              if not name.startswith(("gate_", "core_deltas", "mod_", "eval_vs_step", "step_time"))]
+    parts.append("## Training curves\n\n" + "\n\n".join(curves))
+    gates = [f"![{cap}]({name})" for name, cap in figures.items() if name.startswith("gate_")]
+    if gates:
+        parts.append("## NAG gate telemetry\n\n" + "\n\n".join(gates))
+    if mod_curves(runs):
+        parts.append(mod_section(runs, figures))
+    if step_time_section(runs, figures):
+        parts.append(step_time_section(runs, figures))
+    analysis = os.path.join(get_base_dir(), "reports", "analysis_" + "_vs_".join(os.path.basename(r["dir"]) for r in runs), "analysis.md")
+    if os.path.exists(analysis):  # written by `python -m analysis` for the same runs
+        rel = os.path.relpath(analysis, out_dir)
+        parts.append(f"## Residual geometry, attention sinks, confidence\n\n[{rel}]({rel}) (`python -m analysis`)")
+    notes = notes_section(runs, figures)
+    if notes:
+        parts.append(notes)
+    report = os.path.join(out_dir, "report.md")
+    atomic_write_bytes(report, ("\n\n".join(p.rstrip("\n") for p in parts) + "\n").encode())
+    print(parts[2])  # the side-by-side summary (steps, tokens, FLOPs, loss, bpb, CORE), what differs, the verdicts, then where the rest is
+    warnings = [f"warning: {line}" for ps in pairs for line in difference_lines(ps)]
+    for line in warnings + [v for ps in pairs for v in ps["verdicts"]] + [n for r in runs for n in r["read_notes"]]:
+        print(line)
+    print(f"\nreport with figures: {report}")
+    return report

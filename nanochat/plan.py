@@ -1,0 +1,231 @@
+"""
+What a run will do, from its flags: model shape, batch, horizon, LR and weight-decay scale, schedules.
+
+The plan is computed on the meta device (nothing allocated, no data read), so `base_train --dry-run`,
+speedrun's planning and the depth sweep see exactly the numbers training will use.
+Rules (docs/design.md §2): muP-style batch and LR scaling against the d12 reference at 2^19 tokens; the
+horizon from --num-iterations, else --target-flops, else --target-param-data-ratio.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanochat.common import UserError, PEAK_FLOPS, print0
+from nanochat.gpt import GPTConfig
+from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
+from nanochat import tracking
+
+REFERENCE_BATCH = 2 ** 19  # tokens; the d12 reference of the muP-style batch rules
+REFERENCE_DEPTH = 12
+BATCH_EXPONENT = 0.383
+MAX_DECAY_PER_STEP = 0.01
+SAVES_PER_RUN = 5  # --save-every auto: about this many checkpoints before the last one
+MOMENTUM = {"start": 0.85, "peak": 0.97, "peak_step": 400, "end": 0.90}  # Muon momentum schedule of the published code
+# wall-time estimates of a plan (speedrun, the depth sweep): 40% MFU of an H100's dense bf16 peak, evaluation not included
+PLANNED_MFU = 0.40
+PLANNED_PEAK = PEAK_FLOPS["H100"]
+
+
+def planned_seconds(total_flops, nproc):
+    return total_flops / (nproc * PLANNED_PEAK * PLANNED_MFU)
+
+
+def check_args(args):
+    """Every value of base_train's flags that would crash later or train silently wrong, refused up front in one line."""
+    tracking.parse_log_to(args.log_to)  # an unknown tracker or a missing package, before anything starts
+    positive = {"--depth": args.depth, "--head-dim": args.head_dim, "--max-seq-len": args.max_seq_len,
+                "--device-batch-size": args.device_batch_size, "--aspect-ratio": args.aspect_ratio,
+                "--matrix-lr": args.matrix_lr, "--embedding-lr": args.embedding_lr, "--unembedding-lr": args.unembedding_lr}
+    for flag, v in positive.items():
+        if not v > 0:
+            raise UserError(f"{flag} must be positive (got {v})")
+    for flag, v in {"--target-flops": args.target_flops, "--target-param-data-ratio": args.target_param_data_ratio}.items():
+        if not math.isfinite(v):  # a value <= 0 means unset
+            raise UserError(f"{flag} must be a finite number (got {v}); use -1 to leave it unset")
+    if not set(args.window_pattern) <= {"L", "S"} or not args.window_pattern:
+        raise UserError(f"--window-pattern takes the letters L (full context) and S (half), got {args.window_pattern!r}")
+    if not 0 <= args.final_lr_frac <= 1:
+        raise UserError(f"--final-lr-frac must be in [0, 1] (got {args.final_lr_frac})")
+    if not 0 <= args.warmdown_ratio <= 1:
+        raise UserError(f"--warmdown-ratio must be in [0, 1] (got {args.warmdown_ratio})")
+    if args.warmup_steps < 0 or args.weight_decay < 0:
+        raise UserError("--warmup-steps and --weight-decay must be >= 0")
+    if args.muon_momentum != -1 and not 0 <= args.muon_momentum < 1:
+        raise UserError(f"--muon-momentum must be in [0, 1), or -1 for the schedule (got {args.muon_momentum})")
+    if args.log_every < 1:
+        raise UserError(f"--log-every must be >= 1 (1 logs every step), got {args.log_every}")
+    if args.keep_checkpoints < 0:
+        raise UserError(f"--keep-checkpoints must be >= 0 (0 keeps every checkpoint), got {args.keep_checkpoints}")
+    if not (args.step_timeout > 0 and args.start_timeout > 0):
+        raise UserError(f"--step-timeout and --start-timeout must be positive seconds (got {args.step_timeout:g}, {args.start_timeout:g})")
+    if args.eval_tokens < 1:
+        raise UserError(f"--eval-tokens must be positive (got {args.eval_tokens})")
+    if args.resume not in ("", "latest") and not args.resume.isdigit():
+        raise UserError(f"--resume takes 'latest' or a step number, got {args.resume!r}")
+    if args.change_settings and not args.resume:
+        raise UserError("--change-settings only applies with --resume")
+    if args.device_type not in ("", "cpu", "cuda", "mps"):
+        raise UserError(f"--device-type must be cpu, cuda or mps (got {args.device_type!r})")
+    if args.run is not None and args.run.strip() in ("", ".", ".."):
+        raise UserError(f"{args.run!r} is not a run name; give a name like gpt-d20, or leave --run out for <arch>-d<depth>")
+    if args.device_type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
+        raise UserError("--device-type cuda, but torch sees no CUDA device here (use --device-type cpu, or a CUDA build of torch)")
+
+
+def model_config_from_args(args, vocab_size, depth=None):
+    depth = depth or args.depth
+    if args.model_dim > 0:
+        dim = args.model_dim
+    else:
+        dim = args.depth * args.aspect_ratio
+        dim = -(-dim // args.head_dim) * args.head_dim
+    if dim % args.head_dim:
+        raise UserError(f"model dim {dim} is not a multiple of --head-dim {args.head_dim}")
+    n_head = dim // args.head_dim
+    n_kv = n_head if args.n_kv_head <= 0 else args.n_kv_head
+    if n_head % n_kv:
+        raise UserError(f"--n-kv-head {n_kv} must divide the number of heads {n_head}")
+    if (dim // n_head) % 2:
+        raise UserError(f"head dim {dim // n_head} must be even (rotary embeddings rotate pairs)")
+    return GPTConfig(sequence_len=args.max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                     n_kv_head=n_kv, n_embd=dim, window_pattern=args.window_pattern)
+
+
+@dataclass
+class Plan:
+    run: str
+    arch: str
+    config: GPTConfig
+    model: torch.nn.Module  # on the meta device: nothing allocated
+    optimizer_kwargs: dict  # the arch's own arguments of model.optimizer_groups
+    nproc: int
+    total_batch: int
+    grad_accum: int
+    num_iterations: int
+    lr_scale: float
+    weight_decay: float
+    warmup_steps: int
+    warmdown_steps: int
+    final_lr_frac: float
+    save_every: int
+    flops_per_token: int
+
+    def optimizer_groups(self, args):
+        return self.model.optimizer_groups(args.embedding_lr, args.unembedding_lr, args.matrix_lr, self.weight_decay,
+                                           self.lr_scale, **self.optimizer_kwargs)
+
+    def optimizer_record(self, args):
+        """Every optimizer group's settings at step 0 and the schedules applied to them."""
+        lrm0 = lr_multiplier(0, self)
+        groups = []
+        for g in MuonAdamW(self.optimizer_groups(args)).param_groups:
+            row = {"name": g["name"], "kind": g["kind"], "num_params": sum(p.numel() for p in g["params"]), "lr": g["lr"],
+                   "lr_at_step0": g["lr"] * lrm0, "weight_decay": g["weight_decay"]}
+            if g["kind"] == "adamw":
+                row.update(betas=list(g["betas"]), eps=g["eps"])
+            else:
+                row.update(momentum_at_step0=momentum_at(0, self, args), normuon_beta2=g["beta2"])
+            groups.append(row)
+        momentum = ({"constant": args.muon_momentum} if args.muon_momentum > 0 else
+                    dict(MOMENTUM, end_step=self.num_iterations, warmdown_start_step=self.num_iterations - self.warmdown_steps))
+        return {"groups": groups, "muon_momentum": momentum,
+                "muon_weight_decay": {"value": self.weight_decay, "rule": "weight_decay × √(B/2^19) × S_ref/S (capped at lr × wd ≤ 0.01)",
+                                      "schedule": "cosine from value to 0 over the run"},
+                "adamw_weight_decay": "constant", "polar_norm_factor": POLAR_NORM_FACTOR, "normuon_beta2": NORMUON_BETA2,
+                "lr_schedule": {"warmup_steps": self.warmup_steps, "warmdown_steps": self.warmdown_steps,
+                                "final_lr_frac": args.final_lr_frac}}
+
+    def record(self, args):
+        """The plan as plain JSON: the PLAN line of --dry-run and the body of config.json."""
+        params = sum(p.numel() for p in self.model.parameters())
+        return {"run": self.run, "arch": self.arch, "model_config": self.config.to_dict(), **self.model.extra_meta(),
+                "num_params": params, "num_scaling_params": self.model.num_scaling_params(),
+                "flops_per_token": self.flops_per_token, "num_iterations": self.num_iterations,
+                "total_batch_size": self.total_batch, "grad_accum_steps": self.grad_accum, "world_size": self.nproc,
+                "total_tokens": self.num_iterations * self.total_batch,
+                "total_flops": self.flops_per_token * self.num_iterations * self.total_batch,
+                "lr_scale": self.lr_scale, "weight_decay_effective": self.weight_decay, "save_every": self.save_every,
+                "seed": args.seed, "data_seed": args.data_seed,  # null: the train data in file order
+                "optimizer": self.optimizer_record(args),
+                # fp32 weights + optimizer state (AdamW: 2 fp32 moments; Muon: 1 momentum + small variance) ≈ 12-16 bytes/param
+                "checkpoint_gib": params * 16 / 2 ** 30}
+
+
+def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer_kwargs):
+    """The plan of checked flags (check_args) for a model class and its constructor / optimizer arguments
+    (the caller's arch registry picks them from --arch)."""
+    config = model_config_from_args(args, vocab_size)
+    with torch.device("meta"):
+        model = model_class(config, **init_kwargs)
+        # the reference of the batch and weight-decay rules: the d12 model of the same width and arch
+        reference = model_class(model_config_from_args(args, vocab_size, depth=REFERENCE_DEPTH), **init_kwargs)
+    size_ratio = model.num_scaling_params() / reference.num_scaling_params()  # S / S_ref
+    flops_per_token = model.estimate_flops()
+    world_tokens = args.device_batch_size * args.max_seq_len * nproc
+    batch = args.total_batch_size
+    if batch <= 0:
+        batch = 2 ** round(math.log2(REFERENCE_BATCH * size_ratio ** BATCH_EXPONENT))
+        batch = max(1, round(batch / world_tokens)) * world_tokens  # whole micro-batches on every process
+    if batch % world_tokens:
+        raise UserError(f"--total-batch-size {batch} is not a multiple of device batch × seq len × processes = {world_tokens}")
+    if args.num_iterations > 0:
+        steps = args.num_iterations
+    elif args.target_flops > 0:
+        steps = round(args.target_flops / (flops_per_token * batch))
+    elif args.target_param_data_ratio > 0:
+        steps = round(args.target_param_data_ratio * model.num_scaling_params() / batch)
+    else:
+        raise UserError("set one of --num-iterations, --target-flops, --target-param-data-ratio")
+    if steps < 1:
+        raise UserError(f"the budget gives {steps} steps at {batch} tokens per step; raise the budget or lower the batch")
+    lr_scale = math.sqrt(batch / REFERENCE_BATCH)
+    weight_decay = args.weight_decay * lr_scale / size_ratio
+    # far below the reference size the rule explodes (S_ref/S ~ 1e3 on a CPU demo): never shrink
+    # the matrices by more than MAX_DECAY_PER_STEP in one step
+    max_wd = MAX_DECAY_PER_STEP / (args.matrix_lr * lr_scale)
+    if weight_decay > max_wd:
+        print0(f"note: the weight-decay rule gives {weight_decay:.3g} for this small model; capped to {max_wd:.3g} "
+               f"(lr × wd ≤ {MAX_DECAY_PER_STEP} per step)")
+        weight_decay = max_wd
+    # warm-up and warm-down never overlap: the warm-up is cut to the steps before the warm-down
+    warmdown = round(args.warmdown_ratio * steps)
+    warmup = min(args.warmup_steps, steps - warmdown)
+    save_every = args.save_every if args.save_every >= 0 else math.ceil(steps / SAVES_PER_RUN)
+    return Plan(run=args.run or f"{arch}-d{args.depth}", arch=arch, config=config, model=model, optimizer_kwargs=optimizer_kwargs,
+                nproc=nproc, total_batch=batch, grad_accum=batch // world_tokens, num_iterations=steps, lr_scale=lr_scale,
+                weight_decay=weight_decay, warmup_steps=warmup, warmdown_steps=warmdown, final_lr_frac=args.final_lr_frac,
+                save_every=save_every, flops_per_token=flops_per_token)
+
+
+def lr_multiplier(step, plan):
+    """Linear warm-up to 1, constant, then linear warm-down to final_lr_frac over the last warmdown_steps."""
+    final = plan.final_lr_frac
+    n, warmdown = plan.num_iterations, plan.warmdown_steps
+    if step < plan.warmup_steps:
+        return (step + 1) / plan.warmup_steps
+    if step <= n - warmdown:
+        return 1.0
+    progress = (n - step) / warmdown
+    return progress + (1 - progress) * final
+
+
+def muon_momentum(step, num_iterations, warmdown_steps):
+    """0.85 → 0.97 over the first 400 steps, then linearly to 0.90 across the warm-down."""
+    frac = min(step / MOMENTUM["peak_step"], 1.0)
+    m = (1 - frac) * MOMENTUM["start"] + frac * MOMENTUM["peak"]
+    start = num_iterations - warmdown_steps
+    if warmdown_steps > 0 and step > start:
+        p = (step - start) / warmdown_steps
+        m = (1 - p) * m + p * MOMENTUM["end"]
+    return m
+
+
+def momentum_at(step, plan, args):
+    return args.muon_momentum if args.muon_momentum > 0 else muon_momentum(step, plan.num_iterations, plan.warmdown_steps)
+
+
+def muon_weight_decay(step, plan, initial):
+    """Muon's decay at `step`: cosine from its initial value to 0 over the run."""
+    return initial * 0.5 * (1 + math.cos(math.pi * step / plan.num_iterations))

@@ -1,0 +1,314 @@
+"""
+The files of a run directory other than its checkpoints: config.json, metrics.jsonl and the evaluations
+(eval/step_NNNNNN.* per evaluated step, and eval.json, core_records.parquet and core_tasks.csv at the top,
+copies of the highest step evaluated), read and written here only. docs/runs.md lists them.
+
+metrics.jsonl holds one JSON object with an integer step per line, appended as training goes. A kill in the
+middle of a write leaves a torn last line, one that does not parse: every reader here skips it (read_metrics
+with a note) or hands it back with step None (metrics_lines, for keep_history to move aside). A bad line
+anywhere else is an error naming the file and the line.
+"""
+
+import io
+import os
+import re
+import csv
+import json
+import time
+import shutil
+
+from nanochat.common import UserError, print0, get_base_dir, atomic_write_bytes, atomic_write_json
+from nanochat.checkpoint_manager import resolve_run_dir
+from nanochat.core_eval import load_records, save_records
+
+METRICS = "metrics.jsonl"
+CONFIG = "config.json"
+EVAL_JSON = "eval.json"
+EVAL_DIR = "eval"  # one set of files per evaluated step
+RECORDS = "core_records.parquet"
+CSV = "core_tasks.csv"
+TOP = {"json": EVAL_JSON, "records": RECORDS, "csv": CSV}  # copies of the highest step evaluated
+STEP_FILE = re.compile(r"step_(\d+)\.json")  # a step's results in eval/: step_000123.json
+
+
+# ---------------------------------------------------------------------------
+# metrics.jsonl
+
+
+def metrics_entries(path):
+    """(line number, row, text) of each non-blank line of a metrics.jsonl, row None for a torn last line.
+    A generator, so that a reader's own checks of earlier lines come before an error in a later one."""
+    with open(path, "rb") as f:
+        lines = [(lineno, raw) for lineno, raw in enumerate(f, 1) if raw.strip()]
+    for k, (lineno, raw) in enumerate(lines):
+        text = raw.decode("utf-8", "replace")
+        text = text if text.endswith("\n") else text + "\n"
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            if k == len(lines) - 1:
+                yield lineno, None, text
+                return
+            raise UserError(f"{path} line {lineno}: malformed JSON") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise UserError(f"{path} line {lineno}: expected a JSON object with an integer step")
+        yield lineno, row, text
+
+
+def torn_note(path, lineno):
+    return f"{path} line {lineno} is torn (a write cut short) and was skipped"
+
+
+def read_metrics(path):
+    """(rows, notes) of metrics.jsonl, a torn last line skipped with a note. Steps must increase: a repeated
+    or earlier step means two processes wrote the run, or a resume went wrong."""
+    if not os.path.exists(path):
+        raise UserError(f"{path} is missing; is {os.path.dirname(path)} a run directory written by scripts.base_train?")
+    rows, notes = [], []
+    for lineno, row, _ in metrics_entries(path):
+        if row is None:
+            notes.append(torn_note(path, lineno))
+            continue
+        if rows and row["step"] <= rows[-1]["step"]:
+            kind = "repeats" if any(r["step"] == row["step"] for r in rows) else "goes back to"
+            raise UserError(f"{path} line {lineno} {kind} step {row['step']} (after step {rows[-1]['step']}): "
+                            "the log mixes two writers or an undone resume; restore it before comparing")
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path} has no rows; the run logged no step")
+    return rows, notes
+
+
+def metrics_lines(path):
+    """[(step, line ending in a newline)] of metrics.jsonl as written, a torn last line with step None; [] without the file."""
+    if not os.path.exists(path):
+        return []
+    return [(None if row is None else row["step"], text) for _, row, text in metrics_entries(path)]
+
+
+def rows_with(path, key):
+    """The metrics.jsonl rows that carry key, in step order (a restarted run's repeats: the last wins)."""
+    rows = {}
+    for _, row, _ in metrics_entries(path):
+        if row is not None and key in row:
+            rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+def keep_history(metrics_path, step):
+    """Rows past the checkpoint we restart from (and a torn last line) move to metrics.jsonl.bak-<step>,
+    appended, never deleted; metrics.jsonl then reads like an uninterrupted run up to that step."""
+    rows = metrics_lines(metrics_path)
+    last_kept = step if step > 0 else -1  # a fresh start writes its own step-0 row
+    keep = [line for s, line in rows if s is not None and s <= last_kept]
+    drop = [line for s, line in rows if s is None or s > last_kept]
+    if not drop:
+        return
+    bak = f"{metrics_path}.bak-{step}"
+    with open(bak, "a") as f:
+        f.writelines(drop)
+    atomic_write_bytes(metrics_path, "".join(keep).encode())
+    print0(f"note: {len(drop)} earlier row(s) of metrics.jsonl {'past step ' + str(step) if step else ''} kept in {os.path.basename(bak)}")
+
+
+def append_row(metrics_path, row):
+    with open(metrics_path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------------
+# reading a run
+
+
+def existing_run_dir(run):
+    path = resolve_run_dir(run)
+    if not os.path.isdir(path):
+        raise UserError(f"no run directory {path}; give a run name under {os.path.join(get_base_dir(), 'runs')} or a path")
+    return os.path.normpath(path)
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e})") from None
+
+
+def load_core_records(run_dir, ev):
+    """(columns, settings) of the run's CORE records, or None when eval.json has no CORE results.
+    Records missing (an eval.json from before they were kept), damaged, or not of this eval.json are errors."""
+    if not ev or not ev.get("tasks"):
+        return None
+    path = os.path.join(run_dir, RECORDS)
+    if not ev.get("core_records") or not os.path.exists(path):
+        raise UserError(f"{run_dir} has CORE scores but no per-example records ({os.path.basename(path)}), so no interval can be "
+                        f"computed; rerun `python -m scripts.base_eval --run {run_dir} --eval core`")
+    cols, settings = load_records(path)
+    if settings.get("step") != ev.get("step") or set(settings.get("tasks", {})) != set(ev["tasks"]):
+        raise UserError(f"{path} does not belong to eval.json next to it (other step or tasks); rerun scripts.base_eval")
+    return cols, settings
+
+
+def history_files(run_dir):
+    """The results json of every evaluated step, by name (so by step)."""
+    folder = os.path.join(run_dir, EVAL_DIR)
+    names = sorted(f for f in os.listdir(folder) if STEP_FILE.fullmatch(f)) if os.path.isdir(folder) else []
+    return [os.path.join(folder, f) for f in names]
+
+
+def evaluated_steps(run_dir):
+    return sorted(int(STEP_FILE.fullmatch(os.path.basename(p))[1]) for p in history_files(run_dir))
+
+
+def eval_history(run_dir, ev):
+    """[(step, record)] of every evaluated step, by step: eval/step_*.json, plus eval.json where the
+    history lacks its step (an evaluation from before base_eval kept one)."""
+    by_step = {}
+    for path in history_files(run_dir):
+        rec = read_json(path)
+        if not isinstance(rec, dict):
+            raise UserError(f"{path} is not an evaluation record (a JSON object); rerun scripts.base_eval at that step")
+        step = rec.get("step") if isinstance(rec.get("step"), int) else int(STEP_FILE.fullmatch(os.path.basename(path))[1])
+        by_step[step] = rec
+    if ev and isinstance(ev.get("step"), int):
+        by_step.setdefault(ev["step"], ev)
+    return sorted(by_step.items())
+
+
+def eval_files(run_dir):
+    """The files a run's evaluation numbers come from."""
+    named = [os.path.join(run_dir, f) for f in (EVAL_JSON, RECORDS)]
+    return [p for p in named if os.path.isfile(p)] + history_files(run_dir)
+
+
+def load_run(arg):
+    """Everything a comparison reads of one run (a name or a path): its directory, name, config, metrics rows,
+    eval.json, evaluated steps, CORE records, and notes on what was skipped reading them."""
+    run_dir = existing_run_dir(arg)
+    cfg_path = os.path.join(run_dir, CONFIG)
+    if not os.path.exists(cfg_path):
+        raise UserError(f"{cfg_path} is missing; is {run_dir} a run directory written by scripts.base_train?")
+    config = read_json(cfg_path)
+    eval_path = os.path.join(run_dir, EVAL_JSON)
+    metrics, notes = read_metrics(os.path.join(run_dir, METRICS))
+    ev = read_json(eval_path) if os.path.exists(eval_path) else None
+    if ev is not None and not isinstance(ev, dict):
+        raise UserError(f"{eval_path} is not an evaluation record (a JSON object); rerun scripts.base_eval")
+    return {
+        "dir": run_dir,
+        "name": config.get("run") or os.path.basename(run_dir),
+        "config": config,
+        "metrics": metrics,
+        "eval": ev,
+        "history": eval_history(run_dir, ev),
+        "records": load_core_records(run_dir, ev),
+        "read_notes": notes,
+    }
+
+
+# ---------------------------------------------------------------------------
+# writing evaluations: eval/step_NNNNNN.* per evaluated step, and top-level copies of the highest one
+
+
+def core_csv(tasks):
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["task", "accuracy", "centered", "num_examples"])
+    for label, r in tasks.items():
+        w.writerow([label, r["accuracy"], r["centered"], r["num_examples"]])
+    return buf.getvalue()
+
+
+def step_files(step):
+    """The run-dir-relative names of one step's results: its json, CORE records and per-task CSV."""
+    stem = os.path.join(EVAL_DIR, f"step_{step:06d}")
+    return {"json": stem + ".json", "records": f"{stem}_{RECORDS}", "csv": f"{stem}_{CSV}"}
+
+
+def read_record(path):
+    """A results json as a dict, or None when absent or unreadable (then it is rewritten from scratch)."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def adopt_legacy(run_dir):
+    """A top-level eval.json from before eval/ existed (one per run) becomes its step's entry in eval/, with its
+    records and CSV, so that evaluating another step does not lose it."""
+    old = read_record(os.path.join(run_dir, TOP["json"]))
+    if old is None or not isinstance(old.get("step"), int) or os.path.exists(os.path.join(run_dir, step_files(old["step"])["json"])):
+        return
+    names = step_files(old["step"])
+    os.makedirs(os.path.join(run_dir, EVAL_DIR), exist_ok=True)
+    if old.get("core_records"):
+        try:
+            _, settings = load_records(os.path.join(run_dir, TOP["records"]))
+            ok = settings.get("step") == old["step"]
+        except UserError:
+            ok = False
+        if ok:
+            shutil.copyfile(os.path.join(run_dir, TOP["records"]), os.path.join(run_dir, names["records"]))
+        old["core_records"] = names["records"] if ok else None
+    atomic_write_bytes(os.path.join(run_dir, names["csv"]), core_csv(old.get("tasks") or {}).encode())
+    atomic_write_json(os.path.join(run_dir, names["json"]), old)
+    print0(f"kept the earlier eval.json of step {old['step']} as {names['json']}")
+
+
+def mergeable(old, new):
+    """Whether results measured with fingerprints `old` may be merged with ones measured with `new`: the same
+    tokenizer, and the same data where both know it. Results without fingerprints (from before they were
+    recorded) may not: nothing says what they were measured with."""
+    if not isinstance(old, dict) or old.get("tokenizer") != new["tokenizer"]:
+        return False
+    return all(old.get(k) is None or v is None or old[k] == v for k, v in new.items())
+
+
+def previous_results(run_dir, step, fingerprints):
+    """The earlier results of this step, to keep the sections not re-run, else {}. Results measured with another
+    tokenizer or data are not merged with the new ones: their files move to eval/replaced/ (never deleted)."""
+    names = step_files(step)
+    old = read_record(os.path.join(run_dir, names["json"]))
+    if old is None or old.get("step") != step:
+        return {}
+    if mergeable(old.get("fingerprints"), fingerprints):
+        return old
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = os.path.join(run_dir, EVAL_DIR, "replaced")
+    os.makedirs(moved, exist_ok=True)
+    for name in names.values():
+        if os.path.exists(os.path.join(run_dir, name)):
+            base = os.path.basename(name).replace(f"step_{step:06d}", f"step_{step:06d}_{stamp}", 1)
+            os.replace(os.path.join(run_dir, name), os.path.join(moved, base))
+    print0(f"note: the results of step {step} were measured with other fingerprints ({old.get('fingerprints')}, now "
+           f"{fingerprints}): they are replaced, not merged, and kept in {os.path.join(EVAL_DIR, 'replaced')}/")
+    return {}
+
+
+def write_results(run_dir, record, records=None, settings=None):
+    """Write one step's results into eval/ (its CORE records first, when given, with the settings), then the
+    top-level copies when it is the highest step evaluated. Every file is written atomically."""
+    step = record["step"]
+    names = step_files(step)
+    path = {k: os.path.join(run_dir, v) for k, v in names.items()}
+    top = {k: os.path.join(run_dir, v) for k, v in TOP.items()}
+    if records is not None:
+        meta = {**settings, "step": step, "run": record["run"], "fingerprints": record["fingerprints"]}
+        save_records(path["records"], records, meta, atomic_write_bytes)
+    elif record["core_records"] is None and os.path.exists(path["records"]):
+        os.remove(path["records"])  # records of an earlier CORE run no longer described by the json
+    # rewritten every time, so it always matches the json (a header alone when CORE has no results)
+    atomic_write_bytes(path["csv"], core_csv(record["tasks"]).encode())
+    atomic_write_json(path["json"], record)
+    if step < max(evaluated_steps(run_dir)):
+        return  # an earlier step: the top-level copies stay those of the highest one
+    if record["core_records"]:
+        with open(path["records"], "rb") as f:
+            atomic_write_bytes(top["records"], f.read())
+    elif os.path.exists(top["records"]):
+        os.remove(top["records"])  # a copy of another step's records (its own file in eval/ stays)
+    atomic_write_bytes(top["csv"], core_csv(record["tasks"]).encode())
+    atomic_write_json(top["json"], record)
