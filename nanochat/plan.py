@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import UserError, PEAK_FLOPS, print0
+from nanochat.common import UserError, peak_flops_of, print0
 from nanochat.gpt import GPTConfig
 from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import tracking
@@ -25,7 +25,7 @@ SAVES_PER_RUN = 5  # --save-every auto: about this many checkpoints before the l
 MOMENTUM = {"start": 0.85, "peak": 0.97, "peak_step": 400, "end": 0.90}  # Muon momentum schedule of the published code
 # wall-time estimates of a plan (speedrun, the depth sweep): 40% MFU of an H100's dense bf16 peak, evaluation not included
 PLANNED_MFU = 0.40
-PLANNED_PEAK = PEAK_FLOPS["H100"]
+PLANNED_PEAK = peak_flops_of("NVIDIA H100 80GB HBM3")  # the SXM part of an 8 × H100 node
 
 
 def planned_seconds(total_flops, nproc):

@@ -253,7 +253,7 @@ def test_iso_flop_plan_buys_more_steps(capsys):
     assert mod["flops_per_token"] < full["flops_per_token"]
     assert mod["num_iterations"] == round(1e13 / (mod["flops_per_token"] * 4096)) > full["num_iterations"]
     assert mod["mod_config"] == {"blocks": "both", "rate": 0.2, "momentum": 0.9}
-    router = base_train.main(common[2:] + ["--arch", "gpt", "--mod-router", "--mod-rate", "0.2", "--mod-blocks", "mlp"])
+    router = base_train.main(["--preset", "demo", "--arch", "gpt", "--dry-run", "1", "--mod-router", "--mod-rate", "0.2", "--mod-blocks", "mlp"])
     assert router["arch"] == "gpt-router" and router["run"] == "gpt-router-d4"
 
 

@@ -102,3 +102,14 @@ def test_dry_run_plan_carries_the_optimizer(capsys):
     names = {g["name"]: g for g in opt["groups"]}
     assert names["lm_head"]["betas"] == [0.8, 0.96] and names["wte"]["weight_decay"] == 0.001
     assert all(g["lr_at_step0"] == pytest.approx(g["lr"] / 40) for g in opt["groups"])  # warm-up step 1 of 40
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
+    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 836), ("NVIDIA H800", 989), ("NVIDIA H800 PCIe", 756),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA B200", 2250), ("NVIDIA GeForce RTX 4090", None), ("NVIDIA L4", None)])
+def test_peak_flops_of_each_variant_and_none_for_an_unknown_gpu(name, tflops):
+    """One table, exact variants: a PCIe or NVL part is not taken for the SXM one, and an unknown GPU has no MFU."""
+    from nanochat.common import peak_flops_of
+    peak = peak_flops_of(name)
+    assert (peak is None and tflops is None) or peak == tflops * 1e12, (name, peak)

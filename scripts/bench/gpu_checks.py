@@ -23,7 +23,7 @@ import subprocess
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/bench/ is two below the repo root
 MIN_STAGE_S = 20  # a stage is not started with less of the budget left: it could not finish
 PUBLISHED_SHAPE = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
 D20 = ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]

@@ -195,7 +195,7 @@ def benchmark(args, archs, argv):
                 env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
             try:
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                                     cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
             finally:
                 if cache:
                     shutil.rmtree(cache, ignore_errors=True)
