@@ -15,6 +15,7 @@ import argparse
 import ast
 import hashlib
 import json
+import math
 import os
 import random
 import socket
@@ -38,6 +39,28 @@ BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resol
 MAX_SHARD = 6542  # index of the last upstream shard (6543 shards in total); it is the validation shard
 OFFLINE_MARKER = "offline_corpus.json"  # written next to shards built by build_offline_corpus
 MAKE_DATA_HINT = "run `python -m nanochat.dataset -n 8` (download) or `python -m nanochat.dataset --offline` (no network)"
+
+
+# Estimates, not measurements: a ClimbMix shard holds ~250M characters ≈ 55M tokens of a 32K-vocab
+# tokenizer (400B tokens / 6,543 shards ≈ 61M) in ~100 MB. BOS-aligned best-fit packing crops the tail of a
+# document when nothing else fits a row, and a run reads 1/PACKING_KEPT tokens of text per token trained:
+# nanochat states ~35% cropped at T = 2048 on web text; our offline corpus of short documents loses 0.2% at
+# T = 2048 and 27% at T = 256 (docs/LOG.md, 2026-12-01). speedrun's plan assumes 40% and adds 5%, so neither
+# published run reaches a second epoch; every run logs its measured fraction (metrics.jsonl: data_kept).
+TOKENS_PER_SHARD = 55_000_000
+SHARD_MB = 100
+PACKING_KEPT = 0.60
+DATA_MARGIN = 1.05
+
+
+def shards_for(tokens):
+    """ClimbMix train shards for a run of `tokens` training tokens, packing losses and a margin included."""
+    return math.ceil(tokens * DATA_MARGIN / (TOKENS_PER_SHARD * PACKING_KEPT))
+
+
+def expected_epochs(tokens, shards):
+    """Passes over the train shards that a run of `tokens` training tokens makes (≤ 1: no document twice)."""
+    return tokens / (shards * TOKENS_PER_SHARD * PACKING_KEPT)
 
 
 def shard_name(index):

@@ -6,7 +6,8 @@
 #   bash runs/gpu_checks.sh             # also the published shape at full depth; CORE batching with EVAL_BUNDLE=DIR
 #
 # Output: $OUT when set (a device runner's folder that comes back), else --out DIR, else gpu_checks/:
-# summary.md (a line per stage as it ends, then the headline figures), <stage>.json, <stage>.log, env.json.
+# results.json (the machine and every finished stage's figures), summary.md (a line per stage as it ends, then the
+# headline figures) and logs.tar.gz (the stages' logs): three files, each brought up to date as a stage ends.
 # Without a GPU it stops at once with one line. The exit status is 1 if any stage failed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -26,6 +26,7 @@ import time
 
 from nanochat.common import UserError, exit_on_user_error, caller_path, base_dir_path, parse_seeds, cuda_problem, nvidia_smi
 from nanochat import checkpoint_manager as ckpt
+from nanochat.dataset import MAX_SHARD, PACKING_KEPT, SHARD_MB, TOKENS_PER_SHARD, expected_epochs, shards_for
 from nanochat.plan import PLANNED_MFU, PLANNED_PEAK, planned_seconds
 from nanochat.resume import HORIZON
 from nag.archs import NOT_SETTINGS, plan_for
@@ -33,18 +34,7 @@ from nag.presets import PRESETS, get_preset
 from scripts import base_train
 from analysis.compare.inputs import report_is_current
 
-# Estimates, not measurements: a ClimbMix shard holds ~250M characters ≈ 55M tokens of a 32K-vocab
-# tokenizer (400B tokens / 6,543 shards ≈ 61M) in ~100 MB. BOS-aligned best-fit packing crops the tail of a
-# document when nothing else fits a row, and a run reads 1/PACKING_KEPT tokens of text per token trained:
-# nanochat states ~35% cropped at T = 2048 on web text; our offline corpus of short documents loses 0.2% at
-# T = 2048 and 27% at T = 256 (docs/LOG.md, 2026-12-01). The plan assumes 40% and adds 5%, so neither
-# published run reaches a second epoch; every run logs its measured fraction (metrics.jsonl: data_kept).
-TOKENS_PER_SHARD = 55_000_000
-SHARD_MB = 100
-PACKING_KEPT = 0.60
-DATA_MARGIN = 1.05
 TOK_SHARDS = 8
-VAL_SHARD = 6542
 TOKENIZER_CHARS = {"tiny": 2_000_000}  # default 2B characters
 # base_train flags that change how a run is saved, logged or computed, not what it learns (nanochat/resume.py's list
 # and the archs'): they add nothing to the tag derived from the flags after `--`, so a rerun with another checkpoint
@@ -149,16 +139,6 @@ def parse(argv):
     return args
 
 
-def shards_for(tokens):
-    """ClimbMix train shards for a run of `tokens` training tokens, packing losses and a margin included."""
-    return math.ceil(tokens * DATA_MARGIN / (TOKENS_PER_SHARD * PACKING_KEPT))
-
-
-def expected_epochs(tokens, shards):
-    """Passes over the train shards that a run of `tokens` training tokens makes (≤ 1: no document twice)."""
-    return tokens / (shards * TOKENS_PER_SHARD * PACKING_KEPT)
-
-
 def run_name(args, arch, seed=None):
     return f"{arch}-{args.preset}" + (f"-{args.tag}" if args.tag else "") + (f"-s{seed}" if seed is not None else "")
 
@@ -258,7 +238,7 @@ def status(args, plan_records):
     if args.offline:
         data_done = os.path.isdir(data) and any(f.startswith("shard_") for f in os.listdir(data))
     else:
-        data_done = all(os.path.exists(os.path.join(data, f"shard_{i:05d}.parquet")) for i in [*range(args.shards_needed), VAL_SHARD])
+        data_done = all(os.path.exists(os.path.join(data, f"shard_{i:05d}.parquet")) for i in [*range(args.shards_needed), MAX_SHARD])
     done = {"data": data_done,
             "tokenizer": all(os.path.exists(os.path.join(base, "tokenizer", f)) for f in ("tokenizer.pkl", "token_bytes.pt"))}
     for run, p in plan_records.items():

@@ -57,6 +57,7 @@ def read(name):
 def test_numbers_the_docs_quote_are_the_codes():
     """Figures the docs state about the code, recomputed from it: a change to the code that leaves a doc stale fails here."""
     from scripts import base_train, speedrun
+    from nanochat import dataset
     from nag.archs import plan_for
     from nanochat.plan import MOMENTUM
     reproduce, design, readme = read("docs/reproduce.md"), read("docs/design.md"), read("README.md")
@@ -65,9 +66,9 @@ def test_numbers_the_docs_quote_are_the_codes():
     assert f"< ~{round(peak / (1 - warmdown)):,} steps" in reproduce
     # the published data budget: shards and expected epochs of the longer run (GPT, 9,474 steps of 2^20 tokens)
     tokens = 9474 * 2 ** 20
-    shards = speedrun.shards_for(tokens)
-    assert f"{shards} shards" in reproduce and f"expected epochs ({speedrun.expected_epochs(tokens, shards):.2f}" in reproduce
-    assert f"{1 - speedrun.PACKING_KEPT:.0%} cropped" in reproduce
+    shards = dataset.shards_for(tokens)
+    assert f"{shards} shards" in reproduce and f"expected epochs ({dataset.expected_epochs(tokens, shards):.2f}" in reproduce
+    assert f"{1 - dataset.PACKING_KEPT:.0%} cropped" in reproduce
     # the published Muon weight decays
     for arch in ("gpt", "nag"):
         plan = plan_for(base_train.parse_args(["--preset", "published", "--arch", arch]), 32768, 8)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -89,7 +90,8 @@ def test_budget_stops_starting_stages(tmp_path, monkeypatch):
 
 
 def test_main_exit_status_and_summary(tmp_path, monkeypatch):
-    # main with a GPU faked: env.json, the summary's table and headline block, exit status 1 on a failed stage
+    # main with a GPU faked: the machine in results.json, the summary's table and headline block, exit status 1 on a
+    # failed stage, and in $OUT nothing but the three outputs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_checks, "environment", lambda: {"gpu": "Fake GPU", "driver": "0", "torch": "t", "triton": "t", "cuda": "c"})
     monkeypatch.setattr(gpu_checks, "stages", lambda quick, bundle: [fake("ok", WRITE_JSON), fake("bad", "raise SystemExit(2)")])
@@ -98,10 +100,55 @@ def test_main_exit_status_and_summary(tmp_path, monkeypatch):
         gpu_checks.main(["--quick", "--out", str(tmp_path / "ignored")])
     assert e.value.code == 1
     out = tmp_path / "out"
-    assert json.loads((out / "env.json").read_text())["gpu"] == "Fake GPU" and not (tmp_path / "ignored").exists()
+    results = json.loads((out / "results.json").read_text())
+    assert results["env"]["gpu"] == "Fake GPU" and not (tmp_path / "ignored").exists()
+    assert results["stages"]["ok"]["figures"] == {"x": 1} and results["stages"]["bad"] == {**results["stages"]["bad"], "ok": False, "figures": None}
     summary = (out / "summary.md").read_text()
     assert [r[:2] for r in rows(str(out))] == [("ok", "ok"), ("bad", "FAILED")]
-    assert "## Headline figures" in summary and summary.rstrip().endswith("FAILED: bad (logs: <stage>.log)")
+    assert "## Headline figures" in summary and summary.rstrip().endswith("FAILED: bad (logs: logs.tar.gz)")
+    assert sorted(os.listdir(out)) == sorted(gpu_checks.OUTPUTS)
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert sorted(os.path.basename(n) for n in tar.getnames()) == ["bad.log", "env.json", "ok.log"]
+
+
+KILLED_RUN = f"""
+import sys
+from scripts.bench.gpu_checks import Stage, run_stages
+work, out = sys.argv[1:]
+stage = lambda name, code: Stage(name, name, [sys.executable, "-c", code, "{{json}}"], 60, 1)
+run_stages([stage("first", {WRITE_JSON!r}), stage("second", "import time; time.sleep(60)"), stage("never", {WRITE_JSON!r})],
+           work, 100, out, env={{"gpu": "Fake GPU"}})
+"""
+
+
+def test_a_killed_run_keeps_the_finished_stages_in_at_most_eight_files(tmp_path):
+    # the borrowed slot's limit kills the whole run mid-stage: what came back holds every stage that had finished,
+    # in the three outputs alone (a slot returns at most 8 files, at most 2 folders deep)
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir(), out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(work), str(out)], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+    t0 = time.time()
+    while not (out / "results.json").exists() and time.time() - t0 < 60:
+        time.sleep(0.1)
+    time.sleep(0.5)  # into the second stage's sleep
+    proc.kill()
+    proc.wait()
+    results = json.loads((out / "results.json").read_text())
+    assert results["stages"]["first"]["figures"] == {"x": 1} and "second" not in results["stages"]
+    assert results["env"] == {"gpu": "Fake GPU"}
+    names = os.listdir(out)
+    assert len(names) <= 8 and set(names) <= set(gpu_checks.OUTPUTS) and all((out / n).is_file() for n in names), names
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "wrote it" in tar.extractfile("gpu_checks_logs/first.log").read().decode()
+
+
+def test_dry_run_lists_at_most_eight_output_files():
+    r = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_checks", "--quick", "--dry-run"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    assert r.returncode == 0, r.stderr
+    files = r.stdout.strip().splitlines()[-1]
+    assert files == f"writes 3 files in $OUT (else --out): {', '.join(gpu_checks.OUTPUTS)}" and len(gpu_checks.OUTPUTS) <= 8
 
 
 @no_gpu

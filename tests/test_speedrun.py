@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from nanochat import dataset
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEEDRUN = os.path.join(REPO, "speedrun.sh")
 needs_venv = pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv", "bin", "python")),
@@ -57,11 +59,11 @@ def test_dry_run_published_plan(tmp_path):
 def test_data_budget_arithmetic():
     from scripts import speedrun as sr
     for tokens in (9474 * 2 ** 20, 9425 * 2 ** 20, 10 ** 8, 3 * 10 ** 11):
-        shards = sr.shards_for(tokens)
-        assert sr.expected_epochs(tokens, shards) <= 1 / sr.DATA_MARGIN + 1e-9  # the margin is left over
-        assert sr.expected_epochs(tokens, shards - 1) > sr.expected_epochs(tokens, shards)
+        shards = dataset.shards_for(tokens)
+        assert dataset.expected_epochs(tokens, shards) <= 1 / dataset.DATA_MARGIN + 1e-9  # the margin is left over
+        assert dataset.expected_epochs(tokens, shards - 1) > dataset.expected_epochs(tokens, shards)
         # the text read: tokens trained / kept fraction, which the shards hold
-        assert shards * sr.TOKENS_PER_SHARD >= tokens / sr.PACKING_KEPT
+        assert shards * dataset.TOKENS_PER_SHARD >= tokens / dataset.PACKING_KEPT
 
 
 def test_too_few_shards_are_flagged(tmp_path):

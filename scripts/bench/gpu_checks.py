@@ -7,10 +7,13 @@ the benchmarks use random tokens).
     python -m scripts.bench.gpu_checks --quick --dry-run   # the stages, their time limits and expected times; needs no GPU
 
 Without a GPU it says so in one line and stops. Otherwise each stage runs in its own process under its
-own time limit (and all of them under --budget), writes $OUT/<stage>.json and $OUT/<stage>.log, and
-appends its line to $OUT/summary.md the moment it ends, so a run cut short keeps every stage that
-finished. A stage that fails or runs out of time is marked FAILED and the exit status is 1. summary.md
-ends with the headline figures; $OUT/env.json records the GPU, driver and versions.
+own time limit (and all of them under --budget), in a work folder of its own. The moment a stage ends,
+three files in $OUT are brought up to date, so a run cut short keeps every stage that finished, and a
+borrowed GPU slot, which returns at most 8 files, returns them all (OUTPUTS):
+  results.json   every finished stage's figures and status, and the machine (GPU, driver, torch, Triton, CUDA)
+  summary.md     a line per stage, then the headline figures
+  logs.tar.gz    every stage's log and env.json
+A stage that fails or runs out of time is marked FAILED and the exit status is 1.
 """
 
 import os
@@ -18,13 +21,16 @@ import sys
 import json
 import time
 import signal
+import tarfile
 import argparse
+import tempfile
 import subprocess
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/bench/ is two below the repo root
 MIN_STAGE_S = 20  # a stage is not started with less of the budget left: it could not finish
+OUTPUTS = ("results.json", "summary.md", "logs.tar.gz")  # all that goes in $OUT: a borrowed slot returns at most 8 files
 PUBLISHED_SHAPE = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
 D20 = ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
 TIMED = ["--steps", "10", "--warmup", "3", "--fresh-cache"]  # fresh caches: every compile is a cold one
@@ -90,28 +96,48 @@ def stages(quick, eval_bundle=None):
 # the runner
 
 
-def run_stages(stage_list, out, budget):
-    """Run the stages in order, each under min(its time limit, what is left of the budget); append each
-    one's line to summary.md as soon as it ends. Returns the names of the stages that failed."""
+def run_stages(stage_list, work, budget, out=None, env=None):
+    """Run the stages in order in `work` (each writes <stage>.json and <stage>.log there), each under min(its time
+    limit, what is left of the budget). As soon as one ends, its line goes to out/summary.md and out/results.json and
+    out/logs.tar.gz are rewritten (out: default work). Returns the names of the stages that failed."""
+    out = out or work
     deadline = time.time() + budget
-    failed = []
+    failed, status = [], {}
     for st in stage_list:
         left = deadline - time.time()
-        if os.path.exists(os.path.join(out, st.name + ".json")):
-            os.remove(os.path.join(out, st.name + ".json"))  # an earlier run's figures must not stand in for this one's
+        if os.path.exists(os.path.join(work, st.name + ".json")):
+            os.remove(os.path.join(work, st.name + ".json"))  # an earlier run's figures must not stand in for this one's
         print(f"=== {st.name}: {st.what} (limit {min(st.timeout, max(left, 0)):.0f} s) ===", flush=True)
         if left < MIN_STAGE_S:
             ok, seconds, note = False, 0.0, f"not started: {max(left, 0):.0f} s of the {budget:.0f} s budget left"
         else:
-            ok, seconds, note = run_stage(st, out, min(st.timeout, left))
+            ok, seconds, note = run_stage(st, work, min(st.timeout, left))
         if not ok:
             failed.append(st.name)
-            print("\n".join(log_tail(os.path.join(out, st.name + ".log"), 20)))
+            print("\n".join(log_tail(os.path.join(work, st.name + ".log"), 20)))
         line = f"| {st.name} | {'ok' if ok else 'FAILED'} | {seconds:.0f} | {note} |"
         with open(os.path.join(out, "summary.md"), "a") as f:
             f.write(line + "\n")
+        status[st.name] = {"ok": ok, "seconds": round(seconds, 1), "note": note, "what": st.what, "limit_s": st.timeout}
+        collect(work, out, status, env)
         print(line, flush=True)
     return failed
+
+
+def collect(work, out, status, env=None):
+    """out/results.json (the machine, and each stage's status and figures) and out/logs.tar.gz (every log in work),
+    each written whole under a temporary name and renamed, so a run killed at any point leaves the last complete pair."""
+    results = {"env": env, "stages": {name: {**s, "figures": load(work, name) if s["ok"] else None} for name, s in status.items()}}
+    tmp = os.path.join(out, ".results.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, os.path.join(out, "results.json"))
+    tmp = os.path.join(out, ".logs.tar.gz.tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for name in sorted(os.listdir(work)):
+            if name.endswith(".log") or name == "env.json":
+                tar.add(os.path.join(work, name), arcname=f"gpu_checks_logs/{name}")
+    os.replace(tmp, os.path.join(out, "logs.tar.gz"))
 
 
 def run_stage(st, out, limit):
@@ -336,6 +362,7 @@ def main(argv=None):
         for st in plan:
             print(f"{st.name:16s} limit {st.timeout:4.0f} s, expected {st.expect:4.0f} s  {st.what}")
         print(f"expected {sum(st.expect for st in plan):.0f} s in all; budget {budget:.0f} s")
+        print(f"writes {len(OUTPUTS)} files in $OUT (else --out): {', '.join(OUTPUTS)}")
         return
     import torch
     if not torch.cuda.is_available():
@@ -345,19 +372,23 @@ def main(argv=None):
     out = os.environ.get("OUT") or args.out or "gpu_checks"
     os.makedirs(out, exist_ok=True)
     out = os.path.abspath(out)
+    for name in OUTPUTS:  # an earlier run's files must not stand in for this one's
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    work = tempfile.mkdtemp(prefix="gpu_checks_work_")  # the stages' JSONs and logs; out gets them merged and archived
     env = environment()
-    with open(os.path.join(out, "env.json"), "w") as f:
+    with open(os.path.join(work, "env.json"), "w") as f:
         json.dump(env, f, indent=1)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(f"# GPU checks{' (quick)' if args.quick else ''}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
                 f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; "
                 f"budget {budget:.0f} s\n\n| stage | result | seconds | figures |\n|---|---|---:|---|\n")
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, driver {env['driver']}; writing {out}", flush=True)
-    failed = run_stages(plan, out, budget - (time.time() - t_start))  # the budget counts from the start
+    failed = run_stages(plan, work, budget - (time.time() - t_start), out, env)  # the budget counts from the start
     with open(os.path.join(out, "summary.md"), "a") as f:
-        f.write("\n## Headline figures\n\n" + "\n".join(headline(out)) + "\n")
+        f.write("\n## Headline figures\n\n" + "\n".join(headline(work)) + "\n")
         if failed:
-            f.write(f"\nFAILED: {', '.join(failed)} (logs: <stage>.log)\n")
+            f.write(f"\nFAILED: {', '.join(failed)} (logs: logs.tar.gz)\n")
     print(open(os.path.join(out, "summary.md")).read())
     if failed:
         sys.exit(1)
