@@ -196,8 +196,8 @@ def random_model(cls, config, vocab_size, **kwargs):
     """A model with random weights (init_weights, then noise on every parameter, so the zero-initialised projections
     are awake), MoD thresholds calibrated on random tokens, in eval mode: for tests that compare two paths through it."""
     from nag.mod import calibrate
-    torch.manual_seed(0)
-    model = cls.initialised(config, "cpu", **kwargs)
+    from scripts.bench import models
+    model = models.build(cls, config, "cpu", **kwargs)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():

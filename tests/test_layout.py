@@ -1,5 +1,6 @@
-"""The layout's rules (docs/design.md §1), read from the source: commands on top, no command importing another,
-the baseline free of NAG. Each checker takes a root folder, so a fake tree shows that it catches what it should."""
+"""The layout's rules (docs/design.md §1), read from the source: no command importing another, the layers below the
+commands importing none of them, the baseline free of NAG. Each checker takes a root folder, so that a fake tree
+shows it catches what it should and nothing else, whatever today's tree holds."""
 
 import ast
 import os
@@ -9,15 +10,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # a command's public entries: its flags into a namespace, its work from one, its command line
 ENTRIES = {"main", "parse_args", "build_parser", "train", "evaluate"}
-# the drivers, and the benchmarks (they shape their models with base_train's flags), may use those entries
-USERS_OF_ENTRIES = ("scripts/speedrun.py", "scripts/experiments/", "scripts/bench/")
-# libraries under scripts/: the drivers' shared set-up; bench.nag reuses bench.train's timing of a step
-LIBRARIES = {"scripts.experiments": ("scripts/experiments/",),
-             "scripts.bench.train": ("scripts/bench/nag.py",)}
+DRIVERS = ("scripts/speedrun.py", "scripts/experiments/")
+BENCHMARKS = ("scripts/bench/",)
+# every use one file under scripts/ may make of another module there: (files, module, names; None: any name)
+ALLOWED = [
+    (DRIVERS, "scripts.base_train", ENTRIES),
+    (DRIVERS, "scripts.base_eval", ENTRIES),
+    (DRIVERS, "scripts.tok_train", ENTRIES),
+    (DRIVERS, "scripts.speedrun", {"main"}),  # failures.py runs speedrun's plan in-process
+    (DRIVERS, "scripts.experiments", None),  # the drivers' shared set-up, not a command
+    (BENCHMARKS, "scripts.bench.models", None),  # the benchmarks' shared library, not a command
+    (BENCHMARKS, "scripts.base_train", {"parse_args"}),  # a benchmark shapes its model with base_train's flags
+    (("scripts/bench/nag.py",), "scripts.bench.train", {"benchmark", "parse", "ratios", "print_ratios"}),  # its step timing
+]
+LAYERS = ("nanochat", "nag", "analysis")  # below the commands: they import none of scripts/
 
 
 def py_files(root, folder):
-    for dirpath, _, names in os.walk(os.path.join(root, folder)):
+    for dirpath, dirnames, names in os.walk(os.path.join(root, folder)):
+        dirnames.sort()
         for name in sorted(names):
             if name.endswith(".py"):
                 path = os.path.join(dirpath, name)
@@ -28,104 +39,174 @@ def module_of(rel):
     return rel[:-3].replace("/", ".").removesuffix(".__init__")
 
 
-def imported(tree, root):
+def is_module(root, module):
+    path = os.path.join(root, *module.split("."))
+    return os.path.exists(path + ".py") or os.path.exists(os.path.join(path, "__init__.py"))
+
+
+def absolute(node, rel):
+    """The module an ImportFrom names, a relative one (`from . import x`) resolved against the file's package."""
+    if not node.level:
+        return node.module
+    package = rel[:-3].split("/")[:-node.level]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def dotted(node):
+    """`a.b.c` of a chain of attributes on a name, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value)
+        return base and f"{base}.{node.attr}"
+    return None
+
+
+def imported(tree, rel, root):
     """(line, module, names used from it) of every import of a scripts module. A module imported whole (`from scripts
-    import base_train`, `import scripts.x`) is followed to the attributes read from it."""
-    is_module = lambda m: os.path.exists(os.path.join(root, *m.split(".")) + ".py")
-    aliases, out = {}, []
+    import base_train`, `import scripts.bench.models`) is followed to the attributes read from it; no attribute read
+    gives an empty set (the module itself is used)."""
+    bound, out = {}, []  # name in this file -> the module it stands for
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "scripts":
+        if isinstance(node, ast.ImportFrom):
+            module = absolute(node, rel)
+            if not module or module.split(".")[0] != "scripts":
+                continue
             for a in node.names:
-                full = f"{node.module}.{a.name}"
-                if is_module(full):  # from scripts(.bench) import X: a module, used through its alias
-                    aliases[a.asname or a.name] = (node.lineno, full)
+                if is_module(root, f"{module}.{a.name}"):  # from scripts(.bench) import X: a module, used through its name
+                    bound[a.asname or a.name] = f"{module}.{a.name}"
+                    out.append((node.lineno, f"{module}.{a.name}", None))
                 else:
-                    out.append((node.lineno, node.module, {a.name}))
+                    out.append((node.lineno, module, {a.name}))
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.split(".")[0] == "scripts":
-                    aliases[a.asname or a.name] = (node.lineno, a.name)
-    used = {}
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                    out.append((node.lineno, a.name, None))
+    uses = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-            used.setdefault(node.value.id, set()).add(node.attr)
-    out += [(line, module, used.get(alias, set())) for alias, (line, module) in aliases.items()]
-    return sorted(out, key=lambda x: x[0])
+        chain = dotted(node) if isinstance(node, ast.Attribute) else None
+        head = chain and chain.split(".")[0]
+        if head in bound:
+            uses.add(bound[head] + chain[len(head):])
+    return [(line, module, names if names is not None else {u[len(module) + 1:].split(".")[0] for u in uses
+                                                              if u.startswith(module + ".")})
+            for line, module, names in out]
+
+
+def disallowed(rel, module, names):
+    """The names of module that rel may not use (all of them, or {""} for the module itself, when no rule covers it)."""
+    names = names or {""}
+    for files, allowed_module, allowed in ALLOWED:
+        if module == allowed_module and rel.startswith(files):
+            names = set() if allowed is None else names - allowed
+    return names
 
 
 def command_import_problems(root):
-    """Every import in scripts/ of another command beyond the rules, and every import of scripts/ from the layers below."""
+    """Every use in scripts/ of another scripts module beyond ALLOWED, and every import of scripts/ from the layers below."""
     problems = []
     for rel, text in py_files(root, "scripts"):
-        me = module_of(rel)
-        for line, module, names in imported(ast.parse(text), root):
-            if module == me:
-                continue
-            if module in LIBRARIES and rel.startswith(LIBRARIES[module]):
-                continue
-            if rel.startswith(USERS_OF_ENTRIES) and names <= ENTRIES:
-                continue
-            problems.append(f"{rel}:{line} imports {module} ({', '.join(sorted(names)) or 'the module'}): a command imports another")
-    for layer in ("nanochat", "nag", "analysis"):
+        for line, module, names in imported(ast.parse(text), rel, root):
+            bad = set() if module == module_of(rel) else disallowed(rel, module, names)
+            if bad:
+                what = ", ".join(f"{module}.{n}" if n else module for n in sorted(bad))
+                problems.append(f"{rel}:{line} imports {what}: a command may use another only as ALLOWED says (tests/test_layout.py)")
+    for layer in LAYERS:
         for rel, text in py_files(root, layer):
             for node in ast.walk(ast.parse(text)):
-                mods = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
-                       [a.name for a in node.names] if isinstance(node, ast.Import) else []
-                for m in mods:
+                for m in imports_of(node):
                     if m.split(".")[0] == "scripts":
                         problems.append(f"{rel}:{node.lineno} imports {m}: {layer}/ stands below the commands")
     return problems
 
 
-# the project's own name (a tracker's project) is not the architecture's
-NAG_WORD = re.compile(r"(?i:(?<![\w-])nag(?!-chat)(?![a-z]))|\bNAG[A-Z]|--nag-")
+def imports_of(node):
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        return [node.module]
+    return [a.name for a in node.names] if isinstance(node, ast.Import) else []
+
+
+# NAG by name: the word, nag_ in identifiers, NAGGPT / NAGConfig, --nag- flags; the project's name nag-chat is not the arch
+NAG_WORD = re.compile(r"(?i:\bnag\b(?!-chat\b)|(?<![a-z])nag_)|NAG[A-Z]")
 
 
 def baseline_problems(root):
-    """Every line under nanochat/ that names NAG, and every import there of nag/ or analysis/."""
+    """Every line of a .py file under nanochat/ that names NAG, and every import there of nag/ or analysis/."""
     problems = []
     for rel, text in py_files(root, "nanochat"):
         for i, line in enumerate(text.splitlines(), 1):
             if NAG_WORD.search(line):
                 problems.append(f"{rel}:{i} names NAG: {line.strip()[:100]}")
         for node in ast.walk(ast.parse(text)):
-            mods = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
-                   [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            for m in mods:
-                if m.split(".")[0] in ("nag", "analysis", "scripts"):
+            for m in imports_of(node):
+                if m.split(".")[0] in ("nag", "analysis"):
                     problems.append(f"{rel}:{node.lineno} imports {m}: the baseline imports nothing above it")
     return problems
 
 
 def test_no_command_imports_another():
-    assert command_import_problems(REPO) == []
+    problems = command_import_problems(REPO)
+    assert not problems, "\n" + "\n".join(problems)
 
 
 def test_the_baseline_names_no_nag():
-    assert baseline_problems(REPO) == []
+    problems = baseline_problems(REPO)
+    assert not problems, "\n" + "\n".join(problems)
 
 
-def write(root, rel, text):
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+def write(root, files):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
-def test_the_checkers_catch_what_they_should(tmp_path):
-    write(tmp_path, "scripts/base_train.py", "def train(args): pass\ndef make_plan(): pass\n")
-    write(tmp_path, "scripts/compare.py", "from scripts.base_train import make_plan\n")  # a command's internals
-    write(tmp_path, "scripts/sample.py", "from scripts import base_train\nbase_train.train(None)\n")  # not a driver or benchmark
-    write(tmp_path, "scripts/speedrun.py", "from scripts import base_train\nbase_train.parse_args([])\n")  # a driver's entry: fine
-    write(tmp_path, "scripts/experiments/sweep.py", "from scripts import base_train\nbase_train.make_plan()\n"
-                                                     "from scripts.experiments import prepare\n")
-    write(tmp_path, "nag/archs.py", "from scripts.base_train import train\n")
-    write(tmp_path, "nanochat/gpt.py", "import torch\n# the NAG branch lives elsewhere\nPROJECT = 'nag-chat'\n")
-    write(tmp_path, "nanochat/plan.py", "from nag.archs import ARCHS\nx = 1  # --nag-gate-lr\n")
-    write(tmp_path, "nanochat/ok.py", "# snag, nagging and nag-chat are words, not the arch\n")
-    write(tmp_path, "nanochat/conf.py", "cfg = NAGConfig()\n")
+def where(problems):
+    return sorted(p.split(" ")[0] for p in problems)
+
+
+def test_the_command_checker_catches_what_it_should(tmp_path):
+    write(tmp_path, {
+        "scripts/__init__.py": "",
+        "scripts/base_train.py": "def train(args): pass\ndef make_plan(): pass\n",
+        "scripts/check_cuda.py": "def nvidia_smi(): pass\ndef probe(): pass\n",
+        "scripts/compare.py": "from scripts.base_train import make_plan\n",  # a command's internals
+        "scripts/sample.py": "from scripts import base_train\nbase_train.train(None)\n",  # an entry, but not from a driver
+        "scripts/speedrun.py": "from scripts import base_train\nbase_train.parse_args([])\ndef plan(): pass\n",  # a driver's entry: fine
+        "scripts/experiments/__init__.py": "from scripts import base_train\nbase_train.main([])\n",  # fine
+        "scripts/experiments/sweep.py": "import scripts.base_train\nscripts.base_train.make_plan()\n"
+                                        "from scripts.experiments import prepare\nfrom scripts.speedrun import main\n"
+                                        "from scripts import speedrun as s\ns.plan()\n",
+        "scripts/bench/__init__.py": "",
+        "scripts/bench/models.py": "from scripts.base_train import parse_args\n",  # fine
+        "scripts/bench/train.py": "from scripts.bench import models\nfrom scripts.base_train import build_parser\n"
+                                  "def benchmark(): pass\ndef run_variant(): pass\n",
+        "scripts/bench/nag.py": "from . import train as bench_train\nbench_train.benchmark()\nbench_train.run_variant()\n"
+                                "from scripts.check_cuda import nvidia_smi\n",
+        "scripts/bench/gpu.py": "from scripts.check_cuda import probe\nimport scripts.bench.models as m\nm.build()\n",
+        "nag/archs.py": "from scripts.base_train import train\n",
+        "analysis/run.py": "import torch\nfrom nanochat.gpt import GPT\n",
+        "nanochat/gpt.py": "import scripts.bench.models\n",
+    })
     got = command_import_problems(tmp_path)
-    assert [p.split(" ")[0] for p in got] == ["scripts/compare.py:1", "scripts/sample.py:1", "scripts/experiments/sweep.py:1",
-                                             "nag/archs.py:1"], got
+    assert where(got) == sorted(["scripts/compare.py:1", "scripts/sample.py:1", "scripts/experiments/sweep.py:1",
+                                 "scripts/experiments/sweep.py:5", "scripts/bench/train.py:2", "scripts/bench/nag.py:1",
+                                 "scripts/bench/gpu.py:1", "nag/archs.py:1", "nanochat/gpt.py:1"]), got
+    text = "\n".join(got)
+    assert "scripts.base_train.make_plan" in text and "scripts.speedrun.plan" in text and "scripts.check_cuda.probe" in text
+    nag_line = next(p for p in got if p.startswith("scripts/bench/nag.py"))
+    assert "scripts.bench.train.run_variant" in nag_line and "benchmark" not in nag_line
+
+
+def test_the_baseline_checker_catches_what_it_should(tmp_path):
+    write(tmp_path, {
+        "nanochat/gpt.py": "import torch\n# the NAG branch lives elsewhere\nPROJECT = 'nag-chat'\n",
+        "nanochat/plan.py": "from nag.archs import ARCHS\nx = 1  # --nag-gate-lr\nimport analysis.run\n",
+        "nanochat/ok.py": "# snag, nagging, snag_it, Nagoya and the nag-chat project are not the arch\nimport nanochat.gpt\n",
+        "nanochat/conf.py": "cfg = NAGConfig()\nm = NAGGPT\nuse_nag_gates = 1\n",
+        "nanochat/notes.md": "NAG in a file that is not Python\n",
+    })
     got = baseline_problems(tmp_path)
-    assert [p.split(" ")[0] for p in got] == ["nanochat/conf.py:1", "nanochat/gpt.py:2", "nanochat/plan.py:1", "nanochat/plan.py:2",
-                                             "nanochat/plan.py:1"], got
+    assert where(got) == sorted(["nanochat/conf.py:1", "nanochat/conf.py:2", "nanochat/conf.py:3", "nanochat/gpt.py:2",
+                                 "nanochat/plan.py:1", "nanochat/plan.py:1", "nanochat/plan.py:2", "nanochat/plan.py:3"]), got

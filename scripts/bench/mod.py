@@ -17,8 +17,9 @@ import argparse
 
 import torch
 
-from nanochat.gpt import GPTConfig
+from nag.archs import model_class
 from nag.mod import ModConfig, BLOCKS, attention_executed, mlp_executed, savable_flops
+from scripts.bench import models
 
 
 def parse(argv=None):
@@ -39,16 +40,11 @@ def parse(argv=None):
 
 
 def build(args, mod):
-    from nag.archs import model_class
     from nag.model import NAGConfig
-    config = GPTConfig(sequence_len=args.max_seq_len, vocab_size=args.vocab_size, n_layer=args.depth,
-                       n_head=args.model_dim // args.head_dim, n_kv_head=args.model_dim // args.head_dim, n_embd=args.model_dim)
-    cls = model_class("nag" if args.arch == "nag" and mod is None else args.arch)
     kwargs = {"nag": NAGConfig(alpha_warmup_tokens=0)} if args.arch == "nag" else {}
     if mod is not None or args.arch == "gpt-router":
         kwargs["mod"] = mod or ModConfig(rate=0.0)
-    torch.manual_seed(0)
-    return cls.initialised(config, "cpu", **kwargs)
+    return models.build(model_class(args.arch), models.shape_config(args), "cpu", **kwargs)
 
 
 class Variant:

@@ -1,9 +1,9 @@
 """
 The benchmarks' shared library (not a command): the randomly initialised models they time.
 
-Every benchmark builds its model the same way, so that the same flags give the same weights in each: seed 0,
-the module built on the meta device (nothing allocated twice), then materialised on the device and initialised
-by init_weights. What a benchmark does to the weights afterwards (noise, MoD calibration) is its own.
+Every benchmark seeds and builds its model here, so that the same flags give the same weights in each (seed 0,
+then the class's own initialised()). What a benchmark does to the weights afterwards (noise, MoD calibration)
+is its own.
 """
 
 import torch
@@ -15,11 +15,7 @@ from nag.archs import model_class
 def build(cls, config, device="cpu", **kwargs):
     """cls(config, **kwargs) with random weights on device: torch.manual_seed(0), then init_weights."""
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = cls(config, **kwargs)
-    model.to_empty(device=device)
-    model.init_weights()
-    return model
+    return cls.initialised(config, device, **kwargs)
 
 
 def shape_config(args):
@@ -32,7 +28,7 @@ def shape_config(args):
 def train_config(train_argv, vocab_size):
     """The GPTConfig that base_train's flags in train_argv give (its defaults fill in the rest)."""
     from nanochat.plan import model_config_from_args
-    from scripts.base_train import parse_args  # imported here: a benchmark that times no training needs none of base_train
+    from scripts.base_train import parse_args  # here, not at the top: the benchmarks that take no base_train flags load none of it
     return model_config_from_args(parse_args(train_argv), vocab_size)
 
 

@@ -134,9 +134,10 @@ def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled
     backward graph (the graphs then run uncompiled: only the partition matters here)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from scripts.bench.train import build_variant
-    model = build_variant(variant, ["--depth", str(depth), "--model-dim", str(dim), "--max-seq-len", str(seq_len),
-                                    "--head-dim", str(math.gcd(dim, 128))], vocab_size, device)  # the published 128 where D allows
+    from scripts.bench import models
+    config = models.train_config(["--depth", str(depth), "--model-dim", str(dim), "--max-seq-len", str(seq_len),
+                                  "--head-dim", str(math.gcd(dim, 128))], vocab_size)  # the published 128 where D allows
+    model = models.variant(variant, config, device)
     model.set_compute_dtype(torch.bfloat16)
     idx = torch.randint(0, vocab_size, (1, seq_len), device=device)
     if compiled:

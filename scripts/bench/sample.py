@@ -19,9 +19,10 @@ import argparse
 
 import torch
 
-from nanochat.gpt import GPTConfig
 from nanochat.engine import generate
+from nag.archs import model_class
 from nag.mod import ModConfig, calibrate
+from scripts.bench import models
 
 ARCHS = ("gpt", "nag", "nag-mod")
 
@@ -45,16 +46,11 @@ def parse(argv=None):
 
 
 def build(args, arch, device):
-    from nag.model import NAGGPT, NAGConfig
-    from nanochat.gpt import GPT
-    heads = args.model_dim // args.head_dim
-    config = GPTConfig(sequence_len=args.max_seq_len, vocab_size=args.vocab_size, n_layer=args.depth, n_head=heads, n_kv_head=heads,
-                       n_embd=args.model_dim)
+    from nag.model import NAGConfig
     kwargs = {} if arch == "gpt" else {"nag": NAGConfig(alpha_warmup_tokens=0)}
     if arch == "nag-mod":
         kwargs["mod"] = ModConfig("both", args.mod_rate)
-    torch.manual_seed(0)
-    model = (GPT if arch == "gpt" else NAGGPT).initialised(config, device, **kwargs)
+    model = models.build(model_class("gpt" if arch == "gpt" else "nag"), models.shape_config(args), device, **kwargs)
     g = torch.Generator(device=device).manual_seed(1)
     with torch.no_grad():
         for block in model.blocks:
@@ -98,7 +94,7 @@ def bench(name, model, args, device):
 def main(argv=None):
     args = parse(argv)
     device = torch.device(args.device_type)
-    models = []
+    named_models = []
     if args.run:
         from nag.archs import load_model
         from nanochat import checkpoint_manager as ckpt
@@ -106,18 +102,18 @@ def main(argv=None):
             model, meta = load_model(ckpt.resolve_run_dir(run), None, device)
             if "tokens" in meta:
                 model.set_tokens_seen(meta["tokens"])
-            models.append((f"{run} ({meta['arch']})", model))
+            named_models.append((f"{run} ({meta['arch']})", model))
     else:
         for arch in [a.strip() for a in args.arch.split(",") if a.strip()]:
             if arch not in ARCHS:
                 raise SystemExit(f"error: --arch takes {', '.join(ARCHS)} (got {arch!r})")
-            models.append((arch, build(args, arch, device)))
-    shape = models[0][1].config
+            named_models.append((arch, build(args, arch, device)))
+    shape = named_models[0][1].config
     print(f"{shape.n_layer} layers × {shape.n_embd}, seq {shape.sequence_len}, vocab {shape.vocab_size} | prompt {args.prompt_tokens} "
           f"tokens, {args.max_tokens} generated, greedy | {device.type}, {torch.get_num_threads()} thread(s), median of {args.repeats}")
     print(f"{'model':24s} | {'uncached tok/s':>14s} | {'cached tok/s':>12s} | {'speed-up':>8s} | same tokens")
     rows = []
-    for name, model in models:
+    for name, model in named_models:
         r = bench(name, model, args, device)
         rows.append(r)
         print(f"{name:24s} | {r['uncached_tok_s']:14.1f} | {r['cached_tok_s']:12.1f} | {r['speedup']:7.2f}x | "

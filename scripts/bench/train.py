@@ -27,6 +27,8 @@ import subprocess
 
 import torch
 
+from scripts.bench import models
+
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,17 +50,6 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def build_variant(variant, train_argv, vocab_size, device):
-    """An initialised model for variant gpt, nag or nag:IMPL, shaped by base_train's flags in train_argv."""
-    from nag.archs import model_class
-    from nanochat.plan import model_config_from_args
-    from scripts.base_train import parse_args
-    config = model_config_from_args(parse_args(train_argv), vocab_size)
-    arch, _, impl = variant.partition(":")
-    torch.manual_seed(0)
-    return model_class(arch).initialised(config, device, **({"impl": impl} if impl else {}))
-
-
 def compile_blocks(model):
     """torch.compile each block on its own (in place). Identical blocks hit one cached graph, so the compile
     cost does not grow with depth; the embedding, the head and the loss stay eager."""
@@ -75,9 +66,9 @@ def run_variant(args, variant, mode):
     from nanochat.common import peak_flops
     device_type = args.device_type or autodetect_device_type()
     device = torch.device(device_type)
-    model = build_variant(variant, ["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio),
-                                    "--model-dim", str(args.model_dim), "--head-dim", str(args.head_dim),
-                                    "--max-seq-len", str(args.max_seq_len)], args.vocab_size, device)
+    config = models.train_config(["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio), "--model-dim", str(args.model_dim),
+                                  "--head-dim", str(args.head_dim), "--max-seq-len", str(args.max_seq_len)], args.vocab_size)
+    model = models.variant(variant, config, device)
     model.set_compute_dtype(compute_dtype_for(device_type))
     optimizer = model.setup_optimizer()
     fwd = torch.compile(model, dynamic=False) if mode == "on" else model
