@@ -20,6 +20,7 @@ ALLOWED = [
     (DRIVERS, "scripts.speedrun", {"main"}),  # failures.py runs speedrun's plan in-process
     (DRIVERS, "scripts.experiments", None),  # the drivers' shared set-up, not a command
     (BENCHMARKS, "scripts.bench.models", None),  # the benchmarks' shared library, not a command
+    (BENCHMARKS, "scripts.check_cuda", {"nvidia_smi"}),  # a GPU's state as check_cuda reads it (gpu_checks now takes it from nanochat.common)
     (BENCHMARKS, "scripts.base_train", {"parse_args"}),  # a benchmark shapes its model with base_train's flags
     (("scripts/bench/nag.py",), "scripts.bench.train", {"benchmark", "parse", "ratios", "print_ratios"}),  # its step timing
 ]
