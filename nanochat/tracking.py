@@ -3,17 +3,17 @@ Experiment tracking, optional: every metrics.jsonl row also goes to TensorBoard,
 (`base_train --log-to tensorboard,wandb,trackio`, any subset; none by default). Each is in the [track] extra
 (pip install -e '.[track]'); training never imports them unless asked (docs/interop.md §5).
 
-    trackers = open_trackers(parse_log_to("tensorboard,wandb"), run_name, run_dir, config)  # rank 0 only
+    trackers = open_trackers(parse_log_to("tensorboard,wandb"), run_name, run_dir, config, project)  # rank 0 only
     trackers.log(row)  # a metrics.jsonl row: step from row["step"], nested dicts as "time/data" keys
     trackers.close()
 
 - tensorboard: event files in <run dir>/tensorboard/ (`tensorboard --logdir <run dir>`), scalars in double precision
   (float32 would keep 7 digits of a loss), the config as text;
-- wandb: project $WANDB_PROJECT (default nag-chat), the run's name, files under <run dir>/wandb/. Offline unless an
+- wandb: project $WANDB_PROJECT (default: the caller's project name), the run's name, files under <run dir>/wandb/. Offline unless an
   API key is set (WANDB_API_KEY, or `wandb login`'s netrc entry) or WANDB_MODE says otherwise: it never asks for a key.
   `wandb sync <run dir>/wandb/offline-run-*` uploads an offline run later;
-- trackio: project nag-chat, the run's name, a local database in $TRACKIO_DIR (default ~/.cache/huggingface/trackio;
-  `trackio show --project nag-chat`).
+- trackio: the caller's project, the run's name, a local database in $TRACKIO_DIR (default ~/.cache/huggingface/trackio;
+  `trackio show --project <project>`).
 """
 
 import os
@@ -27,7 +27,6 @@ from nanochat.common import UserError
 KINDS = ("tensorboard", "wandb", "trackio")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 EXTRA = "pip install -e '.[track]'"
-PROJECT = "nag-chat"
 
 
 def parse_log_to(text):
@@ -74,7 +73,7 @@ def scalars(row):
 
 
 class TensorBoard:
-    def __init__(self, run_name, run_dir, config):
+    def __init__(self, project, run_name, run_dir, config):
         from torch.utils.tensorboard import SummaryWriter
         self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
         # TensorBoard's text is markdown: indented four spaces, the JSON shows as code
@@ -101,10 +100,10 @@ def wandb_has_key():
 
 
 class WandB:
-    def __init__(self, run_name, run_dir, config):
+    def __init__(self, project, run_name, run_dir, config):
         import wandb
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_key() else "offline")  # offline never prompts for a key
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, dir=run_dir, config=config, mode=mode)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, dir=run_dir, config=config, mode=mode)
 
     def log(self, step, values):
         self.run.log(values, step=step)
@@ -114,9 +113,9 @@ class WandB:
 
 
 class Trackio:
-    def __init__(self, run_name, run_dir, config):
+    def __init__(self, project, run_name, run_dir, config):
         import trackio
-        self.run = trackio.init(project=PROJECT, name=run_name, config=json.loads(json.dumps(config, default=str)))
+        self.run = trackio.init(project=project, name=run_name, config=json.loads(json.dumps(config, default=str)))
 
     def log(self, step, values):
         self.run.log(values, step=step)
@@ -147,13 +146,13 @@ class Trackers:
             b.close()
 
 
-def open_trackers(kinds, run_name, run_dir, config):
-    """Trackers for the kinds parse_log_to returned, logging under the run's name (rank 0 only: one run per run). Closed
+def open_trackers(kinds, run_name, run_dir, config, project):
+    """Trackers for the kinds parse_log_to returned, logging under the project and the run's name (rank 0 only: one run per run). Closed
     at exit too, so that a run that stops on an error still flushes what it logged."""
     trackers = Trackers()
     for kind in kinds:
         try:
-            trackers.backends.append(BACKENDS[kind](run_name, run_dir, config))
+            trackers.backends.append(BACKENDS[kind](project, run_name, run_dir, config))
         except Exception as e:  # e.g. wandb online without a route to its server: one line, not a traceback
             trackers.close()
             raise UserError(f"--log-to {kind}: cannot start the tracker ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None

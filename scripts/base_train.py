@@ -50,6 +50,7 @@ from nag.archs import ARCHS, NOT_SETTINGS, add_arch_args, arch_spec, check_args,
 from nag.presets import PRESETS, preset_args
 
 DRY_RUN_VOCAB = 32768  # --dry-run without a preset: the vocab of the default tokenizer (scripts.tok_train)
+TRACKER_PROJECT = "nag-chat"  # the project --log-to's trackers log under (wandb: $WANDB_PROJECT wins)
 
 
 def build_parser():
@@ -183,6 +184,7 @@ class Run:
     trackers: tracking.Trackers
     stop: StopRequest
     watchdog: Watchdog = None
+    peak_flops: float = None  # the GPU's peak, for MFU (None: unknown, or no GPU)
     eval_steps: int = 0  # val batches per evaluation (0: no evaluation)
     val_batches: list = field(default_factory=list)  # read and tokenized once, the same at every evaluation
 
@@ -211,7 +213,8 @@ def train(args):
     if args.dry_run:
         return dry_run(args)
     check_args(args)  # every flag, before any process group or data: one line
-    if ignored := ignored_nag_flags(args, build_parser().parse_args([])):
+    defaults = build_parser().parse_args([])  # what a flag a run's config.json lacks was (resume's settings check)
+    if ignored := ignored_nag_flags(args, defaults):
         print0(f"note: {', '.join(ignored)} apply only with --arch nag; this {args.arch} run ignores them")
     preset = PRESETS.get(args.preset, {})
     if preset.get("gpu") and not args.device_type and not torch.cuda.is_available():
@@ -248,20 +251,19 @@ def train(args):
         stack.callback(stop.restore)
         stack.callback(gc.unfreeze)  # the heap frozen after the first step, back in the collector's sight however training ends
         # one start step for all ranks: rank 0's view of the run directory decides
-        start = rank0_decides(lambda: resume.start_step(run_dir, args, record, tokenizer, vars(build_parser().parse_args([])),
-                                                        NOT_SETTINGS), is_ddp)
+        start = rank0_decides(lambda: resume.start_step(run_dir, args, record, tokenizer, vars(defaults), NOT_SETTINGS), is_ddp)
         if start is None:
             print0(f"{run_dir} already finished its {plan.num_iterations} steps; nothing to do")
             if is_ddp:
                 dist.destroy_process_group()
             return run_dir
-        run = set_up(args, plan, record, run_dir, tokenizer, start, stop, procs)
+        run = set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
         train_loop(run)
         finish(run)
         return run_dir
 
 
-def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs):
+def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults):
     """The model (initialised, or loaded at `start`), optimizer, loaders and trackers of a run (procs: dist_init's
     answer), and its run directory brought to `start`: config.json written, later rows of metrics.jsonl moved aside.
     Nothing changes on disk before every check has passed."""
@@ -300,10 +302,9 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs):
         if start == 0 and os.path.exists(os.path.join(run_dir, "config.json")):
             print0(f"note: {run_dir} has no complete checkpoint: starting it again")
         run_files.keep_history(os.path.join(run_dir, run_files.METRICS), start)
-        record["segments"] = resume.settings_segments(old_cfg, record, start,
-                                                      vars(build_parser().parse_args([])), NOT_SETTINGS)
+        record["segments"] = resume.settings_segments(old_cfg, record, start, vars(defaults), NOT_SETTINGS)
         atomic_write_json(os.path.join(run_dir, "config.json"), record)
-        trackers = tracking.open_trackers(tracking.parse_log_to(args.log_to), os.path.basename(run_dir), run_dir, record)
+        trackers = tracking.open_trackers(tracking.parse_log_to(args.log_to), os.path.basename(run_dir), run_dir, record, TRACKER_PROJECT)
     if start > 0:
         print0(f"resumed from step {start} of {run_dir}")
     if is_ddp:
@@ -328,7 +329,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs):
     return Run(args=args, plan=plan, record=record, run_dir=run_dir, device=device, device_type=device_type, rank=rank,
                world_size=world_size, is_ddp=is_ddp, model=model, optimizer=optimizer, forward=forward, eval_forward=eval_forward,
                ddp=ddp, batches=batches, start=start, elapsed=elapsed, tokenizer=tokenizer, token_bytes=get_token_bytes(device=device),
-               trackers=trackers, stop=stop, watchdog=Watchdog(rank, world_size) if is_ddp else None,
+               trackers=trackers, stop=stop, watchdog=Watchdog(rank, world_size) if is_ddp else None, peak_flops=peak_flops(device_type),
                eval_steps=eval_batches(tokenizer, args) if args.eval_every > 0 else 0)
 
 
@@ -434,8 +435,8 @@ def log_row(run, row, steps, timer, intervals, stats_line):
     tok_per_sec = steps * plan.total_batch / train_seconds
     row.update(tok_per_sec=tok_per_sec, elapsed=run.elapsed, time=parts)
     mfu = None
-    if peak := peak_flops(run.device_type):
-        mfu = plan.flops_per_token * tok_per_sec / (peak * run.world_size)
+    if run.peak_flops:
+        mfu = plan.flops_per_token * tok_per_sec / (run.peak_flops * run.world_size)
         row["mfu"] = mfu
     print0(f"step {step:05d}/{plan.num_iterations:05d} ({100 * step / plan.num_iterations:5.1f}%) | loss {row['train_loss']:.4f} | "
            f"lrm {row['lr_mult']:.3f} | {tok_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") +

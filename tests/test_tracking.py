@@ -95,7 +95,7 @@ def test_flatten_names_every_number():
 
 
 def test_no_trackers_is_a_no_op(tmp_path):
-    trackers = tracking.open_trackers([], "r", str(tmp_path), {})
+    trackers = tracking.open_trackers([], "r", str(tmp_path), {}, "nag-chat")
     trackers.log(metric_rows()[1])
     trackers.close()
     assert os.listdir(tmp_path) == []
@@ -106,7 +106,7 @@ def test_tensorboard_reads_back_metrics_jsonl(tmp_path):
     run_dir = str(tmp_path / "runs" / "nag-tb")
     rows = write_metrics(run_dir, metric_rows())
     config = {"args": {"arch": "nag", "log_to": "tensorboard"}, "num_params": 123}
-    trackers = tracking.open_trackers(tracking.parse_log_to("tensorboard"), "nag-tb", run_dir, config)
+    trackers = tracking.open_trackers(tracking.parse_log_to("tensorboard"), "nag-tb", run_dir, config, "nag-chat")
     for row in rows:
         trackers.log(row)
     trackers.close()
@@ -143,7 +143,7 @@ def test_wandb_offline_without_a_key_writes_its_run_folder(tmp_path, monkeypatch
     assert not tracking.wandb_has_key()
     run_dir = str(tmp_path / "runs" / "gpt-wb")
     rows = write_metrics(run_dir, metric_rows())
-    trackers = tracking.open_trackers(tracking.parse_log_to("wandb"), "gpt-wb", run_dir, {"args": {"arch": "gpt"}})
+    trackers = tracking.open_trackers(tracking.parse_log_to("wandb"), "gpt-wb", run_dir, {"args": {"arch": "gpt"}}, "nag-chat")
     for row in rows:
         trackers.log(row)
     trackers.close()
@@ -174,7 +174,7 @@ def test_trackio_gets_the_same_values_and_a_failed_start_is_one_line(tmp_path, m
 
     monkeypatch.setitem(sys.modules, "trackio", FakeTrackio)
     rows = metric_rows()
-    trackers = tracking.open_trackers(tracking.parse_log_to("trackio"), "nag-tr", str(tmp_path), {"seed": 1})
+    trackers = tracking.open_trackers(tracking.parse_log_to("trackio"), "nag-tr", str(tmp_path), {"seed": 1}, "nag-chat")
     for row in rows:
         trackers.log(row)
     trackers.close()
@@ -194,7 +194,7 @@ def test_trackio_gets_the_same_values_and_a_failed_start_is_one_line(tmp_path, m
     FakeTrackio.init = staticmethod(unreachable)
     monkeypatch.setitem(tracking.BACKENDS, "wandb", lambda *a: Opened())
     with pytest.raises(UserError, match=r"^--log-to trackio: cannot start the tracker \(ConnectionError: no route to host\)$"):
-        tracking.open_trackers(["wandb", "trackio"], "nag-tr", str(tmp_path), {})
+        tracking.open_trackers(["wandb", "trackio"], "nag-tr", str(tmp_path), {}, "nag-chat")
     assert calls == [("closed",)]
 
 
