@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from nanochat import step_timer
 from nanochat.flash_attention import masked_attention, window_mask
 from nanochat.gpt import norm, apply_rotary, QK_SCALE
 
@@ -178,7 +179,9 @@ class Thresholds(nn.Module):
 
     def pop_rates(self, mode):
         """{(kind, layer): mean skipped fraction} over the forwards of this mode since the last call."""
-        out = {(k, l): (v[0] / v[1]).item() for (m, k, l), v in self.sums.items() if m == mode}
+        keys = [key for key in self.sums if key[0] == mode]
+        values = step_timer.read_values(torch.stack([self.sums[key][0] / self.sums[key][1] for key in keys])) if keys else []
+        out = {(k, l): v for (_, k, l), v in zip(keys, values)}  # one host read for all of them
         self.sums = {key: v for key, v in self.sums.items() if key[0] != mode}
         return out
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat import step_timer
 from nanochat.gpt import GPT, Linear
 from nag.functional import nag_branch, modulator
 from nag.mod import ModConfig, Thresholds, mod_config_from_args, rotation_score, run_executed, flops_with_skips, skip_summary
@@ -312,7 +313,7 @@ class NAGGPT(GPT):
         return self.collect_telemetry()
 
     def collect_telemetry(self):
-        rows = torch.stack(self.telemetry_rows).cpu().tolist()
+        rows = step_timer.read_values(torch.stack(self.telemetry_rows))
         self.telemetry_rows = []
         names = [f"{i}.{kind}" for i in range(self.config.n_layer) for kind in ("attn", "mlp")]
         gains = [r[3] for r in rows]

@@ -2,8 +2,9 @@
 Stop a run on a non-finite loss or gradient before the update is applied, naming the step, the parameters whose
 gradients are non-finite and, where the model can tell (its nonfinite_origin hook), where it started.
 
-The flags are computed on the device (no host sync): a step that logs a row reads them at once (check_finite),
-one that logs none hands them to the next step, which reads them with its own work already queued (check_finite_late).
+The flags are computed on the device and veto the step's update there (MuonAdamW.step's gate), so nothing waits
+for them: a step that logs a row reads them with its loss, after its update is queued (check_finite); one that
+logs none hands them to the next step, which reads them with its own work already queued (check_finite_late).
 """
 
 import math
@@ -33,22 +34,26 @@ def nonfinite_message(step, loss, bad):
             f"non-finite gradients in: {shown or 'none'}")
 
 
-def check_finite(model, loss, step, idx):
-    """Raise NonFiniteError on a non-finite loss or gradient, with the model's guess of the origin over idx
-    (the last micro-batch)."""
-    if finite_flags(model, loss).all().item():  # one host sync
-        return
-    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
-    origin = model.nonfinite_origin(idx)
-    raise NonFiniteError(nonfinite_message(step, loss.item(), bad) + (f"; origin: {origin}" if origin else ""))
-
-
-def check_finite_late(values, step, names, log_every):
-    """check_finite for a step that logged no row, from its finite_flags read during the next step: the weights have
-    taken that step's update by now, so no origin is sought; no checkpoint holds them (saves log)."""
+def check_finite(values, names, step, origin=None):
+    """Raise NonFiniteError unless every flag is set. values: the host copy of finite_flags' tensor behind the loss,
+    [loss, loss flag, gradient flags...]; names: graded_names of the step. The step's update was vetoed on the device
+    (MuonAdamW.step's gate), so the weights are still those the step started from, which origin() (the model's guess
+    at where it started, over the step's last micro-batch) needs."""
     loss, flags = values[0], values[1:]
     if all(flags):
         return
     bad = [n for n, ok in zip(names, flags[1:]) if not ok]
-    raise NonFiniteError(nonfinite_message(step, loss, bad) + f"; seen during step {step + 1} (with --log-every {log_every} a "
-                         "step that logs no row is checked during the next); --log-every 1 from the last checkpoint names its origin")
+    where = origin() if origin else None
+    raise NonFiniteError(nonfinite_message(step, loss, bad) + (f"; origin: {where}" if where else "") + "; its update was not applied")
+
+
+def check_finite_late(values, step, names, log_every):
+    """check_finite for a step that logged no row, read during the next step (before that step's update): the
+    vetoed step's batch is gone, so no origin is sought; no checkpoint holds the step (saves log)."""
+    loss, flags = values[0], values[1:]
+    if all(flags):
+        return
+    bad = [n for n, ok in zip(names, flags[1:]) if not ok]
+    raise NonFiniteError(nonfinite_message(step, loss, bad) + f"; its update was not applied; seen during step {step + 1} (with "
+                         f"--log-every {log_every} a step that logs no row is checked during the next); --log-every 1 from the "
+                         "last checkpoint names its origin")

@@ -52,47 +52,60 @@ def orthogonalize(G, dtype):
     return X.mT if tall else X
 
 
+def commit(gate, targets, values):
+    """Write `values` into `targets` (lists of tensors), in place. gate: None, or a 0-d bool tensor on their device:
+    where it is False every target keeps its value. A select, not a product: a non-finite value times 0 is still NaN.
+    It lets the training loop veto a non-finite step on the device, without waiting to read the flag (docs/optimizer.md)."""
+    if gate is not None:
+        values = [torch.where(gate, v, t) for t, v in zip(targets, values)]
+    torch._foreach_copy_(targets, values)
+
+
 @torch.no_grad()
-def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_decay, beta2=NORMUON_BETA2, ortho_dtype=torch.float32):
+def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_decay, beta2=NORMUON_BETA2, ortho_dtype=torch.float32,
+                gate=None):
     """One Muon step on a stack of same-shape matrices, in place. params/grads/momentum_buf: (n, r, c).
-    lr, momentum, weight_decay: numbers, or 0-d tensors when compiled (then one graph serves every value)."""
+    lr, momentum, weight_decay: numbers, or 0-d tensors when compiled (then one graph serves every value).
+    gate: None, or a 0-d bool tensor: False leaves the weights and both buffers as they were (commit)."""
     # Nesterov momentum
-    momentum_buf.lerp_(grads, 1 - momentum)
-    g = grads.lerp(momentum_buf, momentum)
+    new_momentum = momentum_buf.lerp(grads, 1 - momentum)
+    g = grads.lerp(new_momentum, momentum)
     g = orthogonalize(g, ortho_dtype).float()
     # NorMuon: normalise each row (or column) by a running second moment, keeping the update's total norm
     red_dim = -1 if g.size(-2) >= g.size(-1) else -2
     v_mean = g.square().mean(dim=red_dim, keepdim=True)
     n_red = g.size(red_dim)
     norm_before = (v_mean.sum(dim=(-2, -1), keepdim=True) * n_red).sqrt()
-    variance_buf.lerp_(v_mean, 1 - beta2)
-    step_size = variance_buf.clamp_min(1e-10).rsqrt()
+    new_variance = variance_buf.lerp(v_mean, 1 - beta2)
+    step_size = new_variance.clamp_min(1e-10).rsqrt()
     norm_after = ((v_mean * n_red) * step_size.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
     g = g * step_size * (norm_before / norm_after.clamp_min(1e-10))
     lr = lr * max(1.0, params.size(-2) / params.size(-1)) ** 0.5
     # cautious weight decay: only where the update and the weight agree in sign (at 0 it subtracts exact zeros:
     # no branch on the value, which a compiled graph could not take)
     mask = (g * params) >= 0
-    params.sub_(lr * weight_decay * params * mask)
-    params.sub_(lr * g.to(params.dtype))
+    new_params = params - lr * weight_decay * params * mask
+    new_params = new_params - lr * g.to(params.dtype)
+    commit(gate, [momentum_buf, variance_buf, params], [new_momentum, new_variance, new_params])
 
 
 @torch.no_grad()
-def adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, weight_decay, bias1, bias2, beta1, beta2, eps):
+def adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, weight_decay, bias1, bias2, beta1, beta2, eps, gate=None):
     """One AdamW step on lists of fp32 tensors that share a step count (bias1 = 1 - beta1^step, bias2 the same with
     beta2), in place, with foreach kernels (a model may have hundreds of small gate tensors: one launch each would add
-    up). lr, weight_decay, bias1, bias2: numbers, or 0-d tensors when compiled."""
-    torch._foreach_mul_(params, 1 - lr * weight_decay)  # at 0 a product with exactly 1
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    denom = torch._foreach_div(exp_avg_sqs, bias2)
+    up). lr, weight_decay, bias1, bias2: numbers, or 0-d tensors when compiled. gate: as muon_update's."""
+    new_params = torch._foreach_mul(params, 1 - lr * weight_decay)  # at 0 a product with exactly 1
+    new_avgs = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
+    new_sqs = torch._foreach_mul(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(new_sqs, grads, grads, value=1 - beta2)
+    denom = torch._foreach_div(new_sqs, bias2)
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
     if isinstance(lr, torch.Tensor):  # addcdiv takes its factor as a number only
-        torch._foreach_sub_(params, torch._foreach_mul(torch._foreach_div(exp_avgs, denom), lr / bias1))
+        torch._foreach_sub_(new_params, torch._foreach_mul(torch._foreach_div(new_avgs, denom), lr / bias1))
     else:
-        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
+        torch._foreach_addcdiv_(new_params, new_avgs, denom, value=-lr / bias1)
+    commit(gate, [*params, *exp_avgs, *exp_avg_sqs], [*new_params, *new_avgs, *new_sqs])
 
 
 COMPILED = {}
@@ -172,20 +185,22 @@ class MuonAdamW(torch.optim.Optimizer):
         return shard_rows(len(group["params"]), self.rank, self.world_size)
 
     @torch.no_grad()
-    def step(self):
+    def step(self, gate=None):
+        """gate: None, or a 0-d bool tensor on the parameters' device; where it is False the step changes no weight
+        and no buffer (AdamW's step counts still advance), decided on the device: nothing waits to read it."""
         for group in self.param_groups:
             if group["kind"] not in ("adamw", "muon"):
                 raise ValueError(f"unknown optimizer group kind {group['kind']!r}")
         # Muon first: its all-gathers run while the AdamW groups update
-        gathers = [self.step_muon(g) for g in self.param_groups if g["kind"] == "muon"]
+        gathers = [self.step_muon(g, gate) for g in self.param_groups if g["kind"] == "muon"]
         for group in self.param_groups:
             if group["kind"] == "adamw":
-                self.step_adamw(group)
+                self.step_adamw(group, gate)
         for finish in gathers:
             if finish:
                 finish()
 
-    def step_adamw(self, group):
+    def step_adamw(self, group, gate=None):
         beta1, beta2 = group["betas"]
         params = [p for p in group["params"] if p.grad is not None]
         # a parameter without a gradient (e.g. a MoD gate whose sub-layer ran no token) misses the step, so each
@@ -205,24 +220,24 @@ class MuonAdamW(torch.optim.Optimizer):
             for p in (p for p, f in zip(ps, fuse) if f):  # one compiled kernel per large tensor (wte, lm_head)
                 lr, wd, b1, b2 = scalars(p.device, group["lr"], group["weight_decay"], bias1, bias2)
                 compiled(adamw_update)([p], [p.grad.float()], [self.state[p]["exp_avg"]], [self.state[p]["exp_avg_sq"]],
-                                       lr, wd, b1, b2, beta1, beta2, group["eps"])
+                                       lr, wd, b1, b2, beta1, beta2, group["eps"], gate)
             ps = [p for p, f in zip(ps, fuse) if not f]
             if ps:
                 adamw_update(ps, [p.grad.float() for p in ps], [self.state[p]["exp_avg"] for p in ps],
                              [self.state[p]["exp_avg_sq"] for p in ps], group["lr"], group["weight_decay"], bias1, bias2,
-                             beta1, beta2, group["eps"])
+                             beta1, beta2, group["eps"], gate)
 
-    def step_muon(self, group):
+    def step_muon(self, group, gate=None):
         """Update this rank's matrices of the group; on several ranks, start the all-gather of every rank's and return
         the function that finishes it."""
         params = group["params"]
         if all(p.grad is None for p in params):  # the same on every rank: DDP gives each rank every gradient
             return None
         start, stop = self.rows(group)
-        self.update_matrices(group, params[start:stop])
+        self.update_matrices(group, params[start:stop], gate)
         return self.gather(params, start, stop) if self.world_size > 1 else None
 
-    def update_matrices(self, group, params):
+    def update_matrices(self, group, params, gate=None):
         """One Muon step on `params`, this rank's matrices of the group, whose momentum and variance rows are the
         group's state (keyed by the group's first matrix)."""
         state = self.state[group["params"][0]]
@@ -249,7 +264,7 @@ class MuonAdamW(torch.optim.Optimizer):
         update, hyper = muon_update, [group["lr"], group["momentum"], group["weight_decay"]]
         if self.compiles(stacked_p) and not partial:  # a skipped matrix (rare) would need a graph for another stack size
             update, hyper = compiled(muon_update), scalars(stacked_p.device, *hyper)
-        update(stacked_p, stacked_g, momentum_buf, variance_buf, *hyper, beta2=group["beta2"], ortho_dtype=ortho_dtype)
+        update(stacked_p, stacked_g, momentum_buf, variance_buf, *hyper, beta2=group["beta2"], ortho_dtype=ortho_dtype, gate=gate)
         torch._foreach_copy_(params, list(stacked_p.unbind(0)))
         if partial:  # the rows were gathered copies: write the updated ones back
             state["momentum_buffer"].index_copy_(0, rows, momentum_buf)

@@ -35,6 +35,7 @@ from nanochat.common import (UserError, exit_on_user_error, print0, dist_init, a
                              atomic_write_json, ensure_writable_dir, script_argv, START_TIMEOUT, git_commit, peak_flops, fmt_time)
 from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
 from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
+from nanochat import step_timer
 from nanochat.step_timer import StepTimer, Readback, biggest
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader, MicroBatches
@@ -389,18 +390,64 @@ def forward_backward(run, step, timer):
     return loss_sum, x
 
 
-def optimizer_step(run, step):
-    """The update of `step` with the scheduled LR, momentum and decay; returns the LR multiplier."""
+def optimizer_step(run, step, gate=None):
+    """The update of `step` with the scheduled LR, momentum and decay (vetoed on the device where the 0-d bool
+    `gate` is False); returns the LR multiplier."""
     lrm = lr_multiplier(step, run.plan)
     for group in run.optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lrm
         if group["kind"] == "muon":
             group["momentum"] = momentum_at(step, run.plan, run.args)
             group["weight_decay"] = muon_weight_decay(step, run.plan, group["initial_weight_decay"])
-    run.optimizer.step()
+    run.optimizer.step(gate)
     run.model.after_optimizer_step()
     run.model.zero_grad(set_to_none=True)
     return lrm
+
+
+@dataclass
+class Step:
+    """What train_step hands back: the loss as a number (None: a step that logs no row reads nothing), whether a
+    SIGTERM asks the run to stop, the LR multiplier, and the last micro-batch (telemetry)."""
+    loss: float
+    stopping: bool
+    lrm: float
+    x: torch.Tensor
+
+
+def train_step(run, step, unlogged, stop_flag, timer):
+    """Step `step` + 1: forward, backward, the finite check and the update, with at most one host read. The check's
+    flags veto the update on the device, so a logged step reads them with its loss only once the update is queued;
+    a step that logs no row hands them to the next step (unlogged: a Readback), which reads them once its own
+    forward and backward are queued."""
+    args, plan, model = run.args, run.plan, run.model
+    model.set_tokens_seen(step * plan.total_batch)
+    loss_sum, x = forward_backward(run, step, timer)
+    stopping = False
+    if (pending := unlogged.take()) is not None:  # the previous step's checks (it logged no row)
+        values, (prev_step, names) = pending
+        check_finite_late([values[0]] + values[2:], prev_step, names, args.log_every)
+        stopping = values[1] > 0
+    logged = stopping or run.writes_row(step + 1)  # a stop saves, and a save logs
+    # the loss and SIGTERM in one all-reduce: every rank learns in the same step that one of them was asked to stop
+    if run.stop.requested:
+        stop_flag.fill_(1.0)  # a kernel, not a host-to-device copy: no sync with the work queued before it
+    reduced = torch.stack([loss_sum, stop_flag])
+    if run.is_ddp:
+        dist.all_reduce(reduced)
+        reduced[0] /= run.world_size
+    train_loss = reduced[0] / plan.grad_accum
+    flags = finite_flags(model, train_loss)  # the same on every rank: the loss and gradients are all-reduced
+    checks, names = torch.cat([train_loss.reshape(1), reduced[1:], flags]), graded_names(model)
+    timer.mark("sync_log")
+    lrm = optimizer_step(run, step, gate=flags.all())
+    timer.mark("optim")
+    if not logged:
+        unlogged.put(checks, (step + 1, names))
+        return Step(None, stopping, lrm, x)
+    values = step_timer.read_values(checks)  # the step's one host read: it waits for the update, queued above
+    check_finite([values[0]] + values[2:], names, step + 1, origin=lambda: model.nonfinite_origin(x))
+    return Step(values[0], stopping or values[1] > 0, lrm, x)
 
 
 def step_row(run, step, train_loss, lrm, x):
@@ -476,40 +523,17 @@ def train_loop(run):
     while step < num_iterations:
         run.progress("the first step" if step == run.start else "a training step", step + 1,
                      args.start_timeout if slow_step else args.step_timeout)
-        model.set_tokens_seen(step * plan.total_batch)
-        loss_sum, x = forward_backward(run, step, timer)
-        stopping = False
-        if (pending := unlogged.take()) is not None:  # the previous step's checks (it logged no row)
-            values, (prev_step, names) = pending
-            check_finite_late([values[0]] + values[2:], prev_step, names, args.log_every)
-            stopping = values[1] > 0
-        logged = stopping or run.writes_row(step + 1)  # a stop saves, and a save logs
-        # the loss and SIGTERM in one all-reduce: every rank learns in the same step that one of them was asked to stop
-        if run.stop.requested:
-            stop_flag.fill_(1.0)  # a kernel, not a host-to-device copy: no sync with the work queued before it
-        reduced = torch.stack([loss_sum, stop_flag])
-        if run.is_ddp:
-            dist.all_reduce(reduced)
-            reduced[0] /= run.world_size
-        train_loss = reduced[0] / plan.grad_accum
-        if logged:
-            check_finite(model, train_loss, step + 1, x)
-        else:
-            unlogged.put(torch.cat([train_loss.reshape(1), reduced[1:], finite_flags(model, train_loss)]), (step + 1, graded_names(model)))
-        timer.mark("sync_log")
-        lrm = optimizer_step(run, step)
-        timer.mark("optim")
+        done = train_step(run, step, unlogged, stop_flag, timer)
         step += 1
         slow_step = False
         if step == run.start + 1:
             freeze_heap()
             timer.mark("sync_log")
-        if not logged:
+        if done.loss is None:
             continue
-
-        train_loss, stopping = train_loss.item(), stopping or reduced[1].item() > 0  # waits for the optimizer step: logged steps only
+        stopping = done.stopping
         timer.mark("sync_log")
-        row, stats_line = step_row(run, step, train_loss, lrm, x)
+        row, stats_line = step_row(run, step, done.loss, done.lrm, done.x)
         timer.mark("sync_log")
         if run.evaluates(step):
             row["val_bpb"] = run_eval(run, step)

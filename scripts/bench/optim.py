@@ -93,9 +93,9 @@ class Counted(MuonAdamW):
                          kind="all-gather")
         return Done()
 
-    def step_muon(self, group):
+    def step_muon(self, group, gate=None):
         self.counter.kind = "muon"
-        finish = super().step_muon(group)
+        finish = super().step_muon(group, gate)
         if finish is None:
             return None
 
@@ -104,9 +104,9 @@ class Counted(MuonAdamW):
             finish()
         return counted_finish
 
-    def step_adamw(self, group):
+    def step_adamw(self, group, gate=None):
         self.counter.kind = "adamw"
-        super().step_adamw(group)
+        super().step_adamw(group, gate)
 
 
 def count_step(groups, rank, world_size):
