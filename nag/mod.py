@@ -257,7 +257,7 @@ def mlp_executed(mlp, x, execute, bound=None):
         return mlp(x)
     B, T, D = x.shape
     flat = x.reshape(B * T, D)
-    n = bound if bound is not None else int(execute.sum())  # evaluation: one host sync
+    n = bound if bound is not None else int(step_timer.read_values(execute.sum()))  # evaluation: one host read
     idx, valid = packed(execute.reshape(1, B * T), min(max(n, 1), B * T))
     y = torch.where(valid[0, :, None], mlp(flat.index_select(0, idx[0])), 0)
     return flat.new_zeros(B * T, D).index_copy(0, idx[0], y.to(flat.dtype)).view(B, T, D)
@@ -274,7 +274,8 @@ def attention_executed(attn, x, cos_sin, mask, execute, bound=None, kv=None):
     if execute is None:
         return attn(x, cos_sin, mask, kv)
     B, T, D = x.shape
-    n = bound if bound is not None else int(execute.sum(dim=1).max())  # evaluation: one host sync
+    # no bound (attention in training, every evaluation): the longest row's count, a host read per layer (docs/mod.md)
+    n = bound if bound is not None else int(step_timer.read_values(execute.sum(dim=1).max()))
     Tq = min(max(n, 1), T)
     qpos, valid = packed(execute, Tq)  # (B, Tq)
     H, KV, hd = attn.n_head, attn.n_kv_head, attn.head_dim
