@@ -1,87 +1,254 @@
 """
 The attention kernel: the one place that chooses it and calls it (docs/design.md §2, "The attention kernel").
 
-FlashAttention-3 runs on Hopper (compute capability 9.x) when its prebuilt kernel loads from the Hugging Face
-hub through the optional `kernels` package (`pip install kernels`), with no build step, as nanochat loads it.
-Elsewhere, and wherever attention needs a mask, PyTorch SDPA runs.
+    --attn auto   Hopper (compute capability 9.x, bf16): the first of AUTO_ORDER that loads and passes a probe,
+                  else SDPA with a warning; anywhere else SDPA
+    --attn fa4    FlashAttention-4 from PyPI (pip install flash-attn-4: CuTe-DSL kernels, JIT-compiled on the node)
+    --attn cudnn  SDPA's cuDNN backend, bundled with every CUDA build of torch
+    --attn fa3    FlashAttention-3 prebuilt for sm_90 on the Hugging Face hub (pip install kernels; needs the hub or
+                  its cache at run time)
+    --attn sdpa   PyTorch SDPA's default backends
 
-    kernel, reason = resolve_attention("auto", device)   # ("fa3", "Hopper GPU, kernel loaded") or ("sdpa", why not)
-    model.set_attention(kernel)                          # once, before torch.compile
+    attention = agree_attention("auto", device, dtype, is_ddp)  # rank 0 decides, every rank loads it (base_train)
+    model.set_attention(attention["kernel"])                    # once, before torch.compile
 
 Windows count positions. A layer of window w lets a query see itself and the w - 1 positions before it (the
-masks' `delta < w` in nanochat/gpt.py). FA3's window_size=(left, right) counts tokens on each side, both ends
-included, so w becomes (w - 1, 0). A window that covers the whole sequence becomes (-1, 0), plain causal.
-FA3 only serves plain rows (training, bpb). Packed rows with several documents (CORE), MoD's gathered queries
-and the KV cache keep their explicit masks and SDPA.
+masks' `delta < w` in nanochat/gpt.py). FA3's and FA4's window_size=(left, right) count keys on each side, both
+ends included, so w becomes (w - 1, 0). A window that covers the whole row is plain causal: FA3 writes "no limit"
+as -1, FA4 as None (FA4 would take -1 as a bound). On CUDA the other kernels run an S window through
+flex_attention with a block mask (no (T, T) mask; compiled); on the CPU, the reference, SDPA gets the dense mask.
+Packed rows with several documents (CORE), MoD's gathered queries and the KV cache keep explicit masks and SDPA.
 """
 
 import os
+import socket
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanochat.common import UserError
+from nanochat.common import UserError, print0
+from nanochat.distributed import rank0_decides
 
+CHOICES = ("auto", "fa4", "cudnn", "fa3", "sdpa")
+AUTO_ORDER = ("fa4", "cudnn", "fa3")  # Hopper: installed with the project, bundled with torch, then the hub's
+KERNELS = ("sdpa",) + AUTO_ORDER  # what a model can be set to
+FAST_DTYPES = (torch.bfloat16,)  # the fast kernels' training dtype; our compute dtype on every SM80+ GPU
 FA3_REPO = "varunneal/flash-attention-3"  # the hub repo nanochat loads: FA3 prebuilt for sm_90
-CHOICES = ("auto", "fa3", "sdpa")
-FA3_DTYPES = (torch.bfloat16,)  # the prebuilt kernel's training dtype; our compute dtype on every SM80+ GPU
+FA4_PACKAGE = "flash-attn-4"  # PyPI; imported as flash_attn.cute
+MAJORS = {"fa3": (9,), "fa4": (9, 10), "cudnn": (8, 9, 10, 11, 12)}  # compute capabilities each has code for
+LOADED = {"fa4": f"{FA4_PACKAGE} loaded", "cudnn": "cuDNN attention runs", "fa3": f"{FA3_REPO} loaded from the hub"}
+WHEN = {"fa4": f"if {FA4_PACKAGE} loads", "cudnn": "if cuDNN attention runs", "fa3": f"if {FA3_REPO} loads (the hub or its cache)"}
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]  # flash only where cuDNN declines a call
+PROBE_TOL = 0.05  # a probe's largest error against fp32, relative to the reference's largest value: bf16 is ~0.01
 
-_fa3 = None  # the loaded kernel's interface (flash_attn_func), once per process
+_fa3 = None  # the loaded kernels' flash_attn_func owners, once per process
+_fa4 = None
+_probed = set()  # (kernel, device) pairs that passed the probe
 
 
-class FA3Unavailable(Exception):
-    """Why the FA3 kernel did not load, in a few words."""
+class KernelUnavailable(Exception):
+    """Why a kernel did not load or run, in a few words."""
+
+
+def first_line(e):
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:160]
 
 
 def load_fa3():
-    """The FA3 interface, loaded on the first call. Raises FA3Unavailable with a short reason."""
+    """The FA3 interface, loaded on the first call. Raises KernelUnavailable with a short reason."""
     global _fa3
     if _fa3 is None:
         try:
             from kernels import get_kernel  # the optional extra: imported here and nowhere else
         except ImportError:
-            raise FA3Unavailable("the kernels package is not installed (pip install kernels)") from None
+            raise KernelUnavailable("the kernels package is not installed (pip install kernels)") from None
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         try:
             _fa3 = get_kernel(FA3_REPO).flash_attn_interface
         except Exception as e:  # no network and no cached copy, a build that does not match this torch, ...
-            detail = (str(e).strip().splitlines() or [""])[0][:160]
-            raise FA3Unavailable(f"{FA3_REPO} did not load ({type(e).__name__}: {detail})") from None
+            raise KernelUnavailable(f"{FA3_REPO} did not load ({first_line(e)})") from None
     return _fa3
 
 
-def fa3_unavailable(device, dtype=None):
-    """Why FA3 cannot run on `device` in `dtype`, or None when it can (the kernel is then loaded)."""
+def load_fa4():
+    """FA4's flash_attn_func, imported on the first call. torch.compile does not trace it (a graph break per call):
+    its kernels are compiled by CuTe DSL on first use, which dynamo cannot follow."""
+    global _fa4
+    if _fa4 is None:
+        try:
+            from flash_attn.cute import flash_attn_func  # the gpu extra: imported here and nowhere else
+        except ImportError as e:
+            if getattr(e, "name", None) in ("flash_attn", "flash_attn.cute"):
+                raise KernelUnavailable(f"{FA4_PACKAGE} is not installed (pip install {FA4_PACKAGE})") from None
+            raise KernelUnavailable(f"{FA4_PACKAGE} did not import ({first_line(e)})") from None
+        except Exception as e:  # a CUDA library or driver it cannot use
+            raise KernelUnavailable(f"{FA4_PACKAGE} did not import ({first_line(e)})") from None
+        _fa4 = torch.compiler.disable(flash_attn_func)
+    return _fa4
+
+
+def load_kernel(kernel):
+    """Load a kernel's interface once per process (cuDNN and SDPA come with torch: nothing to load)."""
+    if kernel == "fa3":
+        load_fa3()
+    elif kernel == "fa4":
+        load_fa4()
+
+
+def probe(kernel, device):
+    """A tiny causal forward + backward through causal_attention against fp32 SDPA: a kernel that loads but cannot
+    run on this GPU (or computes something else) is caught here, once, not at the first training step."""
+    if (kernel, str(device)) in _probed:
+        return
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dy = (torch.randn(1, 128, 2, 64, generator=g) for _ in range(4))
+    call = cudnn_only if kernel == "cudnn" else (lambda *x: causal_attention(*x, 128, kernel))
+    try:
+        q, k, v, dy = (t.to(device) for t in (q, k, v, dy))
+        got = grads(call, (q, k, v), dy, torch.bfloat16)
+    except Exception as e:
+        raise KernelUnavailable(f"{kernel} failed its probe ({first_line(e)})") from None
+    want = grads(lambda *x: causal_attention(*x, 128, "sdpa"), (q, k, v), dy, torch.float32)
+    err = max(((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
+    if not err <= PROBE_TOL:
+        raise KernelUnavailable(f"{kernel} failed its probe (relative error {err:.2g} against fp32)")
+    _probed.add((kernel, str(device)))
+
+
+def cudnn_only(q, k, v):
+    """The probe's cuDNN call: cuDNN alone, so that a GPU where cuDNN declines does not pass on flash's behalf."""
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return masked_attention(*(t.transpose(1, 2) for t in (q, k, v)), None).transpose(1, 2)
+
+
+def grads(fn, inputs, dy, dtype):
+    """fn's output and input gradients, on copies of inputs in dtype."""
+    xs = [x.detach().to(dtype).requires_grad_() for x in inputs]
+    y = fn(*xs)
+    y.backward(dy.to(dtype))
+    return [y.detach()] + [x.grad for x in xs]
+
+
+def is_hopper(device):
+    device = torch.device(device)
+    return torch.cuda.is_available() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def device_unfit(device, dtype=None, majors=(9,)):
+    """Why no fast kernel runs on `device` in `dtype` (no CUDA, another device or compute capability, another
+    dtype), or None."""
     device = torch.device(device)
     if not torch.cuda.is_available():
         return "no CUDA"
     if device.type != "cuda":
         return f"device {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:  # the prebuilt kernel has sm_90 code only: Ampere, Ada and Blackwell cannot run it
+    if major not in majors:
         return f"compute capability {major}.{minor}"
-    if dtype is not None and dtype not in FA3_DTYPES:
+    if dtype is not None and dtype not in FAST_DTYPES:
         return f"compute dtype {str(dtype).replace('torch.', '')}"
+    return None
+
+
+def kernel_unavailable(kernel, device, dtype=None):
+    """Why `kernel` cannot run on `device` in `dtype`, or None when it can (it is then loaded and probed)."""
+    if kernel == "sdpa":
+        return None
+    why = device_unfit(device, dtype, MAJORS[kernel])
+    if why is not None:
+        return why
     try:
-        load_fa3()
-    except FA3Unavailable as e:
+        load_kernel(kernel)
+        probe(kernel, torch.device(device))
+    except KernelUnavailable as e:
         return str(e)
     return None
 
 
 def resolve_attention(requested, device, dtype=None):
-    """(kernel, reason) for --attn auto|fa3|sdpa: "fa3" or "sdpa", and why. "auto" never raises; "fa3" where
-    FA3 cannot run is a one-line UserError."""
+    """(kernel, reason) for --attn: one of KERNELS, and why. "auto" never raises; a named kernel where it cannot
+    run is a one-line UserError."""
     if requested not in CHOICES:
         raise UserError(f"--attn must be one of {', '.join(CHOICES)} (got {requested!r})")
     if requested == "sdpa":
         return "sdpa", "--attn sdpa"
-    why = fa3_unavailable(device, dtype)
-    if why is None:
-        return "fa3", "Hopper GPU, kernel loaded"
-    if requested == "fa3":
-        raise UserError(f"--attn fa3: FlashAttention-3 cannot run here: {why}; --attn auto falls back to SDPA")
-    return "sdpa", why
+    if requested != "auto":
+        why = kernel_unavailable(requested, device, dtype)
+        if why is not None:
+            raise UserError(f"--attn {requested} cannot run here: {why}; --attn auto picks what can")
+        return requested, LOADED[requested]
+    why = device_unfit(device, dtype)
+    if why is not None:
+        return "sdpa", why
+    whys = []
+    for kernel in AUTO_ORDER:
+        why = kernel_unavailable(kernel, device, dtype)
+        if why is None:
+            return kernel, f"Hopper GPU, {LOADED[kernel]}"
+        whys.append(f"{kernel}: {why}")
+    return "sdpa", "; ".join(whys)
+
+
+def fallback_warning(requested, kernel, reason, hopper):
+    """The warning of `--attn auto` that ends on plain SDPA on a Hopper GPU (none otherwise)."""
+    if requested == "auto" and kernel == "sdpa" and hopper:
+        return (f"--attn auto fell back to SDPA on a Hopper GPU ({reason}); attention runs slower than it could: "
+                f"pip install {FA4_PACKAGE} (runs/setup_env.sh does on GPU nodes), or pass --attn sdpa to mean it")
+    return None
+
+
+def check_preset_attention(requested, kernel, hopper, gpu_preset, reason=""):
+    """A GPU preset (nag/presets.py "gpu") on a Hopper GPU trains with a fast kernel, or with SDPA only when
+    --attn sdpa says so: its published time and cost assume the fast one."""
+    if gpu_preset and hopper and kernel == "sdpa" and requested != "sdpa":
+        raise UserError(f"--preset {gpu_preset} on a Hopper GPU needs a fast attention kernel, but --attn {requested} found "
+                        f"none ({reason}); pip install {FA4_PACKAGE}, or pass --attn sdpa to train with SDPA anyway")
+
+
+def agree_attention(requested, device, dtype, is_ddp, gpu_preset=""):
+    """The run's attention record {requested, kernel, reason[, warning]}: rank 0 resolves --attn (and applies the
+    preset rule), every rank loads and probes that kernel on its own GPU. If any rank cannot, every rank stops
+    with one UserError naming those ranks: no rank trains with another kernel than the one recorded.
+    gpu_preset: the name of a GPU preset (--preset), else ""."""
+    def decide():
+        kernel, reason = resolve_attention(requested, device, dtype)
+        hopper = is_hopper(device)
+        check_preset_attention(requested, kernel, hopper, gpu_preset, reason)
+        record = {"requested": requested, "kernel": kernel, "reason": reason}
+        warning = fallback_warning(requested, kernel, reason, hopper)
+        if warning:
+            record["warning"] = warning
+        return record
+
+    record = rank0_decides(decide, is_ddp)
+    if is_ddp:
+        why = None if dist.get_rank() == 0 else kernel_unavailable(record["kernel"], device, dtype)
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, (why, socket.gethostname()))
+        failed = [f"{r} ({host}: {w})" for r, (w, host) in enumerate(views) if w is not None]
+        if failed:
+            raise UserError(f"attention: rank 0 chose {record['kernel']} ({record['reason']}), but rank(s) {'; '.join(failed)} "
+                            f"cannot run it; install it on every node, or pass --attn sdpa")
+    if "warning" in record:
+        print0(f"warning: {record['warning']}")
+    return record
+
+
+def expected_attention(requested, gpu_preset=""):
+    """What --attn will resolve to, said without a GPU (the dry run): {requested, order, expects}."""
+    if requested == "sdpa":
+        order, text = ["sdpa"], "--attn sdpa → sdpa everywhere"
+    elif requested == "auto":
+        order = list(AUTO_ORDER) + ["sdpa"]
+        text = ("--attn auto → on a Hopper GPU (bf16) " + ", else ".join(f"{k} {WHEN[k]}" for k in AUTO_ORDER)
+                + ", else sdpa with a warning; sdpa elsewhere (CPU, other GPUs)")
+    else:
+        order, text = [requested], f"--attn {requested} → {requested} {WHEN[requested]}, else the run stops with one line"
+    if gpu_preset and requested == "auto":
+        text += f"; --preset {gpu_preset} refuses sdpa on Hopper unless --attn sdpa"
+    return {"requested": requested, "order": order, "expects": text}
 
 
 def window_mask(T, window, device):
@@ -90,17 +257,59 @@ def window_mask(T, window, device):
     return (delta >= 0) & (delta < window)
 
 
+def mask_free(kernel, device):
+    """Whether plain rows of `kernel` on `device` need no mask from the model: the kernel takes the window itself
+    (FA3, FA4), or, on CUDA, flex_attention does. The CPU keeps SDPA with the dense masks."""
+    return kernel in ("fa3", "fa4") or torch.device(device).type == "cuda"
+
+
 def causal_attention(q, k, v, window, kernel="sdpa"):
     """Attention over a plain row: each query sees itself and the window - 1 positions before it.
     q (B, T, H, D); k, v (B, T, KV, D) with KV dividing H (GQA). Returns (B, T, H, D)."""
     T = q.size(1)
     full = window >= T
-    if kernel == "fa3" and q.dtype in FA3_DTYPES:  # any other dtype falls back to SDPA: same math
-        y = _fa3.flash_attn_func(q, k, v, causal=True, window_size=(-1 if full else window - 1, 0))
-        return y[0] if isinstance(y, tuple) else y  # some FA3 builds also return the log-sum-exp
+    if kernel in ("fa3", "fa4") and q.dtype in FAST_DTYPES:  # any other dtype falls back to SDPA: same math
+        if kernel == "fa3":
+            y = _fa3.flash_attn_func(q, k, v, causal=True, window_size=(-1 if full else window - 1, 0))
+        else:
+            y = _fa4(q, k, v, causal=True, window_size=(None if full else window - 1, 0))
+        return y[0] if isinstance(y, tuple) else y  # some builds also return the log-sum-exp
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    y = masked_attention(q, k, v, None if full else window_mask(T, window, q.device))
+    if not full and q.is_cuda:
+        y = sliding_window_attention(q, k, v, window)
+    elif kernel == "cudnn" and q.dtype in FAST_DTYPES:
+        with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+            y = masked_attention(q, k, v, None)
+    else:
+        y = masked_attention(q, k, v, None if full else window_mask(T, window, q.device))
     return y.transpose(1, 2)
+
+
+_flex_compiled = None
+
+
+def flex():
+    """flex_attention compiled once per process: uncompiled it would build the whole score matrix."""
+    global _flex_compiled
+    if _flex_compiled is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    return _flex_compiled
+
+
+def sliding_block_mask(T, window, device, block=128):
+    """flex_attention's BlockMask of the causal window: query blocks skip the key blocks no query of theirs sees."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def within(b, h, i, j):
+        return (i >= j) & (i - j < window)
+    return create_block_mask(within, None, None, T, T, device=device, BLOCK_SIZE=block)
+
+
+def sliding_window_attention(q, k, v, window, block=128):
+    """q (B, H, T, D); k, v (B, KV, T, D): causal attention within `window` positions, without a (T, T) mask."""
+    mask = sliding_block_mask(q.size(2), window, q.device, block)
+    return flex()(q, k, v, block_mask=mask, enable_gqa=k.size(1) != q.size(1))
 
 
 def masked_attention(q, k, v, mask):

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.flash_attention import causal_attention, masked_attention, load_fa3
+from nanochat.flash_attention import KERNELS, causal_attention, load_kernel, mask_free, masked_attention
 
 
 @dataclass
@@ -82,11 +82,11 @@ class CausalSelfAttention(nn.Module):
         self.c_v = Linear(d, self.n_kv_head * hd, device=device)
         self.c_proj = Linear(d, d, device=device)
         self.window = config.sequence_len  # this layer's window, set by GPT from the pattern
-        self.kernel = "sdpa"  # of plain rows: "sdpa" or "fa3" (GPT.set_attention)
+        self.kernel = "sdpa"  # of plain rows: one of flash_attention.KERNELS (GPT.set_attention)
 
     def forward(self, x, cos_sin, mask, kv=None):
-        """mask: None for a plain row (causal, within this layer's window: FA3's own window support, or SDPA's
-        is_causal / a window mask), else a bool mask of the keys each query sees (always SDPA).
+        """mask: None for a plain row (causal, within this layer's window: the kernel's own window support, or on CUDA
+        flex_attention, or SDPA's is_causal / a window mask), else a bool mask of the keys each query sees (always SDPA).
         kv: this layer's KV cache (nanochat/engine.py) when decoding: x holds the new positions only, their keys and
         values are appended to the cached ones, and mask (queries × every key so far) is always given."""
         B, T, _ = x.shape
@@ -208,11 +208,11 @@ class GPT(nn.Module):
         self.compute_dtype = dtype
 
     def set_attention(self, kernel):
-        """The attention kernel of plain rows, "sdpa" or "fa3" (nanochat/flash_attention.py resolves it): set once,
-        before torch.compile. FA3 takes each layer's window itself, so no mask is built for plain rows."""
-        assert kernel in ("sdpa", "fa3"), kernel
-        if kernel == "fa3":
-            load_fa3()  # loaded here, not on the first forward (nor inside a compiled graph)
+        """The attention kernel of plain rows, one of flash_attention.KERNELS (nanochat/flash_attention.py resolves it):
+        set once, before torch.compile. Where it takes each layer's window itself (mask_free), no mask is built."""
+        assert kernel in KERNELS, kernel
+        if kernel != "sdpa":
+            load_kernel(kernel)  # loaded here, not on the first forward (nor inside a compiled graph)
         self.attention = kernel
         for block in self.blocks:
             block.attn.kernel = kernel
@@ -281,11 +281,12 @@ class GPT(nn.Module):
         its window), else a bool mask.
         Packed rows (evaluation) give their positions (B, T) and allowed (B, T, T): which tokens each token may
         attend to. Sliding windows count in positions, not in offsets along the row.
-        Plain rows under FA3 need no mask at all: the kernel takes each layer's window (window_size). Packed rows
-        keep their masks under either kernel: FA3's causal window cannot say where a document ends."""
+        Plain rows need no mask where the kernel takes each layer's window (FA3, FA4: window_size) or flex_attention
+        does (the other kernels on CUDA); the CPU keeps the dense masks. Packed rows keep their masks under every
+        kernel: a causal window cannot say where a document ends."""
         assert (positions is None) == (allowed is None), "packed rows need both positions and allowed"
         plain = allowed is None
-        if plain and (self.attention == "fa3" or all(w >= T for w in self.windows)):
+        if plain and (mask_free(self.attention, device) or all(w >= T for w in self.windows)):
             return [None] * len(self.windows)
         if plain:
             positions = torch.arange(T, device=device)[None]

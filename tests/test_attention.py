@@ -5,6 +5,7 @@ kernel that does FA3's documented window arithmetic with that hand-written atten
 import copy
 import json
 import math
+import re
 import sys
 import types
 
@@ -31,18 +32,21 @@ def dense(q, k, v, allowed):
     return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)) + bias, dim=-1) @ v
 
 
-class FakeFA3:
-    """flash_attn_func as FA3 documents it, computed by `dense`: (B, T, H, D) layout; query i sees the keys
-    i - left .. i + right, both included, -1 = no limit on that side; causal caps the right side at 0."""
+class FakeFlash:
+    """flash_attn_func as FA3 and FA4 document it, computed by `dense`: (B, T, H, D) layout; query i sees the keys
+    i - left .. i + right, both included; causal caps the right side at 0. "No limit" on a side is -1 for FA3 and
+    None for FA4, which would take -1 as a bound: this fake refuses it. FA4 returns (out, lse)."""
 
-    def __init__(self):
-        self.windows = []
+    def __init__(self, style="fa3"):
+        self.style, self.windows = style, []
 
     def flash_attn_func(self, q, k, v, causal=False, window_size=(-1, -1)):
         (B, T, H, D), KV = q.shape, k.size(2)
         assert k.shape == v.shape == (B, T, KV, D) and H % KV == 0, (q.shape, k.shape)
         self.windows.append(window_size)
-        left, right = window_size
+        if self.style == "fa4":
+            assert all(x is None or x >= 0 for x in window_size), f"FA4 reads {window_size} as bounds: no limit is None"
+        left, right = (-1 if x is None else x for x in window_size)
         i, j = torch.arange(T)[:, None], torch.arange(T)[None]
         allowed = torch.ones(T, T, dtype=torch.bool)
         if left >= 0:
@@ -51,34 +55,62 @@ class FakeFA3:
             allowed &= j <= i + right
         if causal:
             allowed &= j <= i
-        return dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed).transpose(1, 2)
+        y = dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed).transpose(1, 2)
+        return (y, torch.zeros(B, H, T)) if self.style == "fa4" else y
 
 
 @pytest.fixture
 def fake_fa3(monkeypatch):
     """The fake kernel loaded, and accepted in float32 (the real one runs bf16 only)."""
-    kernel = FakeFA3()
+    kernel = FakeFlash("fa3")
     monkeypatch.setattr(fa, "_fa3", kernel)
-    monkeypatch.setattr(fa, "FA3_DTYPES", (torch.bfloat16, torch.float32))
+    monkeypatch.setattr(fa, "FAST_DTYPES", (torch.bfloat16, torch.float32))
     return kernel
 
 
-def fake_machine(monkeypatch, cuda=True, capability=(9, 0), kernels="loads"):
-    """torch.cuda and the kernels package as a machine would show them; kernels: loads, missing, or broken."""
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    kernel = FakeFlash("fa4")
+    monkeypatch.setattr(fa, "_fa4", kernel.flash_attn_func)
+    monkeypatch.setattr(fa, "FAST_DTYPES", (torch.bfloat16, torch.float32))
+    return kernel
+
+
+def fake_machine(monkeypatch, cuda=True, capability=(9, 0), kernels="loads", fa4="missing", cudnn="runs"):
+    """torch.cuda, the kernels package and flash-attn-4 as a machine would show them: kernels and fa4 load, are
+    missing, or are broken; cudnn runs or fails its probe (every other probe passes)."""
     monkeypatch.setattr(fa, "_fa3", None)
+    monkeypatch.setattr(fa, "_fa4", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+    def probe(kernel, device):
+        if kernel == "cudnn" and cudnn != "runs":
+            raise fa.KernelUnavailable("cudnn failed its probe (RuntimeError: No available kernel.)")
+    monkeypatch.setattr(fa, "probe", probe)
+    loaded = []
+    if fa4 == "missing":
+        monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn.cute raises ImportError
+    else:
+        cute = types.ModuleType("flash_attn.cute")
+        if fa4 == "broken":  # a dependency that does not import (the CUDA DSL, say)
+            def __getattr__(name):
+                raise ImportError("libcuda.so.1: cannot open shared object file", name="cutlass")
+            cute.__getattr__ = __getattr__
+        else:
+            cute.flash_attn_func = lambda *a, **kw: loaded.append("fa4")
+        monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+        monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
     if kernels == "missing":
         monkeypatch.setitem(sys.modules, "kernels", None)  # import kernels raises ImportError
-        return
+        return loaded
     module = types.ModuleType("kernels")
-    loaded = []
 
     def get_kernel(repo):
         if kernels == "broken":
             raise OSError("no network and no cached copy\nsecond line")
         loaded.append(repo)
-        return types.SimpleNamespace(flash_attn_interface=FakeFA3())
+        return types.SimpleNamespace(flash_attn_interface=FakeFlash())
 
     module.get_kernel = get_kernel
     monkeypatch.setitem(sys.modules, "kernels", module)
@@ -101,14 +133,26 @@ def build(cls=GPT, seed=0, **kw):
 # which kernel
 
 
+NONE_LOAD = dict(kernels="missing", cudnn="fails")
+NONE_LOAD_REASON = ("fa4: flash-attn-4 is not installed (pip install flash-attn-4); cudnn: cudnn failed its probe "
+                    "(RuntimeError: No available kernel.); fa3: the kernels package is not installed (pip install kernels)")
+
+
 @pytest.mark.parametrize("machine, requested, kernel, reason", [
     (dict(cuda=False), "auto", "sdpa", "no CUDA"),
-    (dict(capability=(8, 0)), "auto", "sdpa", "compute capability 8.0"),
-    (dict(capability=(10, 0)), "auto", "sdpa", "compute capability 10.0"),
-    (dict(kernels="missing"), "auto", "sdpa", "the kernels package is not installed (pip install kernels)"),
-    (dict(kernels="broken"), "auto", "sdpa", f"{fa.FA3_REPO} did not load (OSError: no network and no cached copy)"),
-    (dict(), "auto", "fa3", "Hopper GPU, kernel loaded"),
-    (dict(), "fa3", "fa3", "Hopper GPU, kernel loaded"),
+    (dict(capability=(8, 0), fa4="loads"), "auto", "sdpa", "compute capability 8.0"),
+    (dict(capability=(10, 0), fa4="loads"), "auto", "sdpa", "compute capability 10.0"),
+    (dict(fa4="loads"), "auto", "fa4", "Hopper GPU, flash-attn-4 loaded"),  # the order: fa4, cudnn, fa3
+    (dict(), "auto", "cudnn", "Hopper GPU, cuDNN attention runs"),
+    (dict(cudnn="fails"), "auto", "fa3", f"Hopper GPU, {fa.FA3_REPO} loaded from the hub"),
+    (dict(cudnn="fails", kernels="broken"), "auto", "sdpa", "fa4: flash-attn-4 is not installed (pip install flash-attn-4); "
+     "cudnn: cudnn failed its probe (RuntimeError: No available kernel.); "
+     f"fa3: {fa.FA3_REPO} did not load (OSError: no network and no cached copy)"),
+    (NONE_LOAD, "auto", "sdpa", NONE_LOAD_REASON),
+    (dict(fa4="broken"), "auto", "cudnn", "Hopper GPU, cuDNN attention runs"),
+    (dict(), "fa3", "fa3", f"{fa.FA3_REPO} loaded from the hub"),
+    (dict(fa4="loads", capability=(10, 0)), "fa4", "fa4", "flash-attn-4 loaded"),  # named, FA4 runs on Blackwell too
+    (dict(capability=(8, 0)), "cudnn", "cudnn", "cuDNN attention runs"),
     (dict(), "sdpa", "sdpa", "--attn sdpa"),
 ])
 def test_dispatch_table(monkeypatch, machine, requested, kernel, reason):
@@ -116,34 +160,69 @@ def test_dispatch_table(monkeypatch, machine, requested, kernel, reason):
     assert fa.resolve_attention(requested, "cuda") == (kernel, reason)
     if kernel == "fa3":
         assert loaded == [fa.FA3_REPO] and fa._fa3 is not None
-        assert fa.resolve_attention("auto", "cuda:0")[0] == "fa3" and loaded == [fa.FA3_REPO]  # loaded once
+        assert fa.resolve_attention("fa3", "cuda:0")[0] == "fa3" and loaded == [fa.FA3_REPO]  # loaded once
+    if kernel == "fa4":
+        assert fa._fa4 is not None
 
 
 def test_dispatch_other_devices_and_dtypes(monkeypatch):
-    fake_machine(monkeypatch)
+    fake_machine(monkeypatch, fa4="loads")
     assert fa.resolve_attention("auto", "cpu") == ("sdpa", "device cpu")  # --device-type cpu on a GPU node
     assert fa.resolve_attention("auto", "cuda", torch.float32) == ("sdpa", "compute dtype float32")
-    assert fa.resolve_attention("auto", "cuda", torch.bfloat16)[0] == "fa3"
+    assert fa.resolve_attention("auto", "cuda", torch.bfloat16)[0] == "fa4"
 
 
-@pytest.mark.parametrize("machine, why", [(dict(cuda=False), "no CUDA"), (dict(capability=(8, 6)), "compute capability 8.6"),
-                                          (dict(kernels="missing"), "the kernels package is not installed")])
-def test_fa3_where_it_cannot_run_is_one_line(monkeypatch, machine, why):
+@pytest.mark.parametrize("requested, machine, why", [
+    ("fa3", dict(cuda=False), "no CUDA"), ("fa3", dict(capability=(8, 6)), "compute capability 8.6"),
+    ("fa3", dict(kernels="missing"), "the kernels package is not installed"),
+    ("fa4", dict(), "flash-attn-4 is not installed (pip install flash-attn-4)"),
+    ("fa4", dict(fa4="broken"), "flash-attn-4 did not import (ImportError: libcuda.so.1: cannot open shared object file)"),
+    ("fa4", dict(fa4="loads", capability=(8, 0)), "compute capability 8.0"),
+    ("cudnn", dict(cudnn="fails"), "cudnn failed its probe"), ("cudnn", dict(capability=(7, 5)), "compute capability 7.5")])
+def test_a_named_kernel_where_it_cannot_run_is_one_line(monkeypatch, requested, machine, why):
     fake_machine(monkeypatch, **machine)
     with pytest.raises(UserError) as e:
-        fa.resolve_attention("fa3", "cuda")
+        fa.resolve_attention(requested, "cuda")
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("--attn fa3: FlashAttention-3 cannot run here: ") and why in msg
-    assert msg.endswith("--attn auto falls back to SDPA")
-    with pytest.raises(UserError, match="--attn must be one of auto, fa3, sdpa"):
+    assert "\n" not in msg and msg.startswith(f"--attn {requested} cannot run here: ") and why in msg
+    assert msg.endswith("--attn auto picks what can")
+    with pytest.raises(UserError, match="--attn must be one of auto, fa4, cudnn, fa3, sdpa"):
         fa.resolve_attention("flash", "cuda")
 
 
-def test_the_kernels_package_is_imported_by_the_loader_only():
+def test_each_optional_package_is_imported_by_its_loader_only():
     source = open(fa.__file__).read()
-    assert source.count("from kernels import") == 1 and "import kernels" not in source
-    loader = source[source.index("def load_fa3"):source.index("def fa3_unavailable")]
-    assert "from kernels import get_kernel" in loader
+    assert source.count("from kernels import") == 1 and not re.search(r"^\s*import kernels", source, re.M)
+    assert source.count("from flash_attn") == 1 and not re.search(r"^\s*import flash_attn", source, re.M)
+    assert "from kernels import get_kernel" in source[source.index("def load_fa3"):source.index("def load_fa4")]
+    assert "from flash_attn.cute import flash_attn_func" in source[source.index("def load_fa4"):source.index("def load_kernel")]
+
+
+class Recorder:
+    """A fast kernel on the CPU for the probe: dense attention in the inputs' dtype, or a wrong answer, or an error."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __call__(self, q, k, v, causal=False, window_size=None):
+        if self.answer == "raises":
+            raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+        y = dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_allowed(q.size(1), q.size(1))).transpose(1, 2)
+        return (y if self.answer == "right" else y.flip(1)), None
+
+
+@pytest.mark.parametrize("answer, why", [("right", None), ("wrong", "fa4 failed its probe (relative error "),
+                                         ("raises", "fa4 failed its probe (RuntimeError: CUDA error: no kernel image")])
+def test_the_probe_catches_a_kernel_that_loads_but_cannot_run(monkeypatch, answer, why):
+    monkeypatch.setattr(fa, "_fa4", Recorder(answer))
+    monkeypatch.setattr(fa, "_probed", set())
+    monkeypatch.setattr(fa, "load_fa4", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fa, "device_unfit", lambda device, dtype=None, majors=(9,): None)  # the CPU stands in for the GPU
+    got = fa.kernel_unavailable("fa4", "cpu", torch.bfloat16)
+    assert got == why if why is None else got.startswith(why)
+    assert (("fa4", "cpu") in fa._probed) == (why is None)  # probed once per device
 
 
 # ---------------------------------------------------------------------------
@@ -162,7 +241,7 @@ def test_fallback_to_sdpa_trains_as_before(monkeypatch):
 
 
 def test_fa3_kernel_in_another_dtype_runs_sdpa(fake_fa3, monkeypatch):
-    monkeypatch.setattr(fa, "FA3_DTYPES", (torch.bfloat16,))
+    monkeypatch.setattr(fa, "FAST_DTYPES", (torch.bfloat16,))
     q, k, v = torch.randn(1, 16, 4, 8), torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
     y = fa.causal_attention(q, k, v, 8, "fa3")
     assert fake_fa3.windows == []  # float32: the kernel was never called
@@ -208,14 +287,28 @@ def test_packed_rows_mask_equals_dense():
 
 
 # ---------------------------------------------------------------------------
-# the FA3 code path, with the fake kernel
+# the FA3 and FA4 code paths, with the fake kernels
+
+
+@pytest.fixture(params=["fa3", "fa4"])
+def fake_flash(request, monkeypatch):
+    """(kernel name, its fake) for each of FA3 and FA4."""
+    kernel = FakeFlash(request.param)
+    if request.param == "fa3":
+        monkeypatch.setattr(fa, "_fa3", kernel)
+    else:
+        monkeypatch.setattr(fa, "_fa4", kernel.flash_attn_func)
+    monkeypatch.setattr(fa, "FAST_DTYPES", (torch.bfloat16, torch.float32))
+    return request.param, kernel
 
 
 @pytest.mark.parametrize("T, w", [(32, 16), (32, 1), (20, 16), (16, 32)])
-def test_fa3_adapter_passes_layout_and_window(fake_fa3, T, w):
+def test_flash_adapters_pass_layout_and_window(fake_flash, T, w):
+    name, kernel = fake_flash
     q, k, v = torch.randn(2, T, 4, 16), torch.randn(2, T, 2, 16), torch.randn(2, T, 2, 16)
-    y = fa.causal_attention(q, k, v, w, "fa3")
-    assert fake_fa3.windows == [(w - 1, 0) if w < T else (-1, 0)]  # w positions = itself and w - 1 before
+    y = fa.causal_attention(q, k, v, w, name)
+    no_limit = -1 if name == "fa3" else None  # FA4 would read -1 as a bound
+    assert kernel.windows == [(w - 1, 0) if w < T else (no_limit, 0)]  # w positions = itself and w - 1 before
     assert y.shape == q.shape
     want = dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_allowed(T, w)).transpose(1, 2)
     assert torch.allclose(y, want, atol=1e-5)
@@ -230,20 +323,21 @@ def test_fa3_kernels_tuple_output_is_unpacked(fake_fa3, monkeypatch):
 
 
 @pytest.mark.parametrize("cls", [GPT, NAGGPT])
-def test_model_on_fa3_equals_model_on_sdpa(fake_fa3, cls):
+def test_model_on_a_flash_kernel_equals_model_on_sdpa(fake_flash, cls):
+    name, kernel = fake_flash
     sdpa = build(cls)
     model = copy.deepcopy(sdpa)
-    model.set_attention("fa3")
+    model.set_attention(name)
     assert model.attention_masks(32, "cpu") == [None, None, None]  # plain rows: no mask, the kernel takes the window
     x = torch.randint(0, 128, (2, 32))
     loss = model(x, x)
-    assert fake_fa3.windows == [(15, 0), (15, 0), (-1, 0)]  # S = 16 positions, the last layer L
+    assert kernel.windows == [(15, 0), (15, 0), (-1 if name == "fa3" else None, 0)]  # S = 16 positions, the last layer L
     want = sdpa(x, x)
     assert torch.allclose(loss, want, atol=1e-5)
     loss.backward()
     want.backward()
-    for (name, p), q in zip(model.named_parameters(), sdpa.parameters()):
-        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+    for (n, p), q in zip(model.named_parameters(), sdpa.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), n
 
 
 def test_fa3_leaves_packed_rows_mod_and_the_kv_cache_to_masks(fake_fa3):
@@ -282,41 +376,55 @@ def test_bench_runs_on_the_cpu_with_sdpa_alone(tmp_path, monkeypatch):
     assert json.loads(path.read_text()) == json.loads(json.dumps(d))
     assert [(r["kernel"], r["window"], r["window_tokens"]) for r in d["results"]] == [("sdpa", "L", 64), ("sdpa", "S", 32)]
     assert all(r["fwd_bwd_ms"] > 0 and r["err_out"] < 1e-5 for r in d["results"])
-    assert d["attention"] == {"requested": "auto", "kernel": "sdpa", "reason": "no CUDA"} and d["fa3_vs_sdpa"] == [] and d["ok"]
+    assert d["attention"] == {"requested": "auto", "kernel": "sdpa", "reason": "no CUDA"} and d["vs_sdpa"] == [] and d["ok"]
+    assert d["kernels"] == {"sdpa": "timed", "cudnn": "no CUDA", "fa3": "no CUDA", "fa4": "no CUDA"}  # why each was not run
     figures = gpu_checks.attention_figures(d)
-    assert figures.startswith("fwd+bwd sdpa L ") and figures.endswith("FA3 not run: no CUDA")
-    with pytest.raises(SystemExit):  # --attn fa3 where it cannot run: the one line, exit status 1
-        bench_attention.main(["--attn", "fa3"])
+    assert figures.startswith("fwd+bwd sdpa L ") and figures.endswith("not run: cudnn (no CUDA), fa3 (no CUDA), fa4 (no CUDA)")
+    for named in ("fa3", "fa4", "cudnn"):  # a named kernel where it cannot run: the one line, exit status 1
+        with pytest.raises(SystemExit):
+            bench_attention.main(["--attn", named])
 
 
 @pytest.mark.parametrize("wrong", [False, True])
-def test_bench_compares_fa3_with_sdpa(fake_fa3, monkeypatch, capsys, wrong):
+def test_bench_compares_every_kernel_that_loads_with_sdpa(fake_flash, monkeypatch, capsys, wrong):
+    name, kernel = fake_flash
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(fa, "resolve_attention", lambda requested, device, dtype=None: ("fa3", "fake kernel"))
+    monkeypatch.setattr(fa, "resolve_attention", lambda requested, device, dtype=None: (name, "fake kernel"))
+    monkeypatch.setattr(fa, "kernel_unavailable", lambda k, device, dtype=None: None if k == name else "not this one")
     if wrong:  # a kernel that reads left as the window itself: one key too many
-        call = fake_fa3.flash_attn_func
-        monkeypatch.setattr(fake_fa3, "flash_attn_func", lambda q, k, v, causal, window_size: call(
-            q, k, v, causal=causal, window_size=(window_size[0] + 1 if window_size[0] >= 0 else -1, 0)))
+        call = kernel.flash_attn_func
+        fake = lambda q, k, v, causal, window_size: call(q, k, v, causal=causal, window_size=(
+            window_size[0] + 1 if window_size[0] not in (None, -1) else window_size[0], 0))
+        monkeypatch.setattr(fa, "_fa3", types.SimpleNamespace(flash_attn_func=fake)) if name == "fa3" else monkeypatch.setattr(fa, "_fa4", fake)
         with pytest.raises(SystemExit):
             bench_attention.main(["--steps", "1", "--warmup", "0", "--kv-heads", "1"])
         assert "DISAGREE" in capsys.readouterr().out
         return
     d = bench_attention.main(["--steps", "1", "--warmup", "0", "--kv-heads", "1"])
-    assert [(x["window"], x["agree"]) for x in d["fa3_vs_sdpa"]] == [("L", True), ("S", True)]
-    assert all(x[key] < 1e-5 for x in d["fa3_vs_sdpa"] for key in ("out", "grad_q", "grad_k", "grad_v"))
-    assert "S: fa3 " in gpu_checks.attention_figures(d)
+    assert [(x["kernel"], x["window"], x["agree"]) for x in d["vs_sdpa"]] == [(name, "L", True), (name, "S", True)]
+    assert all(x[key] < 1e-5 for x in d["vs_sdpa"] for key in ("out", "grad_q", "grad_k", "grad_v"))
+    assert d["fa3_vs_sdpa"] == (d["vs_sdpa"] if name == "fa3" else [])  # what gpu_checks' headline reads
+    assert d["kernels"][name] == "timed" and list(d["kernels"]) == ["sdpa", name] + [k for k in ("cudnn", "fa3", "fa4") if k != name]
+    assert f"S: {name} " in gpu_checks.attention_figures(d)
 
 
 def test_gpu_checks_attention_figures_and_headline(tmp_path):
     d = {"attention": {"requested": "auto", "kernel": "fa3", "reason": "Hopper GPU, kernel loaded"},
+         "kernels": {"sdpa": "timed", "fa3": "timed", "cudnn": "cudnn failed its probe", "fa4": "flash-attn-4 is not installed"},
          "results": [{"kernel": k, "window": w, "fwd_bwd_ms": ms} for k, w, ms in
-                     (("sdpa", "L", 4.0), ("fa3", "L", 2.5), ("sdpa", "S", 3.0), ("fa3", "S", 1.5))],
-         "fa3_vs_sdpa": [{"window": w, "speedup": s, "out": 4e-3, "grad_q": 8e-3, "grad_k": 1e-2, "grad_v": 6e-3}
-                         for w, s in (("L", 1.6), ("S", 2.0))],
+                     (("sdpa", "L", 4.0), ("fa3", "L", 2.5), ("sdpa-mask", "S", 3.6), ("sdpa", "S", 3.0), ("fa3", "S", 1.5))],
+         "vs_sdpa": [{"kernel": k, "vs": vs, "window": w, "speedup": s, "out": 4e-3, "grad_q": 8e-3, "grad_k": 1e-2, "grad_v": 6e-3}
+                     for k, vs, w, s in (("fa3", "sdpa", "L", 1.6), ("sdpa", "sdpa-mask", "S", 1.2), ("fa3", "sdpa", "S", 2.0))],
          "compile": {"kernel": "fa3", "fullgraph": True, "compile_s": 9.0, "fwd_bwd_ms": 1.4}}
+    d["fa3_vs_sdpa"] = [x for x in d["vs_sdpa"] if x["kernel"] == "fa3"]
     assert gpu_checks.attention_figures(d) == (
-        "fwd+bwd sdpa L 4.00 ms; fa3 L 2.50 ms; sdpa S 3.00 ms; fa3 S 1.50 ms; L: fa3 1.60× as fast, |fa3 − sdpa| out 4.0e-03, "
-        "grads 1.0e-02; S: fa3 2.00× as fast, |fa3 − sdpa| out 4.0e-03, grads 1.0e-02; fa3 compiled: fullgraph, 9 s, 1.40 ms")
+        "fwd+bwd sdpa L 4.00 ms; fa3 L 2.50 ms; sdpa-mask S 3.60 ms; sdpa S 3.00 ms; fa3 S 1.50 ms; "
+        "L: fa3 1.60× as fast as sdpa, |difference| out 4.0e-03, grads 1.0e-02; "
+        "S: sdpa 1.20× as fast as sdpa-mask, |difference| out 4.0e-03, grads 1.0e-02; "
+        "S: fa3 2.00× as fast as sdpa, |difference| out 4.0e-03, grads 1.0e-02; "
+        "not run: cudnn (cudnn failed its probe), fa4 (flash-attn-4 is not installed); fa3 compiled: fullgraph, 9 s, 1.40 ms")
+    old = {k: v for k, v in d.items() if k not in ("vs_sdpa", "kernels")}  # a JSON from before: FA3 and SDPA only
+    assert gpu_checks.attention_figures(old).startswith("fwd+bwd sdpa L 4.00 ms; fa3 L 2.50 ms;")
     (tmp_path / "attention.json").write_text(json.dumps(d))
     lines = gpu_checks.headline(str(tmp_path))
     assert "- attention alone, window S, 16 × 2048, 5 heads × 128: FA3 1.50 ms, SDPA 3.00 ms forward + backward (2.00×); " \

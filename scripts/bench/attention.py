@@ -1,17 +1,23 @@
 """
-Attention alone, FlashAttention-3 against SDPA (nanochat/flash_attention.py, docs/design.md §2): forward and
-forward + backward time of one attention call, for a full causal window (L) and the half window of S layers
-(SDPA: the mask the model builds; FA3: its own window_size), and the largest differences between the two kernels'
-outputs and input gradients, each kernel also against a reference in a wider dtype.
+Attention alone, every kernel that loads against SDPA (nanochat/flash_attention.py, docs/design.md §2): forward and
+forward + backward time of one attention call, for a full causal window (L) and the half window of S layers, and
+the largest differences between each kernel's outputs and input gradients and SDPA's, each kernel also against a
+reference in a wider dtype.
 
     python -m scripts.bench.attention                    # CUDA: the published shape (16 × 2048, 5 heads × 128, bf16); CPU: a tiny one
-    python -m scripts.bench.attention --compile --json attention.json   # gpu_checks' stage: also FA3 under torch.compile
+    python -m scripts.bench.attention --compile --json attention.json   # gpu_checks' stage: also the chosen kernel compiled
 
-FA3 is timed when it loads (--attn auto); --attn fa3 makes a machine where it cannot an error, --attn sdpa skips it.
-The reference is SDPA in fp32 on CUDA (fp64 on the CPU) of the same inputs. The run fails (exit status 1) when FA3's
-error against it is more than FA3_SLACK × SDPA's plus 1e-3 (a wrong window costs O(0.1); rounding does not), or when
-FA3 compiled differs from FA3 eager. --compile compiles the S-window call with fullgraph=True (graph breaks are
-reported, then it compiles without fullgraph): what base_train's torch.compile of the model meets.
+The kernels: sdpa (L: SDPA's default backend, flash on Hopper; S: flex_attention with a block mask on CUDA, the
+dense mask on the CPU), cudnn (SDPA's cuDNN backend; S as sdpa), fa3 (the hub's FlashAttention-3), fa4
+(flash-attn-4), each only where it loads and passes its probe; the JSON says why not for the others. On CUDA the
+S window also times sdpa-mask: SDPA with the dense (T, T) mask the model built before flex_attention.
+--attn auto runs every kernel that loads; --attn NAME runs SDPA and NAME (an error where NAME cannot run); --attn
+sdpa runs SDPA alone. The reference is SDPA in fp32 on CUDA (fp64 on the CPU) of the same inputs. The run fails
+(exit status 1) when a kernel's error against it is more than SLACK × the baseline's plus 1e-3 (the baseline:
+sdpa-mask for S on CUDA, else sdpa; a wrong window costs O(0.1), rounding does not), or when the compiled call
+differs from eager. --compile compiles the S-window call of the kernel --attn resolves to (what training would
+run) with fullgraph=True (a graph break is reported, then it compiles without fullgraph): what base_train's
+torch.compile of the model meets.
 """
 
 import sys
@@ -24,7 +30,8 @@ import torch
 from nanochat import flash_attention as fa
 from nanochat.common import UserError, exit_on_user_error
 
-FA3_SLACK = 4.0  # FA3 may be this many times further from the reference than SDPA (plus 1e-3) before it fails
+SLACK = 4.0  # a kernel may be this many times further from the reference than the baseline (plus 1e-3) before it fails
+FAST = ("cudnn", "fa3", "fa4")  # timed after sdpa, each where it loads
 
 
 def parse(argv=None):
@@ -36,10 +43,11 @@ def parse(argv=None):
     p.add_argument("--kv-heads", type=int, default=0, help="GQA: key/value heads (default: --heads)")
     p.add_argument("--head-dim", type=int, default=128 if on_cuda else 16)
     p.add_argument("--windows", type=str, default="L,S", help="L = the whole row, S = half of it (as --window-pattern)")
-    p.add_argument("--attn", type=str, default="auto", choices=fa.CHOICES, help="which kernels: auto = SDPA, and FA3 where it loads")
+    p.add_argument("--attn", type=str, default="auto", choices=fa.CHOICES,
+                   help="which kernels: auto = SDPA and every other that loads; NAME = SDPA and NAME; sdpa = SDPA alone")
     p.add_argument("--steps", type=int, default=10 if on_cuda else 2)
     p.add_argument("--warmup", type=int, default=3 if on_cuda else 1)
-    p.add_argument("--compile", action="store_true", help="also FA3 (else SDPA) compiled, against eager, S window")
+    p.add_argument("--compile", action="store_true", help="also the chosen kernel compiled, against eager, S window")
     p.add_argument("--json", type=str, default="", help="also write the figures here")
     return p.parse_args(argv)
 
@@ -61,11 +69,13 @@ def timed(fn, steps, warmup, device):
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def attend(kernel, q, k, v, window, mask):
-    """One attention call as the model makes it on plain rows: FA3 with the layer's window, or SDPA with the
-    shared window mask the model builds (is_causal where the window covers the row). (B, T, H, D) in and out."""
-    if kernel == "fa3" or mask is None:
+def attend(kernel, q, k, v, window):
+    """One attention call as the model makes it on plain rows (B, T, H, D) in and out; sdpa-mask: SDPA with the
+    dense window mask (the reference's path, and the model's on the CPU)."""
+    if kernel != "sdpa-mask":
         return fa.causal_attention(q, k, v, window, kernel)
+    T = q.size(1)
+    mask = None if window >= T else fa.window_mask(T, window, q.device)[None, None]
     return fa.masked_attention(*(t.transpose(1, 2) for t in (q, k, v)), mask).transpose(1, 2)
 
 
@@ -91,6 +101,19 @@ def first_line(e):
     return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
 
 
+def pick_kernels(requested, device, dtype):
+    """The kernels to time (sdpa first) and, for each other one, why it is not timed."""
+    if requested in FAST:
+        fa.resolve_attention(requested, device, dtype)  # where it cannot run: the one-line UserError
+    wanted = FAST if requested == "auto" else [k for k in FAST if k == requested]
+    skipped = {k: f"--attn {requested}" for k in FAST if k not in wanted}
+    for k in wanted:
+        why = fa.kernel_unavailable(k, device, dtype)
+        if why is not None:
+            skipped[k] = why
+    return ["sdpa"] + [k for k in wanted if k not in skipped], skipped
+
+
 def compile_check(kernel, inputs, dy, window, eager, args, device):
     """The S-window call under torch.compile (fullgraph first) against eager: same output and gradients?"""
     import torch._dynamo
@@ -114,8 +137,8 @@ def run(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ref_dtype = torch.float32 if device.type == "cuda" else torch.float64
-    kernel, reason = fa.resolve_attention(args.attn, device, dtype)
-    kernels = ["sdpa"] + (["fa3"] if kernel == "fa3" else [])
+    kernel, reason = fa.resolve_attention(args.attn, device, dtype)  # what training would run
+    kernels, skipped = pick_kernels(args.attn, device, dtype)
     B, T, H, D = args.batch, args.seq_len, args.heads, args.head_dim
     KV = args.kv_heads or H
     if H % KV:
@@ -123,7 +146,8 @@ def run(args):
     windows = [w.strip().upper() for w in args.windows.split(",") if w.strip()]
     if not windows or any(w not in ("L", "S") for w in windows):
         raise UserError(f"--windows takes L and S (got {args.windows!r})")
-    print(f"attention: {kernel} ({reason}) | {device.type} {dtype} | batch {B} × {T} tokens, {H} heads ({KV} kv) × {D}", flush=True)
+    print(f"attention: {kernel} ({reason}) | timing {', '.join(kernels)} | {device.type} {dtype} | batch {B} × {T} tokens, "
+          f"{H} heads ({KV} kv) × {D}" + "".join(f"\n  {k} not run: {why}" for k, why in skipped.items()), flush=True)
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dy = (torch.randn(B, T, h, D, generator=g, device=device, dtype=dtype) for h in (H, KV, KV, H))
@@ -131,12 +155,12 @@ def run(args):
     compile_at = "S" if "S" in windows else windows[-1]  # the call that passes a window
     for name in windows:
         window = T if name == "L" else T // 2
-        mask = None if window >= T else fa.window_mask(T, window, device)[None, None]
-        ref = forward_backward(lambda *x: attend("sdpa", *x, window, mask), [t.to(ref_dtype) for t in (q, k, v)], dy.to(ref_dtype))
-        outs = {}
+        ref = forward_backward(lambda *x: attend("sdpa-mask", *x, window), [t.to(ref_dtype) for t in (q, k, v)], dy.to(ref_dtype))
+        masked = name == "S" and device.type == "cuda"  # only there does sdpa run another path than the mask
+        outs, by_kernel = {}, {}
         flops = attention_flops(B, T, H, D, window)
-        for kern in kernels:
-            fn = lambda *x, kern=kern: attend(kern, *x, window, mask)
+        for kern in (["sdpa-mask"] if masked else []) + kernels:
+            fn = lambda *x, kern=kern: attend(kern, *x, window)
             outs[kern] = forward_backward(fn, (q, k, v), dy)
             fwd = timed(lambda: fn(q, k, v), args.steps, args.warmup, device)
             both = timed(lambda: forward_backward(fn, (q, k, v), dy), args.steps, args.warmup, device)
@@ -144,22 +168,24 @@ def run(args):
                    "tflops": 3.5 * flops / (both / 1e3) / 1e12,  # backward ≈ 2.5 × forward
                    "err_out": max_diff(outs[kern][:1], ref[:1]), "err_grad": max_diff(outs[kern][1:], ref[1:])}
             rows.append(row)
-            print(f"{name} (window {window}) {kern:4s}  fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms  {row['tflops']:6.3g} TFLOP/s  "
+            by_kernel[kern] = row
+            print(f"{name} (window {window}) {kern:9s}  fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms  {row['tflops']:6.3g} TFLOP/s  "
                   f"vs reference: out {row['err_out']:.2e}, grads {row['err_grad']:.2e}", flush=True)
-        if "fa3" in outs:
-            a, b = outs["fa3"], outs["sdpa"]
-            d = {"window": name, "out": max_diff(a[:1], b[:1]), "grad_q": max_diff(a[1:2], b[1:2]), "grad_k": max_diff(a[2:3], b[2:3]),
-                 "grad_v": max_diff(a[3:], b[3:])}
-            fa3_row, sdpa_row = rows[-1], rows[-2]
-            d["speedup"] = sdpa_row["fwd_bwd_ms"] / fa3_row["fwd_bwd_ms"]
-            d["agree"] = all(fa3_row[e] <= FA3_SLACK * sdpa_row[e] + 1e-3 for e in ("err_out", "err_grad"))
+        base = by_kernel["sdpa-mask" if masked else "sdpa"]  # the trusted path: every other one's error is held to its
+        for kern in [k for k in by_kernel if k != base["kernel"]]:
+            other = "sdpa-mask" if kern == "sdpa" else "sdpa"  # differences and speed against SDPA as the model runs it
+            a, b, row = outs[kern], outs[other], by_kernel[kern]
+            d = {"kernel": kern, "vs": other, "window": name, "out": max_diff(a[:1], b[:1]), "grad_q": max_diff(a[1:2], b[1:2]),
+                 "grad_k": max_diff(a[2:3], b[2:3]), "grad_v": max_diff(a[3:], b[3:]),
+                 "speedup": by_kernel[other]["fwd_bwd_ms"] / row["fwd_bwd_ms"],
+                 "agree": all(row[e] <= SLACK * base[e] + 1e-3 for e in ("err_out", "err_grad"))}
             diffs.append(d)
-            print(f"{name} fa3 − sdpa: out {d['out']:.2e}, grad q {d['grad_q']:.2e} k {d['grad_k']:.2e} v {d['grad_v']:.2e} | "
-                  f"fa3 {d['speedup']:.2f}× as fast | {'agree' if d['agree'] else 'DISAGREE'}", flush=True)
+            print(f"{name} {kern} − {other}: out {d['out']:.2e}, grad q {d['grad_q']:.2e} k {d['grad_k']:.2e} v {d['grad_v']:.2e} | "
+                  f"{kern} {d['speedup']:.2f}× as fast | {'agree' if d['agree'] else 'DISAGREE'}", flush=True)
         if args.compile and name == compile_at:
-            compiled = compile_check(kernels[-1], (q, k, v), dy, window, outs[kernels[-1]], args, device)
-            eager = rows[-1]  # compiled may differ from eager by rounding, not by more than the kernel's own error
-            compiled["ok"] = compiled.get("max_diff_vs_eager", float("inf")) <= FA3_SLACK * max(eager["err_out"], eager["err_grad"]) + 1e-3
+            compiled = compile_check(kernel, (q, k, v), dy, window, outs[kernel], args, device)
+            eager = by_kernel[kernel]  # compiled may differ from eager by rounding, not by more than the kernel's own error
+            compiled["ok"] = compiled.get("max_diff_vs_eager", float("inf")) <= SLACK * max(eager["err_out"], eager["err_grad"]) + 1e-3
             print(f"compiled {compiled['kernel']}, window {window}: " + (
                 f"fullgraph {compiled['fullgraph']}, compile {compiled['compile_s']:.1f} s, {compiled['fwd_bwd_ms']:.3f} ms, "
                 f"max diff vs eager {compiled['max_diff_vs_eager']:.2e}" if "compile_s" in compiled else f"failed: {compiled['error']}"), flush=True)
@@ -167,7 +193,8 @@ def run(args):
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype).replace("torch.", ""),
               "shape": {"batch": B, "seq_len": T, "heads": H, "kv_heads": KV, "head_dim": D},
               "attention": {"requested": args.attn, "kernel": kernel, "reason": reason},
-              "results": rows, "fa3_vs_sdpa": diffs, "compile": compiled, "ok": ok}
+              "kernels": {**{k: "timed" for k in kernels}, **skipped}, "results": rows, "vs_sdpa": diffs,
+              "fa3_vs_sdpa": [d for d in diffs if d["kernel"] == "fa3"], "compile": compiled, "ok": ok}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -178,7 +205,7 @@ def main(argv=None):
     with exit_on_user_error():
         result = run(parse(argv))
     if not result["ok"]:
-        print("error: FA3 disagrees with SDPA beyond rounding, or compiled with eager (figures above)", file=sys.stderr)
+        print("error: a kernel disagrees with SDPA beyond rounding, or compiled with eager (figures above)", file=sys.stderr)
         raise SystemExit(1)
     return result
 

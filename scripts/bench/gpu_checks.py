@@ -224,9 +224,12 @@ def kernel_figures(d):
 
 def attention_figures(d):
     cells = [f"{r['kernel']} {r['window']} {r['fwd_bwd_ms']:.2f} ms" for r in d["results"]]
-    cells += [f"{x['window']}: fa3 {x['speedup']:.2f}× as fast, |fa3 − sdpa| out {x['out']:.1e}, grads "
-              f"{max(x['grad_q'], x['grad_k'], x['grad_v']):.1e}" for x in d["fa3_vs_sdpa"]]
-    if not d["fa3_vs_sdpa"]:
+    cells += [f"{x['window']}: {x.get('kernel', 'fa3')} {x['speedup']:.2f}× as fast as {x.get('vs', 'sdpa')}, |difference| out "
+              f"{x['out']:.1e}, grads {max(x['grad_q'], x['grad_k'], x['grad_v']):.1e}" for x in d.get("vs_sdpa", d["fa3_vs_sdpa"])]
+    skipped = {k: why for k, why in d.get("kernels", {}).items() if why != "timed"}
+    if skipped:
+        cells.append("not run: " + ", ".join(f"{k} ({why})" for k, why in skipped.items()))
+    elif not d.get("vs_sdpa", d["fa3_vs_sdpa"]):
         cells.append(f"FA3 not run: {d['attention']['reason']}")
     c = d.get("compile")
     if c:
