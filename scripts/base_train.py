@@ -34,7 +34,7 @@ import torch.distributed as dist
 from nanochat.common import (UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for,
                              atomic_write_json, ensure_writable_dir, script_argv, START_TIMEOUT, git_commit, peak_flops, fmt_time)
 from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
-from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
+from nanochat.flash_attention import CHOICES as ATTN_CHOICES, agree_attention, expected_attention
 from nanochat import step_timer
 from nanochat.step_timer import StepTimer, Readback, biggest
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
@@ -129,6 +129,7 @@ def dry_run(args):
     """The plan of a run, computed on the meta device: nothing is allocated, no data is read."""
     plan = plan_for(args, PRESETS.get(args.preset, {}).get("vocab", DRY_RUN_VOCAB), args.dry_run)
     record = plan.record(args)
+    record["attention"] = expected_attention(args.attn, args.preset if PRESETS.get(args.preset, {}).get("gpu") else "")
     print(f"PLAN {json.dumps(record)}")
     c = plan.config
     print(f"{plan.run}: {plan.arch} d{c.n_layer} dim {c.n_embd} | {record['num_params']:,} params | {plan.flops_per_token:,} FLOPs/token | "
@@ -136,6 +137,7 @@ def dry_run(args):
           f"grad accum {plan.grad_accum} on {plan.nproc} process(es) | warm-up {plan.warmup_steps}, warm-down {plan.warmdown_steps} steps | "
           f"checkpoint every {plan.save_every or plan.num_iterations} steps | seed {args.seed}, "
           f"data seed {'none (file order)' if args.data_seed is None else args.data_seed}")
+    print(f"attention: {record['attention']['expects']}")
     return record
 
 
@@ -226,7 +228,7 @@ def train(args):
     is_ddp, rank, local_rank, world_size, device = procs
     torch.manual_seed(args.seed)
     compute_dtype = compute_dtype_for(device_type)
-    attn_kernel, attn_reason = resolve_attention(args.attn, device, compute_dtype)  # --attn fa3 where it cannot run: one line
+    attention = agree_attention(args.attn, device, compute_dtype, is_ddp, args.preset if preset.get("gpu") else "")  # rank 0's choice, on every rank
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -239,7 +241,7 @@ def train(args):
     record = plan.record(args)
     record.update(args=vars(args), device_type=device_type, compute_dtype=str(compute_dtype).replace("torch.", ""),
                   git_commit=git_commit(), torch_version=torch.__version__, command=" ".join(sys.argv),
-                  fingerprints=ckpt.fingerprints(tokenizer), attention={"requested": args.attn, "kernel": attn_kernel, "reason": attn_reason})
+                  fingerprints=ckpt.fingerprints(tokenizer), attention=attention)
     run_dir = ckpt.resolve_run_dir(plan.run)
     with contextlib.ExitStack() as stack:
         def open_run_dir():  # rank 0 only; a refusal reaches every rank
