@@ -41,9 +41,22 @@ def check_args(args):
     for flag, v in positive.items():
         if not v > 0:
             raise UserError(f"{flag} must be positive (got {v})")
-    for flag, v in {"--target-flops": args.target_flops, "--target-param-data-ratio": args.target_param_data_ratio}.items():
-        if not math.isfinite(v):  # a value <= 0 means unset
-            raise UserError(f"{flag} must be a finite number (got {v}); use -1 to leave it unset")
+    # -1 is the one "unset" value; 0 or another negative number would silently mean the same (a horizon of 0 steps
+    # trained the automatic one, --eval-every 0 never evaluated), so each is refused with what -1 means
+    unset_means = {"--num-iterations": (args.num_iterations, "-1 takes the horizon from --target-flops or --target-param-data-ratio"),
+                   "--target-flops": (args.target_flops, "-1 leaves it unset"),
+                   "--target-param-data-ratio": (args.target_param_data_ratio, "-1 leaves it unset"),
+                   "--total-batch-size": (args.total_batch_size, "-1 sets it from the model size"),
+                   "--eval-every": (args.eval_every, "-1 never evaluates"),
+                   "--model-dim": (args.model_dim, "-1 takes depth × aspect ratio"),
+                   "--n-kv-head": (args.n_kv_head, "-1 gives every query head its own")}
+    for flag, (v, means) in unset_means.items():
+        if v != -1 and not (v > 0 and math.isfinite(v)):
+            raise UserError(f"{flag} must be a positive number, or -1 ({means}); got {v}")
+    if args.save_every < -1:
+        raise UserError(f"--save-every must be >= 0 (0: the last step only), or -1 (about {SAVES_PER_RUN} per run); got {args.save_every}")
+    if args.dry_run < 0:
+        raise UserError(f"--dry-run takes a number of processes (0: train), got {args.dry_run}")
     if not set(args.window_pattern) <= {"L", "S"} or not args.window_pattern:
         raise UserError(f"--window-pattern takes the letters L (full context) and S (half), got {args.window_pattern!r}")
     if not 0 <= args.final_lr_frac <= 1:

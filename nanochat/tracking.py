@@ -7,9 +7,11 @@ Experiment tracking, optional: every metrics.jsonl row also goes to TensorBoard,
     trackers.log(row)  # a metrics.jsonl row: step from row["step"], nested dicts as "time/data" keys
     trackers.close()
 
-- tensorboard: event files in <run dir>/tensorboard/ (`tensorboard --logdir <run dir>`), scalars in double precision
-  (float32 would keep 7 digits of a loss), the config as text;
-- wandb: project $WANDB_PROJECT (default: the caller's project name), the run's name, files under <run dir>/wandb/. Offline unless an
+- tensorboard: event files in <run dir>/tensorboard/ (`tensorboard --logdir <run dir>`), plain scalar summaries (what
+  TensorBoard's charts and EventAccumulator.Scalars() read; float32, 7 digits: metrics.jsonl keeps every digit), the
+  config as text;
+- wandb: project $WANDB_PROJECT (default: the caller's project name), the run's name, every file under <run dir>/wandb/
+  (its service's debug logs too, which would go to ~/.cache/wandb/logs: $WANDB_CACHE_DIR, yours wins). Offline unless an
   API key is set (WANDB_API_KEY, or `wandb login`'s netrc entry) or WANDB_MODE says otherwise: it never asks for a key.
   `wandb sync <run dir>/wandb/offline-run-*` uploads an offline run later;
 - trackio: the caller's project, the run's name, a local database in $TRACKIO_DIR (default ~/.cache/huggingface/trackio;
@@ -82,7 +84,7 @@ class TensorBoard:
 
     def log(self, step, values):
         for name, v in values.items():
-            self.writer.add_scalar(name, v, step, new_style=True, double_precision=True)
+            self.writer.add_scalar(name, v, step)
 
     def close(self):
         self.writer.close()
@@ -103,7 +105,15 @@ class WandB:
     def __init__(self, project, run_name, run_dir, config):
         import wandb
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_key() else "offline")  # offline never prompts for a key
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, dir=run_dir, config=config, mode=mode)
+        # its service writes debug logs to $WANDB_CACHE_DIR/wandb/logs (default ~/.cache): set for the service it starts now
+        ours = "WANDB_CACHE_DIR" not in os.environ
+        if ours:
+            os.environ["WANDB_CACHE_DIR"] = run_dir
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, dir=run_dir, config=config, mode=mode)
+        finally:
+            if ours:
+                os.environ.pop("WANDB_CACHE_DIR", None)
 
     def log(self, step, values):
         self.run.log(values, step=step)

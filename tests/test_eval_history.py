@@ -140,7 +140,7 @@ def test_a_tokenizer_retrained_to_the_same_size_is_refused(tiny_base_dir, tmp_pa
     os.symlink(os.path.join(tiny_base_dir, "base_data"), base / "base_data")
     shutil.copytree(os.path.join(tiny_base_dir, "tokenizer"), base / "tokenizer")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
-    base_train.main(TINY_TRAIN + ["--num-iterations", "2", "--eval-every", "0", "--arch", "gpt", "--run", "gpt"])
+    base_train.main(TINY_TRAIN + ["--num-iterations", "2", "--eval-every", "-1", "--arch", "gpt", "--run", "gpt"])
     trained_with = Tokenizer.from_directory(str(base / "tokenizer"))
     # another tokenizer of the same vocab size, trained on other text, in its place
     other = Tokenizer.train_from_iterator(iter([d[::-1] for d in tiny_documents(seed=1)]), trained_with.get_vocab_size())

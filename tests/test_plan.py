@@ -113,3 +113,22 @@ def test_peak_flops_of_each_variant_and_none_for_an_unknown_gpu(name, tflops):
     from nanochat.common import peak_flops_of
     peak = peak_flops_of(name)
     assert (peak is None and tflops is None) or peak == tflops * 1e12, (name, peak)
+
+
+@pytest.mark.parametrize("flag,value", [("--num-iterations", "0"), ("--num-iterations=-5", None), ("--target-flops", "0"),
+                                        ("--target-flops=-2e18", None), ("--target-param-data-ratio", "0"), ("--eval-every", "0"),
+                                        ("--total-batch-size", "0"), ("--model-dim", "0"), ("--n-kv-head=-3", None),
+                                        ("--save-every=-2", None), ("--target-flops", "inf")])
+def test_a_non_positive_horizon_or_interval_is_one_line_with_what_minus_one_means(flag, value, script_error):
+    """0 and other negatives used to mean "unset" too: --num-iterations 0 trained the automatic horizon, --target-flops 0
+    planned 90,048 steps, --eval-every 0 never evaluated. The dry run plans nothing with them."""
+    err = script_error(base_train.main, "--depth", "4", "--dry-run", "1", *([flag] if value is None else [flag, value]))
+    assert err.startswith(f"error: {flag.split('=')[0]} must be") and ("-1 (" in err or "the last step only" in err), err
+    assert "\n" not in err.strip()
+
+
+def test_minus_one_still_means_unset(capsys):
+    """The documented -1: the horizon from the data ratio, never evaluate, a batch from the model size."""
+    record = base_train.main(["--depth", "4", "--dry-run", "1", "--num-iterations", "-1", "--target-flops", "-1", "--eval-every", "-1",
+                              "--total-batch-size", "-1", "--save-every", "0"])
+    assert record["num_iterations"] > 0

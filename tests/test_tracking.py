@@ -8,6 +8,7 @@ import json
 import glob
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,13 +49,15 @@ def write_metrics(run_dir, rows):
 
 
 def tensorboard_scalars(log_dir):
-    """{tag: {step: value}} of every scalar in a run's event files, and the config text."""
+    """{tag: {step: value}} of every scalar in a run's event files, as TensorBoard's charts read them (Scalars()),
+    and the config text."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
-    acc = EventAccumulator(log_dir, size_guidance={"tensors": 0})
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    got = {tag: {e.step: tensor_util.make_ndarray(e.tensor_proto).item() for e in acc.Tensors(tag)} for tag in acc.Tags()["tensors"]}
-    return got, got.pop("config/text_summary")[0].decode()
+    got = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    assert acc.Tags()["tensors"] == ["config/text_summary"]  # every number a plain scalar, no tensor summary
+    return got, tensor_util.make_ndarray(acc.Tensors("config/text_summary")[0].tensor_proto)[0].decode()
 
 
 def metrics_as_scalars(rows):
@@ -62,7 +65,7 @@ def metrics_as_scalars(rows):
     for row in rows:
         step, values = tracking.scalars(row)
         for name, v in values.items():
-            want.setdefault(name, {})[step] = float(v)
+            want.setdefault(name, {})[step] = float(np.float32(v))  # a scalar summary holds a float32
     return want
 
 
@@ -113,7 +116,7 @@ def test_tensorboard_reads_back_metrics_jsonl(tmp_path):
     trackers.close()  # again at exit: nothing happens
     got, text = tensorboard_scalars(os.path.join(run_dir, "tensorboard"))
     assert "run nag-tb" in text and '"num_params": 123' in text
-    assert got == metrics_as_scalars(rows)  # every number of every row as a double: no float32 rounding
+    assert got == metrics_as_scalars(rows)  # every number of every row, to float32 (metrics.jsonl keeps the double)
     assert {"train_loss", "val_bpb", "time/data", "gate/dead_relative", "gate/branches/1.mlp/gain_abs_mean", "mod/skip_mlp"} <= set(got)
 
 
@@ -153,6 +156,10 @@ def test_wandb_offline_without_a_key_writes_its_run_folder(tmp_path, monkeypatch
     data = open(runs[0], "rb").read()
     missing = [k for k in ("gpt-wb", "train_loss", "time/fwd_bwd", "gate/dead_relative", "mod/skip_attn") if k.encode() not in data]
     assert not missing, (missing, len(data))
+    # every file of it under the run dir: the service's debug logs too, none in the user's ~/.cache
+    assert glob.glob(os.path.join(run_dir, "wandb", "logs", "core-debug-*.log"))
+    assert not os.path.exists(tmp_path / "home" / ".cache" / "wandb"), list((tmp_path / "home").rglob("*"))
+    assert "WANDB_CACHE_DIR" not in os.environ
 
 
 def test_trackio_gets_the_same_values_and_a_failed_start_is_one_line(tmp_path, monkeypatch):
