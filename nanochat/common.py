@@ -138,7 +138,14 @@ def atomic_write_json(path, obj):
 
 
 def atomic_torch_save(obj, path):
-    atomic_write(path, lambda f: torch.save(obj, f))
+    try:
+        atomic_write(path, lambda f: torch.save(obj, f))
+    except RuntimeError as e:
+        # a failed write inside torch.save (a full disk) surfaces as the zip writer's "unexpected pos": the OSError it
+        # was raised over is the error to report
+        if isinstance(e.__context__, OSError):
+            raise e.__context__ from None
+        raise
 
 
 START_TIMEOUT = 1200  # seconds a collective may wait at start-up (compile, data, checkpoint loading) and while saving

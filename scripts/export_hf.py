@@ -24,6 +24,7 @@ import os
 import json
 import shlex
 import shutil
+import tempfile
 import argparse
 
 import torch
@@ -254,12 +255,34 @@ def model_card(run_dir, meta, config_record, rec, command, max_diff):
 
 
 def prepare_out(out, force):
+    """A new, empty staging folder beside `out`, where the export is written: it takes out's place only once every file
+    is there, so a full disk or a Ctrl-C never leaves a half-made export."""
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise UserError(f"{out} is not empty; choose another --out, or add --force to replace the export's files there")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"{out} is a file; choose another --out")
     try:
-        os.makedirs(out, exist_ok=True)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        return tempfile.mkdtemp(dir=os.path.dirname(out), prefix=f".tmp-{os.path.basename(out)}-")
     except OSError as e:
         raise UserError(f"cannot create {out} ({e.strerror or e})") from None
+
+
+def write_export(out, staging, write):
+    """write(staging), then its files moved into `out` (created; with --force, files of the same names replaced).
+    Whatever stops the writing, the staging folder goes and `out` is as it was: one line for a disk error."""
+    try:
+        write(staging)
+        os.makedirs(out, exist_ok=True)
+        for name in sorted(os.listdir(staging)):
+            os.replace(os.path.join(staging, name), os.path.join(out, name))
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' own type for its I/O errors
+            detail = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
+            raise UserError(f"cannot write the export to {out} ({detail}): nothing of it was kept; free space and run the command again") from None
+        raise
+    os.rmdir(staging)
 
 
 def export(args, command):
@@ -273,9 +296,12 @@ def export(args, command):
     if "tokens" in meta:  # NAG's α warm-up at the checkpoint, as base_eval and scripts.sample use it
         model.set_tokens_seen(meta["tokens"])
     out = os.path.abspath(args.out)
-    prepare_out(out, args.force)
-    write_model(out, model, meta, tokenizer.get_bos_token_id(), tokenizer.encode_special(PAD))
-    write_tokenizer(out, tokenizer, model.config.sequence_len)
+    staging = prepare_out(out, args.force)
+
+    def write(folder):
+        write_model(folder, model, meta, tokenizer.get_bos_token_id(), tokenizer.encode_special(PAD))
+        write_tokenizer(folder, tokenizer, model.config.sequence_len)
+    write_export(out, staging, write)
     max_diff = None if args.no_verify else verify(out, model, tokenizer)
     if max_diff is not None and not max_diff <= VERIFY_LIMIT:
         raise UserError(f"the export's logits differ from the native model's by up to {max_diff:.3g} (limit {VERIFY_LIMIT:g}); "
@@ -291,7 +317,8 @@ def export(args, command):
 def main(argv=None):
     args = build_parser().parse_args(script_argv(argv))
     command = "python -m scripts.export_hf " + shlex.join(script_argv(argv))
-    with exit_on_user_error(interrupted="interrupted: the export folder may be incomplete; run the command again with --force"):
+    with exit_on_user_error(interrupted="interrupted: an export cut short while writing leaves nothing; "
+                            "one cut short while verifying is in place but unchecked: run the command again with --force"):
         return export(args, command)
 
 

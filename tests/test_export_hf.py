@@ -6,6 +6,7 @@ card records the run; lm-evaluation-harness scores a local task offline and agre
 import os
 import sys
 import json
+import types
 
 import pytest
 import torch
@@ -219,3 +220,31 @@ def test_lm_eval_scores_a_local_task_offline(exported, native_tok, tmp_path, mon
         assert max(abs(a - b) for a, b in zip(lls, want)) < 1e-4, (lls, want)
         hits += max(range(3), key=lambda i: want[i]) == doc["gold"]
     assert len(res["samples"]["tiny_mc"]) == 8 and acc == hits / 8
+
+
+@pytest.mark.parametrize("where", ["weights", "tokenizer"])
+def test_a_full_disk_is_one_line_and_leaves_no_export(exported, script_error, monkeypatch, tmp_path, where):
+    """ENOSPC injected where the export writes (safetensors raises its own error type, the tokenizer an OSError): one
+    line naming the folder, no folder and no staging left; with --force over an earlier export, its files stay as they were."""
+    import errno
+    from safetensors import SafetensorError
+    hf_dir = exported["gpt"][1]
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", os.path.dirname(os.path.dirname(hf_dir)))
+
+    def full(*a, **k):
+        if where == "weights":
+            raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+        raise OSError(errno.ENOSPC, "No space left on device")
+    if where == "weights":
+        monkeypatch.setattr("safetensors.torch.save_file", full)
+    else:
+        monkeypatch.setattr("nag.hf.tokenizer.hf_tokenizer", lambda *a: types.SimpleNamespace(save_pretrained=full))
+        monkeypatch.setattr("nag.hf.tokenizer.id_mismatches", lambda *a: [])
+    out = tmp_path / "hf-full"
+    err = script_error(export_hf.main, "--run", "gpt", "--out", str(out))
+    assert err.startswith(f"error: cannot write the export to {out} (") and "No space left on device" in err and "nothing of it was kept" in err
+    assert os.listdir(tmp_path) == []
+    before = {f: open(os.path.join(hf_dir, f), "rb").read() for f in os.listdir(hf_dir)}
+    script_error(export_hf.main, "--run", "gpt", "--out", hf_dir, "--force")
+    assert {f: open(os.path.join(hf_dir, f), "rb").read() for f in os.listdir(hf_dir)} == before
+    assert not [f for f in os.listdir(os.path.dirname(hf_dir)) if f.startswith(".tmp-")]
