@@ -277,7 +277,7 @@ def causal_attention(q, k, v, window, kernel="sdpa"):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if not full and q.is_cuda:
         y = sliding_window_attention(q, k, v, window)
-    elif kernel == "cudnn" and q.dtype in FAST_DTYPES:
+    elif full and kernel == "cudnn" and q.dtype in FAST_DTYPES:
         with sdpa_kernel(CUDNN_FIRST, set_priority=True):
             y = masked_attention(q, k, v, None)
     else:
