@@ -72,15 +72,27 @@ def saved_steps(run_dir):
     return sorted(steps)
 
 
-def is_complete(run_dir, step):
-    """A checkpoint is complete when its meta json (written last) and every file it lists exist:
-    the model file and one train-state file per rank of the run that saved it."""
+def damage(run_dir, step):
+    """Why the checkpoint of `step` is not complete, or None when it is: its meta json (written last) and every file it
+    lists exist, the model file and one train-state file per rank of the run that saved it, each of the size the meta
+    records (a checkpoint saved before sizes were recorded: existence only)."""
     try:
         with open(meta_path(run_dir, step)) as f:
-            world_size = json.load(f).get("world_size", 1)
+            meta = json.load(f)
     except (OSError, ValueError):
-        return False
-    return os.path.exists(model_path(run_dir, step)) and all(os.path.exists(optim_path(run_dir, step, r)) for r in range(world_size))
+        return "a save was cut short"
+    sizes = meta.get("file_sizes", {})
+    for path in [model_path(run_dir, step)] + [optim_path(run_dir, step, r) for r in range(meta.get("world_size", 1))]:
+        name = os.path.basename(path)
+        if not os.path.exists(path):
+            return f"{name} is missing"
+        if name in sizes and os.path.getsize(path) != sizes[name]:
+            return f"{name} holds {os.path.getsize(path):,} bytes, its save wrote {sizes[name]:,}: the file is damaged"
+    return None
+
+
+def is_complete(run_dir, step):
+    return damage(run_dir, step) is None
 
 
 def complete_steps(run_dir):
@@ -92,9 +104,8 @@ def latest_step(run_dir):
     steps = complete_steps(run_dir)
     if not steps:
         raise UserError(f"no complete checkpoint in {run_dir}; train one with `python -m scripts.base_train --run {os.path.basename(run_dir)}`")
-    skipped = [s for s in saved_steps(run_dir) if s > steps[-1]]
-    if skipped:
-        print(f"note: skipping incomplete checkpoint(s) at step {', '.join(map(str, skipped))} in {run_dir} (a save was cut short)", flush=True)
+    for s in (s for s in saved_steps(run_dir) if s > steps[-1]):
+        print(f"note: skipping the incomplete checkpoint of step {s} in {run_dir} ({damage(run_dir, s)}); using step {steps[-1]}", flush=True)
     return steps[-1]
 
 
@@ -119,7 +130,9 @@ def save_checkpoint(run_dir, step, model, meta, train_state, rank=0):
                 raise UserError(f"rank(s) {', '.join(map(str, missing))} saved their part of step {step} where rank 0 cannot see it "
                                 f"({run_dir}): the base dir must be one directory on a filesystem shared by every node")
             atomic_torch_save({"model": model.state_dict(), "meta": meta}, model_path(run_dir, step))
-            atomic_write_json(meta_path(run_dir, step), meta)
+            # the sizes of every file as written: a later truncation or a copy cut short marks the checkpoint incomplete
+            files = [model_path(run_dir, step)] + [optim_path(run_dir, step, r) for r in range(world_size)]
+            atomic_write_json(meta_path(run_dir, step), {**meta, "file_sizes": {os.path.basename(p): os.path.getsize(p) for p in files}})
     except OSError as e:  # a full disk, typically: leave no part of this checkpoint behind to fill it further
         for path in glob.glob(os.path.join(run_dir, f"optim_{step:06d}_rank*.pt")) + [model_path(run_dir, step)]:
             with contextlib.suppress(OSError):

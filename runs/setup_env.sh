@@ -39,6 +39,14 @@ if ! "$VENV/bin/python" -c "import nanochat, tiktoken, rustbpe, pyarrow, matplot
     echo "[setup] installing the project and its dependencies"
     "$VENV/bin/pip" install -q -e "$REPO_ROOT[test]"
 fi
+# GPU nodes: the fast attention kernel, pyproject's gpu extra (flash-attn-4; with CUDA 13 torch, CUTLASS DSL's cu13
+# libraries too), once. A failed install costs one line: --attn auto then takes the next kernel (docs/design.md §2)
+if [ "$GPU_NODE" = 1 ] && ! "$VENV/bin/python" -c "import flash_attn.cute" 2>/dev/null; then
+    CU13=$("$VENV/bin/python" -c "import torch; print('nvidia-cutlass-dsl[cu13]' if (torch.version.cuda or '').startswith('13') else '')")
+    echo "[setup] installing the gpu extra (flash-attn-4${CU13:+, $CU13})"
+    "$VENV/bin/pip" install -q -e "$REPO_ROOT[test,gpu]" $CU13 >/dev/null 2>&1 \
+        || echo "[setup] could not install flash-attn-4 (no route to PyPI?): --attn auto uses cuDNN attention or SDPA instead"
+fi
 # optional extras (pyproject.toml, docs/interop.md), only when asked: NANOCHAT_EXTRAS=hf,track (any subset)
 #   hf: transformers, safetensors, lm-eval (scripts.export_hf, lm_eval); track: tensorboard, wandb, trackio (--log-to)
 # each is installed only when one of its packages is missing, so a second run costs a look-up

@@ -45,8 +45,27 @@ def test_resume_latest_skips_a_checkpoint_without_meta(run_base, capsys):
     os.remove(os.path.join(run_dir, "meta_000008.json"))  # a crash between the model file and the meta
     main(*COMMON, "--resume", "latest")
     out = capsys.readouterr().out
-    assert "skipping incomplete checkpoint(s) at step 8" in out and "resumed from step 4" in out
+    assert "skipping the incomplete checkpoint of step 8" in out and "resumed from step 4" in out
     assert steps_of(os.path.join(run_dir, "metrics.jsonl")) == list(range(9))
+    assert ckpt.complete_steps(run_dir) == [4, 8]
+
+
+@pytest.mark.parametrize("damaged", ["model_000008.pt", "optim_000008_rank0.pt"])
+def test_resume_latest_of_a_finished_run_with_a_truncated_newest_checkpoint_trains_it_again(run_base, capsys, damaged):
+    """It said "already finished its 8 steps; nothing to do" (exit 0) while sample and export refused the file. The
+    sizes the save recorded name the damage; the run continues from step 4 and ends as the undamaged run did."""
+    run_dir = main(*COMMON)
+    want = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    path = os.path.join(run_dir, damaged)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)  # a copy cut short, a disk that lost its tail
+    assert ckpt.complete_steps(run_dir) == [4]
+    main(*COMMON, "--resume", "latest")
+    out = capsys.readouterr().out
+    assert f"skipping the incomplete checkpoint of step 8 in {run_dir} ({damaged} holds " in out and "the file is damaged" in out
+    assert "resumed from step 4" in out and "nothing to do" not in out
+    got = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [(r["step"], r["train_loss"]) for r in got] == [(r["step"], r["train_loss"]) for r in want]
     assert ckpt.complete_steps(run_dir) == [4, 8]
 
 
