@@ -207,12 +207,11 @@ def git_commit():
 
 
 def parse_seeds(text, flag="--seeds"):
-    """A list of seeds like 1,2,3: different non-negative integers, comma-separated, nothing else."""
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+    """A list of seeds like 1,2,3: different non-negative integers, comma-separated, nothing else (no spaces: the
+    shell recipes split on commas alone). The one seed-list rule: runcpu.sh, speedrun.sh and the experiments use it."""
+    pieces = text.split(",")
+    seeds = [int(p) for p in pieces if p.isdigit() and p.isascii()]
+    if len(seeds) != len(pieces) or len(set(seeds)) != len(seeds):  # a repeated seed would count one run twice
         raise UserError(f"{flag} takes different non-negative integers separated by commas, like 1,2,3; got {text!r}")
     return seeds
 

@@ -16,14 +16,16 @@ case "${1:-}" in  # --help prints the comment above
     -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
     ?*) echo "error: runcpu.sh takes no arguments (see --help)" >&2; exit 1 ;;
 esac
-if [ -n "${SEEDS:-}" ] && ! [[ "$SEEDS" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
-    echo "error: SEEDS takes comma-separated integers like 1,2,3, got '$SEEDS'" >&2; exit 1
-fi
 # the paths made absolute before setup_env.sh changes to the repo root: relative ones are the caller's
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 case "$NANOCHAT_BASE_DIR" in /*) ;; *) NANOCHAT_BASE_DIR="$PWD/$NANOCHAT_BASE_DIR" ;; esac
 case "${EVAL_BUNDLE:-/}" in /*) ;; *) EVAL_BUNDLE="$PWD/$EVAL_BUNDLE" ;; esac
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+# SEEDS by the one seed-list rule (nanochat.common.parse_seeds, as speedrun.sh's --seeds): different integers, 1,2,3
+if [ -n "${SEEDS:-}" ]; then
+    python -c 'import sys; from nanochat.common import exit_on_user_error as one_line, parse_seeds
+with one_line(): parse_seeds(sys.argv[1], "SEEDS")' "$SEEDS"
+fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
 BASE="$NANOCHAT_BASE_DIR"
 TARGET_FLOPS="${TARGET_FLOPS:-1e13}"   # per run; ~90 steps of 4096 tokens for the d4 model below

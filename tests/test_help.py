@@ -65,9 +65,13 @@ def test_scripts_without_flags_refuse_them(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_runcpu_bad_seeds_is_one_line_and_writes_nothing(tmp_path):
-    code, out, _ = run("runs/runcpu.sh", cwd=tmp_path, base=tmp_path / "base", SEEDS="1,x")
-    assert code == 1 and out.strip() == "error: SEEDS takes comma-separated integers like 1,2,3, got '1,x'", out
+@needs_venv
+@pytest.mark.parametrize("seeds", ["1,x", "1,1", "1, 2", "2,1,2"])
+def test_runcpu_bad_seeds_is_one_line_and_writes_nothing(tmp_path, seeds):
+    """The one seed-list rule of speedrun.sh and the experiments: SEEDS=1,1 once trained each run once and reported
+    groups of two with "± 0.0000"; "1, 2" was refused here and accepted by speedrun.sh."""
+    code, out, _ = run("runs/runcpu.sh", cwd=tmp_path, base=tmp_path / "base", SEEDS=seeds)
+    assert code == 1 and out.strip() == f"error: SEEDS takes different non-negative integers separated by commas, like 1,2,3; got {seeds!r}", out
     assert os.listdir(tmp_path) == []
 
 

@@ -459,3 +459,13 @@ def test_speedrun_sh_runs_the_commands_the_plan_made(tmp_path, capsys):
         got = sh_commands(sh, i)
         assert got["train"] == sr.train_args(args, arch, seed)
         assert got["eval"] == sr.eval_args(args, arch, seed)
+
+
+def test_seed_lists_follow_one_rule():
+    """speedrun.sh's --seeds, runcpu.sh's SEEDS and the experiments' --seeds all go through parse_seeds: "1, 2" (which
+    speedrun once took as 1,2 while runcpu refused it) and a repeated seed are refused alike."""
+    from nanochat.common import UserError, parse_seeds
+    assert parse_seeds("3,1,2") == [3, 1, 2]
+    for bad in ("1, 2", " 1,2", "1,1", "1,2,1", "1,,2", "", "-1", "1.0", "１"):
+        with pytest.raises(UserError, match=r"takes different non-negative integers separated by commas, like 1,2,3; got "):
+            parse_seeds(bad)
