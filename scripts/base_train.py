@@ -65,7 +65,7 @@ def build_parser():
                    help="seed of the order the train documents are read in (row groups shuffled per epoch; default: file order)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model (default: on for cuda)")
     p.add_argument("--attn", type=str, default="auto", choices=list(ATTN_CHOICES),
-                   help="attention kernel: auto = FlashAttention-3 on Hopper when its hub kernel loads (pip install kernels), else SDPA")
+                   help="attention kernel: auto = on Hopper the first of fa4, cudnn, fa3 that loads (docs/design.md §2), else SDPA")
     # model
     p.add_argument("--depth", type=int, default=20)
     p.add_argument("--aspect-ratio", type=int, default=64, help="model dim = depth × aspect ratio, rounded up to a multiple of head dim")
