@@ -81,17 +81,18 @@ def start_step(run_dir, args, record, tokenizer, defaults, not_settings):
             what = "tokenizer" if key == "tokenizer" else f"{key[5:]} data"
             raise UserError(f"cannot resume {run_dir}: its {what} changed (fingerprint {old} then, {record['fingerprints'].get(key)} now); "
                             "resume with the base dir it was trained in")
+    # first what --change-settings cannot accept either, so that no message suggests it in vain
+    shards = lambda cfg: cfg["world_size"] * cfg["grad_accum_steps"]
+    if "grad_accum_steps" in old_cfg and shards(old_cfg) != shards(record):
+        raise UserError(f"cannot resume {run_dir} on {record['world_size']} process(es) × {record['grad_accum_steps']} micro-step(s): its "
+                        f"data was cut into {shards(old_cfg)} shards ({old_cfg['world_size']} × {old_cfg['grad_accum_steps']}), this "
+                        f"command's --device-batch-size gives {shards(record)}; keep --device-batch-size {old_cfg.get('args', {}).get('device_batch_size', 'it had')}")
     changed = settings_changes(old_cfg, record, defaults, not_settings)
     if changed and not args.change_settings:
         listed = "; ".join(f"{k} {a} → {b}" for k, (a, b) in changed.items())
         finished = step == old_cfg.get("num_iterations") and args.resume == "latest"
         raise UserError(f"cannot {'reuse the finished run' if finished else 'resume'} {run_dir} with other settings ({listed}): "
                         + ("pick another --run" if finished else "drop them, pick another --run, or add --change-settings to record the change from this step on"))
-    shards = lambda cfg: cfg["world_size"] * cfg["grad_accum_steps"]
-    if "grad_accum_steps" in old_cfg and shards(old_cfg) != shards(record):
-        raise UserError(f"cannot resume {run_dir} on {record['world_size']} process(es) × {record['grad_accum_steps']} micro-step(s): its "
-                        f"data was cut into {shards(old_cfg)} shards ({old_cfg['world_size']} × {old_cfg['grad_accum_steps']}), this "
-                        f"command's --device-batch-size gives {shards(record)}; keep --device-batch-size {old_cfg.get('args', {}).get('device_batch_size', 'it had')}")
     planned = old_cfg.get("num_iterations", record["num_iterations"])
     if planned != record["num_iterations"] and not args.change_settings:
         raise UserError(f"cannot resume {run_dir}: it was planned for {planned} steps but this command gives {record['num_iterations']} "
