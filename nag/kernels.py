@@ -135,7 +135,8 @@ def _nag_backward_kernel(
     grad_new_res_ptr, grad_new_log_norm_ptr,
     grad_res_ptr, grad_branch_ptr, grad_logits_ptr,
     part_weights_ptr, part_scalars_ptr,
-    floor, n_rows, rows_per_program, D, C, sqrt_d,
+    floor, n_rows, D, C, sqrt_d,
+    ROWS_PER_PROGRAM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PREDICTED: tl.constexpr, HAS_SCALE: tl.constexpr,
     ORTHO_EPS: tl.constexpr, RMS_EPS: tl.constexpr,
 ):
@@ -148,10 +149,10 @@ def _nag_backward_kernel(
     # this program's sums of the gate parameter gradients over its rows, in a fixed order: deterministic
     acc_weights = tl.zeros([BLOCK_C], dtype=tl.float32)
     acc_scalars = tl.zeros([2], dtype=tl.float32)  # (β, α)
-    for i in range(rows_per_program):
+    for i in range(ROWS_PER_PROGRAM):
         # past the last row, redo the last row (valid memory, finite values) and keep nothing of it
-        valid = program * rows_per_program + i < n_rows
-        row = tl.minimum(program * rows_per_program + i, n_rows - 1).to(tl.int64)
+        valid = program * ROWS_PER_PROGRAM + i < n_rows
+        row = tl.minimum(program * ROWS_PER_PROGRAM + i, n_rows - 1).to(tl.int64)
         stored = cols < tl.where(valid, D, 0)  # the row's columns, none on a redone row
         # recompute the forward row
         sig, u, u_clamped, m, g = _gate(logits_ptr, weights, beta, alpha, row, floor, C, BLOCK_C)
@@ -256,10 +257,15 @@ def _launch_config(dim, channels):
     return block_d, block_c, num_warps
 
 
+# the backward's programs each take a run of up to this many rows, so that its partial sums stay a few thousand
+# rows of C + 2 floats for the one-program gate kernel; a guess, not yet tuned on a GPU (the branch-op bench,
+# scripts/bench/nag.py --sections op --op-rows-per-program 1,2,4,8,16,32, measures each value)
+BACKWARD_ROWS_PER_PROGRAM = 16
+
+
 def _rows_per_program(rows):
-    # the backward's programs each take a run of rows, so that its partial sums stay a few thousand
-    # rows of C + 2 floats for the one-program gate kernel; a guess, not yet tuned on a GPU
-    return max(1, min(16, rows // 2048))
+    # below 2,048 × the default rows, fewer per program: some 2,048 programs still fill the SMs
+    return max(1, min(BACKWARD_ROWS_PER_PROGRAM, rows // 2048))
 
 
 # -----------------------------------------------------------------------------
@@ -310,9 +316,11 @@ def _fused_branch_backward(
     grad_new_dir: torch.Tensor, grad_new_log_norm: torch.Tensor,
     res_dir: torch.Tensor, branch_out: torch.Tensor, mod_logits: torch.Tensor,
     coef: torch.Tensor, beta_raw: torch.Tensor, alpha: torch.Tensor, alpha_scale: torch.Tensor | None,
-    floor: float, renorm: str,
+    floor: float, renorm: str, rows_per_program: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns the gradients of (res_dir, branch_out, mod_logits, coef, beta_raw, alpha)."""
+    """Returns the gradients of (res_dir, branch_out, mod_logits, coef, beta_raw, alpha). rows_per_program: the
+    rows each backward program takes (a compile each), 0 for _rows_per_program's choice; the gradients do not depend
+    on it, but for the parameter gradients' rounding (their partial sums are grouped by program)."""
     check_renorm(renorm)
     dim, channels = res_dir.size(-1), mod_logits.size(-1)
     res = _rows(res_dir, dim)
@@ -328,7 +336,7 @@ def _fused_branch_backward(
     grad_logits = torch.empty_like(logits)
     grad_coef, grad_beta_raw, grad_alpha = _fresh(coef), _fresh(beta_raw), _fresh(alpha)
     # per-program partials of the parameter gradients, summed by the gate kernel: deterministic, no atomics
-    per_program = _rows_per_program(rows)
+    per_program = rows_per_program or _rows_per_program(rows)
     programs = triton.cdiv(rows, per_program)
     part_weights = torch.empty(programs, channels, dtype=torch.float32, device=res.device)
     part_scalars = torch.empty(programs, 2, dtype=torch.float32, device=res.device)
@@ -339,8 +347,9 @@ def _fused_branch_backward(
             grad_new_res, grad_new_log_norm,
             grad_res, grad_branch, grad_logits,
             part_weights, part_scalars,
-            float(floor), rows, per_program, dim, channels, math.sqrt(dim),
-            BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted", HAS_SCALE=alpha_scale is not None,
+            float(floor), rows, dim, channels, math.sqrt(dim),
+            ROWS_PER_PROGRAM=per_program, BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted",
+            HAS_SCALE=alpha_scale is not None,
             ORTHO_EPS=ORTHO_EPS, RMS_EPS=RMS_EPS, num_warps=num_warps,
         )
     # with no rows it still runs: the parameter gradients are then 0
@@ -359,7 +368,8 @@ def _fused_branch_backward(
 
 
 @_fused_branch_backward.register_fake
-def _(grad_new_dir, grad_new_log_norm, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale, floor, renorm):
+def _(grad_new_dir, grad_new_log_norm, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale, floor, renorm,
+      rows_per_program=0):
     # each gradient in its input's dtype and shape (the parameter ones are reduced in fp32, then cast)
     return _fresh(res_dir), _fresh(branch_out), _fresh(mod_logits), _fresh(coef), _fresh(beta_raw), _fresh(alpha)
 

@@ -52,14 +52,16 @@ def build(kernel, dim, channels, dtype, renorm):
             signature[name] = "i32"
             if (dim if name == "D" else channels) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("n_rows", "rows_per_program"):
+        elif name == "n_rows":
             signature[name] = "i32"
         elif name in ("floor", "sqrt_d"):
             signature[name] = "fp32"
         else:
             signature[name] = "constexpr"
     constexprs = dict(BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted", HAS_SCALE=True,
-                      ORTHO_EPS=kernels.ORTHO_EPS, RMS_EPS=kernels.RMS_EPS)
+                      ORTHO_EPS=kernels.ORTHO_EPS, RMS_EPS=kernels.RMS_EPS,
+                      ROWS_PER_PROGRAM=kernels.BACKWARD_ROWS_PER_PROGRAM)  # the backward's, at a full micro-batch
+    constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
 

@@ -5,7 +5,8 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
    NAG-reference vs NAG-compiled vs NAG-fused, step time and peak memory as ratios to GPT,
    at a small shape and (on CUDA) the published one: 64 blocks, dim 640, seq 2048, batch 16.
 2. The branch op alone: time of forward and forward+backward, and the achieved bytes/s
-   against the device's measured copy bandwidth (the roofline of a memory-bound op).
+   against the device's measured copy bandwidth (the roofline of a memory-bound op); with
+   --op-rows-per-program, the fused backward alone at each number of rows per program.
 3. Activation memory: the bytes per token per layer a bf16 training forward saves for backward,
    eager and compiled, GPT vs each NAG impl. It does not depend on the device, so a CPU measures
    the activation share of peak GPU memory without the CPU process's baseline in the way.
@@ -16,6 +17,7 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
 
     python -m scripts.bench.nag --sections op --op-rows 256 --impls reference   # a quick look on a CPU
     python -m scripts.bench.nag --shapes small,published --impls reference,compiled,fused   # (GPU)
+    python -m scripts.bench.nag --sections op --impls fused --op-rows-per-program 1,2,4,8,16,32   # (GPU) the backward's sweep
 """
 
 import sys
@@ -55,6 +57,8 @@ def parse():
                    help="comma list of the parts to run: steps (1), op (2), activations (3), launches (4)")
     p.add_argument("--op-rows", type=int, default=16 * 2048 if on_cuda else 2048)
     p.add_argument("--op-dim", type=int, default=640)
+    p.add_argument("--op-rows-per-program", type=str, default="",
+                   help="comma list: time the fused backward alone at each number of rows per program (e.g. 1,2,4,8,16,32)")
     p.add_argument("--json", type=str, default="", help="also write the figures of the sections run here")
     return p.parse_args()
 
@@ -124,7 +128,30 @@ def bench_op(args, impls):
               f"backward {1e3 * t_bwd:8.3f} ms ({bwd_bytes / t_bwd / 1e9:8.1f} GB/s, {100 * bwd_bytes / t_bwd / bw:5.1f}% of copy)")
         figures["impls"][impl] = {"forward_ms": 1e3 * t_fwd, "forward_gbps": fwd_bytes / t_fwd / 1e9, "forward_of_copy": fwd_bytes / t_fwd / bw,
                                   "backward_ms": 1e3 * t_bwd, "backward_gbps": bwd_bytes / t_bwd / 1e9, "backward_of_copy": bwd_bytes / t_bwd / bw}
+    if args.op_rows_per_program:
+        values = [int(k) for k in args.op_rows_per_program.split(",") if k.strip()]
+        backward = (g_dir, g_ln, res, out, logits, coef, beta, alpha, None, 1e-6, "measured")
+        figures["rows_per_program"] = sweep_rows_per_program(backward, values, bwd_bytes, bw, iters, device_type)
     return figures
+
+
+def sweep_rows_per_program(backward, values, nbytes, bw, iters, device_type):
+    """The fused backward alone (its row kernel and the gate kernel that sums the partials) at each number of rows per
+    program, against the default nag.kernels picks for these rows: GB/s each, the best value and its gain."""
+    from nag import kernels
+    default = kernels._rows_per_program(backward[2].size(0))
+    op = torch.ops.nag.fused_branch_backward.default
+    print(f"  fused backward alone by rows per program (the default here: {default}):")
+    gbps = {}
+    for k in dict.fromkeys(values + [default]):  # in order, the default too, once
+        with torch.no_grad():
+            t = timed(lambda: op(*backward, k), iters, device_type)
+        gbps[k] = nbytes / t / 1e9
+        print(f"    {k:3d} rows per program {1e3 * t:8.3f} ms ({gbps[k]:8.1f} GB/s, {100 * nbytes / t / bw:5.1f}% of copy)")
+    best = max(gbps, key=gbps.get)
+    print(f"    best {best} rows per program: {gbps[best] / gbps[default]:.3f}× the default's GB/s")
+    return {"default": default, "best": best, "gain_over_default": gbps[best] / gbps[default],
+            "backward_gbps": {str(k): v for k, v in gbps.items()}}
 
 
 def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled):
