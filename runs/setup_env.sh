@@ -9,7 +9,14 @@
 #   - an older driver (many rented H100 nodes run 550-575): the CUDA 12.8 build from PyTorch's index.
 # NANOCHAT_TORCH_INDEX=URL picks another index (e.g. https://download.pytorch.org/whl/cu126).
 # NANOCHAT_EXTRAS=hf,track also installs the optional extras (see below).
+# `bash runs/setup_env.sh --help` prints this. Sourced, it reads no flags: the positional arguments are its caller's.
 set -euo pipefail
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # run, not sourced
+    case "${1:-}" in
+        -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        ?*) echo "error: setup_env.sh takes no arguments (see --help)" >&2; exit 1 ;;
+    esac
+fi
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${NANOCHAT_VENV:-$REPO_ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"

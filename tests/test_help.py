@@ -115,3 +115,13 @@ def test_speedrun_derives_a_tag_from_extra_flags(tmp_path):
     assert "tag: nag-mod-floor0 " in out, out[-3000:]
     assert re.search(r"^gpt-tiny-nag-mod-floor0 ", out, re.M) and re.search(r"^nag-tiny-nag-mod-floor0 ", out, re.M), out[-3000:]
     assert not (tmp_path / "base").exists()
+
+
+def test_setup_env_help_prints_usage_and_sets_nothing_up(tmp_path):
+    """`bash runs/setup_env.sh --help` ran the set-up (printing nothing when .venv existed); sourced by the recipes it
+    still reads no flags of theirs (speedrun.sh --help is covered above)."""
+    code, out, _ = run("runs/setup_env.sh", "--help", cwd=tmp_path, base=tmp_path / "base", NANOCHAT_VENV=str(tmp_path / "venv"))
+    assert code == 0 and "Source it" in out and "[setup]" not in out, out
+    code, out, _ = run("runs/setup_env.sh", "--dry-run", cwd=tmp_path, base=tmp_path / "base", NANOCHAT_VENV=str(tmp_path / "venv"))
+    assert code == 1 and out.strip() == "error: setup_env.sh takes no arguments (see --help)", out
+    assert os.listdir(tmp_path) == []
