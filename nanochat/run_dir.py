@@ -1,7 +1,9 @@
 """
 The files of a run directory other than its checkpoints: config.json, metrics.jsonl and the evaluations
 (eval/step_NNNNNN.* per evaluated step, and eval.json, core_records.parquet and core_tasks.csv at the top,
-copies of the highest step evaluated), read and written here only. docs/runs.md lists them.
+copies of the highest step evaluated), read and written here only. docs/runs.md lists them. Also the one rule of
+every results folder (an evaluated step here, a report or an analysis elsewhere): a result is replaced only by
+one of the same inputs; one of other inputs or settings moves to replaced/ first, never deleted.
 
 metrics.jsonl holds one JSON object with an integer step per line, appended as training goes. A kill in the
 middle of a write leaves a torn last line, one that does not parse: every reader here skips it (read_metrics
@@ -16,8 +18,10 @@ import csv
 import json
 import time
 import shutil
+import tempfile
+import contextlib
 
-from nanochat.common import UserError, print0, get_base_dir, atomic_write_bytes, atomic_write_json
+from nanochat.common import UserError, print0, get_base_dir, atomic_write_bytes, atomic_write_json, ensure_writable_dir
 from nanochat.checkpoint_manager import resolve_run_dir
 from nanochat.core_eval import load_records, save_records
 
@@ -29,6 +33,9 @@ RECORDS = "core_records.parquet"
 CSV = "core_tasks.csv"
 TOP = {"json": EVAL_JSON, "records": RECORDS, "csv": CSV}  # copies of the highest step evaluated
 STEP_FILE = re.compile(r"step_(\d+)\.json")  # a step's results in eval/: step_000123.json
+PENDING = os.path.join(EVAL_DIR, "pending")  # a step's new results while an earlier complete one stays in place
+REPLACED = "replaced"  # in a results folder: earlier results of other inputs or settings, never deleted
+MANIFEST = "inputs.json"  # in a report or analysis folder: the tool, its inputs and the files it wrote there
 
 
 # ---------------------------------------------------------------------------
@@ -270,31 +277,38 @@ def mergeable(old, new):
 def previous_results(run_dir, step, fingerprints):
     """The earlier results of this step, to keep the sections not re-run, else {}. Results measured with another
     tokenizer or data are not merged with the new ones: their files move to eval/replaced/ (never deleted)."""
-    names = step_files(step)
-    old = read_record(os.path.join(run_dir, names["json"]))
+    old = read_record(os.path.join(run_dir, step_files(step)["json"]))
     if old is None or old.get("step") != step:
         return {}
     if mergeable(old.get("fingerprints"), fingerprints):
         return old
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = os.path.join(run_dir, EVAL_DIR, "replaced")
-    os.makedirs(moved, exist_ok=True)
-    for name in names.values():
-        if os.path.exists(os.path.join(run_dir, name)):
-            base = os.path.basename(name).replace(f"step_{step:06d}", f"step_{step:06d}_{stamp}", 1)
-            os.replace(os.path.join(run_dir, name), os.path.join(moved, base))
+    dest = set_aside(os.path.join(run_dir, EVAL_DIR), step_names(run_dir, step))
     print0(f"note: the results of step {step} were measured with other fingerprints ({old.get('fingerprints')}, now "
-           f"{fingerprints}): they are replaced, not merged, and kept in {os.path.join(EVAL_DIR, 'replaced')}/")
+           f"{fingerprints}): they are replaced, not merged, and kept in {os.path.relpath(dest, run_dir)}/")
     return {}
 
 
-def write_results(run_dir, record, records=None, settings=None):
+def step_names(run_dir, step, folder=EVAL_DIR):
+    """The names of one step's files that exist in folder (eval/ or eval/pending/)."""
+    names = [os.path.basename(n) for n in step_files(step).values()]
+    return [n for n in names if os.path.exists(os.path.join(run_dir, folder, n))]
+
+
+def read_pending(run_dir, step, fingerprints):
+    """The results of a step staged in eval/pending/ by an evaluation that did not finish, when measured with these
+    fingerprints (so a rerun may resume them), else {}."""
+    old = read_record(os.path.join(run_dir, PENDING, os.path.basename(step_files(step)["json"])))
+    ok = old is not None and old.get("step") == step and mergeable(old.get("fingerprints"), fingerprints)
+    return old if ok else {}
+
+
+def write_results(run_dir, record, records=None, settings=None, pending=False):
     """Write one step's results into eval/ (its CORE records first, when given, with the settings), then the
-    top-level copies when it is the highest step evaluated. Every file is written atomically."""
+    top-level copies when it is the highest step evaluated; pending: into eval/pending/ instead, no copies (an
+    earlier complete result stays in place until commit_pending). Every file is written atomically."""
     step = record["step"]
-    names = step_files(step)
-    path = {k: os.path.join(run_dir, v) for k, v in names.items()}
-    top = {k: os.path.join(run_dir, v) for k, v in TOP.items()}
+    folder = os.path.join(run_dir, PENDING if pending else EVAL_DIR)
+    path = {k: os.path.join(folder, os.path.basename(v)) for k, v in step_files(step).items()}
     if records is not None:
         meta = {**settings, "step": step, "run": record["run"], "fingerprints": record["fingerprints"]}
         save_records(path["records"], records, meta, atomic_write_bytes)
@@ -303,12 +317,142 @@ def write_results(run_dir, record, records=None, settings=None):
     # rewritten every time, so it always matches the json (a header alone when CORE has no results)
     atomic_write_bytes(path["csv"], core_csv(record["tasks"]).encode())
     atomic_write_json(path["json"], record)
+    if not pending:
+        copy_to_top(run_dir, record)
+
+
+def commit_pending(run_dir, record, with_records, replaced_why=None):
+    """Move a finished evaluation's files from eval/pending/ into eval/ (its CORE records only when it scored CORE:
+    else the ones in place still belong to the json), then the top-level copies. replaced_why: the earlier files
+    were measured with other settings, so they move to eval/replaced/ first, with a line saying why."""
+    step = record["step"]
+    eval_dir = os.path.join(run_dir, EVAL_DIR)
+    if replaced_why:
+        dest = set_aside(eval_dir, step_names(run_dir, step))
+        print0(f"note: the earlier results of step {step} were measured with other settings ({replaced_why}); "
+               f"they are kept in {os.path.relpath(dest, run_dir)}/")
+    names = step_files(step)
+    if not with_records and record["core_records"] is None and os.path.exists(os.path.join(run_dir, names["records"])):
+        os.remove(os.path.join(run_dir, names["records"]))  # as write_results does: no json describes them now
+    for key, name in names.items():
+        src = os.path.join(run_dir, PENDING, os.path.basename(name))
+        if os.path.exists(src) and (key != "records" or with_records):
+            os.replace(src, os.path.join(run_dir, name))
+    for name in step_names(run_dir, step, PENDING):  # CORE records of an earlier unfinished run: no json describes them now
+        os.remove(os.path.join(run_dir, PENDING, name))
+    copy_to_top(run_dir, record)
+
+
+def copy_to_top(run_dir, record):
+    """eval.json, core_tasks.csv and core_records.parquet: copies of the step's files, when it is the highest one."""
+    step = record["step"]
     if step < max(evaluated_steps(run_dir)):
         return  # an earlier step: the top-level copies stay those of the highest one
+    names = step_files(step)
+    top = {k: os.path.join(run_dir, v) for k, v in TOP.items()}
     if record["core_records"]:
-        with open(path["records"], "rb") as f:
+        with open(os.path.join(run_dir, names["records"]), "rb") as f:
             atomic_write_bytes(top["records"], f.read())
     elif os.path.exists(top["records"]):
         os.remove(top["records"])  # a copy of another step's records (its own file in eval/ stays)
     atomic_write_bytes(top["csv"], core_csv(record["tasks"]).encode())
     atomic_write_json(top["json"], record)
+
+
+# ---------------------------------------------------------------------------
+# results folders (a report, an analysis): what a tool wrote there, and what it may replace
+
+
+def set_aside(folder, names):
+    """Move folder's files `names` into folder/replaced/<time stamp>/, never deleted; that folder's path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, k = os.path.join(folder, REPLACED, stamp), 1
+    while os.path.exists(dest):  # two replacements within a second
+        k += 1
+        dest = os.path.join(folder, REPLACED, f"{stamp}-{k}")
+    os.makedirs(dest)
+    for name in names:
+        os.replace(os.path.join(folder, name), os.path.join(dest, name))
+    return dest
+
+
+def read_manifest(folder):
+    """The manifest of a results folder ({"tool", "inputs", "files"}), or None (none, or unreadable). An inputs.json
+    from before manifests ({"runs": ...}) is compare's, with its files unlisted."""
+    try:
+        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(m, dict):
+        return None
+    return m if "tool" in m else {"tool": "scripts.compare", "inputs": m, "files": None}
+
+
+def folder_entries(folder):
+    """What a results folder holds, without replaced/ and hidden names (temp files of a write cut short)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n for n in os.listdir(folder) if n != REPLACED and not n.startswith("."))
+
+
+def own_files(folder, tool):
+    """The files of folder that `tool` wrote there (its manifest lists them), or [] when it is not the tool's."""
+    m = read_manifest(folder)
+    if m is None or m["tool"] != tool:
+        return []
+    listed = set(m["files"] or folder_entries(folder)) | {MANIFEST}  # unlisted (an old inputs.json): all of them
+    return [n for n in folder_entries(folder) if n in listed]
+
+
+def input_changes(old, new):
+    """What differs between two tools' inputs, in words."""
+    old = old if isinstance(old, dict) else {}
+    keys = sorted(set(old) | set(new), key=lambda k: (k != "runs", k))
+    return "; ".join("other runs or evaluations" if k == "runs" else f"{k} {json.dumps(old.get(k))} → {json.dumps(new.get(k))}"
+                     for k in keys if old.get(k) != new.get(k))
+
+
+def claim_folder(folder, tool, inputs, force=False):
+    """May `tool` write its results of `inputs` into folder? Yes when it is new or empty, or holds only the tool's own
+    files (its manifest); else one line pointing at --out and --force (with --force: write there, replacing files of
+    the names it writes, like scripts.export_hf). Returns the tool's files there of other inputs, which publish()
+    moves to replaced/; [] for the same inputs, which are simply rewritten. Checked before any work."""
+    entries = folder_entries(folder)
+    ours = own_files(folder, tool)
+    foreign = [n for n in entries if n not in ours]
+    if foreign and not force:
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UserError(f"{folder} holds files that {tool} did not write ({listed}); choose another --out, or add --force "
+                        "to write there (its files of the names written are replaced)")
+    m = read_manifest(folder)
+    return [] if not ours or m["inputs"] == inputs else ours
+
+
+def publish(tmp, folder, tool, inputs, aside):
+    """Move results made in tmp into folder: the tool's files there of other inputs (claim_folder) to replaced/ first,
+    with a line saying so; then the manifest, listing the new files and the tool's others still there; then the
+    files. The manifest goes first: a move cut short is still known as of these inputs."""
+    os.makedirs(folder, exist_ok=True)
+    if aside:
+        why = input_changes(read_manifest(folder)["inputs"], inputs)
+        dest = set_aside(folder, aside)
+        print(f"note: {folder} held results of other inputs ({why}); they are kept in {dest}/")
+    new = sorted(os.listdir(tmp))
+    kept = [n for n in own_files(folder, tool) if n != MANIFEST]
+    atomic_write_json(os.path.join(folder, MANIFEST), {"tool": tool, "inputs": inputs, "files": sorted(set(new) | set(kept))})
+    for name in new:
+        os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+
+
+@contextlib.contextmanager
+def staging(folder):
+    """A temp folder next to folder, for results made whole before publish() moves them in; removed afterwards, so
+    an interrupted or failed run leaves folder as it was."""
+    parent = os.path.dirname(os.path.abspath(folder))
+    ensure_writable_dir(parent)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(folder))}-tmp-")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -23,7 +23,10 @@ val bpb (and CORE, when --eval has it) is measured with the FLOPs actually execu
 
 Sections not run this time (say `--eval sample`) keep their results from an earlier evaluation of the
 same step, unless that one was measured with another tokenizer or data (fingerprints): then the step's
-earlier files move to eval/replaced/ and its results are replaced whole.
+earlier files move to eval/replaced/ and its results are replaced whole. A step that already has results
+is never overwritten by a half-done evaluation: the new files are written to eval/pending/ and moved into
+place once it finishes; the earlier files move to eval/replaced/ first when a section re-run now was measured
+with other settings (--max-per-task, --split-tokens, ...), with a line saying so.
 A small --max-per-task (say 5) works: tasks then use fewer few-shot examples, with a note.
 """
 
@@ -44,7 +47,8 @@ from nanochat.stats import bpb_delta_interval, core_delta_interval
 from nanochat.core_eval import ensure_eval_bundle, evaluate_core, load_records, records_by_task
 from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
 from nanochat import checkpoint_manager as ckpt
-from nanochat.run_dir import EVAL_DIR, TOP, step_files, evaluated_steps, adopt_legacy, previous_results, write_results
+from nanochat.run_dir import (EVAL_DIR, PENDING, TOP, step_files, evaluated_steps, adopt_legacy, previous_results, read_pending,
+                              write_results, commit_pending)
 from nag.archs import load_model
 from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
 
@@ -60,7 +64,7 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_SEED = 42
 
 # every field of a step's results, grouped by the --eval section that fills it (besides run, step, arch, tokens,
-# fingerprints, checkpoint_fingerprints and world_size, which every evaluation sets)
+# fingerprints, checkpoint_fingerprints, world_size and measured_with, which every evaluation sets)
 SECTION_FIELDS = {
     "bpb": {"val_bpb": None, "train_bpb": None, "split_tokens": None, "train_split_tokens": None, "num_val_batches": None,
             "bpb_batch_shape": None, "val_batches": None},
@@ -70,6 +74,9 @@ SECTION_FIELDS = {
     "sample": {"samples": [], "sample_tokens": None, "sample_temperature": None, "sample_seed": None},
     "mod": {"mod_curve": None},
 }
+# whether an earlier record holds results of a section
+HAS_RESULTS = {"bpb": lambda r: r.get("val_bpb") is not None, "core": lambda r: bool(r.get("tasks")) or r.get("core_finished") is not None,
+               "sample": lambda r: bool(r.get("samples")), "mod": lambda r: r.get("mod_curve") is not None}
 
 
 def build_parser():
@@ -263,9 +270,30 @@ def current_fingerprints(tokenizer):
         return {"tokenizer": tokenizer.fingerprint(), "data_train": None, "data_val": None}
 
 
-def unfinished_core(run_dir, old, args, bundle):
+def measured_with(args, bundle, world_size):
+    """What each section's numbers depend on besides the checkpoint and the fingerprints: a step's earlier results
+    of a section measured otherwise are replaced, not merged, and kept in eval/replaced/."""
+    bpb = {"split_tokens": args.split_tokens, "device_batch_size": args.device_batch_size}
+    core = {"max_per_task": args.max_per_task, "eval_bundle": bundle}
+    mod = {"mod_rate": parse_rates(args.mod_rate) if args.mod_rate else None, "mod_blocks": args.mod_blocks,
+           "mod_calib_tokens": args.mod_calib_tokens, "world_size": world_size}  # each rank calibrates on its own shard
+    return {"bpb": bpb, "core": core, "sample": {"sample_tokens": args.sample_tokens}, "mod": {**bpb, **core, **mod}}
+
+
+def changed_settings(old, now, sections):
+    """The sections re-run now whose earlier results were measured with other settings, in words ("" if none)."""
+    was, changes = old.get("measured_with") or {}, []
+    for s in sections:
+        if HAS_RESULTS[s](old) and was.get(s) != now[s]:
+            diff = [f"{k} {was[s].get(k)} → {v}" for k, v in now[s].items() if was[s].get(k) != v] if was.get(s) else ["not recorded"]
+            changes.append(f"{s}: {', '.join(diff)}")
+    return "; ".join(changes)
+
+
+def unfinished_core(run_dir, old, args, bundle, folder=EVAL_DIR):
     """The earlier CORE run of this step to resume (evaluate_core's `done`): one that stopped before its last task,
-    with the same --max-per-task and bundle; else None (and a note when its settings differ)."""
+    with the same --max-per-task and bundle; else None (and a note when its settings differ). folder: where the
+    record's files are (eval/, or eval/pending/ for one staged beside a complete result)."""
     if old.get("core_finished") is not False or not old.get("tasks"):
         return None
     if old.get("max_per_task") != args.max_per_task or old.get("eval_bundle") != bundle:
@@ -273,7 +301,7 @@ def unfinished_core(run_dir, old, args, bundle):
                f"and the bundle {old.get('eval_bundle')}; this one starts over")
         return None
     try:
-        cols, settings = load_records(os.path.join(run_dir, old.get("core_records") or ""))
+        cols, settings = load_records(os.path.join(run_dir, folder, os.path.basename(old.get("core_records") or "")))
     except UserError:
         return None
     if settings.get("max_per_task") != args.max_per_task:
@@ -380,35 +408,49 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
         print0(f"note: the {' and '.join(other_data)} data in the base dir differ from those this checkpoint was trained with; "
                "the results record both fingerprints")
     check_writable(run_dir, step)  # on every rank, so that all of them stop
-    old, done = {}, None
+    measured = measured_with(args, bundle, world_size)
+    sections = [s for s in ("bpb", "core", "sample") if s in evals and (s != "core" or bundle is not None)] + ["mod"] * bool(args.mod_rate)
+    old, done, staged, changed = {}, None, False, ""
     if rank == 0:
         adopt_legacy(run_dir)
         old = previous_results(run_dir, step, fingerprints)
-        done = unfinished_core(run_dir, old, args, bundle) if bundle is not None else None
+        changed = changed_settings(old, measured, sections)
+        if bundle is not None and old.get("core_finished") is False:  # an interrupted CORE run in place
+            done = unfinished_core(run_dir, old, args, bundle)
+        elif bundle is not None:  # one staged beside a complete result
+            done = unfinished_core(run_dir, read_pending(run_dir, step, fingerprints), args, bundle, PENDING)
+        # earlier results are replaced only by complete ones: the new files wait in eval/pending/ until the end,
+        # unless this continues an interrupted CORE run in place with the same settings
+        staged = bool(old) and not (done is not None and old.get("core_finished") is False and not changed)
     old, done = broadcast((old, done))  # every rank resumes CORE at the same task
     record = {"run": os.path.basename(os.path.normpath(run_dir)), "step": step, "arch": meta["arch"], "tokens": meta.get("tokens"),
               "fingerprints": {k: v if v is not None else (old.get("fingerprints") or {}).get(k) for k, v in fingerprints.items()},
               "checkpoint_fingerprints": meta.get("fingerprints"), "world_size": world_size,
-              "attention": {"requested": args.attn, "kernel": attn_kernel, "reason": attn_reason}}
+              "attention": {"requested": args.attn, "kernel": attn_kernel, "reason": attn_reason},
+              "measured_with": dict(old.get("measured_with") or {})}
     for fields in SECTION_FIELDS.values():
         record.update({k: old.get(k, default) for k, default in fields.items()})
 
-    def save(results, records=None, settings=None):
+    def save(results, records=None, settings=None, section=None):
         """Merge results into the record and write it (rank 0); CORE records go next to it, with the settings."""
         record.update(results)
+        if section is not None:
+            record["measured_with"][section] = measured[section]
         if rank == 0:
-            write_results(run_dir, record, records, settings)
+            write_results(run_dir, record, records, settings, pending=staged)
 
     if "bpb" in evals:
-        save(eval_bpb(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size))
+        save(eval_bpb(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size), section="bpb")
     if bundle is not None:
-        eval_core(model, tokenizer, device, bundle, args, save, step_files(step)["records"], done)
+        eval_core(model, tokenizer, device, bundle, args, lambda *a: save(*a, section="core"), step_files(step)["records"], done)
     elif core_error:
         save({"core_error": core_error})
     if "sample" in evals:
-        save(eval_samples(model, tokenizer, args.sample_tokens) if rank == 0 else {})
+        save(eval_samples(model, tokenizer, args.sample_tokens) if rank == 0 else {}, section="sample")
     if args.mod_rate:  # last: it reconfigures the model's MoD
-        save(eval_mod_curve(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size, bundle))
+        save(eval_mod_curve(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size, bundle), section="mod")
+    if rank == 0 and staged:  # finished: now it may replace the earlier results
+        commit_pending(run_dir, record, with_records=bundle is not None, replaced_why=changed)
     if rank == 0:
         print_table(record)
         top = "" if step < max(evaluated_steps(run_dir)) else f" (and {TOP['json']}, the highest step evaluated)"
@@ -437,7 +479,8 @@ def sigterm_as_interrupt():
 def main(argv=None):
     args = build_parser().parse_args(script_argv(argv))
     with exit_on_user_error(interrupted="interrupted: the results saved so far are kept (CORE after every task, marked "
-                            "interrupted); the same command resumes CORE at the first unfinished task"), sigterm_as_interrupt():
+                            "interrupted; in eval/pending/ where the step has earlier results, which stay as they were); "
+                            "the same command resumes CORE at the first unfinished task"), sigterm_as_interrupt():
         return evaluate(args)
 
 

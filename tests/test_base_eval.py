@@ -154,7 +154,10 @@ def test_records_and_per_batch_losses_are_saved(pair):
     assert os.path.exists(os.path.join(run_dir, record["core_records"]))
 
 
-def test_a_crash_keeps_the_finished_tasks(pair, monkeypatch):
+def test_a_crash_keeps_the_finished_tasks(pair, monkeypatch, tmp_path):
+    import shutil
+    run_dir = str(tmp_path / "nag")  # a run not evaluated yet: the cut results go in place (test_eval_history: beside earlier ones)
+    shutil.copytree(pair["runs"]["nag"], run_dir, ignore=shutil.ignore_patterns("eval*", "core_*", ".lock"))
     real = core_eval.task_verdicts
     calls = []
 
@@ -166,8 +169,7 @@ def test_a_crash_keeps_the_finished_tasks(pair, monkeypatch):
 
     monkeypatch.setattr(core_eval, "task_verdicts", dies_on_the_second_task)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        base_eval.main(["--run", "nag", "--eval", "core", "--eval-bundle", pair["bundle"]] + EVAL)
-    run_dir = pair["runs"]["nag"]
+        base_eval.main(["--run", run_dir, "--eval", "core", "--eval-bundle", pair["bundle"]] + EVAL)
     saved = json.load(open(os.path.join(run_dir, "eval.json")))
     assert list(saved["tasks"]) == ["tiny_mc"] and saved["core_finished"] is False and saved["core_metric"] is None
     assert saved["interrupted"] is True and saved["interrupted_tasks"] == ["tiny_schema", "tiny_lm"] and saved["missing_tasks"] == ["absent_task"]
@@ -181,7 +183,7 @@ def test_small_max_per_task_draws_fewer_shots(pair, capsys):
     record = base_eval.main(["--run", "gpt", "--eval", "core", "--eval-bundle", pair["bundle"], "--max-per-task", "2"])
     assert record["tasks"]["tiny_lm"]["num_examples"] == 2 and record["tasks"]["tiny_lm"]["num_fewshot"] == 1
     assert record["tasks"]["tiny_mc"]["num_fewshot"] == 1
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:") and "few-shot" in line]
     assert len(notes) == 1 and "tiny_lm 2->1" in notes[0]
 
 

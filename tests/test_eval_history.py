@@ -106,9 +106,10 @@ def test_results_of_other_fingerprints_are_replaced_not_merged(run, trained, mon
     assert not os.path.exists(os.path.join(run, "core_records.parquet"))  # the top copy follows step 6, which has no CORE now
     assert "measured with other fingerprints" in capsys.readouterr().out
     # the replaced results are kept, not deleted
-    moved = sorted(os.listdir(os.path.join(run, "eval", "replaced")))
-    assert len(moved) == 3 and all(n.startswith("step_000006_") for n in moved)
-    kept = json.load(open(os.path.join(run, "eval", "replaced", next(n for n in moved if n.endswith(".json")))))
+    (stamp,) = os.listdir(os.path.join(run, "eval", "replaced"))  # one folder per replacement, named by its time
+    moved = os.path.join(run, "eval", "replaced", stamp)
+    assert sorted(os.listdir(moved)) == sorted(os.path.basename(n) for n in step_names(6))
+    kept = json.load(open(os.path.join(moved, "step_000006.json")))
     assert kept["tasks"] == first["tasks"] and kept["fingerprints"] == first["fingerprints"]
 
     # results from before fingerprints were recorded are not merged either
@@ -254,3 +255,46 @@ def test_an_interrupted_core_run_is_marked_and_resumed(run, trained, monkeypatch
     other = evaluate(run, trained["bundle"], "--eval", "core", "--max-per-task", "3")
     assert len(scored) == 3 and all(t["num_examples"] == 3 for t in other["tasks"].values())
     assert "starts over" in capsys.readouterr().out
+
+
+def test_results_of_other_settings_move_to_replaced(run, trained, capsys):
+    evaluate(run, trained["bundle"], "--eval", "core,bpb")
+    first = evaluate(run, trained["bundle"], "--eval", "core,bpb")  # the same settings: rewritten, nothing to keep
+    assert not os.path.exists(os.path.join(run, "eval", "replaced"))
+    before = files(run, step_names(6))
+    capsys.readouterr()
+    other = evaluate(run, trained["bundle"], "--eval", "core", "--max-per-task", "3")
+    notes = [line for line in capsys.readouterr().out.splitlines() if "other settings" in line]
+    assert len(notes) == 1 and "core: max_per_task 4 → 3" in notes[0] and "eval/replaced/" in notes[0]
+    (stamp,) = os.listdir(os.path.join(run, "eval", "replaced"))
+    kept = {f"eval/{n}": open(os.path.join(run, "eval", "replaced", stamp, n), "rb").read() for n in os.listdir(os.path.join(run, "eval", "replaced", stamp))}
+    assert kept == before  # the earlier results, byte for byte
+    assert other["max_per_task"] == 3 and other["val_bpb"] == first["val_bpb"]  # bpb was not re-run: kept
+    assert load(run, "eval.json") == load(run, "eval/step_000006.json") == json.loads(json.dumps(other))
+
+
+def test_an_interrupted_evaluation_never_replaces_a_complete_one(run, trained, monkeypatch, capsys):
+    evaluate(run, trained["bundle"], "--eval", "core,bpb")
+    before = files(run, TOP + step_names(6))
+    real, calls = core_eval.task_verdicts, []
+
+    def ctrl_c_in_the_second_task(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(core_eval, "task_verdicts", ctrl_c_in_the_second_task)
+    with pytest.raises(SystemExit) as e:
+        evaluate(run, trained["bundle"], "--eval", "core", "--max-per-task", "3")
+    assert e.value.code == 130 and files(run, TOP + step_names(6)) == before and not os.path.exists(os.path.join(run, "eval", "replaced"))
+    assert "stay as they were" in capsys.readouterr().err
+    assert list(load(run, "eval/pending/step_000006.json")["tasks"]) == ["tiny_mc"]  # the cut run, beside them
+    # the same command resumes it, and only the finished evaluation replaces the earlier one (kept in replaced/)
+    monkeypatch.setattr(core_eval, "task_verdicts", real)
+    done = evaluate(run, trained["bundle"], "--eval", "core", "--max-per-task", "3")
+    assert "resuming the interrupted CORE evaluation of step 6: 1 task(s) already scored" in capsys.readouterr().out
+    assert done["core_finished"] is True and load(run, "eval.json") == json.loads(json.dumps(done))
+    (stamp,) = os.listdir(os.path.join(run, "eval", "replaced"))
+    assert open(os.path.join(run, "eval", "replaced", stamp, "step_000006.json"), "rb").read() == before["eval/step_000006.json"]
+    assert os.listdir(os.path.join(run, "eval", "pending")) == []
