@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat.fp8 import fp8_linear, admits as fp8_admits
 from nanochat.flash_attention import KERNELS, causal_attention, load_kernel, mask_free, masked_attention
 
 
@@ -41,12 +42,16 @@ def norm(x):
 
 
 class Linear(nn.Linear):
-    """Bias-free linear layer whose fp32 master weight is cast to the input's dtype."""
+    """Bias-free linear layer whose fp32 master weight is cast to the input's dtype; in training, fp8 matmuls instead
+    where GPT.set_fp8 turned them on (nanochat/fp8.py)."""
 
     def __init__(self, in_features, out_features, bias=False, device=None):
         super().__init__(in_features, out_features, bias=bias, device=device)
+        self.fp8 = False
 
     def forward(self, x):
+        if self.fp8 and self.training and self.bias is None:
+            return fp8_linear(x, self.weight)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype), bias)
 
@@ -206,6 +211,14 @@ class GPT(nn.Module):
 
     def set_compute_dtype(self, dtype):
         self.compute_dtype = dtype
+
+    def set_fp8(self, enabled):
+        """fp8 matmuls in training for every Linear the size rule admits (nanochat/fp8.py); returns their names."""
+        chosen = [name for name, m in self.named_modules() if isinstance(m, Linear) and fp8_admits(m.in_features, m.out_features)]
+        for name, m in self.named_modules():
+            if isinstance(m, Linear):
+                m.fp8 = enabled and name in chosen
+        return chosen if enabled else []
 
     def set_attention(self, kernel):
         """The attention kernel of plain rows, one of flash_attention.KERNELS (nanochat/flash_attention.py resolves it):

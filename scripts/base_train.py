@@ -43,6 +43,7 @@ from nanochat.loss_eval import evaluate_bpb_shared, held_batches, shared_batches
 from nanochat.optim import MuonAdamW
 from nanochat.plan import SAVES_PER_RUN, lr_multiplier, momentum_at, muon_weight_decay
 from nanochat.nonfinite import NonFiniteError, finite_flags, graded_names, check_finite, check_finite_late
+from nanochat import fp8
 from nanochat import resume
 from nanochat import run_dir as run_files
 from nanochat import checkpoint_manager as ckpt
@@ -64,6 +65,8 @@ def build_parser():
     p.add_argument("--data-seed", type=int, default=None,
                    help="seed of the order the train documents are read in (row groups shuffled per epoch; default: file order)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model (default: on for cuda)")
+    p.add_argument("--fp8", action="store_true",
+                   help="fp8 matmuls in training for the linear layers the size rule admits (nanochat/fp8.py; CUDA 8.9+, or the CPU)")
     p.add_argument("--attn", type=str, default="auto", choices=list(ATTN_CHOICES),
                    help="attention kernel: auto = on Hopper the first of fa4, cudnn, fa3 that loads (docs/design.md §2), else SDPA")
     # model
@@ -228,6 +231,8 @@ def train(args):
     is_ddp, rank, local_rank, world_size, device = procs
     torch.manual_seed(args.seed)
     compute_dtype = compute_dtype_for(device_type)
+    if args.fp8 and (why := fp8.cannot_run(device)):
+        raise UserError(f"--fp8 cannot run here: {why}; train without --fp8")
     attention = agree_attention(args.attn, device, compute_dtype, is_ddp, args.preset if preset.get("gpu") else "")  # rank 0's choice, on every rank
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -276,6 +281,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     model.to_empty(device=device)
     model.init_weights()
     model.set_compute_dtype(compute_dtype_for(device_type))
+    fp8_layers = model.set_fp8(args.fp8)  # before DDP and compile, as the attention kernel
     model.set_attention(record["attention"]["kernel"])  # before DDP and compile: the compiled graph sees a constant
     use_compile = args.compile if args.compile is not None else device_type == "cuda"
     # under DDP each rank updates its chunk of every Muon stack, then all-gathers them (docs/optimizer.md)
@@ -326,6 +332,9 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     print0(f"arch {plan.arch} | {record['num_params']:,} params (S = {record['num_scaling_params']:,} for the size rules) | "
            f"d{c.n_layer} dim {c.n_embd} heads {c.n_head} | device {device_type} × {world_size} | {record['compute_dtype']}")
     print0(f"attention: {record['attention']['kernel']} ({record['attention']['reason']})")
+    if args.fp8:
+        print0(f"fp8: {len(fp8_layers)} linear layers in training (both dims >= {fp8.MIN_DIM}, multiples of {fp8.MULTIPLE}); "
+               f"the others, evaluation and sampling in {record['compute_dtype']}")
     print0(f"horizon: {plan.num_iterations:,} steps × {plan.total_batch:,} tokens = {record['total_tokens']:,} tokens | "
            f"{plan.flops_per_token:,} FLOPs/token | {record['total_flops']:.3e} FLOPs | grad accum {plan.grad_accum} | "
            f"checkpoint every {plan.save_every or plan.num_iterations} steps")
