@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# The measurements only a GPU can make (scripts/bench/gpu_checks.py has the stages, their time limits and the
-# figures each writes). No network and no data: the benchmarks use random tokens.
+# The measurements only a GPU can make (scripts/bench/gpu_checks.py has the stages, their time limits, expected times
+# and the figures each writes). No network and no data: the benchmarks use random tokens.
 #
-#   bash runs/gpu_checks.sh --quick     # at most 8 minutes on one H100/H200, compiles included
-#   bash runs/gpu_checks.sh             # also the published shape at full depth; CORE batching with EVAL_BUNDLE=DIR
+#   bash runs/gpu_checks.sh --quick             # at most 7 minutes on one H100/H200, compiles included
+#   bash runs/gpu_checks.sh                     # also cold compiles, per-block compile, full depth; CORE batching with EVAL_BUNDLE=DIR
+#   bash runs/gpu_checks.sh --quick --dry-run   # the plan and the files it writes; needs no GPU
 #
 # Output: $OUT when set (a device runner's folder that comes back), else --out DIR, else gpu_checks/:
-# results.json (the machine and every finished stage's figures), summary.md (a line per stage as it ends, then the
+# results.json (the machine and every stage's status and figures), summary.md (a line per stage as it ends, then the
 # headline figures) and logs.tar.gz (the stages' logs): three files, each brought up to date as a stage ends.
-# Without a GPU it stops at once with one line. The exit status is 1 if any stage failed.
+# Without a GPU it stops at once with one line. The exit status is 1 if any stage failed (a skipped one has not).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-# 1. the Python: $PYTHON, else .venv, else the machine's python3 if it has what the checks import
-#    (rustbpe is not needed), else make .venv (needs the network)
+# 1. the Python: $PYTHON, else .venv, else the machine's own python3 if it has torch and Triton (a borrowed GPU
+#    slot: no .venv, no network; the checks need neither rustbpe nor the data libraries), else make .venv (network)
 if [ -n "${PYTHON:-}" ]; then
     PY="$PYTHON"
 elif [ -x .venv/bin/python ]; then
     PY=.venv/bin/python
-elif python3 -c "import torch, triton, pyarrow, yaml, pytest, tiktoken" 2>/dev/null; then
+elif python3 -c "import torch, triton" 2>/dev/null; then
     PY=python3
 else
     source runs/setup_env.sh

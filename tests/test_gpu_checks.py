@@ -1,6 +1,7 @@
-"""runs/gpu_checks.sh and scripts/bench/gpu_checks.py on a CPU: the one-line stop without a GPU, the stage runner
-with fake stages (ok, failing, timed out, out of budget), the kernel-test verdict when no CUDA test can run,
-the headline arithmetic, and bench_train's per-block compile against eager on a tiny model."""
+"""runs/gpu_checks.sh and scripts/bench/gpu_checks.py on a CPU: the one-line stop without a GPU, the python a borrowed
+slot has (no .venv, no rustbpe), the stage runner with fake stages (ok, failing, timed out, skipped for the budget,
+their compiler caches), the plan against the quick budget, the kernel-test verdict when no CUDA test can run, the
+headline arithmetic, the branch-op sweep, and bench_train's per-block compile against eager on a tiny model."""
 
 import json
 import os
@@ -19,9 +20,9 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the machine
 WRITE_JSON = "import json, sys; json.dump({'x': 1}, open(sys.argv[1], 'w')); print('wrote it')"
 
 
-def fake(name, code, timeout=60):
-    return gpu_checks.Stage(name, f"fake {name}", [sys.executable, "-c", code, "{json}"], timeout, 1,
-                            figures=lambda d: f"x = {d['x']}")
+def fake(name, code, timeout=60, expect=1, cold=False):
+    return gpu_checks.Stage(name, f"fake {name}", [sys.executable, "-c", code, "{json}"], timeout, expect,
+                            figures=lambda d: f"x = {d['x']}", cold=cold)
 
 
 def rows(out):
@@ -76,17 +77,54 @@ def test_runner_marks_failures_and_keeps_every_line(tmp_path, monkeypatch):
     assert state in ("gone", "Z"), f"the timed-out stage's child {pid} is still running ({state})"
 
 
-def test_budget_stops_starting_stages(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_checks, "MIN_STAGE_S", 2)
+def test_budget_ends_a_stage_and_skips_the_next(tmp_path):
     stages = [fake("slow", "import time; time.sleep(60)"), fake("after", WRITE_JSON)]
     (tmp_path / "after.json").write_text('{"x": 0}')  # an earlier run's: it must not count as this run's figures
     t0 = time.time()
     failed = gpu_checks.run_stages(stages, str(tmp_path), budget=3)
     assert time.time() - t0 < 15  # the budget, not the stage's own 60 s limit, ended it
-    assert failed == ["slow", "after"]
+    assert failed == ["slow"]  # the stage cut short failed; the one never started did not
     got = rows(str(tmp_path))
-    assert "timed out after 3 s" in got[0][3] and got[1][3].startswith("not started")
+    assert got[0][1] == "FAILED" and "timed out after 3 s (the budget's end)" in got[0][3]
+    assert got[1][1] == "SKIPPED" and got[1][3].startswith("not started: 0 s of the 3 s budget left, it expects 1 s")
     assert not (tmp_path / "after.json").exists()
+
+
+def test_a_stage_whose_expected_time_is_not_left_is_skipped(tmp_path):
+    # a stage expecting more than the budget left is not started (it would be cut short), and the run goes on to the
+    # stages that still fit; results.json says SKIPPED with the reason, and nothing failed
+    stages = [fake("big", WRITE_JSON, expect=50), fake("small", WRITE_JSON, expect=1)]
+    failed = gpu_checks.run_stages(stages, str(tmp_path), budget=20)
+    assert failed == []
+    got = rows(str(tmp_path))
+    assert got[0][:3] == ("big", "SKIPPED", "0") and "it expects 50 s" in got[0][3] and got[1][:2] == ("small", "ok")
+    results = json.loads((tmp_path / "results.json").read_text())["stages"]
+    assert results["big"]["result"] == "SKIPPED" and results["big"]["figures"] is None and "budget left" in results["big"]["note"]
+    assert results["small"]["result"] == "ok" and results["small"]["figures"] == {"x": 1}
+    assert not (tmp_path / "big.log").exists()  # never started
+
+
+CACHES = "import json, os, sys; json.dump({'x': [os.environ.get(k) for k in ('TORCHINDUCTOR_CACHE_DIR', 'TRITON_CACHE_DIR')]}, open(sys.argv[1], 'w'))"
+
+
+def test_stages_share_the_compiler_caches_but_the_cold_one(tmp_path, monkeypatch):
+    # every stage process compiles into the run's caches (in its work folder), so a graph or kernel compiles once per
+    # run; a cold stage gets none of them, not even one the caller had set (bench_train --fresh-cache makes its own)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere/inductor")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    stages = [fake("warm", CACHES), fake("cold", CACHES, cold=True), fake("warm_again", CACHES)]
+    assert gpu_checks.run_stages(stages, str(tmp_path), budget=60) == []
+    got = {n: json.loads((tmp_path / f"{n}.json").read_text())["x"] for n in ("warm", "cold", "warm_again")}
+    shared = [str(tmp_path / gpu_checks.CACHE / "inductor"), str(tmp_path / gpu_checks.CACHE / "triton")]
+    assert got["warm"] == got["warm_again"] == shared and got["cold"] == [None, None]
+
+
+def test_the_plan_has_one_cold_stage():
+    # --fresh-cache in the one stage that measures cold compile, and that stage alone runs without the shared caches
+    plan = gpu_checks.stages(quick=False, eval_bundle="/bundle")
+    cold = [s.name for s in plan if s.cold]
+    fresh = [s.name for s in plan if "--fresh-cache" in s.cmd]
+    assert cold == fresh == ["depth"]
 
 
 def test_main_exit_status_and_summary(tmp_path, monkeypatch):
@@ -94,6 +132,7 @@ def test_main_exit_status_and_summary(tmp_path, monkeypatch):
     # failed stage, and in $OUT nothing but the three outputs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_checks, "environment", lambda: {"gpu": "Fake GPU", "driver": "0", "torch": "t", "triton": "t", "cuda": "c"})
+    monkeypatch.setattr(gpu_checks, "QUICK_BUDGET", 60)  # the fakes' time, not a GPU's
     monkeypatch.setattr(gpu_checks, "stages", lambda quick, bundle: [fake("ok", WRITE_JSON), fake("bad", "raise SystemExit(2)")])
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     with pytest.raises(SystemExit) as e:
@@ -143,12 +182,31 @@ def test_a_killed_run_keeps_the_finished_stages_in_at_most_eight_files(tmp_path)
         assert "wrote it" in tar.extractfile("gpu_checks_logs/first.log").read().decode()
 
 
-def test_dry_run_lists_at_most_eight_output_files():
+def test_environment_names_the_machine(monkeypatch):
+    # results.json's machine: GPU, driver, torch, Triton, CUDA (torch's build and the driver's), faked here
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 2 ** 37})())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("nanochat.common.nvidia_smi", lambda: (1, "580.65", "13.0"))
+    env = gpu_checks.environment()
+    assert env["gpu"] == "Fake H200" and env["driver"] == "580.65" and env["driver_cuda"] == "13.0"
+    assert env["torch"] == torch.__version__ and env["triton"] and "cuda" in env and env["capability"] == [9, 0]
+
+
+def test_dry_run_lists_the_plan_and_at_most_eight_output_files():
     r = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_checks", "--quick", "--dry-run"], cwd=REPO,
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
     assert r.returncode == 0, r.stderr
-    files = r.stdout.strip().splitlines()[-1]
-    assert files == f"writes 3 files in $OUT (else --out): {', '.join(gpu_checks.OUTPUTS)}" and len(gpu_checks.OUTPUTS) <= 8
+    lines = r.stdout.strip().splitlines()
+    plan = gpu_checks.stages(quick=True)
+    for st, line in zip(plan, lines[1:]):
+        assert line.split()[:5] == [st.name, f"{st.timeout:.0f}", "s", f"{st.expect:.0f}", "s"], line
+    expected = sum(st.expect for st in plan)
+    assert lines[len(plan) + 1].startswith(f"expected {expected:.0f} s in all, {100 * expected / gpu_checks.QUICK_BUDGET:.0f}% "
+                                           f"of the {gpu_checks.QUICK_BUDGET} s budget")
+    assert lines[-1] == f"writes 3 files, all at the top of $OUT (else --out), none in a folder: {', '.join(gpu_checks.OUTPUTS)}"
+    assert len(gpu_checks.OUTPUTS) <= 8 and all("/" not in name for name in gpu_checks.OUTPUTS)
 
 
 @no_gpu
@@ -164,13 +222,15 @@ def test_kernel_tests_fail_when_no_cuda_test_ran(tmp_path):
     assert "(0 CUDA)" in gpu_checks.kernel_figures(d)
 
 
-def result(arch, depth, step_ms, mem, compile_s=30.0, mode="on", **extra):
+def result(arch, depth, step_ms, mem, compile_s=30.0, mode="on", fresh_cache=False, **extra):
     return {"arch": arch, "compile": mode, "depth": depth, "dim": 640, "step_ms": step_ms, "peak_mem_gib": mem,
-            "compile_s": compile_s, "graphs": 1, "flops_per_token": 1e8 * depth, "tokens_per_step": 32768, "peak_flops": 1e16, **extra}
+            "model_compile_s": compile_s, "model_graphs": 1, "optim_compile_s": 7.0, "optim_graphs": 5, "later_graphs": 0,
+            "optim_compiled": ["adamw_update", "muon_update"], "fresh_cache": fresh_cache,
+            "flops_per_token": 1e8 * depth, "tokens_per_step": 32768, "peak_flops": 1e16, **extra}
 
 
 def test_headline_carries_two_depths_to_64(tmp_path):
-    runs = {"depth": [result("gpt", 4, 10.0, 4.0, 20), result("nag:fused", 4, 11.0, 4.2, 25)],
+    runs = {"depth": [result("gpt", 4, 10.0, 4.0, 20, fresh_cache=True), result("nag:fused", 4, 11.0, 4.2, 25, fresh_cache=True)],
             "step": [result("gpt", 8, 14.0, 6.0, 30), result("nag:fused", 8, 16.0, 6.4, 40)],
             "blocks": [result("gpt", 8, 14.2, 5.9, 9, "blocks"), result("nag:fused", 8, 16.8, 6.3, 12, "blocks")]}
     for name, rs in runs.items():
@@ -182,26 +242,72 @@ def test_headline_carries_two_depths_to_64(tmp_path):
     assert "GPT MFU 30.0%" in text  # 6.4e9 FLOPs per token × 32768 tokens / 70 ms / 1e16 FLOP/s
     assert "gpt compiled per block / whole, depth 8: step time 1.014× (within 2%)" in text
     assert "nag:fused compiled per block / whole, depth 8: step time 1.050× (outside 2%)" in text
-    assert "compile 12 s (1 graph(s)) vs 40 s" in text and "depth 4 × 640: gpt 20 s" in text
+    assert "model compile 12 s (1 graph(s)) vs 40 s, the run's caches shared" in text
+    # the cold compile line: the cold stage's variants alone, the model and the optimizer apart, naming what compiled
+    cold = next(l for l in text.splitlines() if l.startswith("- cold compile"))
+    assert "depth 4 × 640 gpt: model 20 s (1 graph(s)), optimizer 7 s (5 graph(s): adamw_update, muon_update)" in cold
+    assert "nag:fused: model 25 s" in cold and "depth 8" not in cold
 
 
-def test_quick_plan_fits_eight_minutes():
+def test_quick_plan_answers_the_first_questions_within_its_budget():
     quick = gpu_checks.stages(quick=True)
-    assert [s.name for s in quick] == ["kernel_tests", "attention", "branch_op", "step", "depth", "blocks", "mfu"]
-    assert sum(s.expect for s in quick) <= 480 and all(s.timeout < 240 for s in quick)
+    assert [s.name for s in quick] == ["kernel_tests", "step", "mfu", "attention", "branch_op"]
+    assert gpu_checks.QUICK_BUDGET <= 7 * 60  # a borrowed slot gives a command 10 minutes, its start-up included
+    assert sum(s.expect for s in quick) <= gpu_checks.PLANNED * gpu_checks.QUICK_BUDGET and gpu_checks.PLANNED <= 0.75
+    assert all(s.expect < s.timeout <= 180 for s in quick)  # each stage its own limit, with room over its expected time
     full = gpu_checks.stages(quick=False, eval_bundle="/bundle")
-    assert [s.name for s in full[len(quick):]] == ["published_gpt", "published_nag", "published_blocks", "mod", "core_batching"]
-    assert all(s.timeout <= 480 for s in full)  # the 64-layer whole-model compiles: minutes each
+    assert [s.name for s in full[len(quick):]] == ["depth", "blocks", "published_gpt", "published_nag", "published_blocks", "mod",
+                                                   "core_batching"]
+    assert all(s.expect < s.timeout <= 480 for s in full)  # the 64-layer whole-model compiles: minutes each
+    branch_op = next(s for s in quick if s.name == "branch_op")
+    assert branch_op.cmd[branch_op.cmd.index("--op-rows-per-program") + 1] == "1,2,4,8,16,32"
 
 
-def test_branch_op_json(tmp_path):
+def test_branch_op_json_and_the_rows_per_program_sweep(tmp_path):
+    # on a CPU the fused backward runs interpreted: figures of no meaning, but the sweep's code and JSON are the GPU's
     path = tmp_path / "op.json"
-    r = subprocess.run([sys.executable, "-m", "scripts.bench.nag", "--sections", "op", "--op-rows", "64", "--impls", "reference",
-                        "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run([sys.executable, "-m", "scripts.bench.nag", "--sections", "op", "--op-rows", "8", "--op-dim", "32",
+                        "--impls", "reference", "--op-rows-per-program", "8", "--json", str(path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
     d = json.loads(path.read_text())
-    assert d["op"]["rows"] == 64 and d["op"]["impls"]["reference"]["forward_gbps"] > 0
-    assert gpu_checks.op_figures(d).startswith("copy ")
+    assert d["op"]["rows"] == 8 and d["op"]["impls"]["reference"]["forward_gbps"] > 0
+    sweep = d["op"]["rows_per_program"]
+    assert sweep["default"] == 1 and list(sweep["backward_gbps"]) == ["8", "1"]  # the default measured too
+    assert sweep["best"] in (1, 8) and sweep["gain_over_default"] >= 1.0
+    text = gpu_checks.op_figures(d)
+    assert text.startswith("copy ") and f"best {sweep['best']} (" in text and f"× the default 1 (" in text
+
+
+def fake_slot_python(tmp_path):
+    """A repo tree without .venv and a python3 first on PATH that has torch and Triton but no rustbpe (nor tiktoken,
+    pyarrow or yaml), like a borrowed GPU slot's own."""
+    tree, bin_dir, missing = tmp_path / "tree", tmp_path / "bin", tmp_path / "missing"
+    for d in (tree / "runs", bin_dir):
+        d.mkdir(parents=True)
+    for name in ("scripts", "nanochat", "nag", "tests"):
+        (tree / name).symlink_to(os.path.join(REPO, name))
+    (tree / "runs" / "gpu_checks.sh").write_text(open(os.path.join(REPO, "runs", "gpu_checks.sh")).read())
+    for module in ("rustbpe", "tiktoken", "pyarrow", "yaml"):
+        (missing / module).mkdir(parents=True)
+        (missing / module / "__init__.py").write_text(f"raise ImportError('no {module} on this machine')")
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nPYTHONPATH={missing} exec {sys.executable} "$@"\n')
+    python3.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PYTHONPATH", "VIRTUAL_ENV")}
+    return tree, dict(env, PATH=f"{bin_dir}:{env['PATH']}", OMP_NUM_THREADS="1")
+
+
+def test_the_slot_python_is_picked_without_venv_or_rustbpe(tmp_path):
+    tree, env = fake_slot_python(tmp_path)
+    r = subprocess.run(["bash", str(tree / "runs" / "gpu_checks.sh"), "--quick", "--dry-run"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1].startswith("writes 3 files") and not (tree / ".venv").exists()
+    # what the stages import, under that python: no rustbpe or data library among it
+    code = "import scripts.bench.train, scripts.bench.nag, scripts.bench.attention, scripts.bench.mod, scripts.bench.models, nag.kernels"
+    r = subprocess.run([str(tmp_path / "bin" / "python3"), "-c", code], cwd=tree, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -218,7 +324,9 @@ def test_per_block_compile_matches_eager(tmp_path):
     got = {(x["arch"], x["compile"]): x for x in d["results"]}
     for arch, graphs in (("gpt", 1), ("nag", 2)):
         eager, blocks = got[arch, "off"], got[arch, "blocks"]
-        assert eager["graphs"] == 0 and blocks["graphs"] == graphs, (arch, blocks["graphs"])
+        assert eager["model_graphs"] == 0 and blocks["model_graphs"] == graphs, (arch, blocks["model_graphs"])
+        assert blocks["model_compile_s"] > eager["model_compile_s"] and blocks["optim_graphs"] == 0  # the CPU's optimizer is eager
+        assert blocks["later_graphs"] == 0 and not blocks["fresh_cache"]
         assert blocks["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-5)
         assert blocks["last_loss"] == pytest.approx(eager["last_loss"], rel=1e-4)
     assert "nag / gpt (compiled per block)" in r.stdout

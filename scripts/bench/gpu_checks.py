@@ -2,15 +2,18 @@
 The measurements only a GPU can make, sized for a GPU borrowed for a few minutes (no network, no data:
 the benchmarks use random tokens).
 
-    bash runs/gpu_checks.sh --quick    # (GPU) at most 8 minutes on one H100/H200, compiles included
-    bash runs/gpu_checks.sh            # (GPU) also the published shape at full depth and CORE batching (with EVAL_BUNDLE=DIR)
-    python -m scripts.bench.gpu_checks --quick --dry-run   # the stages, their time limits and expected times; needs no GPU
+    bash runs/gpu_checks.sh --quick    # (GPU) at most 7 minutes on one H100/H200, compiles included
+    bash runs/gpu_checks.sh            # (GPU) also depth 4 with cold compiles, per-block compile, the published shape at full depth, MoD, CORE batching (EVAL_BUNDLE=DIR)
+    python -m scripts.bench.gpu_checks --quick --dry-run   # the stages, their limits and expected times, the files; needs no GPU
 
-Without a GPU it says so in one line and stops. Otherwise each stage runs in its own process under its
-own time limit (and all of them under --budget), in a work folder of its own. The moment a stage ends,
-three files in $OUT are brought up to date, so a run cut short keeps every stage that finished, and a
-borrowed GPU slot, which returns at most 8 files, returns them all (OUTPUTS):
-  results.json   every finished stage's figures and status, and the machine (GPU, driver, torch, Triton, CUDA)
+Without a GPU it says so in one line and stops. Otherwise the stages run in the order a first GPU slot must answer
+them (kernels right on CUDA, NAG vs GPT step time and memory, MFU, attention, the branch op), each in its own
+process under its own time limit, and all of them under --budget: a stage whose expected time is no longer left is
+SKIPPED (not a failure). The stages share one Inductor and one Triton cache in the work folder, so a graph or kernel
+compiles once per run; the one stage marked cold gives each of its variants empty caches, and its compile seconds
+are the cold ones. The moment a stage ends, three files in $OUT are brought up to date, so a run cut short keeps
+every stage that finished, and a borrowed GPU slot, which returns at most 8 files, returns them all (OUTPUTS):
+  results.json   every stage's status and figures, and the machine (GPU, driver, torch, Triton, CUDA)
   summary.md     a line per stage, then the headline figures
   logs.tar.gz    every stage's log and env.json
 A stage that fails or runs out of time is marked FAILED and the exit status is 1.
@@ -25,15 +28,19 @@ import tarfile
 import argparse
 import tempfile
 import subprocess
+import importlib.util
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/bench/ is two below the repo root
-MIN_STAGE_S = 20  # a stage is not started with less of the budget left: it could not finish
-OUTPUTS = ("results.json", "summary.md", "logs.tar.gz")  # all that goes in $OUT: a borrowed slot returns at most 8 files
+OUTPUTS = ("results.json", "summary.md", "logs.tar.gz")  # all that goes in $OUT, at its top: a borrowed slot returns at most 8 files
+QUICK_BUDGET, FULL_BUDGET = 420, 2400  # seconds; a borrowed slot gives a command 10 minutes, its start-up included
+PLANNED = 0.75  # the quick stages' expected times fit this share of its budget: the rest is room for a slower machine
+CACHE = "compile_cache"  # in the work folder: the Inductor and Triton caches every stage but a cold one shares
 PUBLISHED_SHAPE = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
 D20 = ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
-TIMED = ["--steps", "10", "--warmup", "3", "--fresh-cache"]  # fresh caches: every compile is a cold one
+TIMED = ["--steps", "10", "--warmup", "3"]
+ROWS_PER_PROGRAM = "1,2,4,8,16,32"  # the fused backward's sweep (nag.kernels.BACKWARD_ROWS_PER_PROGRAM is the default)
 
 
 @dataclass
@@ -42,44 +49,48 @@ class Stage:
     what: str
     cmd: list  # "{json}" stands for the stage's JSON path
     timeout: float  # seconds
-    expect: float  # seconds expected on one H100, cold
+    expect: float  # seconds expected on one H100/H200 with the run's shared caches (a guess until a GPU has timed it)
     figures: object = None  # the stage's JSON -> a short text for its summary line
     writes_json: bool = True  # False: the runner writes the JSON (the end of the log)
+    cold: bool = False  # True: no shared compiler caches (bench_train --fresh-cache: empty ones per variant)
 
 
-def bench_train(*argv):
-    return [sys.executable, "-m", "scripts.bench.train", *argv, *TIMED, "--json", "{json}"]
+def bench_train(name, what, timeout, expect, *argv, cold=False):
+    cmd = [sys.executable, "-m", "scripts.bench.train", *argv, *TIMED, *(["--fresh-cache"] if cold else []), "--json", "{json}"]
+    return Stage(name, what, cmd, timeout, expect, step_figures, cold=cold)
 
 
 def stages(quick, eval_bundle=None):
     py = sys.executable
     out = [
-        Stage("kernel_tests", "fused-kernel CUDA tests: vs the reference, inductor compile, sm_90 build",
-              [py, "-m", "scripts.bench.gpu_checks", "--kernel-tests", "{json}"], 180, 100, kernel_figures),
+        # the CUDA variants alone: the sm_90 build report (test_kernels_build_for_hopper) needs no GPU and runs on a CPU
+        Stage("kernel_tests", "fused-kernel CUDA tests: vs the reference, leading dims, failure 1, custom ops, inductor compile",
+              [py, "-m", "scripts.bench.gpu_checks", "--kernel-tests", "{json}"], 150, 75, kernel_figures),
+        bench_train("step", "GPT vs NAG-fused, published shape (640 wide, 16 × 2048) at depth 8, compiled whole: step time, memory",
+                    150, 90, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on"),
+        bench_train("mfu", "GPT d20-like (20 × 1280, 32 × 2048), compiled whole: MFU", 120, 70, *D20, "--arch", "gpt", "--compile", "on"),
         # FA3 only where its hub kernel is installed and cached (no network here): else SDPA alone, and the reason
         Stage("attention", "attention alone, FA3 vs SDPA, 16 × 2048, 5 heads × 128, bf16, windows L and S; FA3 compiled",
               [py, "-m", "scripts.bench.attention", "--compile", "--json", "{json}"], 60, 30, attention_figures),
-        Stage("branch_op", "branch op alone, 16 × 2048 rows × 640, bf16: GB/s against a copy",
+        Stage("branch_op", "branch op alone, 16 × 2048 rows × 640, bf16: GB/s against a copy; the fused backward by rows per program",
               [py, "-m", "scripts.bench.nag", "--sections", "op", "--impls", "reference,compiled,fused",
-               "--op-rows", str(16 * 2048), "--op-dim", "640", "--json", "{json}"], 120, 45, op_figures),
-        Stage("step", "GPT vs NAG-fused, published shape at depth 8, compiled whole",
-              bench_train("--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on"), 150, 80, step_figures),
-        Stage("depth", "the same at depth 4: per-layer cost, extrapolation to 64, compile time per depth",
-              bench_train("--depth", "4", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on"), 120, 65, step_figures),
-        Stage("blocks", "the same at depth 8 with each block compiled on its own (compare with step)",
-              bench_train("--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "blocks"), 120, 60, step_figures),
-        Stage("mfu", "GPT d20-like (20 × 1280, 32 × 2048), compiled whole: MFU",
-              bench_train(*D20, "--arch", "gpt", "--compile", "on"), 150, 80, step_figures),
+               "--op-rows", str(16 * 2048), "--op-dim", "640", "--op-rows-per-program", ROWS_PER_PROGRAM, "--json", "{json}"],
+              90, 45, op_figures),
     ]
     if quick:
         return out
     out += [
-        Stage("published_gpt", "GPT at the published shape, depth 64, compiled whole",
-              bench_train("--depth", "64", *PUBLISHED_SHAPE, "--arch", "gpt", "--compile", "on"), 420, 200, step_figures),
-        Stage("published_nag", "NAG-fused at the published shape, depth 64, compiled whole",
-              bench_train("--depth", "64", *PUBLISHED_SHAPE, "--arch", "nag:fused", "--compile", "on"), 480, 240, step_figures),
-        Stage("published_blocks", "GPT vs NAG-fused at depth 64, each block compiled on its own",
-              bench_train("--depth", "64", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "blocks"), 240, 100, step_figures),
+        # the one cold stage: every compile seconds figure elsewhere is with the run's warm caches
+        bench_train("depth", "GPT vs NAG-fused at depth 4 (with step: per-layer cost, carried to 64), empty caches: cold compile, model and optimizer",
+                    180, 100, "--depth", "4", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on", cold=True),
+        bench_train("blocks", "GPT vs NAG-fused at depth 8, each block compiled on its own (compare with step)",
+                    120, 60, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "blocks"),
+        bench_train("published_gpt", "GPT at the published shape, depth 64, compiled whole",
+                    420, 200, "--depth", "64", *PUBLISHED_SHAPE, "--arch", "gpt", "--compile", "on"),
+        bench_train("published_nag", "NAG-fused at the published shape, depth 64, compiled whole",
+                    480, 240, "--depth", "64", *PUBLISHED_SHAPE, "--arch", "nag:fused", "--compile", "on"),
+        bench_train("published_blocks", "GPT vs NAG-fused at depth 64, each block compiled on its own",
+                    240, 100, "--depth", "64", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "blocks"),
         # MoD is eager (data-dependent shapes): time saved against FLOPs saved, with the MLP path free of host syncs
         Stage("mod", "NAG-MoD at 20 / 40 % skipped vs full depth, width 640, depth 8: time saved for FLOPs saved",
               [py, "-m", "scripts.bench.mod", "--depth", "8", *PUBLISHED_SHAPE, "--rates", "0,0.2,0.4", "--blocks", "attn,mlp,both",
@@ -98,8 +109,9 @@ def stages(quick, eval_bundle=None):
 
 def run_stages(stage_list, work, budget, out=None, env=None):
     """Run the stages in order in `work` (each writes <stage>.json and <stage>.log there), each under min(its time
-    limit, what is left of the budget). As soon as one ends, its line goes to out/summary.md and out/results.json and
-    out/logs.tar.gz are rewritten (out: default work). Returns the names of the stages that failed."""
+    limit, what is left of the budget); one whose expected time is no longer left is skipped. As soon as one ends,
+    its line goes to out/summary.md and out/results.json and out/logs.tar.gz are rewritten (out: default work).
+    Returns the names of the stages that failed (a skipped one has not)."""
     out = out or work
     deadline = time.time() + budget
     failed, status = [], {}
@@ -107,18 +119,20 @@ def run_stages(stage_list, work, budget, out=None, env=None):
         left = deadline - time.time()
         if os.path.exists(os.path.join(work, st.name + ".json")):
             os.remove(os.path.join(work, st.name + ".json"))  # an earlier run's figures must not stand in for this one's
-        print(f"=== {st.name}: {st.what} (limit {min(st.timeout, max(left, 0)):.0f} s) ===", flush=True)
-        if left < MIN_STAGE_S:
-            ok, seconds, note = False, 0.0, f"not started: {max(left, 0):.0f} s of the {budget:.0f} s budget left"
+        print(f"=== {st.name}: {st.what} (limit {min(st.timeout, max(left, 0)):.0f} s, expected {st.expect:.0f} s) ===", flush=True)
+        if left < st.expect:
+            result, seconds, note = "SKIPPED", 0.0, f"not started: {max(left, 0):.0f} s of the {budget:.0f} s budget left, it expects {st.expect:.0f} s"
         else:
             ok, seconds, note = run_stage(st, work, min(st.timeout, left))
-        if not ok:
+            result = "ok" if ok else "FAILED"
+        if result == "FAILED":
             failed.append(st.name)
             print("\n".join(log_tail(os.path.join(work, st.name + ".log"), 20)))
-        line = f"| {st.name} | {'ok' if ok else 'FAILED'} | {seconds:.0f} | {note} |"
+        line = f"| {st.name} | {result} | {seconds:.0f} | {note} |"
         with open(os.path.join(out, "summary.md"), "a") as f:
             f.write(line + "\n")
-        status[st.name] = {"ok": ok, "seconds": round(seconds, 1), "note": note, "what": st.what, "limit_s": st.timeout}
+        status[st.name] = {"result": result, "ok": result == "ok", "seconds": round(seconds, 1), "note": note, "what": st.what,
+                           "limit_s": st.timeout, "expect_s": st.expect, "cold": st.cold}
         collect(work, out, status, env)
         print(line, flush=True)
     return failed
@@ -140,17 +154,29 @@ def collect(work, out, status, env=None):
     os.replace(tmp, os.path.join(out, "logs.tar.gz"))
 
 
+def stage_env(st, work):
+    """The stage process's environment: the run's shared compiler caches, none for a cold stage (bench_train's
+    --fresh-cache gives each of its variants empty ones)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, CACHE, "inductor"), "TRITON_CACHE_DIR": os.path.join(work, CACHE, "triton")}
+    for k, v in caches.items():
+        if st.cold:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
 def run_stage(st, out, limit):
     """(ok, seconds, note). The stage runs in a process group of its own, so a timeout ends its children too."""
     json_path = os.path.join(out, st.name + ".json")
     log_path = os.path.join(out, st.name + ".log")
     cmd = [json_path if a == "{json}" else a for a in st.cmd]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.time()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=stage_env(st, out), start_new_session=True)
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -160,7 +186,7 @@ def run_stage(st, out, limit):
     seconds = time.time() - t0
     last = (log_tail(log_path, 1) or [""])[0][:200]
     if rc is None:
-        return False, seconds, f"timed out after {limit:.0f} s"
+        return False, seconds, f"timed out after {limit:.0f} s" + (" (the budget's end)" if limit < st.timeout else "")
     if rc != 0:
         return False, seconds, f"exit {rc}: {last}"
     if not st.writes_json:
@@ -191,9 +217,11 @@ def log_tail(path, n):
 def kernel_tests(json_path):
     """The fused kernel's CUDA tests. Ok only if pytest passed, at least one CUDA test passed and none was
     skipped: without a GPU torch sees, the CUDA tests skip themselves and pytest alone would say "passed"."""
+    if importlib.util.find_spec("pytest") is None:  # a machine's own python3 may lack it, and a borrowed slot has no network
+        sys.exit(f"error: kernel tests: no pytest for {sys.executable}")
     xml = json_path + ".xml"
     rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_nag_kernels.py",
-                         "-k", "cuda or hopper", f"--junitxml={xml}"], cwd=REPO).returncode
+                         "-k", "cuda", f"--junitxml={xml}"], cwd=REPO).returncode
     tests = []
     if os.path.exists(xml):
         for case in ET.parse(xml).getroot().iter("testcase"):
@@ -242,14 +270,32 @@ def op_figures(d):
     op = d["op"]
     cells = [f"{impl} fwd {r['forward_gbps']:.0f} GB/s ({100 * r['forward_of_copy']:.0f}%), bwd {r['backward_gbps']:.0f} GB/s "
              f"({100 * r['backward_of_copy']:.0f}%)" for impl, r in op["impls"].items()]
+    sweep = op.get("rows_per_program")
+    if sweep:
+        cells.append(rows_per_program_figures(sweep))
     return f"copy {op['copy_gbps']:.0f} GB/s; " + "; ".join(cells)
+
+
+def rows_per_program_figures(sweep):
+    gbps = sweep["backward_gbps"]
+    return (f"fused backward alone by rows per program: best {sweep['best']} ({gbps[str(sweep['best'])]:.0f} GB/s), "
+            f"{sweep['gain_over_default']:.3f}× the default {sweep['default']} ({gbps[str(sweep['default'])]:.0f} GB/s); "
+            + ", ".join(f"{k}: {v:.0f}" for k, v in gbps.items()))
+
+
+def compile_figures(r):
+    """What a variant compiled in its first step and how long it took, the model and the optimizer apart."""
+    return (f"model {r['model_compile_s']:.0f} s ({r['model_graphs']} graph(s)), "
+            f"optimizer {r['optim_compile_s']:.0f} s ({r['optim_graphs']} graph(s)"
+            + (f": {', '.join(r['optim_compiled'])}" if r["optim_compiled"] and r["optim_graphs"] else "") + ")"
+            + (f", {r['later_graphs']} recompiled later" if r["later_graphs"] else ""))
 
 
 def step_figures(d):
     rs = d["results"]
     cells = [f"{r['arch']} {r['step_ms']:.1f} ms"
              + (f" (fwd+bwd {r['fwd_bwd_ms']:.1f}, optimizer {r['optim_ms']:.1f})" if "optim_ms" in r else "")
-             + f", {r['peak_mem_gib']:.1f} GiB, compile {r['compile_s']:.0f} s"
+             + f", {r['peak_mem_gib']:.1f} GiB, compile{' (cold)' if r['fresh_cache'] else ''} {compile_figures(r)}"
              + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "") for r in rs]
     cells += [f"{q['what']}: {q['step_time']:.3f}× time, {q['peak_mem']:.3f}× memory" for q in d["ratios"]]
     return f"depth {rs[0]['depth']} × {rs[0]['dim']}: " + "; ".join(cells)
@@ -309,14 +355,16 @@ def headline(out):
         lines.append(f"- branch op, fused, {op['rows']:,} rows × {op['dim']} {op['dtype']}: forward {f['forward_gbps']:.0f} GB/s "
                      f"({100 * f['forward_of_copy']:.0f}% of copy), backward {f['backward_gbps']:.0f} GB/s "
                      f"({100 * f['backward_of_copy']:.0f}% of copy); copy {op['copy_gbps']:.0f} GB/s")
+    if op and op.get("rows_per_program"):
+        lines.append(f"- {rows_per_program_figures(op['rows_per_program'])} (GB/s; nag.kernels' default left as it is)")
     d20 = result(mfu, "gpt")
     if d20:
         lines.append(f"- GPT d20-like (20 × {d20['dim']}, {d20['tokens_per_step']:,} tokens per step), compiled: "
                      + (f"MFU {100 * d20['mfu']:.1f}%, " if "mfu" in d20 else "") + f"{d20['step_ms']:.0f} ms per step")
-    cells = [f"depth {r['depth']} × {r['dim']}: {r['arch']} {r['compile_s']:.0f} s"
-             for r in (g4, n4, g8, n8, d20, g64, n64) if r]
-    if cells:
-        lines.append("- cold compile, whole model (first step minus a timed step): " + ", ".join(cells))
+    cold = [r for r in (g4, n4, g8, n8, d20, g64, n64) if r and r["fresh_cache"]]
+    if cold:
+        lines.append("- cold compile (empty caches; first step minus a timed one): "
+                     + "; ".join(f"depth {r['depth']} × {r['dim']} {r['arch']}: {compile_figures(r)}" for r in cold))
     for depth, per_block_run, wholes in ((8, blocks, (g8, n8)), (64, load(out, "published_blocks"), (g64, n64))):
         for arch, whole in zip(archs, wholes):
             per_block = result(per_block_run, arch, "blocks")
@@ -324,7 +372,8 @@ def headline(out):
                 ratio = per_block["step_ms"] / whole["step_ms"]
                 lines.append(f"- {arch} compiled per block / whole, depth {depth}: step time {ratio:.3f}× "
                              f"({'within' if ratio <= 1.02 else 'outside'} 2%), peak memory {per_block['peak_mem_gib'] / whole['peak_mem_gib']:.3f}×, "
-                             f"compile {per_block['compile_s']:.0f} s ({per_block['graphs']} graph(s)) vs {whole['compile_s']:.0f} s")
+                             f"model compile {per_block['model_compile_s']:.0f} s ({per_block['model_graphs']} graph(s)) vs "
+                             f"{whole['model_compile_s']:.0f} s, the run's caches shared")
     return lines or ["- no figures: every benchmark stage failed"]
 
 
@@ -339,15 +388,26 @@ def environment():
            "cudnn": torch.backends.cudnn.version(), "python": sys.version.split()[0],
            "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2 ** 30, "gpus": torch.cuda.device_count()}
-    env["driver"] = nvidia_smi()[1]
+    _, env["driver"], env["driver_cuda"] = nvidia_smi()  # the driver's version and the newest CUDA it runs
     return env
+
+
+def dry_run(plan, budget):
+    print(f"{'stage':16s} {'limit':>7s} {'expected':>8s}  {'caches':6s}  what")
+    for st in plan:
+        print(f"{st.name:16s} {st.timeout:5.0f} s {st.expect:6.0f} s  {'empty' if st.cold else 'shared':6s}  {st.what}")
+    expected = sum(st.expect for st in plan)
+    print(f"expected {expected:.0f} s in all, {100 * expected / budget:.0f}% of the {budget:.0f} s budget (planned: at most "
+          f"{100 * PLANNED:.0f}% for --quick); a stage starts only while its expected time is left, else it is SKIPPED")
+    print(f"writes {len(OUTPUTS)} files, all at the top of $OUT (else --out), none in a folder: {', '.join(OUTPUTS)}")
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the stages that fit 8 minutes on one GPU")
+    p.add_argument("--quick", action="store_true", help=f"the stages a first GPU slot must answer, in {QUICK_BUDGET // 60} minutes on one GPU")
     p.add_argument("--out", type=str, default="", help="output folder ($OUT wins when set; default gpu_checks/)")
-    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default 480 with --quick, else 2400)")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds for the whole run (default {QUICK_BUDGET} with --quick, else {FULL_BUDGET})")
     p.add_argument("--dry-run", action="store_true", help="print the stages and stop (no GPU needed)")
     p.add_argument("--kernel-tests", type=str, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -358,15 +418,11 @@ def main(argv=None):
     args = parse(argv)
     if args.kernel_tests:
         return kernel_tests(args.kernel_tests)
-    budget = args.budget or (480 if args.quick else 2400)
+    budget = args.budget or (QUICK_BUDGET if args.quick else FULL_BUDGET)
     bundle = os.environ.get("EVAL_BUNDLE", "")
     plan = stages(args.quick, bundle if bundle and os.path.isdir(bundle) else None)
     if args.dry_run:
-        for st in plan:
-            print(f"{st.name:16s} limit {st.timeout:4.0f} s, expected {st.expect:4.0f} s  {st.what}")
-        print(f"expected {sum(st.expect for st in plan):.0f} s in all; budget {budget:.0f} s")
-        print(f"writes {len(OUTPUTS)} files in $OUT (else --out): {', '.join(OUTPUTS)}")
-        return
+        return dry_run(plan, budget)
     import torch
     if not torch.cuda.is_available():
         print(f"error: no GPU: torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'}) at {sys.executable} sees no "
