@@ -94,3 +94,24 @@ def test_a_tiny_fp8_run_trains_records_and_resumes_exactly(run_base, capsys, scr
     # without --fp8 it is another setting: refused as any other
     err = script_error(base_train.main, *[a for a in common if a != "--fp8"], "--resume", "latest")
     assert "--fp8 True → False" in err
+
+
+def test_compiled_fp8_is_one_graph_equal_to_eager():
+    """torch.compile (inductor on the CPU, as on CUDA) takes the fp8 matmul as one opaque node: no graph break, the
+    same values forward and backward."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 128, generator=g), torch.randn(256, 128, generator=g)
+
+    def loss(x, w):
+        return torch.relu(fp8_linear(x, w)).square().mean()
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True)):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        value = fn(xs, ws)
+        value.backward()
+        grads.append((value.detach(), xs.grad, ws.grad))
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for eager, compiled in zip(*grads):
+        assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-7)
