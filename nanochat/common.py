@@ -1,10 +1,11 @@
 """Small shared utilities: base directory, device and dtype choice, distributed info, logging, atomic writes,
-the peak-FLOPs table, the git commit and the one rule for a list of seeds."""
+the peak-FLOPs table, the git commit, the one rule for a list of seeds and a progress line for long work."""
 
 import os
 import sys
 import json
 import tempfile
+import time
 import contextlib
 import re
 import subprocess
@@ -214,6 +215,25 @@ def parse_seeds(text, flag="--seeds"):
     if len(seeds) != len(pieces) or len(set(seeds)) != len(seeds):  # a repeated seed would count one run twice
         raise UserError(f"{flag} takes different non-negative integers separated by commas, like 1,2,3; got {text!r}")
     return seeds
+
+
+class Progress:
+    """A line now and then on long work ("val bpb: 40/128 batches | 0m45s, eta 1m30s"), at most one per `every`
+    seconds and none for work that ends sooner: a stage that runs for minutes on a busy CPU shows it is moving.
+    Host time: on a GPU the host runs ahead of the device, so the first lines' ETA errs low."""
+
+    def __init__(self, what, total, unit, every=30.0, log=None):
+        self.what, self.total, self.unit, self.every = what, total, unit, every
+        self.log = log or print0
+        self.start = self.last = time.time()
+
+    def update(self, done):
+        now = time.time()
+        if now - self.last < self.every or not 0 < done < self.total:
+            return
+        self.last = now
+        elapsed = now - self.start
+        self.log(f"{self.what}: {done}/{self.total} {self.unit} | {fmt_time(elapsed)}, eta {fmt_time(elapsed * (self.total - done) / done)}")
 
 
 def fmt_time(s):

@@ -36,16 +36,20 @@ def shared_batches(batches, n, rank=0, world_size=1, device="cpu"):
 
 
 @torch.no_grad()
-def evaluate_bpb_shared(model, batches, token_bytes, per_batch=None):
+def evaluate_bpb_shared(model, batches, token_bytes, per_batch=None, progress=None):
     """
     Bits per byte over the batches of a stream shared by all ranks, `batches` yielding (index, inputs,
     targets) of this rank's share (shared_batches). Each batch's nats and bytes are gathered into stream
     order and summed in that order, so the result does not depend on the number of processes. If per_batch
     is a dict, it receives those lists ("nats", "bytes"), one entry per batch, for paired comparisons
-    (nanochat.stats.bpb_delta_interval).
+    (nanochat.stats.bpb_delta_interval). progress: a nanochat.common.Progress over the stream's batches, or None.
     """
     device = token_bytes.device
-    mine = [(i, *batch_loss(model, x, y, token_bytes)) for i, x, y in batches]
+    mine = []
+    for i, x, y in batches:
+        mine.append((i, *batch_loss(model, x, y, token_bytes)))
+        if progress is not None:
+            progress.update(i + 1)
     n = torch.tensor(max((i + 1 for i, _, _ in mine), default=0), device=device)
     if dist.is_initialized():
         dist.all_reduce(n, op=dist.ReduceOp.MAX)

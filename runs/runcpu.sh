@@ -30,7 +30,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
 BASE="$NANOCHAT_BASE_DIR"
 TARGET_FLOPS="${TARGET_FLOPS:-1e13}"   # per run; ~90 steps of 4096 tokens for the d4 model below
 MAX_PER_TASK="${MAX_PER_TASK:-50}"
-stage() { echo; echo "=== $* ==="; }
+stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }  # the clock: how long each stage took, on this machine
 
 stage "data ($BASE/base_data)"
 if ls "$BASE"/base_data/shard_*.parquet >/dev/null 2>&1; then
