@@ -4,6 +4,7 @@
 #   bash speedrun.sh                          the published pair (docs/reproduce.md) on every visible GPU
 #   bash speedrun.sh --dry-run                the plan only: no GPU, no network, nothing written
 #   bash speedrun.sh --preset d20 --arch nag  one nanochat-d20-like run
+#   bash speedrun.sh --preset run6            nanochat's record recipe (Run 6, d24) against NAG on that recipe, FLOP-matched
 #   bash speedrun.sh --preset demo            the CPU demo's pair (runs/runcpu.sh's model) through the GPU pipeline
 #   bash speedrun.sh --preset tiny            CPU smoke test of the whole pipeline (offline corpus, minutes)
 #   bash speedrun.sh --seeds 1,2,3            the pair once per seed (gpt-published-s1, nag-published-s1, ...), compared as groups
@@ -11,7 +12,7 @@
 #   bash speedrun.sh --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT    on each of two nodes (docs/runs.md; SLURM: runs/slurm_pair.sbatch)
 #   bash speedrun.sh --help                   the flags
 #
-# Flags: --preset published|d20|demo|tiny, --arch gpt,nag, --flops X, --gpus N, --tag T (default: derived from
+# Flags: --preset published|run6|d20|demo|tiny, --arch gpt,nag, --flops X, --gpus N, --tag T (default: derived from
 # the flags after --), --seeds 1,2,3, --nnodes N, --node-rank R, --rdzv-endpoint HOST:PORT, --max-restarts K,
 # --base-dir DIR, --shards N, --offline, --eval-bundle DIR, --dry-run.
 # Relative paths are taken from the directory you run it in.

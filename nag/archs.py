@@ -17,6 +17,8 @@ from nanochat.resume import NOT_SETTINGS as BASELINE_NOT_SETTINGS
 from nag.model import NAGGPT, add_nag_args, nag_config_from_args
 from nag.mod import add_mod_args, mod_config_from_args
 from nag.router_mod import RouterMoDGPT
+from nanochat.recipe import RecipeGPT, add_recipe_args, recipe_config_from_args
+from nag.recipe import NAGRecipeGPT
 
 
 def no_flags(parser):
@@ -60,6 +62,14 @@ def nag_telemetry(model, step, idx, args):
     return t, model.format_telemetry(t)
 
 
+def recipe_init_kwargs(args):
+    return {"recipe": recipe_config_from_args(args)}
+
+
+def nag_recipe_init_kwargs(args):
+    return {"nag": nag_config_from_args(args), "impl": args.nag_impl or None, "recipe": recipe_config_from_args(args)}
+
+
 def router_init_kwargs(args):
     mod = mod_config_from_args(args)
     if mod is None:
@@ -72,6 +82,14 @@ ARCHS = {
     "nag": ArchSpec(NAGGPT, add_args=add_nag_and_mod_args, init_kwargs=nag_init_kwargs,
                     optimizer_kwargs=lambda args: {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr},
                     telemetry=nag_telemetry, not_settings=frozenset({"nag_gate_log_every", "nag_impl"})),
+    # today's nanochat recipe (nanochat/recipe.py, docs/design.md §10): the baseline with nanochat's record-run parts,
+    # and NAG with the same parts carried over or adapted (nag/recipe.py); NAG-on-recipe reads the NAG and recipe flags
+    "gpt-recipe": ArchSpec(RecipeGPT, add_args=add_recipe_args, init_kwargs=recipe_init_kwargs,
+                           optimizer_kwargs=lambda args: {"scalar_lr": args.scalar_lr}),
+    "nag-recipe": ArchSpec(NAGRecipeGPT, init_kwargs=nag_recipe_init_kwargs,
+                           optimizer_kwargs=lambda args: {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr,
+                                                          "scalar_lr": args.scalar_lr},
+                           telemetry=nag_telemetry),
 }
 # variants picked by a flag on top of --arch; their checkpoints record the variant's name
 VARIANTS = {
@@ -93,6 +111,12 @@ def arch_spec(arch):
     raise UserError(f"unknown arch {arch!r} (expected one of: {', '.join(ARCHS)})")
 
 
+def is_nag_arch(arch):
+    """Whether an arch name is a NAG model (it reads the --nag-* flags and a preset's NAG flags)."""
+    spec = ARCHS.get(arch) or VARIANTS.get(arch)
+    return spec is not None and issubclass(spec.model_class, NAGGPT)
+
+
 def model_class(arch):
     return arch_spec(arch).model_class
 
@@ -106,6 +130,9 @@ def add_arch_args(parser):
 def arch_for_args(args):
     """(arch name, ArchSpec) that the flags ask for: --arch, turned into its router-MoD variant by --mod-router."""
     spec = arch_spec(args.arch)
+    mod_asked = getattr(args, "mod_rate", None) is not None or getattr(args, "mod_blocks", None)
+    if issubclass(spec.model_class, (RecipeGPT, NAGRecipeGPT)) and (mod_asked or getattr(args, "mod_router", False)):
+        raise UserError(f"--arch {args.arch} has no Mixture-of-Depths: drop the --mod-* flags, or use --arch gpt / nag")
     if getattr(args, "mod_router", False):
         if spec.model_class is NAGGPT:
             raise UserError("--mod-router is the GPT baseline's MoD (paper eq. 40); NAG skips by its rotation score: "
@@ -113,7 +140,7 @@ def arch_for_args(args):
         if spec.model_class not in (GPT, RouterMoDGPT):
             raise UserError(f"--mod-router applies to --arch gpt only (got --arch {args.arch})")
         return RouterMoDGPT.arch, VARIANTS[RouterMoDGPT.arch]
-    if spec.model_class is GPT and (getattr(args, "mod_rate", None) is not None or getattr(args, "mod_blocks", None)):
+    if spec.model_class is GPT and mod_asked:
         raise UserError("the GPT baseline has no score to skip tokens by: add --mod-router for the router-MoD baseline, "
                         "or use --arch nag")
     return args.arch, spec
@@ -123,7 +150,7 @@ def ignored_nag_flags(args, defaults):
     """NAG flags set on an arch that does not read them (defaults: the parser's defaults). Not an error:
     speedrun.sh passes one flag list to both runs of a pair; but never silent either."""
     arch, spec = arch_for_args(args)
-    if spec.model_class is NAGGPT:
+    if issubclass(spec.model_class, NAGGPT):
         return []
     return [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
             if k.startswith("nag_") and k not in spec.reads and v != getattr(defaults, k)]

@@ -26,6 +26,25 @@ PRESETS = {
         "vocab": 32768,
         "gpu": True,
     },
+    # nanochat's record, dev/LEADERBOARD.md "Run 6" (karpathy/nanochat a825e63; runs/speedrun.sh, base_train.py defaults):
+    # d24 (dim 1536, 12 heads × 128), SSSL windows, tokens = 8 × S, fp8, batch 2^20 (what nanochat's batch rule gives
+    # at d24), its LRs and schedule, on the recipe baseline; its NAG twin on the same FLOPs (docs/design.md §10). The
+    # Muon decay: nanochat scales 0.28 from its d12 (dim 768) to 0.0597384 at d24; ours scales from the d12 of the
+    # same width, so the flag that lands on 0.0597384 is 0.0790324 (tests/test_recipe.py checks both figures).
+    "run6": {
+        "train": ["--depth", "24", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "SSSL",
+                  "--target-param-data-ratio", "8", "--total-batch-size", "1048576", "--device-batch-size", "16",
+                  "--warmup-steps", "40", "--warmdown-ratio", "0.65", "--final-lr-frac", "0.05",
+                  "--matrix-lr", "0.02", "--embedding-lr", "0.3", "--unembedding-lr", "0.008", "--scalar-lr", "0.5",
+                  "--weight-decay", "0.0790324", "--fp8", "--eval-every", "250", "--eval-tokens", str(80 * 2 ** 19)],
+        # the baseline's planned FLOPs (5,568 steps × 2^20 tokens × 4,775,225,616 FLOPs/token): the NAG twin takes fewer steps
+        "nag": ["--target-flops", "2.7880017079711039e19"],
+        "eval": ["--split-tokens", str(80 * 2 ** 19)],
+        "analysis": ["--tokens", str(2 ** 20)],
+        "vocab": 32768,
+        "gpu": True,
+        "pair": {"gpt": "gpt-recipe", "nag": "nag-recipe"},  # the archs of speedrun's two runs (default: gpt and nag)
+    },
     # nanochat-d20-like: dim 1280, 10 heads × 128, batch and horizon from the size rules
     "d20": {
         "train": ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "L",
@@ -69,9 +88,15 @@ def get_preset(name):
     return PRESETS[name]
 
 
+def pair_arch(name, role):
+    """The arch of a preset's "gpt" or "nag" run (speedrun's --arch names the roles)."""
+    return get_preset(name).get("pair", {}).get(role, role)
+
+
 def preset_args(name, arch):
-    """base_train flags of a preset for one arch ([] without a preset)."""
+    """base_train flags of a preset for one arch ([] without a preset): its "nag" flags go to every NAG arch."""
     if not name:
         return []
+    from nag.archs import is_nag_arch  # here: nag.archs imports the models, which a preset lookup does not need
     p = get_preset(name)
-    return p["train"] + (p["nag"] if arch == "nag" else [])
+    return p["train"] + (p["nag"] if is_nag_arch(arch) else [])

@@ -5,7 +5,8 @@ one forward of one token per sampled token.
 Attention is the only part of the model that reads other positions, and it reads them through their keys
 and values: so the cache holds, per layer, the keys (after rotary and QK-norm) and values of every position
 so far, and a new position's forward is exactly the one it has in a forward over the whole sequence. A
-subclass that keeps the cache exact keeps everything else per position (docs/design.md §9 says which do).
+subclass that keeps the cache exact keeps everything else per position (docs/design.md §9 says which do), or, as the
+recipe's smear (which reads the previous token's embedding), keeps what it reads of the last position in the cache.
 
 Decoding stops when the context is full: the model was trained on sequence_len positions, and a cache of
 that length holds them all (no sliding window).
@@ -45,6 +46,7 @@ class KVCache:
         self.layers = [LayerKV(self, i) for i in range(n_layer)]
         self.max_len = max_len
         self.pos = 0
+        self.prev_embedding = None  # the last cached position's embedding, for a model that smears it into the next (nanochat/recipe.py)
 
     @classmethod
     def for_model(cls, model, batch_size=1):

@@ -35,6 +35,7 @@ class GPTConfig:
 ROTARY_BASE = 100_000
 QK_SCALE = 1.2
 SOFTCAP = 15.0
+VE_GATE_CHANNELS = 12  # a value embedding's gate reads this many leading channels of the attention input (nanochat/recipe.py)
 
 
 def norm(x):
@@ -88,16 +89,22 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(d, d, device=device)
         self.window = config.sequence_len  # this layer's window, set by GPT from the pattern
         self.kernel = "sdpa"  # of plain rows: one of flash_attention.KERNELS (GPT.set_attention)
+        self.ve_gate = None  # Linear(VE_GATE_CHANNELS, n_kv_head) on a layer with value embeddings (nanochat/recipe.py)
 
-    def forward(self, x, cos_sin, mask, kv=None):
+    def forward(self, x, cos_sin, mask, kv=None, ve=None):
         """mask: None for a plain row (causal, within this layer's window: the kernel's own window support, or on CUDA
         flex_attention, or SDPA's is_causal / a window mask), else a bool mask of the keys each query sees (always SDPA).
         kv: this layer's KV cache (nanochat/engine.py) when decoding: x holds the new positions only, their keys and
-        values are appended to the cached ones, and mask (queries × every key so far) is always given."""
+        values are appended to the cached ones, and mask (queries × every key so far) is always given.
+        ve: this layer's value embeddings of the tokens (B, T, n_kv_head · head_dim), or None: added to the values with a
+        gate 3·σ(ve_gate(x[..., :12])) in (0, 3), one per KV head."""
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if ve is not None:
+            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))  # (B, T, n_kv_head)
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos_sin
         q = norm(apply_rotary(q, cos, sin)) * QK_SCALE
         k = norm(apply_rotary(k, cos, sin)) * QK_SCALE
@@ -127,8 +134,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, device=device)
         self.mlp = MLP(config, device=device)
 
-    def forward(self, x, cos_sin, mask, kv=None):
-        x = x + self.attn(norm(x), cos_sin, mask, kv)
+    def forward(self, x, cos_sin, mask, kv=None, ve=None):
+        x = x + self.attn(norm(x), cos_sin, mask, kv, ve)
         x = x + self.mlp(norm(x))
         return x
 

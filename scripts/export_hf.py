@@ -1,5 +1,5 @@
 """
-Export a checkpoint (gpt, nag, NAG-MoD, router-MoD GPT) to the Hugging Face format, for transformers and
+Export a checkpoint (gpt, nag, NAG-MoD, router-MoD GPT, gpt-recipe, nag-recipe) to the Hugging Face format, for transformers and
 lm-evaluation-harness (docs/interop.md). Needs the [hf] extra: pip install -e '.[hf]'.
 
     python -m scripts.export_hf --run nag-tiny --out /tmp/nag-chat-hf-nag-tiny
@@ -38,7 +38,7 @@ from nag.archs import load_model
 HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nag", "hf")
 CODE_FILES = ("configuration_nagchat.py", "modeling_nagchat.py")
 AUTO_MAP = {"AutoConfig": "configuration_nagchat.NagChatConfig", "AutoModelForCausalLM": "modeling_nagchat.NagChatForCausalLM"}
-ARCHS = ("gpt", "nag", "gpt-router")
+ARCHS = ("gpt", "nag", "gpt-router", "gpt-recipe", "nag-recipe")
 VERIFY_TOKENS = 256  # tokens of the verification forward (at most the context)
 VERIFY_LIMIT = 1e-4  # largest logit difference accepted; fp32 on a CPU gives ~1e-6
 HF_EXTRA = "pip install -e '.[hf]'"
@@ -95,6 +95,7 @@ def hf_config(meta, bos, pad):
                         nag={k: nag[k] for k in ("directions", "mod_floor", "renorm")} if nag else None,
                         alpha_warmup=alpha_warmup(meta) if nag else 1.0,
                         mod={k: mod[k] for k in ("blocks", "rate")} if mod else None,
+                        recipe=meta.get("recipe_config"),
                         bos_token_id=bos, eos_token_id=bos, pad_token_id=pad)
     cfg.architectures = ["NagChatForCausalLM"]
     cfg.auto_map = dict(AUTO_MAP)
@@ -200,7 +201,8 @@ def model_card(run_dir, meta, config_record, rec, command, max_diff):
     mc = meta["model_config"]
     fingerprints = {**(config_record or {}).get("fingerprints", {}), **meta.get("fingerprints", {})}
     name = os.path.basename(run_dir.rstrip(os.sep))
-    what = {"gpt": "GPT baseline", "nag": "NAG (Norm-Agnostic residual network)", "gpt-router": "router-MoD GPT"}[arch]
+    what = {"gpt": "GPT baseline", "nag": "NAG (Norm-Agnostic residual network)", "gpt-router": "router-MoD GPT",
+            "gpt-recipe": "GPT on nanochat's recipe", "nag-recipe": "NAG on nanochat's recipe"}[arch]
     if meta.get("mod_config"):
         what += f", Mixture-of-Depths {meta['mod_config']['blocks']} at rate {meta['mod_config']['rate']:g}"
     num_params = (config_record or {}).get("num_params")
@@ -221,10 +223,10 @@ def model_card(run_dir, meta, config_record, rec, command, max_diff):
     lines += [f"| {k} | {fmt(v)} |" for k, v in mc.items()]
     if num_params:
         lines.append(f"| parameters | {fmt(num_params)} |")
-    for key in ("nag_config", "mod_config"):
+    for key in ("nag_config", "mod_config", "recipe_config"):
         if meta.get(key):
             lines.append(f"| {key} | `{json.dumps(meta[key])}` |")
-    if arch == "nag":
+    if meta.get("nag_config"):
         lines.append(f"| α warm-up factor at this step | {alpha_warmup(meta):.6g} |")
     lines += ["", "## Training", ""]
     if config_record:

@@ -30,7 +30,7 @@ from nanochat.dataset import MAX_SHARD, PACKING_KEPT, SHARD_MB, TOKENS_PER_SHARD
 from nanochat.plan import PLANNED_MFU, PLANNED_PEAK, planned_seconds
 from nanochat.resume import HORIZON
 from nag.archs import NOT_SETTINGS, plan_for
-from nag.presets import PRESETS, get_preset
+from nag.presets import PRESETS, get_preset, pair_arch
 from scripts import base_train
 from analysis.compare.inputs import report_is_current
 
@@ -53,7 +53,8 @@ def build_parser():
                                 epilog="Anything after -- goes to base_train (python -m scripts.base_train --help). Relative paths are "
                                        "taken from the directory the command runs in. Rerunning skips finished stages.")
     p.add_argument("--preset", default="published", help=f"one of {', '.join(PRESETS)}")
-    p.add_argument("--arch", default="gpt,nag", help="which runs: gpt, nag or gpt,nag (GPT trains first)")
+    p.add_argument("--arch", default="gpt,nag", help="which runs: gpt, nag or gpt,nag (GPT trains first); a preset's "
+                   "pair may name other archs for the two (run6: gpt-recipe, nag-recipe)")
     p.add_argument("--flops", type=float, default=None, help="override the FLOP budget of every run")
     p.add_argument("--gpus", type=int, default=None, help="processes (default: every visible GPU; 8 in --dry-run without GPUs; 1 for tiny)")
     p.add_argument("--tag", default="", help="run names become <arch>-<preset>-<tag> (default: derived from the base_train flags after --)")
@@ -140,7 +141,8 @@ def parse(argv):
 
 
 def run_name(args, arch, seed=None):
-    return f"{arch}-{args.preset}" + (f"-{args.tag}" if args.tag else "") + (f"-s{seed}" if seed is not None else "")
+    """arch: the run's role, gpt or nag; the name holds the preset's arch of that role (preset "pair")."""
+    return f"{pair_arch(args.preset, arch)}-{args.preset}" + (f"-{args.tag}" if args.tag else "") + (f"-s{seed}" if seed is not None else "")
 
 
 def runs(args):
@@ -161,7 +163,7 @@ def train_args(args, arch, seed=None):
     --run and --resume last, so they win. A seed sets the init and the data order: the GPT and NAG runs of one seed
     read the same data."""
     seeds = ["--seed", str(seed), "--data-seed", str(seed)] if seed is not None else []
-    return ["--preset", args.preset, "--arch", arch, *flops_args(args), *args.extra, *seeds, "--run", run_name(args, arch, seed),
+    return ["--preset", args.preset, "--arch", pair_arch(args.preset, arch), *flops_args(args), *args.extra, *seeds, "--run", run_name(args, arch, seed),
             "--resume", "latest"]
 
 
@@ -383,7 +385,7 @@ def plan_and_check(args):
     names = list(records)
     arrays = {"LAUNCH": launch, "EVAL_LAUNCH": launch_command(gpus, max_restarts=0), "ANALYSIS": get_preset(args.preset)["analysis"],
               "FLOPS": flops_args(args), "EXTRA": args.extra, "EVAL_PRESET": get_preset(args.preset)["eval"], "BUNDLE": bundle_args(args),
-              "COMPARE_RUNS": compared_runs(args), "RUNS": names, "RUN_ARCH": [a for a, _ in runs(args)],
+              "COMPARE_RUNS": compared_runs(args), "RUNS": names, "RUN_ARCH": [pair_arch(args.preset, a) for a, _ in runs(args)],
               "RUN_SEED": ["" if s is None else s for _, s in runs(args)],
               "TRAIN_DONE": [int(done[f"train {r}"]) for r in names], "EVAL_DONE": [int(done[f"eval {r}"] or others) for r in names]}
     lines = [f"{k}={shlex.quote(str(v))}" for k, v in shell.items()]

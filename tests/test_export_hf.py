@@ -1,5 +1,6 @@
 """The Hugging Face export (scripts/export_hf.py, nag/hf/): transformers loads the folder with trust_remote_code
-and gives the native logits for every arch (GPT, NAG, NAG-MoD with GQA and a sliding window, router-MoD GPT); greedy
+and gives the native logits for every arch (GPT, NAG, NAG-MoD with GQA and a sliding window, router-MoD GPT, GPT and
+NAG on nanochat's recipe); greedy
 generate() equals nanochat.engine's, alone and in a left-padded batch; the tokenizer gives tiktoken's ids; the model
 card records the run; lm-evaluation-harness scores a local task offline and agrees with the native model's scores."""
 
@@ -19,6 +20,8 @@ from nanochat.tokenizer import get_tokenizer
 from nag.model import NAGGPT, NAGConfig
 from nag.mod import ModConfig
 from nag.router_mod import RouterMoDGPT
+from nanochat.recipe import RecipeGPT
+from nag.recipe import NAGRecipeGPT
 from scripts import export_hf
 
 transformers = pytest.importorskip("transformers")
@@ -33,6 +36,9 @@ VARIANTS = {
     "nag": (NAGGPT, {}, {"nag": NAGConfig(alpha_warmup_tokens=1000)}),
     "nag-mod": (NAGGPT, GQA_WINDOW, {"nag": NAGConfig(alpha_warmup_tokens=0), "mod": ModConfig("both", 0.3)}),
     "router-mod": (RouterMoDGPT, {}, {"mod": ModConfig("both", 0.3)}),
+    # nanochat's recipe, every part on (value embeddings on layer 1, smear, backout, lambdas), GQA
+    "gpt-recipe": (RecipeGPT, {"n_head": 4, "n_kv_head": 2}, {}),
+    "nag-recipe": (NAGRecipeGPT, {"n_head": 4, "n_kv_head": 2}, {"nag": NAGConfig(alpha_warmup_tokens=1000)}),
 }
 STEP, TOKENS = 5, 500
 TEXTS = ["The model data token", "Héllo wörld — naïve café; 東京 данные 🙂 👩‍👩‍👧‍👦", "x = [1, 22, 333]\n\n  y\t\tz\r\n",
@@ -125,8 +131,9 @@ def test_greedy_generate_equals_the_engine(exported, native_tok, name):
         assert hf.generate(**enc, max_new_tokens=room, do_sample=False, use_cache=False)[0, len(ids):].tolist() == want
 
 
-def test_left_padded_batch_generates_as_each_prompt_alone(exported, native_tok):
-    model, hf_dir = exported["nag-mod"]
+@pytest.mark.parametrize("name", ["nag-mod", "gpt-recipe", "nag-recipe"])  # the recipe's smear must skip the padding
+def test_left_padded_batch_generates_as_each_prompt_alone(exported, native_tok, name):
+    model, hf_dir = exported[name]
     hf = load(hf_dir)
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=True)
     tok.padding_side = "left"

@@ -1,6 +1,7 @@
 """
 An exported nag-chat model for transformers: the GPT baseline (nanochat/gpt.py), NAG (nag/model.py, nag/functional.py),
-NAG-MoD (nag/mod.py) and the router-MoD GPT (nag/router_mod.py), inference only.
+NAG-MoD (nag/mod.py), the router-MoD GPT (nag/router_mod.py), and GPT and NAG on nanochat's recipe (nanochat/recipe.py,
+nag/recipe.py), inference only.
 
 Copied into the export folder by scripts/export_hf.py and loaded with `trust_remote_code=True`, so it imports torch
 and transformers only: the math below restates the repo's (docs/design.md §2, §4, §9), and the tests check that it
@@ -12,7 +13,9 @@ What differs from the native forward, and why the result is the same:
 - MoD runs every sub-layer on every token and keeps the output of the executed ones (the native model gathers them
   first to save the FLOPs); the decision is the evaluation one, a token's score against a fixed threshold;
 - the KV cache is transformers' DynamicCache: per layer, the keys (after rotary and QK-norm) and values of every
-  position so far, which is all a new position reads of the others (docs/design.md §9).
+  position so far, which is all a new position reads of the others (docs/design.md §9); the recipe's smear also reads
+  the previous token's embedding, which the forward keeps on the cache object (smear_prev);
+- smear mixes in the previous column where a token's position is above 0 (so never a padding column).
 """
 
 import math
@@ -30,6 +33,9 @@ QK_SCALE = 1.2
 SOFTCAP = 15.0
 ORTHO_EPS = 1e-24
 RMS_EPS = 1e-20
+VE_GATE_CHANNELS = 12
+SMEAR_CHANNELS = 24
+RECIPE_ARCHS = ("gpt-recipe", "nag-recipe")
 # transformers 5 renamed the output's past_key_values to cache; take whichever this version has
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -45,9 +51,12 @@ def apply_rotary(x, cos, sin):
 
 
 def layer_windows(config):
-    """Attention window of each layer: the pattern cycled (L = the whole context, S = half), the last layer L."""
+    """Attention window of each layer: the pattern cycled (L = the whole context, S = half, or with the recipe's quarter
+    windows a quarter rounded up to 128, at most the context), the last layer L."""
     pattern = config.window_pattern.upper()
     long_w, short_w = config.sequence_len, config.sequence_len // 2
+    if config.recipe and config.recipe["quarter_windows"]:
+        short_w = min(long_w, -(-long_w // 4 // 128) * 128)
     windows = [long_w if pattern[i % len(pattern)] == "L" else short_w for i in range(config.n_layer)]
     windows[-1] = long_w
     return windows
@@ -83,6 +92,12 @@ def residual_update(res_dir, log_norm, branch_out, gain, renorm):
     return new_dir.to(res_dir.dtype), log_norm + 0.5 * torch.log1p(g_log * g_log)
 
 
+def renormalised(y, log_norm):
+    """NAG-on-recipe's additive writes: y back to RMS 1, its RMS carried into the log-norm."""
+    rms = y.float().square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)
+    return (y.float() / rms).to(y.dtype), log_norm + torch.log(rms)
+
+
 def rotation_score(alpha, m):
     """NAG-MoD's score r = atan(α·m)/atan(α), (B, T); r = m where α is ~0."""
     a = alpha.float().reshape(())
@@ -92,7 +107,7 @@ def rotation_score(alpha, m):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, has_ve=False):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
@@ -101,12 +116,16 @@ class CausalSelfAttention(nn.Module):
         self.c_k = nn.Linear(d, self.n_kv_head * hd, bias=False)
         self.c_v = nn.Linear(d, self.n_kv_head * hd, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
+        self.ve_gate = nn.Linear(VE_GATE_CHANNELS, self.n_kv_head, bias=False) if has_ve else None
 
-    def forward(self, x, cos_sin, mask, cache, layer):
+    def forward(self, x, cos_sin, mask, cache, layer, ve=None):
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if ve is not None:  # value embeddings, gated per KV head by 3·σ(W·x[:12])
+            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos_sin
         q = norm(apply_rotary(q, cos, sin)) * QK_SCALE
         k = norm(apply_rotary(k, cos, sin)) * QK_SCALE
@@ -132,9 +151,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, has_ve=False):
         super().__init__()
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, has_ve)
         self.mlp = MLP(config)
 
 
@@ -162,17 +181,20 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config):
         super().__init__(config)
-        if config.arch not in ("gpt", "nag", "gpt-router"):
-            raise ValueError(f"unknown arch {config.arch!r} (gpt, nag, gpt-router)")
+        if config.arch not in ("gpt", "nag", "gpt-router") + RECIPE_ARCHS:
+            raise ValueError(f"unknown arch {config.arch!r} (gpt, nag, gpt-router, gpt-recipe, nag-recipe)")
         d, L = config.n_embd, config.n_layer
+        self.is_nag = config.arch in ("nag", "nag-recipe")
+        self.parts = dict(config.recipe or {}) if config.arch in RECIPE_ARCHS else {}
+        ve_layers = [i for i in range(L) if self.parts.get("value_embeds") and i % 2 == (L - 1) % 2]
         self.windows = layer_windows(config)
         self.wte = nn.Embedding(config.vocab_size, d)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(L)])
+        self.blocks = nn.ModuleList([Block(config, i in ve_layers) for i in range(L)])
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
         mod = config.mod or {"blocks": "both", "rate": 0.0}
         self.covers = {k: config.mod is not None and mod["blocks"] in (k, "both") for k in ("attn", "mlp")}
         self.skips = {k: self.covers[k] and mod["rate"] > 0 for k in ("attn", "mlp")}
-        if config.arch == "nag":
+        if self.is_nag:
             self.gates = nn.ModuleList([NAGBlockGates(d, config.nag["directions"]) for _ in range(L)])
             self.log_gain_encode = nn.Parameter(torch.zeros(1))
             if config.mod is not None:  # X_l, the learned output of a skipped sub-layer
@@ -183,6 +205,18 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
                                           if self.covers[k]})
         if config.mod is not None:  # [attention, mlp 0, mlp 1, ...]: the evaluation thresholds, fixed
             self.register_buffer("mod_thresholds", torch.zeros(1 + L))
+        if ve_layers:
+            kv_dim = config.n_kv_head * (d // config.n_head)
+            self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, kv_dim) for i in ve_layers})
+        if self.parts.get("resid_lambdas"):
+            self.resid_lambdas = nn.Parameter(torch.zeros(L))
+        if self.parts.get("x0_lambdas"):
+            self.x0_lambdas = nn.Parameter(torch.zeros(L))
+        if self.parts.get("backout"):
+            self.backout_lambda = nn.Parameter(torch.zeros(1))
+        if self.parts.get("smear"):
+            self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
         self.post_init()
 
     def _init_weights(self, module):
@@ -231,38 +265,89 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
     def executed(self, out, execute):
         return out if execute is None else torch.where(execute[..., None], out, 0)
 
-    def run(self, kind, layer, x, cos_sin, mask, cache):
+    def run(self, kind, layer, x, cos_sin, mask, cache, ve=None):
         block = self.blocks[layer]
         if kind == "attn":
-            return block.attn(x, cos_sin, mask, cache, layer)
+            return block.attn(x, cos_sin, mask, cache, layer, ve)
         return block.mlp(x)
 
     def threshold(self, kind, layer):
         return self.mod_thresholds[0 if kind == "attn" else 1 + layer]
 
-    def gpt_layer(self, layer, x, cos_sin, mask, cache):
+    def gpt_layer(self, layer, x, cos_sin, mask, cache, ve=None):
         for kind in ("attn", "mlp"):
             h = norm(x)
-            out = self.run(kind, layer, h, cos_sin, mask, cache)
+            out = self.run(kind, layer, h, cos_sin, mask, cache, ve)
             if self.skips[kind]:  # router-MoD: the executed tokens' output, scaled by their gate
                 gate = torch.sigmoid(self.routers[f"{kind}_{layer}"](h).float())
                 out = self.executed(out, gate.squeeze(-1) > self.threshold(kind, layer)) * gate.to(h.dtype)
             x = x + out
         return x
 
-    def nag_layer(self, layer, res_dir, log_norm, cos_sin, mask, cache):
+    def nag_layer(self, layer, res_dir, log_norm, cos_sin, mask, cache, ve=None):
         nag = self.config.nag
         for kind in ("attn", "mlp"):
             br = getattr(self.gates[layer], f"{kind}_branch")
             mod_logits = br.m_down(res_dir)
             alpha = br.alpha * self.config.alpha_warmup
             m = modulator(mod_logits, br.coef, br.beta_raw, nag["mod_floor"])
-            out = self.run(kind, layer, res_dir, cos_sin, mask, cache)
+            out = self.run(kind, layer, res_dir, cos_sin, mask, cache, ve)
             if self.skips[kind]:  # NAG-MoD: tokens whose rotation score is at or below the threshold skip f
                 out = self.executed(out, rotation_score(alpha, m) > self.threshold(kind, layer))
             if self.covers[kind]:
                 out = out + self.mod_base[f"{kind}_{layer}"].to(out.dtype)
             res_dir, log_norm = residual_update(res_dir, log_norm, out, alpha * m, nag["renorm"])
+        return res_dir, log_norm
+
+    # ----- the recipe's parts (nanochat/recipe.py; NAG's adaptation: nag/recipe.py) -----
+
+    def value_embed(self, layer, input_ids, dtype):
+        if not hasattr(self, "value_embeds") or str(layer) not in self.value_embeds:
+            return None
+        return self.value_embeds[str(layer)](input_ids).to(dtype)
+
+    def smear(self, x, positions, cache):
+        """x + λ·σ(w·x[:24])·x_prev at every token whose position is above 0; the previous token of a forward's first
+        column is the cache's smear_prev (the last column of the forward before)."""
+        stored = getattr(cache, "smear_prev", None) if cache is not None else None
+        first = stored if stored is not None and stored.size(0) == x.size(0) else torch.zeros_like(x[:, :1])
+        prev = torch.cat([first, x[:, :-1]], dim=1)
+        if cache is not None:
+            cache.smear_prev = x[:, -1:]
+        gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS]))
+        return x + gate * (positions > 0)[..., None].to(x.dtype) * prev
+
+    def gpt_trunk(self, x, input_ids, positions, cos_sin, masks, cache):
+        p = self.parts
+        if p.get("smear"):
+            x = self.smear(x, positions, cache)
+        x0, mid = x, None
+        for layer, mask in enumerate(masks):
+            if p.get("resid_lambdas"):
+                x = self.resid_lambdas[layer] * x
+            if p.get("x0_lambdas"):
+                x = x + self.x0_lambdas[layer] * x0
+            x = self.gpt_layer(layer, x, cos_sin, mask, cache, self.value_embed(layer, input_ids, x.dtype))
+            if layer == len(masks) // 2:
+                mid = x
+        if p.get("backout"):
+            x = x - self.backout_lambda.to(x.dtype) * mid
+        return x
+
+    def nag_trunk(self, res_dir, log_norm, input_ids, positions, cos_sin, masks, cache):
+        p = self.parts
+        if p.get("smear"):
+            res_dir, log_norm = renormalised(self.smear(res_dir, positions, cache), log_norm)
+        dir0, mid = res_dir, None
+        for layer, mask in enumerate(masks):
+            if p.get("x0_lambdas"):
+                res_dir, log_norm = renormalised(res_dir + self.x0_lambdas[layer].to(res_dir.dtype) * dir0, log_norm)
+            ve = self.value_embed(layer, input_ids, res_dir.dtype)
+            res_dir, log_norm = self.nag_layer(layer, res_dir, log_norm, cos_sin, mask, cache, ve)
+            if layer == len(masks) // 2:
+                mid = res_dir
+        if p.get("backout"):
+            res_dir, log_norm = renormalised(res_dir - self.backout_lambda.to(res_dir.dtype) * mid, log_norm)
         return res_dir, log_norm
 
     # ----- forward -----
@@ -282,19 +367,16 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
         dtype = self.wte.weight.dtype
         cos_sin = self.rotary(positions, dtype)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep > 0 else slice(None)
-        if self.config.arch == "nag":
+        if self.is_nag:
             e = self.wte(input_ids).float()
             rho = e.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)  # ρ₀ = ‖e‖/√d
             res_dir = (e / rho).to(dtype)
             log_norm = torch.log(rho) + self.log_gain_encode.float()
-            for layer, mask in enumerate(masks):
-                res_dir, log_norm = self.nag_layer(layer, res_dir, log_norm, cos_sin, mask, cache)
+            res_dir, log_norm = self.nag_trunk(res_dir, log_norm, input_ids, positions, cos_sin, masks, cache)
             res_dir, log_norm = res_dir[:, keep], log_norm[:, keep]
             logits = self.lm_head(res_dir).float() / self.config.n_embd * log_norm.exp()  # cosine × carried norm
         else:
-            x = norm(self.wte(input_ids))
-            for layer, mask in enumerate(masks):
-                x = self.gpt_layer(layer, x, cos_sin, mask, cache)
+            x = self.gpt_trunk(norm(self.wte(input_ids)), input_ids, positions, cos_sin, masks, cache)
             logits = self.lm_head(norm(x[:, keep])).float()
             logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
         loss = None
