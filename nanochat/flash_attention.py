@@ -200,7 +200,7 @@ def fallback_warning(requested, kernel, reason, hopper):
 
 
 def check_preset_attention(requested, kernel, hopper, gpu_preset, reason=""):
-    """A GPU preset (nag/presets.py "gpu") on a Hopper GPU trains with a fast kernel, or with SDPA only when
+    """A GPU preset (one marked "gpu" by its caller) on a Hopper GPU trains with a fast kernel, or with SDPA only when
     --attn sdpa says so: its published time and cost assume the fast one."""
     if gpu_preset and hopper and kernel == "sdpa" and requested != "sdpa":
         raise UserError(f"--preset {gpu_preset} on a Hopper GPU needs a fast attention kernel, but --attn {requested} found "

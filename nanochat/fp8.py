@@ -18,7 +18,7 @@ as nanochat evaluates. FLOPs and MFU are counted as for bf16 (its peak), so an f
 import torch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-MIN_DIM = 128  # a smaller matmul gains less from fp8 than its scaling passes cost (and NAG's gates, MoD's routers are tiny)
+MIN_DIM = 128  # a smaller matmul gains less from fp8 than its scaling passes cost (gates and routers of a few channels)
 MULTIPLE = 16  # _scaled_mm's rule for every matmul dimension
 MIN_CAPABILITY = (8, 9)  # CUDA: fp8 tensor cores from Ada and Hopper on
 

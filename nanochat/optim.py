@@ -288,7 +288,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return finish
 
     def all_gather(self, out, inp):
-        return dist.all_gather_single(out, inp, group=self.process_group, async_op=True)
+        # all_gather_into_tensor, not all_gather_single: torch 2.11 (the floor) lacks the latter
+        return dist.all_gather_into_tensor(out, inp, group=self.process_group, async_op=True)
 
     # ----- checkpoints: per rank, reloadable on any number of ranks -----
 
