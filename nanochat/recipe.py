@@ -58,7 +58,8 @@ def has_value_embed(layer, n_layer):
 
 
 def quarter_window(sequence_len):
-    """nanochat's short window: a quarter of the context, rounded up to WINDOW_TILE (2048 → 768), at most the context."""
+    """nanochat's short window, -(-T // 4 // 128) * 128: a quarter of the context rounded up to WINDOW_TILE (2048 → 512;
+    nanochat's comment says 768, its code gives 512), at most the context."""
     return min(sequence_len, -(-sequence_len // 4 // WINDOW_TILE) * WINDOW_TILE)
 
 
