@@ -7,7 +7,10 @@ Residual geometry, attention sinks and confidence of trained checkpoints, GPT an
 Each RUN is a run name under $NANOCHAT_BASE_DIR/runs or a path to a run directory. One no-grad pass over
 validation tokens per run (analysis/capture.py), then analysis.json (every number), PNG figures and
 analysis.md (a table beside the paper's and walkthrough's numbers) in --out (default
-$NANOCHAT_BASE_DIR/reports/analysis_<run1>_vs_<run2>). docs/analysis.md explains each measure.
+$NANOCHAT_BASE_DIR/reports/analysis_<run1>@<step>_vs_<run2>@<step>, named by the runs and steps analysed, the
+folder scripts.compare links from a report of those runs at those steps), with inputs.json, its manifest.
+An analysis of other inputs or settings in that folder moves to its replaced/ first; a folder holding files
+the analysis did not write is refused unless --force. docs/analysis.md explains each measure.
 """
 
 import os
@@ -15,13 +18,12 @@ import sys
 import json
 import math
 import time
-import shutil
 import argparse
-import tempfile
 
 import torch
 
 from nanochat.common import UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes, ensure_writable_dir
+from nanochat.run_dir import folder_name, claim_folder, staging, publish
 from nanochat import checkpoint_manager as ckpt
 from nanochat.loss_eval import held_batches
 from nag.archs import load_model
@@ -29,6 +31,9 @@ from analysis.capture import CaptureConfig, capture
 from analysis.summary import summarise
 from analysis.figures import make_figures
 from analysis.report import markdown
+
+TOOL = "analysis"  # the manifest's tool: a folder this command wrote
+SETTINGS = ("tokens", "clusters", "state_sample", "token_sample", "device_batch_size", "seed")  # what else its numbers depend on
 
 
 def parse_args(argv):
@@ -41,7 +46,10 @@ def parse_args(argv):
     p.add_argument("--token-sample", type=int, default=65536, help="tokens whose per-token scalars are kept (percentiles, deciles, AUROC)")
     p.add_argument("--device-batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--seed", type=int, default=0, help="seed of the token samples and of k-means")
-    p.add_argument("--out", type=str, default=None, help="output directory (default: $NANOCHAT_BASE_DIR/reports/analysis_<run1>_vs_<run2>)")
+    p.add_argument("--out", type=str, default=None, help="output directory (default: $NANOCHAT_BASE_DIR/reports/"
+                   "analysis_<run1>@<step>_vs_<run2>@<step>); an earlier analysis of other inputs there moves to its replaced/")
+    p.add_argument("--force", action="store_true", help="write into a folder that holds files the analysis did not write "
+                   "(its files of the names written are replaced)")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     return p.parse_args(argv)
 
@@ -129,21 +137,24 @@ def _finite(obj):
     return obj
 
 
-def write_outputs(results, out_dir, cmdline):
+def inputs_of(plans, args):
+    """What an analysis is made of, for its manifest: each run's directory and step, and the settings."""
+    return {"runs": [{"dir": os.path.realpath(p["dir"]), "step": p["step"]} for p in plans], **{k: getattr(args, k) for k in SETTINGS}}
+
+
+def default_out_dir(plans):
+    """Named by the runs and steps analysed, as the reports are: an analysis of other steps goes elsewhere."""
+    return os.path.join(get_base_dir(), "reports", "analysis_" + folder_name([(p["name"], p["step"]) for p in plans]))
+
+
+def write_outputs(results, out_dir, cmdline, inputs, aside):
     """Everything is made in a temp directory next to out_dir, then moved in: a failure leaves no partial output."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".analysis-tmp-")
-    try:
+    with staging(out_dir) as tmp:
         figures = make_figures(results, tmp)
         data = {"command": cmdline, "runs": _finite(results)}
         atomic_write_bytes(os.path.join(tmp, "analysis.json"), (json.dumps(data, indent=1) + "\n").encode())
         atomic_write_bytes(os.path.join(tmp, "analysis.md"), markdown(results, figures, cmdline).encode())
-        os.makedirs(out_dir, exist_ok=True)
-        for name in os.listdir(tmp):
-            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        publish(tmp, out_dir, TOOL, inputs, aside)
 
 
 def check_writable(out_dir):
@@ -158,13 +169,15 @@ def analyse(args, cmdline):
     from nanochat.tokenizer import get_tokenizer
     tokenizer = get_tokenizer()
     plans = check_runs(args, tokenizer)
-    out_dir = args.out or os.path.join(get_base_dir(), "reports", "analysis_" + "_vs_".join(p["name"] for p in plans))
+    out_dir = args.out or default_out_dir(plans)
     check_writable(out_dir)
+    inputs = inputs_of(plans, args)
+    aside = claim_folder(out_dir, TOOL, inputs, args.force)
     device = torch.device(args.device_type or autodetect_device_type())
     results = {}
     for plan in plans:
         results[plan["name"]] = analyse_run(plan, args, tokenizer, device)
-    write_outputs(results, out_dir, cmdline)
+    write_outputs(results, out_dir, cmdline, inputs, aside)
     with open(os.path.join(out_dir, "analysis.md"), encoding="utf-8") as f:
         print(f.read())
     print(f"wrote {out_dir}/analysis.json, analysis.md and figures")

@@ -363,6 +363,11 @@ def copy_to_top(run_dir, record):
 # results folders (a report, an analysis): what a tool wrote there, and what it may replace
 
 
+def folder_name(named_steps):
+    """The name of a default results folder, after what it holds: <name>@<step>_vs_<name>@<step>..."""
+    return "_vs_".join(f"{name.replace(os.sep, '_')}@{step}" for name, step in named_steps)
+
+
 def set_aside(folder, names):
     """Move folder's files `names` into folder/replaced/<time stamp>/, never deleted; that folder's path."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -423,8 +428,8 @@ def claim_folder(folder, tool, inputs, force=False):
     foreign = [n for n in entries if n not in ours]
     if foreign and not force:
         listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise UserError(f"{folder} holds files that {tool} did not write ({listed}); choose another --out, or add --force "
-                        "to write there (its files of the names written are replaced)")
+        raise UserError(f"{folder} holds files that `python -m {tool}` did not write ({listed}); choose another --out, or add "
+                        "--force to write there (its files of the names written are replaced)")
     m = read_manifest(folder)
     return [] if not ours or m["inputs"] == inputs else ours
 

@@ -332,14 +332,42 @@ def test_unwritable_output_is_one_line_before_the_pass(pair, tmp_path, monkeypat
     assert "cannot write to" in err and str(base / "reports") in err
 
 
-def test_compare_links_the_analysis(pair, tmp_path, monkeypatch, capsys):
+SMALL = ["--tokens", "256", "--clusters", "2", "--state-sample", "16", "--device-batch-size", "2", "--device-type", "cpu"]
+
+
+def test_an_analysis_per_step_and_the_report_links_its_own(pair, tmp_path, monkeypatch, capsys):
     from analysis.run import main
     from scripts import compare
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
+    # an analysis of step 3 has its own folder, and a report of the runs at step 6 does not link it
+    early = main(["gpt", "nag", "--step", "3", *SMALL])
+    assert early == os.path.join(pair, "reports", "analysis_gpt@3_vs_nag@3")
     report = compare.main(["gpt", "nag", "--out", str(tmp_path / "before")])
     assert "analysis.md" not in open(report).read()
-    out = main(["gpt", "nag", "--tokens", "256", "--clusters", "2", "--state-sample", "16", "--device-batch-size", "2", "--device-type", "cpu"])
-    assert out == os.path.join(pair, "reports", "analysis_gpt_vs_nag")
+    kept = {n: open(os.path.join(early, n), "rb").read() for n in os.listdir(early)}
+    out = main(["gpt", "nag", *SMALL])  # the latest step, 6: another folder, step 3's untouched
+    assert out == os.path.join(pair, "reports", "analysis_gpt@6_vs_nag@6")
+    assert {n: open(os.path.join(early, n), "rb").read() for n in os.listdir(early)} == kept
     report = compare.main(["gpt", "nag", "--out", str(tmp_path / "after")])
     link = os.path.relpath(os.path.join(out, "analysis.md"), tmp_path / "after")
-    assert f"[{link}]({link})" in open(report).read()
+    assert f"[{link}]({link})" in open(report).read() and "@3" not in open(report).read()
+
+
+def test_an_analysis_never_replaces_what_it_did_not_write(pair, tmp_path, monkeypatch, capsys, script_error):
+    from analysis.run import main
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
+    mine = tmp_path / "mine"
+    os.makedirs(mine)
+    (mine / "analysis.md").write_text("my notes\n")
+    err = script_error(main, "gpt", "nag", *SMALL, "--out", str(mine))
+    assert "did not write (analysis.md)" in err and "--force" in err and (mine / "analysis.md").read_text() == "my notes\n"
+    # its own folder, other settings: the earlier analysis moves to replaced/, with a line
+    out = tmp_path / "out"
+    main(["gpt", "nag", *SMALL, "--out", str(out)])
+    first = (out / "analysis.json").read_bytes()
+    capsys.readouterr()
+    main(["gpt", "nag", *SMALL, "--seed", "1", "--out", str(out)])
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "seed 0 → 1" in notes[0] and "replaced" in notes[0]
+    (stamp,) = os.listdir(out / "replaced")
+    assert (out / "replaced" / stamp / "analysis.json").read_bytes() == first

@@ -509,3 +509,57 @@ def test_groups_are_refused_with_one_line(hand_base, script_error):
     assert f"`{b[1]}` has no eval.json" in err
     with pytest.raises(SystemExit):  # groups and positional runs do not mix
         compare.main(["--a", *a, "--b", b[0], a[0]])
+
+
+# ---------------------------------------------------------------------------
+# what compare may write, and what it refuses
+
+
+def test_a_folder_compare_did_not_write_is_never_touched(hand_base, tmp_path, script_error, capsys):
+    write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
+    write_run(hand_base / "runs", "b", [eval_record(6, 1.20, seed=1)])
+    mine = tmp_path / "mine"
+    os.makedirs(mine)
+    (mine / "report.md").write_text("my own report\n")
+    (mine / "mydata.csv").write_text("1,2\n")
+    err = script_error(compare.main, "a", "b", "--out", str(mine))
+    assert f"{mine} holds files that `python -m scripts.compare` did not write (mydata.csv, report.md)" in err and "--force" in err
+    assert (mine / "report.md").read_text() == "my own report\n" and sorted(os.listdir(mine)) == ["mydata.csv", "report.md"]
+    compare.main(["a", "b", "--out", str(mine), "--force"])  # asked for: its own names replaced, the rest untouched
+    assert (mine / "mydata.csv").read_text() == "1,2\n" and "# `a` vs `b`" in (mine / "report.md").read_text()
+
+    # a folder of its own: the same inputs are rewritten; other settings move the earlier report to replaced/
+    out = tmp_path / "out"
+    compare.main(["a", "b", "--out", str(out)])
+    compare.main(["a", "b", "--out", str(out)])
+    assert not os.path.exists(out / "replaced")
+    first = (out / "report.md").read_bytes()
+    capsys.readouterr()
+    compare.main(["a", "b", "--out", str(out), "--ema", "0.5"])
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "ema 0.95 → 0.5" in notes[0] and str(out / "replaced") in notes[0]
+    (stamp,) = os.listdir(out / "replaced")
+    assert (out / "replaced" / stamp / "report.md").read_bytes() == first and os.path.exists(out / "replaced" / stamp / "inputs.json")
+    assert json.load(open(out / "inputs.json"))["inputs"]["ema"] == 0.5
+
+
+def test_a_run_given_twice_is_refused(hand_base, script_error):
+    write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
+    err = script_error(compare.main, "a", os.path.join(hand_base, "runs", "a"))  # one run, by name and by path
+    assert "`a` is compared with itself" in err and "give two different runs" in err
+    a = seed_group(hand_base / "runs", "gpt", [1.30, 1.31], 0.5)
+    b = seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6)
+    err = script_error(compare.main, "--a", a[0], a[0], "--b", *b)
+    assert f"group a lists `{a[0]}` twice" in err and "no second seed" in err and "#2" not in err
+    assert "in both groups" in script_error(compare.main, "--a", *a, "--b", b[0], a[1])
+    assert not os.path.exists(hand_base / "reports")
+
+
+def test_a_p_value_below_the_resampling_floor_is_not_zero(hand_base, capsys):
+    a = seed_group(hand_base / "runs", "gpt", [1.30, 1.301, 1.302], 0.5)
+    b = seed_group(hand_base / "runs", "nag", [1.10, 1.101, 1.102], 0.5)
+    path = compare.main(["--a", *a, "--b", *b])  # a gap of 0.2 bpb, seeds 0.001 apart
+    out = capsys.readouterr().out
+    assert "p = 0)" not in out and "p < 1/10000" in out and "p < 1/10000" in open(path).read()
+    from analysis.compare.tables import p_text
+    assert p_text(0.0) == "< 1/10000" and p_text(1 / 10001) == "< 1/10000" and p_text(0.0312) == "= 0.0312"

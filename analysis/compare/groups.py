@@ -16,14 +16,14 @@ import json
 
 import numpy as np
 
-from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_write_json, ensure_writable_dir
+from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_write_json
 from nanochat.core_eval import NUM_CORE_TASKS
-from nanochat.run_dir import load_run
+from nanochat.run_dir import load_run, claim_folder, staging, publish
 from nanochat import stats
 from nag.archs import NOT_SETTINGS
 from analysis.compare.runs import N_RESAMPLES, pair_differences, check_same_items
-from analysis.compare.inputs import INPUTS, report_inputs, distinct_names, run_step, check_report_folder
-from analysis.compare.tables import fmt, value_cell, table
+from analysis.compare.inputs import TOOL, report_inputs, distinct_names, repeated_run, run_step, check_report_folder
+from analysis.compare.tables import fmt, value_cell, table, p_text
 
 # what runs of one comparison may differ in: their seeds, and what is no setting of the model or its training
 SEED_ARGS = {"seed", "data_seed"}
@@ -44,6 +44,18 @@ def settings(run):
 
 def flag(key):
     return f"--{key.replace('_', '-')}"
+
+
+def check_distinct_runs(groups):
+    """A run listed twice in a group would count as a second seed, and one in both groups be compared with itself:
+    refused in one line."""
+    for g in ("a", "b"):
+        r = repeated_run(groups[g])
+        if r is not None:
+            raise UserError(f"group {g} lists `{r['name']}` twice ({r['dir']}): a repeated run is no second seed; give each run once")
+    r = repeated_run(groups["a"] + groups["b"])
+    if r is not None:
+        raise UserError(f"`{r['name']}` is in both groups ({r['dir']}): a run compared with itself differs by nothing")
 
 
 def check_settings(groups):
@@ -170,7 +182,7 @@ def group_verdict(label, r, names):
     call = "distinguishable from noise" if lo > 0 or hi < 0 else "not distinguishable from noise"
     what = ("evaluation noise only: a group of one has no seed-to-seed variance" if r["eval_only"] else
             f"training seeds and evaluation sampling, {'paired by seed' if r['paired'] else 'unpaired'}")
-    return f"{b} − {a} {label} = {r['delta']:+.4f} (95% CI {lo:+.4f} … {hi:+.4f}, p = {r['p']:.3g}): {call} ({what})"
+    return f"{b} − {a} {label} = {r['delta']:+.4f} (95% CI {lo:+.4f} … {hi:+.4f}, p {p_text(r['p'])}): {call} ({what})"
 
 
 def group_label(runs):
@@ -250,10 +262,12 @@ def comparison_json(groups, metrics, paired, why):
     return out
 
 
-def compare_groups(args_a, args_b, out_dir=None):
+def compare_groups(args_a, args_b, out_dir=None, force=False):
     """report.md, groups.png, comparison.json and inputs.json of group b against group a, in out_dir (default:
-    named after the runs and their steps, never replacing a report of other inputs there); the report's path."""
+    named after the runs and their steps, never replacing a report of other inputs there); the report's path.
+    A folder that holds anything compare did not write is refused unless force (nanochat/run_dir.py claim_folder)."""
     groups = {"a": [load_run(x) for x in args_a], "b": [load_run(x) for x in args_b]}
+    check_distinct_runs(groups)
     runs = distinct_names(groups["a"] + groups["b"])
     for r in runs:
         if r["eval"] is None:
@@ -267,11 +281,12 @@ def compare_groups(args_a, args_b, out_dir=None):
     if bpb is None and core is None:
         raise UserError("no run has val bpb or CORE in its eval.json: nothing to compare")
     ka = len(groups["a"])
-    inputs = report_inputs([r["dir"] for r in runs])
+    inputs = {**report_inputs([r["dir"] for r in runs]), "group_a": ka}  # the same runs split otherwise are other inputs
     if out_dir is None:
         parts = ["+".join(f"{r['name'].replace(os.sep, '_')}@{run_step(r)}" for r in groups[g]) for g in ("a", "b")]
         out_dir = os.path.join(get_base_dir(), "reports", "_vs_".join(parts))
         check_report_folder(out_dir, inputs)
+    aside = claim_folder(out_dir, TOOL, inputs, force)
 
     metrics = {}
     if bpb is not None:
@@ -286,14 +301,14 @@ def compare_groups(args_a, args_b, out_dir=None):
         metrics["core"] = metric_stats("core", runs, values, reps, ka, paired, (len(core[0][0]["task"]), "items"))
         metrics["core"]["label"] = "CORE" if full else f"partial CORE ({T}/{NUM_CORE_TASKS})"
 
-    ensure_writable_dir(out_dir)
-    atomic_write_json(os.path.join(out_dir, INPUTS), inputs)  # first: a report cut short is still known as of these inputs
-    groups_figure(groups, metrics, out_dir)
-    atomic_write_json(os.path.join(out_dir, "comparison.json"), comparison_json(groups, metrics, paired, why))
-    report = os.path.join(out_dir, "report.md")
-    atomic_write_bytes(report, report_text(groups, metrics, paired, why, notes).encode())
+    with staging(out_dir) as tmp:  # made whole, then moved in: a report cut short replaces nothing
+        groups_figure(groups, metrics, tmp)
+        atomic_write_json(os.path.join(tmp, "comparison.json"), comparison_json(groups, metrics, paired, why))
+        atomic_write_bytes(os.path.join(tmp, "report.md"), report_text(groups, metrics, paired, why, notes).encode())
+        publish(tmp, out_dir, TOOL, inputs, aside)
     names = (group_label(groups["a"]), group_label(groups["b"]))
     for line in [f"{why}"] + [group_verdict(m["label"], m, names) for m in metrics.values()] + notes:
         print(line)
+    report = os.path.join(out_dir, "report.md")
     print(f"\nreport with figures: {report}")
     return report

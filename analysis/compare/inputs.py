@@ -1,6 +1,7 @@
 """
-What a report is made from, and the folder it goes into: inputs.json records each run's directory, evaluated
-step and a hash of its evaluation files, so that a report of other inputs is never replaced unasked.
+What a report is made from, and the folder it goes into: its manifest, inputs.json (nanochat/run_dir.py), records
+each run's directory, evaluated step and a hash of its evaluation files, the report's own settings and the files
+it wrote, so that a report of other inputs is never replaced unasked and a user's files are never touched.
 """
 
 import os
@@ -8,9 +9,9 @@ import json
 import hashlib
 
 from nanochat.common import UserError, get_base_dir
-from nanochat.run_dir import EVAL_JSON, eval_files
+from nanochat.run_dir import EVAL_JSON, eval_files, read_manifest, folder_name
 
-INPUTS = "inputs.json"  # in the report folder: the inputs it was made from
+TOOL = "scripts.compare"  # the manifest's tool: a folder this command wrote
 
 
 def report_inputs(run_dirs):
@@ -33,18 +34,34 @@ def report_inputs(run_dirs):
 
 
 def read_inputs(out_dir):
-    """The inputs recorded in a report folder, or None (none recorded, or unreadable)."""
-    try:
-        with open(os.path.join(out_dir, INPUTS), encoding="utf-8") as f:
-            old = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return old if isinstance(old, dict) else None
+    """The inputs recorded in a report folder, or None (none recorded, unreadable, or another tool's folder)."""
+    m = read_manifest(out_dir)
+    return m["inputs"] if m is not None and m["tool"] == TOOL and isinstance(m["inputs"], dict) else None
 
 
 def report_is_current(out_dir, run_dirs):
     """Whether out_dir holds a report of these runs as they are evaluated now (speedrun skips the stage then)."""
-    return os.path.isfile(os.path.join(out_dir, "report.md")) and read_inputs(out_dir) == report_inputs(run_dirs)
+    old = read_inputs(out_dir)
+    return os.path.isfile(os.path.join(out_dir, "report.md")) and old is not None and old.get("runs") == report_inputs(run_dirs)["runs"]
+
+
+def repeated_run(runs):
+    """The first run given a second time (the same directory, however named), or None."""
+    seen = set()
+    for r in runs:
+        d = os.path.realpath(r["dir"])
+        if d in seen:
+            return r
+        seen.add(d)
+    return None
+
+
+def check_distinct(runs):
+    """A run given twice compares it with itself: every delta 0, every interval empty. Refused in one line."""
+    r = repeated_run(runs)
+    if r is not None:
+        raise UserError(f"`{r['name']}` is compared with itself ({r['dir']}): give two different runs" if len(runs) == 2 else
+                        f"`{r['name']}` is given twice ({r['dir']}): give each run once")
 
 
 def distinct_names(runs):
@@ -64,19 +81,17 @@ def run_step(run):
 
 
 def default_out_dir(runs, base_dir=None):
-    parts = [f"{r['name'].replace(os.sep, '_')}@{run_step(r)}" for r in runs]
-    return os.path.join(base_dir or get_base_dir(), "reports", "_vs_".join(parts))
+    return os.path.join(base_dir or get_base_dir(), "reports", folder_name([(r["name"], run_step(r)) for r in runs]))
 
 
 def check_report_folder(out_dir, inputs):
-    """The default folder is named after the runs and steps only: refuse to replace a report of other inputs there."""
-    if not os.path.exists(os.path.join(out_dir, "report.md")) and not os.path.exists(os.path.join(out_dir, INPUTS)):
-        return
+    """The default folder is named after the runs and steps only: refuse to replace a report of other runs or
+    evaluations there (the same runs with other report settings move to replaced/ instead: run_dir.publish)."""
     old = read_inputs(out_dir)
-    if old == inputs:
-        return
-    if old is None or len(old.get("runs") or []) != len(inputs["runs"]):
-        what = "inputs not recorded" if old is None else "other runs"
+    if old is None or old.get("runs") == inputs["runs"]:
+        return  # nothing of compare's there (run_dir.claim_folder guards the rest), or the same runs
+    if len(old.get("runs") or []) != len(inputs["runs"]):
+        what = "other runs"
     else:
         changes = []
         for o, n in zip(old["runs"], inputs["runs"]):
@@ -86,4 +101,4 @@ def check_report_folder(out_dir, inputs):
                 changes.append(f"an earlier evaluation of {n['dir']}")
         what = "; ".join(changes)
     raise UserError(f"{out_dir} holds a report of other inputs ({what}); pass --out DIR to write this one elsewhere, "
-                    f"or --out {out_dir} to replace it")
+                    f"or --out {out_dir} to replace it (the earlier report then moves to {os.path.join(out_dir, 'replaced')}/)")

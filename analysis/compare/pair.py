@@ -5,12 +5,12 @@ intervals of each delta (nanochat/stats.py), and compare(), which writes report.
 
 import os
 
-from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_write_json, ensure_writable_dir
+from nanochat.common import UserError, get_base_dir, atomic_write_bytes
 from nanochat.core_eval import NUM_CORE_TASKS
-from nanochat.run_dir import load_run
+from nanochat.run_dir import load_run, read_manifest, folder_name, claim_folder, staging, publish
 from nanochat import stats
 from analysis.compare.runs import N_RESAMPLES, BPB_DEPENDS_ON, mod_curves, several_steps, pair_differences, check_same_items
-from analysis.compare.inputs import INPUTS, report_inputs, distinct_names, default_out_dir, check_report_folder
+from analysis.compare.inputs import TOOL, report_inputs, distinct_names, check_distinct, run_step, default_out_dir, check_report_folder
 from analysis.compare.tables import (items_text, verdict_sentence, difference_lines, summary_section, measured_section, config_section,
                                      core_section, significance_section, steps_section, step_time_section, mod_section, notes_section)
 from analysis.compare.figures import make_figures
@@ -73,21 +73,45 @@ def pair_stats(a, b):
     return out
 
 
-def compare(run_args, out_dir=None, beta=0.95):
+def analysis_link(runs):
+    """The folder of `python -m analysis` of these runs at the steps they are compared at (its default, named by
+    them), or None: an analysis of other steps or other run directories is not theirs."""
+    folder = os.path.join(get_base_dir(), "reports", "analysis_" + folder_name([(os.path.basename(r["dir"]), run_step(r)) for r in runs]))
+    m = read_manifest(folder)
+    want = [{"dir": os.path.realpath(r["dir"]), "step": run_step(r)} for r in runs]
+    ok = m is not None and m["tool"] == "analysis" and isinstance(m["inputs"], dict) and m["inputs"].get("runs") == want
+    return folder if ok and os.path.isfile(os.path.join(folder, "analysis.md")) else None
+
+
+def compare(run_args, out_dir=None, beta=0.95, force=False):
     """report.md, figures and inputs.json of the runs against the first one, in out_dir (default: named after
-    the runs and their steps, never replacing a report of other inputs there); the report's path."""
+    the runs and their steps, never replacing a report of other inputs there); the report's path. A folder that
+    holds anything compare did not write is refused unless force (nanochat/run_dir.py claim_folder)."""
     if not 0 <= beta < 1:
         raise UserError(f"--ema must be in [0, 1), got {beta}")
-    runs = distinct_names([load_run(a) for a in run_args])
-    inputs = report_inputs([r["dir"] for r in runs])
+    loaded = [load_run(a) for a in run_args]
+    check_distinct(loaded)
+    runs = distinct_names(loaded)
+    inputs = {**report_inputs([r["dir"] for r in runs]), "ema": beta}
     if out_dir is None:  # named after the runs and steps only: it must not replace a report of other inputs
         out_dir = default_out_dir(runs)
         check_report_folder(out_dir, inputs)
+    aside = claim_folder(out_dir, TOOL, inputs, force)
     pairs = [pair_stats(runs[0], r) for r in runs[1:]]  # before any output: refused pairs write nothing
-    ensure_writable_dir(out_dir)
-    atomic_write_json(os.path.join(out_dir, INPUTS), inputs)  # first: a report cut short is still known as of these inputs
-    figures = make_figures(runs, out_dir, beta, pairs)
+    with staging(out_dir) as tmp:  # made whole, then moved in: a report cut short replaces nothing
+        report = write_report(runs, pairs, beta, tmp, out_dir)
+        publish(tmp, out_dir, TOOL, inputs, aside)
+    warnings = [f"warning: {line}" for ps in pairs for line in difference_lines(ps)]
+    for line in warnings + [v for ps in pairs for v in ps["verdicts"]] + [n for r in runs for n in r["read_notes"]]:
+        print(line)
+    path = os.path.join(out_dir, "report.md")
+    print(f"\nreport with figures: {path}")
+    return path
 
+
+def write_report(runs, pairs, beta, tmp, out_dir):
+    """report.md and its figures into tmp (links relative to out_dir, where they go); prints the summary table."""
+    figures = make_figures(runs, tmp, beta, pairs)
     title = " vs ".join(f"`{r['name']}`" for r in runs)
     parts = [f"# {title}", "\n".join(f"- `{r['name']}` ({r['config'].get('arch', '?')}): {r['dir']}" for r in runs),
              summary_section(runs, beta), measured_section(runs, pairs), config_section(runs), core_section(runs)]
@@ -107,18 +131,14 @@ def compare(run_args, out_dir=None, beta=0.95):
         parts.append(mod_section(runs, figures))
     if step_time_section(runs, figures):
         parts.append(step_time_section(runs, figures))
-    analysis = os.path.join(get_base_dir(), "reports", "analysis_" + "_vs_".join(os.path.basename(r["dir"]) for r in runs), "analysis.md")
-    if os.path.exists(analysis):  # written by `python -m analysis` for the same runs
-        rel = os.path.relpath(analysis, out_dir)
+    analysis = analysis_link(runs)
+    if analysis:  # written by `python -m analysis` for the same runs at the same steps
+        rel = os.path.relpath(os.path.join(analysis, "analysis.md"), out_dir)
         parts.append(f"## Residual geometry, attention sinks, confidence\n\n[{rel}]({rel}) (`python -m analysis`)")
     notes = notes_section(runs, figures)
     if notes:
         parts.append(notes)
-    report = os.path.join(out_dir, "report.md")
+    report = os.path.join(tmp, "report.md")
     atomic_write_bytes(report, ("\n\n".join(p.rstrip("\n") for p in parts) + "\n").encode())
     print(parts[2])  # the side-by-side summary (steps, tokens, FLOPs, loss, bpb, CORE), what differs, the verdicts, then where the rest is
-    warnings = [f"warning: {line}" for ps in pairs for line in difference_lines(ps)]
-    for line in warnings + [v for ps in pairs for v in ps["verdicts"]] + [n for r in runs for n in r["read_notes"]]:
-        print(line)
-    print(f"\nreport with figures: {report}")
     return report

@@ -61,6 +61,11 @@ def items_text(task_stats):
     return f"{sizes.pop()} items per task" if len(sizes) == 1 else f"{sum(t['n'] for t in task_stats.values()):,} items over {len(task_stats)} tasks"
 
 
+def p_text(p):
+    """A resampled p-value in words: below 1/N (N resamples) it cannot be told apart from smaller ones, so never "= 0"."""
+    return f"< 1/{N_RESAMPLES}" if p < 1 / N_RESAMPLES else f"= {p:.3g}"
+
+
 def verdict_sentence(a, b, what, r, where):
     """The verdict in words: the delta, its interval, and whether it stands out of the noise; without
     enough units (stats.MIN_UNITS) the delta alone and why there is no interval."""
@@ -68,7 +73,7 @@ def verdict_sentence(a, b, what, r, where):
         return f"{b} − {a} {what} = {r['delta']:+.4f}: {r['too_few']}"
     lo, hi = r["ci"]
     call = "distinguishable from noise" if lo > 0 or hi < 0 else "not distinguishable from noise"
-    return f"{b} − {a} {what} = {r['delta']:+.4f} (95% CI {lo:+.4f} … {hi:+.4f}, p = {r['p']:.3g}): {call} {where}"
+    return f"{b} − {a} {what} = {r['delta']:+.4f} (95% CI {lo:+.4f} … {hi:+.4f}, p {p_text(r['p'])}): {call} {where}"
 
 
 def interval_cells(r):
@@ -76,7 +81,7 @@ def interval_cells(r):
     if r.get("too_few"):
         return [f"{r['delta']:+.4f}", r["too_few"], "—"]
     mark = " \\*" if r["ci"][0] > 0 or r["ci"][1] < 0 else ""
-    return [f"{r['delta']:+.4f}{mark}", f"{r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}", f"{r['p']:.3g}"]
+    return [f"{r['delta']:+.4f}{mark}", f"{r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}", p_text(r["p"]).removeprefix("= ")]
 
 
 # ---------------------------------------------------------------------------
