@@ -115,3 +115,13 @@ def test_compiled_fp8_is_one_graph_equal_to_eager():
     assert not torch._dynamo.utils.counters["graph_break"]
     for eager, compiled in zip(*grads):
         assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-7)
+
+
+def test_the_step_benchmark_measures_fp8_and_the_host_reads():
+    """scripts.bench.train's variant (gpu_checks' fp8, fp8_d24 and host_reads stages), in process on a tiny model."""
+    from scripts.bench import train as bench
+    args = bench.parse(["--depth", "2", "--model-dim", "128", "--head-dim", "32", "--max-seq-len", "32", "--vocab-size", "512",
+                        "--device-batch-size", "2", "--steps", "1", "--warmup", "1", "--device-type", "cpu"])
+    r = bench.run_variant(args, "gpt", "off", "fp8", 2)
+    assert (r["precision"], r["fp8_layers"], r["host_reads"]) == ("fp8", 13, 2) and r["step_ms"] > 0 and math.isfinite(r["last_loss"])
+    assert bench.ratios([dict(r, precision="bf16", host_reads=1), r])[0]["what"] == "gpt fp8, 2 host read(s) / bf16, 1 (eager)"

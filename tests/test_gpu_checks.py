@@ -256,7 +256,7 @@ def test_quick_plan_answers_the_first_questions_within_its_budget():
     assert sum(s.expect for s in quick) <= gpu_checks.PLANNED * gpu_checks.QUICK_BUDGET and gpu_checks.PLANNED <= 0.75
     assert all(s.expect < s.timeout <= 180 for s in quick)  # each stage its own limit, with room over its expected time
     full = gpu_checks.stages(quick=False, eval_bundle="/bundle")
-    assert [s.name for s in full[len(quick):]] == ["depth", "blocks", "published_gpt", "published_nag", "published_blocks", "mod",
+    assert [s.name for s in full[len(quick):]] == ["depth", "blocks", "host_reads", "fp8", "fp8_d24", "published_gpt", "published_nag", "published_blocks", "mod",
                                                    "core_batching"]
     assert all(s.expect < s.timeout <= 480 for s in full)  # the 64-layer whole-model compiles: minutes each
     branch_op = next(s for s in quick if s.name == "branch_op")

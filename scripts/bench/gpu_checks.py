@@ -38,6 +38,7 @@ QUICK_BUDGET, FULL_BUDGET = 420, 2400  # seconds; a borrowed slot gives a comman
 PLANNED = 0.75  # the quick stages' expected times fit this share of its budget: the rest is room for a slower machine
 CACHE = "compile_cache"  # in the work folder: the Inductor and Triton caches every stage but a cold one shares
 PUBLISHED_SHAPE = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
+D24 = ["--depth", "24", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
 D20 = ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
 TIMED = ["--steps", "10", "--warmup", "3"]
 ROWS_PER_PROGRAM = "1,2,4,8,16,32"  # the fused backward's sweep (nag.kernels.BACKWARD_ROWS_PER_PROGRAM is the default)
@@ -69,8 +70,9 @@ def stages(quick, eval_bundle=None):
         bench_train("step", "GPT vs NAG-fused, published shape (640 wide, 16 × 2048) at depth 8, compiled whole: step time, memory",
                     150, 90, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on"),
         bench_train("mfu", "GPT d20-like (20 × 1280, 32 × 2048), compiled whole: MFU", 120, 70, *D20, "--arch", "gpt", "--compile", "on"),
-        # FA3 only where its hub kernel is installed and cached (no network here): else SDPA alone, and the reason
-        Stage("attention", "attention alone, FA3 vs SDPA, 16 × 2048, 5 heads × 128, bf16, windows L and S; FA3 compiled",
+        # every kernel that loads here (FA4 if the gpu extra is installed, FA3 only from a cached hub copy: no network)
+        Stage("attention", "attention alone, every kernel that loads (SDPA flash and cuDNN, FA4, FA3), 16 × 2048, 5 heads × 128, bf16, "
+              "windows L and S (S: the kernel's own window or flex_attention against a dense mask)",
               [py, "-m", "scripts.bench.attention", "--compile", "--json", "{json}"], 60, 30, attention_figures),
         Stage("branch_op", "branch op alone, 16 × 2048 rows × 640, bf16: GB/s against a copy; the fused backward by rows per program",
               [py, "-m", "scripts.bench.nag", "--sections", "op", "--impls", "reference,compiled,fused",
@@ -85,6 +87,13 @@ def stages(quick, eval_bundle=None):
                     180, 100, "--depth", "4", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on", cold=True),
         bench_train("blocks", "GPT vs NAG-fused at depth 8, each block compiled on its own (compare with step)",
                     120, 60, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "blocks"),
+        bench_train("host_reads", "GPT vs NAG-fused at depth 8, base_train's one host read per step vs two (the finite check read "
+                    "before the update is queued, as before)", 150, 70, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused",
+                    "--compile", "on", "--host-reads", "1,2"),
+        bench_train("fp8", "fp8 vs bf16 (base_train --fp8), GPT vs NAG-fused at the published shape, depth 8: step time, MFU",
+                    180, 90, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on", "--precision", "bf16,fp8"),
+        bench_train("fp8_d24", "fp8 vs bf16 at nanochat's d24 (24 × 1536, 16 × 2048), GPT vs NAG-fused: step time, MFU",
+                    300, 150, *D24, "--arch", "gpt,nag:fused", "--compile", "on", "--precision", "bf16,fp8"),
         bench_train("published_gpt", "GPT at the published shape, depth 64, compiled whole",
                     420, 200, "--depth", "64", *PUBLISHED_SHAPE, "--arch", "gpt", "--compile", "on"),
         bench_train("published_nag", "NAG-fused at the published shape, depth 64, compiled whole",
@@ -293,7 +302,8 @@ def compile_figures(r):
 
 def step_figures(d):
     rs = d["results"]
-    cells = [f"{r['arch']} {r['step_ms']:.1f} ms"
+    cells = [f"{r['arch']}{' fp8' if r.get('precision') == 'fp8' else ''}{' (2 host reads)' if r.get('host_reads') == 2 else ''} "
+             f"{r['step_ms']:.1f} ms"
              + (f" (fwd+bwd {r['fwd_bwd_ms']:.1f}, optimizer {r['optim_ms']:.1f})" if "optim_ms" in r else "")
              + f", {r['peak_mem_gib']:.1f} GiB, compile{' (cold)' if r['fresh_cache'] else ''} {compile_figures(r)}"
              + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "") for r in rs]

@@ -48,6 +48,10 @@ def parse(argv=None):
     p.add_argument("--device-type", type=str, default="")
     p.add_argument("--json", type=str, default="", help="also write the results here")
     p.add_argument("--fresh-cache", action="store_true", help="empty Inductor and Triton caches in every process (cold compile seconds)")
+    p.add_argument("--precision", type=str, default="bf16", help="comma list of bf16, fp8 (base_train --fp8: nanochat/fp8.py)")
+    p.add_argument("--host-reads", type=str, default="1",
+                   help="comma list of host reads per step: 1 = base_train's (the finite flags veto the update on the device, "
+                        "read with the loss), 2 = the flags read before the update is queued (the order before)")
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -62,17 +66,19 @@ def compile_blocks(model):
             block.compile(dynamic=False)
 
 
-def run_variant(args, variant, mode):
+def run_variant(args, variant, mode, precision="bf16", reads=1):
     from torch._dynamo.utils import counters
     from nanochat.common import autodetect_device_type, compute_dtype_for
     from nanochat.common import peak_flops
     from nanochat import optim
+    from nanochat.nonfinite import finite_flags
     device_type = args.device_type or autodetect_device_type()
     device = torch.device(device_type)
     config = models.train_config(["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio), "--model-dim", str(args.model_dim),
                                   "--head-dim", str(args.head_dim), "--max-seq-len", str(args.max_seq_len)], args.vocab_size)
     model = models.variant(variant, config, device)
     model.set_compute_dtype(compute_dtype_for(device_type))
+    fp8_layers = model.set_fp8(precision == "fp8")
     optimizer = model.setup_optimizer()
     fwd = torch.compile(model, dynamic=False) if mode == "on" else model
     if mode == "blocks":
@@ -106,18 +112,23 @@ def run_variant(args, variant, mode):
         loss.backward()
         return loss
 
-    def optim_step():
-        optimizer.step()
+    def optim_step(gate=None):
+        optimizer.step(gate)
         model.after_optimizer_step()
         model.zero_grad(set_to_none=True)
 
     def step(timed=False):
+        """base_train's step: the finite check's flags gate the update on the device and are read with the loss
+        (reads=1), or read before the update is queued (reads=2: the device drains while the host queues the optimizer)."""
         t0 = now()
         loss = fwd_bwd()
+        flags = finite_flags(model, loss.detach())
+        if reads == 2:
+            flags.all().item()
         t1 = now()
-        optim_step()
+        optim_step(flags.all())
         t2 = now()
-        value = loss.item()  # syncs
+        value = torch.cat([loss.detach().reshape(1), flags]).tolist()[0]  # syncs
         if timed:
             split["fwd_bwd"] += between(t0, t1)
             split["optim"] += between(t1, t2)
@@ -130,7 +141,7 @@ def run_variant(args, variant, mode):
     sync()
     first_fwd_bwd_s, model_graphs = time.time() - t0, counters["stats"]["unique_graphs"]
     t0 = time.time()
-    optim_step()
+    optim_step(finite_flags(model, loss.detach()).all())  # gated like every later step: one graph per update function
     sync()
     first_optim_s, optim_graphs = time.time() - t0, counters["stats"]["unique_graphs"] - model_graphs
     first_loss = last_loss = loss.item()
@@ -143,7 +154,7 @@ def run_variant(args, variant, mode):
     sync()
     dt = (time.time() - t0) / args.steps
     tok_per_sec = B * T / dt
-    result = {"arch": variant, "compile": mode, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
+    result = {"arch": variant, "compile": mode, "precision": precision, "fp8_layers": len(fp8_layers), "host_reads": reads, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
               "fwd_bwd_ms": 1000 * split["fwd_bwd"] / args.steps, "optim_ms": 1000 * split["optim"] / args.steps,
               "first_step_s": first_fwd_bwd_s + first_optim_s, "fresh_cache": args.fresh_cache,
               "model_compile_s": max(first_fwd_bwd_s - split["fwd_bwd"] / args.steps, 0.0), "model_graphs": model_graphs,
@@ -166,8 +177,8 @@ def run_variant(args, variant, mode):
 def main():
     args = parse()
     if args.worker:
-        variant, mode = args.worker.rsplit("@", 1)
-        print("RESULT " + json.dumps(run_variant(args, variant, mode)), flush=True)
+        variant, mode, precision, reads = args.worker.split("@")
+        print("RESULT " + json.dumps(run_variant(args, variant, mode, precision, int(reads))), flush=True)
         return
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
     results = benchmark(args, archs, sys.argv[1:])
@@ -175,12 +186,21 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv[1:], "results": results, "ratios": ratios(results)}, f, indent=1)
-    if len(results) < len(archs) * len(compile_modes(args.compile)):
+    if len(results) < len(archs) * len(compile_modes(args.compile)) * len(listed(args.precision, PRECISIONS, "--precision")) * len(listed(args.host_reads, READS, "--host-reads")):
         sys.exit(1)  # a variant failed (its error is printed above)
 
 
 VARIANTS = ("gpt", "nag", "nag:reference", "nag:compiled", "nag:fused")
 COMPILE_MODES = ("off", "on", "blocks")
+PRECISIONS = ("bf16", "fp8")
+READS = ("1", "2")
+
+
+def listed(spec, allowed, flag):
+    values = [v.strip() for v in spec.split(",") if v.strip()]
+    if not values or any(v not in allowed for v in values):
+        sys.exit(f"error: unknown {flag} {spec!r} (a comma list of {', '.join(allowed)})")
+    return values
 
 
 def compile_modes(spec):
@@ -197,29 +217,30 @@ def benchmark(args, archs, argv):
     if bad:
         sys.exit(f"error: unknown arch {bad} (choose from {', '.join(VARIANTS)})")
     results = []
-    for mode in compile_modes(args.compile):
-        for arch in archs:
-            cmd = [sys.executable, "-m", "scripts.bench.train", "--worker", f"{arch}@{mode}"] + list(argv)
-            env = dict(os.environ)
-            cache = tempfile.mkdtemp(prefix="bench_train_cache_") if args.fresh_cache else None
+    combos = [(mode, arch, precision, reads) for mode in compile_modes(args.compile) for arch in archs
+              for precision in listed(args.precision, PRECISIONS, "--precision") for reads in listed(args.host_reads, READS, "--host-reads")]
+    for mode, arch, precision, reads in combos:
+        cmd = [sys.executable, "-m", "scripts.bench.train", "--worker", f"{arch}@{mode}@{precision}@{reads}"] + list(argv)
+        env = dict(os.environ)
+        cache = tempfile.mkdtemp(prefix="bench_train_cache_") if args.fresh_cache else None
+        if cache:
+            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                 cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        finally:
             if cache:
-                env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-            finally:
-                if cache:
-                    shutil.rmtree(cache, ignore_errors=True)
-            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-            if line is None:
-                print(f"{arch} compile={mode}: failed\n{out.stderr[-2000:]}", flush=True)
-                continue
-            r = json.loads(line[len("RESULT "):])
-            results.append(r)
-            print(f"{arch:13s} {LABELS[mode]} | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
-                  f"peak {r['peak_mem_gib']:.2f} GiB | compile: model {r['model_compile_s']:.1f} s ({r['model_graphs']} graph(s)), "
-                  f"optimizer {r['optim_compile_s']:.1f} s ({r['optim_graphs']})"
-                  + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""), flush=True)
+                shutil.rmtree(cache, ignore_errors=True)
+        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{arch} compile={mode}: failed\n{out.stderr[-2000:]}", flush=True)
+            continue
+        r = json.loads(line[len("RESULT "):])
+        results.append(r)
+        print(f"{arch:13s} {LABELS[mode]} {precision} {reads} read(s) | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
+              f"peak {r['peak_mem_gib']:.2f} GiB | compile: model {r['model_compile_s']:.1f} s ({r['model_graphs']} graph(s)), "
+              f"optimizer {r['optim_compile_s']:.1f} s ({r['optim_graphs']})"
+              + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""), flush=True)
     if results:
         print(f"config: depth {args.depth}, dim {results[0]['dim']}, batch {args.device_batch_size}×{args.max_seq_len}, device {results[0]['device']}")
     return results
@@ -233,14 +254,20 @@ def ratios(results):
     """Every variant against the GPT baseline compiled the same way, and every compiled-per-block variant
     against the same arch compiled whole: (what, of, to, step time ratio, peak memory ratio)."""
     out = []
-    for r in results:
-        gpt = next((g for g in results if g["arch"] == "gpt" and g["compile"] == r["compile"]), None)
+    base = [r for r in results if r.get("precision", "bf16") == "bf16" and r.get("host_reads", 1) == 1]
+    for r in base:
+        gpt = next((g for g in base if g["arch"] == "gpt" and g["compile"] == r["compile"]), None)
         if gpt and r is not gpt:
             out.append((f"{r['arch']} / gpt ({NAMES[r['compile']]})", r, gpt))
-    for r in results:
-        whole = next((w for w in results if w["arch"] == r["arch"] and w["compile"] == "on"), None)
+    for r in base:
+        whole = next((w for w in base if w["arch"] == r["arch"] and w["compile"] == "on"), None)
         if whole and r["compile"] == "blocks":
             out.append((f"{r['arch']} per block / whole", r, whole))
+    for r in results:  # the same arch and compile mode in bf16 with base_train's one read: fp8's gain, the old read's cost
+        same = next((b for b in base if b["arch"] == r["arch"] and b["compile"] == r["compile"]), None)
+        if same and r is not same:
+            what = f"{r['precision']}, {r['host_reads']} host read(s) / bf16, 1"
+            out.append((f"{r['arch']} {what} ({NAMES[r['compile']]})", r, same))
     return [{"what": what, "step_time": r["step_ms"] / base["step_ms"], "peak_mem": r["peak_mem_gib"] / base["peak_mem_gib"],
              "model_compile_s": [r["model_compile_s"], base["model_compile_s"]]} for what, r, base in out]
 
