@@ -99,12 +99,17 @@ def complete_steps(run_dir):
     return [s for s in saved_steps(run_dir) if is_complete(run_dir, s)]
 
 
-def latest_step(run_dir):
-    """The newest complete checkpoint's step; an incomplete newer one (a crash mid-save) is skipped with a note."""
+def latest_step(run_dir, skip_damaged=False):
+    """The newest complete checkpoint's step; an incomplete newer one (a crash mid-save) is skipped with a note. One
+    whose save completed (its meta exists) but whose files no longer match it is damaged: training skips it too
+    (skip_damaged: it trains that step again), a reader refuses, since the newest step is what it was asked for."""
     steps = complete_steps(run_dir)
     if not steps:
         raise UserError(f"no complete checkpoint in {run_dir}; train one with `python -m scripts.base_train --run {os.path.basename(run_dir)}`")
     for s in (s for s in saved_steps(run_dir) if s > steps[-1]):
+        if os.path.exists(meta_path(run_dir, s)) and not skip_damaged:
+            raise UserError(f"the newest checkpoint of {run_dir}, step {s}, is damaged ({damage(run_dir, s)}); the previous complete "
+                            f"step is {steps[-1]}: pass --step {steps[-1]}, or train step {s} again with base_train --resume latest")
         print(f"note: skipping the incomplete checkpoint of step {s} in {run_dir} ({damage(run_dir, s)}); using step {steps[-1]}", flush=True)
     return steps[-1]
 
@@ -157,6 +162,10 @@ def prune_checkpoints(run_dir, keep):
 
 def missing_step_error(run_dir, step):
     have = complete_steps(run_dir) if os.path.isdir(run_dir) else []
+    if os.path.exists(meta_path(run_dir, step)):  # its save completed: the files were damaged since
+        earlier = [s for s in have if s < step]
+        hint = f"the previous complete step is {earlier[-1]}" if earlier else "no earlier complete step exists"
+        return UserError(f"the checkpoint of step {step} in {run_dir} is damaged ({damage(run_dir, step)}); {hint}")
     return UserError(f"no complete checkpoint for step {step} in {run_dir} (complete steps: {have or 'none'})")
 
 

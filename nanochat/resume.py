@@ -66,7 +66,7 @@ def start_step(run_dir, args, record, tokenizer, defaults, not_settings):
     if args.resume == "latest":
         if not complete:
             return 0
-        step = ckpt.latest_step(run_dir)
+        step = ckpt.latest_step(run_dir, skip_damaged=True)
     else:
         step = int(args.resume)
         if step not in complete:

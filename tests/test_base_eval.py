@@ -213,6 +213,13 @@ def test_truncated_checkpoint_names_the_file_and_the_previous_step(pair, script_
     model_file = os.path.join(run_dir, "model_000006.pt")
     with open(model_file, "r+b") as f:
         f.truncate(os.path.getsize(model_file) // 2)
+    # its size no longer matches the save's record: the newest step is damaged, named with the previous one
+    err = script_error(base_eval.main, "--run", run_dir, "--eval", "bpb", *EVAL)
+    assert "step 6, is damaged (model_000006.pt holds" in err and "pass --step 3" in err
+    # a checkpoint saved before sizes were recorded: the damage shows when the file is read
+    meta = json.load(open(os.path.join(run_dir, "meta_000006.json")))
+    del meta["file_sizes"]
+    json.dump(meta, open(os.path.join(run_dir, "meta_000006.json"), "w"))
     err = script_error(base_eval.main, "--run", run_dir, "--eval", "bpb", *EVAL)
     assert model_file in err and "previous complete step is 3" in err
     os.remove(os.path.join(run_dir, "model_000003.pt"))
