@@ -26,6 +26,7 @@ import time
 
 from nanochat.common import UserError, exit_on_user_error, caller_path, base_dir_path, parse_seeds, cuda_problem, nvidia_smi
 from nanochat import checkpoint_manager as ckpt
+from nanochat.run_dir import folder_name
 from nanochat.dataset import MAX_SHARD, PACKING_KEPT, SHARD_MB, TOKENS_PER_SHARD, expected_epochs, shards_for
 from nanochat.plan import PLANNED_MFU, PLANNED_PEAK, planned_seconds
 from nanochat.resume import HORIZON
@@ -252,7 +253,9 @@ def status(args, plan_records):
         return done
     gpt, nag = arch_runs(args, "gpt")[0], arch_runs(args, "nag")[0]  # the analysis: the first seed's pair
     evals = [os.path.join(base, "runs", r, "eval.json") for r in (gpt, nag)]
-    analysis = os.path.join(base, "reports", f"analysis_{gpt}_vs_{nag}", "analysis.json")
+    # python -m analysis names its folder by the runs and the steps it analysed: their final ones
+    analysis = os.path.join(base, "reports", "analysis_" + folder_name([(r, plan_records[r]["num_iterations"]) for r in (gpt, nag)]),
+                            "analysis.json")
     done["analysis"] = done[f"eval {gpt}"] and done[f"eval {nag}"] and all(newer(analysis, e) for e in evals)
     # the runs in compare's order (GPT's, then NAG's, each in seed order): the order its inputs.json records
     compared = [os.path.join(base, "runs", r) for a in ("gpt", "nag") for r in arch_runs(args, a)]

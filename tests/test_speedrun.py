@@ -193,7 +193,7 @@ def test_tiny_pipeline_skips_finished_stages_and_resumes(tiny_base_dir, tmp_path
     out = second.stdout
     for line in ("data already present, skipping", "tokenizer already trained, skipping", "report already up to date"):
         assert line in out
-    for stage in ("train gpt-tiny", "train nag-tiny", "eval gpt-tiny", "eval nag-tiny"):
+    for stage in ("train gpt-tiny", "train nag-tiny", "eval gpt-tiny", "eval nag-tiny", "analysis"):
         assert re.search(rf"^  {stage} +\[done, skip\]", out, re.M), stage
     assert "step 00001" not in out and "evaluating" not in out
     assert {arch: mtimes(d) for arch, d in runs.items()} == before  # nothing retrained, nothing re-evaluated
