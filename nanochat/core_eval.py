@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch.distributed as dist
 
-from nanochat.common import UserError, get_base_dir
+from nanochat.common import UserError, get_base_dir, fmt_time
 from nanochat.gpt import GPT
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -638,6 +638,7 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_s
     unfinished = [t["label"] for t in tasks if t["label"] not in missing]
     results, records, fewer, kept = {}, [], [], []
     settings = {"max_per_task": max_per_task, "tasks": {}}
+    started, scored = time.time(), 0  # the ETA: seconds per task scored so far, times the tasks left
     for task in tasks:
         label = task["label"]
         path = path_of[label]
@@ -673,9 +674,12 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_s
         records += task_records
         unfinished.remove(label)
         r = results[label]
+        scored += earlier is None
+        eta = f", eta {fmt_time((time.time() - started) / scored * len(unfinished))}" if scored and unfinished else ""
         log(f"{label:<34} {shots:>2}-shot {task['task_type']:<17} n={len(data):<6} "
             f"accuracy {r['accuracy']:.4f}  centered {r['centered']:+.4f}  "
-            + ("kept from the interrupted run" if earlier is not None else f"{r['seconds']:6.1f}s"))
+            + ("kept from the interrupted run" if earlier is not None else f"{r['seconds']:6.1f}s")
+            + f"  [{len(results)}/{len(results) + len(unfinished)}{eta}]")
         if on_task is not None:
             on_task(core_summary(results, missing, settings, records, unfinished))
     if kept:

@@ -39,7 +39,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for
+from nanochat.common import UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for, Progress
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import held_batches, shared_batches, evaluate_bpb_shared
@@ -91,7 +91,7 @@ def build_parser():
     p.add_argument("--sample-tokens", type=int, default=16, help="tokens generated per sample")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     p.add_argument("--attn", type=str, default="auto", choices=list(ATTN_CHOICES),
-                   help="attention kernel of bpb (auto: FlashAttention-3 on Hopper when it loads, else SDPA; CORE's packed rows use masks)")
+                   help="attention kernel of bpb (auto: on Hopper the first of fa4, cudnn, fa3 that loads, else SDPA; CORE's packed rows use masks)")
     p.add_argument("--mod-rate", type=str, default="", help="MoD trade-off curve: comma-separated target skip rates, e.g. 0.05,0.1,0.2")
     p.add_argument("--mod-blocks", type=str, default="both", choices=BLOCKS, help="sub-layers skipped along the curve")
     p.add_argument("--mod-calib-tokens", type=int, default=2 ** 20, help="train-split tokens that calibrate each rate's thresholds")
@@ -142,7 +142,7 @@ def eval_bpb(model, tokenizer, token_bytes, args, device, rank, world_size):
     for split in ("val", "train"):
         per_batch = {}
         n, batches = split_batches(tokenizer, B, T, split, args, device, rank, world_size)
-        bpb = evaluate_bpb_shared(model, batches, token_bytes, per_batch)
+        bpb = evaluate_bpb_shared(model, batches, token_bytes, per_batch, progress=Progress(f"{split} bpb", n, "batches"))
         out[f"{split}_bpb"] = bpb
         if split == "val":  # per-batch losses too, on batches every run shares, for compare's paired interval
             out.update(split_tokens=n * B * T, num_val_batches=n, val_batches=per_batch)

@@ -3,6 +3,7 @@
 import os
 import csv
 import json
+import re
 import math
 
 import pytest
@@ -83,7 +84,7 @@ def test_eval_writes_results_of_either_arch(pair, capsys, arch):
     assert again["tasks"] == saved["tasks"] and again["val_bpb"] == saved["val_bpb"]  # same step: other sections kept
 
     # progress lines with time, and the final table never calls a partial score CORE
-    assert any(line.startswith("tiny_lm") and line.rstrip().endswith("s") for line in out.splitlines())
+    assert any(line.startswith("tiny_lm") and re.search(r"\d+\.\ds  \[\d+/\d+(, eta \d+m\d\ds)?\]$", line) for line in out.splitlines())
     lines = out.splitlines()
     table = lines[max(i for i, line in enumerate(lines) if line.startswith("task") and "centred" in line):]
     assert any(line.startswith("partial CORE (3/22)") for line in table) and not any(line.startswith("CORE") for line in table)

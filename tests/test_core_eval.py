@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import zipfile
 from types import SimpleNamespace
 
@@ -506,7 +507,7 @@ def test_an_unfinished_run_is_resumed_task_by_task(tmp_path, monkeypatch, write_
     monkeypatch.setattr(core_eval, "task_verdicts", lambda *a, **kw: scored.append(a[2]) or real(*a, **kw))
     lines = []
     out = evaluate_core(model, tok, "cpu", root, max_per_task=8, log=lines.append, done=done)
-    assert len(scored) == 2 and any(line.startswith("mc") and line.endswith("kept from the interrupted run") for line in lines)
+    assert len(scored) == 2 and any(line.startswith("mc") and "kept from the interrupted run  [" in line for line in lines)
     timeless = lambda tasks: {k: {f: v for f, v in t.items() if f != "seconds"} for k, t in tasks.items()}  # (nan margins: compared as JSON)
     assert timeless(out["tasks"]) == timeless(full["tasks"]) and json.dumps(out["records"]) == json.dumps(full["records"]) and out["unfinished_tasks"] == []
     # other items (another cut of the task) or other settings: scored again
@@ -607,3 +608,14 @@ def test_distributed_split_sums_to_the_single_process_accuracy(tmp_path):
     single = evaluate_task(TinyCausalLM(seq_len=96), ByteTokenizer(), data, "cpu", dict(MC, num_fewshot=1))
     got = [float((tmp_path / f"rank{r}.txt").read_text()) for r in range(2)]
     assert got == [single, single] and not math.isnan(single)
+
+
+def test_each_task_line_counts_the_tasks_and_estimates_the_rest(tmp_path, write_eval_bundle):
+    """A CORE evaluation prints a line per task; on a busy CPU it runs for minutes, so each line says how far it got
+    and what is left: [k/n, eta ...], with no ETA on the last task."""
+    root = tmp_path / "bundle"
+    write_eval_bundle(root, [(f"t{i}", "language_modeling", 0, 0, [{"context": "abc " * 3, "continuation": "abc"}] * 4) for i in range(3)])
+    lines = []
+    evaluate_core(TinyCausalLM(seq_len=96), ByteTokenizer(), "cpu", str(root), log=lines.append)
+    tagged = [re.search(r"\[(\d+)/3(, eta \d+m\d\ds)?\]$", line) for line in lines if line.startswith("t")]
+    assert [m.group(1) for m in tagged] == ["1", "2", "3"] and [bool(m.group(2)) for m in tagged] == [True, True, False], lines
