@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.gpt import apply_rotary, norm, QK_SCALE
+from nag.model import NAGGPT
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Accumulator:
 
     def __init__(self, model, cfg, device):
         c = model.config
-        self.is_nag = model.arch == "nag"
+        self.is_nag = isinstance(model, NAGGPT)  # nag-recipe too
         self.dim = c.n_embd
         self.num_updates = 2 * c.n_layer  # K; states k = 0..K
         self.cfg = cfg
@@ -217,7 +218,7 @@ def attach(model, acc):
     for i, block in enumerate(model.blocks):
         handles.append(block.attn.register_forward_pre_hook(
             lambda mod, args, i=i: acc.attention(i, attention_probs(mod, args[0], args[1], args[2], P))))
-    if model.arch == "nag":
+    if isinstance(model, NAGGPT):
         return _attach_nag(model, acc, handles)
     current = {}
 
@@ -249,24 +250,28 @@ def attach(model, acc):
 
 def _attach_nag(model, acc, handles):
     from nag.functional import modulator
-    original = model.sublayer
+    # the method the model's forward makes its updates with, and where the branch sits in its arguments:
+    # NAGGPT.sublayer(kind, layer, block, br, ...), nag-recipe's recipe_sublayer(kind, block, br, ...)
+    name, at = ("recipe_sublayer", 2) if hasattr(model, "recipe_sublayer") else ("sublayer", 3)
+    original = getattr(model, name)
     index = {id(br): l for l, br in model.branches()}
     root_d = math.sqrt(model.config.n_embd)
 
-    def sublayer(kind, layer, block, br, res_dir, log_norm, cos_sin, mask):
+    def sublayer(*args, **kwargs):
+        br, res_dir, log_norm = args[at:at + 3]
         l = index[id(br)]
         if l == 1:
             acc.state(0, res_dir, root_d * log_norm.double().exp())
         m = modulator(br.m_down(res_dir), br.coef, br.beta_raw, model.nag.mod_floor)
         acc.gate(l, res_dir, m, br.alpha * model.alpha_warmup * m)
-        new_dir, new_log_norm = original(kind, layer, block, br, res_dir, log_norm, cos_sin, mask)
+        new_dir, new_log_norm = original(*args, **kwargs)
         acc.state(l, new_dir, root_d * new_log_norm.double().exp())  # ‖R‖ = √d·e^s
         return new_dir, new_log_norm
 
-    model.sublayer = sublayer  # an instance attribute shadows the method; deleting it restores the original
+    setattr(model, name, sublayer)  # an instance attribute shadows the method; deleting it restores the original
 
     def detach():
-        del model.sublayer
+        delattr(model, name)
         for h in handles:
             h.remove()
     return detach

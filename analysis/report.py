@@ -6,6 +6,8 @@ MoE ablations for Tables III-IV), so they say what to look for, not what a toy m
 
 import math
 
+from nag.archs import is_nag_arch
+
 REF_GPT = "reference GPT"
 REF_NAG = "reference NAG"
 REF_SOURCE = ("Reference columns: the walkthrough's FLOP-matched pair (64 blocks × dim 640, ~10B tokens) for attention "
@@ -69,8 +71,8 @@ def markdown(runs, figures, cmdline):
     for label, value, ref_gpt, ref_nag in rows():
         cells = [label] + [value(runs[n]) for n in names] + [ref_gpt, ref_nag]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")  # |x| inside a cell
-    gpt = [n for n in names if runs[n]["arch"] == "gpt"]
-    nag = [n for n in names if runs[n]["arch"] == "nag"]
+    gpt = [n for n in names if not is_nag_arch(runs[n]["arch"])]
+    nag = [n for n in names if is_nag_arch(runs[n]["arch"])]
     if gpt and nag:
         g, a = runs[gpt[0]], runs[nag[0]]
         ratio = g["norm"]["mean"][-1] / a["norm"]["mean"][-1]

@@ -326,3 +326,22 @@ def test_tiny_run_trains_and_resumes_exactly(run_base, arch):
     assert [r["train_loss"] for r in resumed[1:]] == losses and resumed[-1]["val_bpb"] == full[-1]["val_bpb"]
     model, meta = archs.load_model(run_dir)
     assert type(model).arch == arch and meta["recipe_config"] == cfg["recipe_config"]
+
+
+@pytest.mark.parametrize("arch", ["gpt-recipe", "nag-recipe"])
+def test_the_residual_geometry_analysis_observes_the_recipe_archs(arch):
+    """analysis/capture.py reads NAG's states where the model makes its updates; nag-recipe makes them in
+    recipe_sublayer (it recorded none, and the analysis failed on a missing attribute)."""
+    from analysis.capture import capture
+    from conftest import TINY_TRAIN
+    from scripts import base_train
+    args = base_train.parse_args(TINY_TRAIN + ["--arch", arch, "--num-iterations", "2"])
+    model = archs.plan_for(args, 512, 1).model
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    batches = iter([(torch.randint(0, 512, (2, 64), generator=g), torch.randint(0, 512, (2, 64), generator=g)) for _ in range(2)])
+    acc = capture(model, batches, 2, 0)
+    assert acc.is_nag == (arch == "nag-recipe") and torch.isfinite(acc.last_norms).all() and acc.last_norms.numel() == 128
+    assert "sublayer" not in vars(model) and "recipe_sublayer" not in vars(model)  # the hooks are gone

@@ -9,6 +9,7 @@ from nanochat.checkpoint_manager import get_run_dir
 from nanochat.core_eval import NUM_CORE_TASKS
 from nanochat.step_timer import PHASES, LABELS
 from nanochat import stats
+from nag.archs import is_nag_arch
 from analysis.compare.runs import (N_RESAMPLES, MEASURED_WITH, KEY_NAMES, FINGERPRINTS, ema, loss_curve, last_logged, flat_config,
                                    core_value, time_shares, mod_curves, measured_with)
 
@@ -334,6 +335,6 @@ def notes_section(runs, figures):
     limits = {json.dumps(r["eval"].get("max_per_task")) for r in runs if r["eval"] and r["eval"].get("tasks")}
     if len(limits) > 1:
         lines.append("The runs' CORE scores used different --max-per-task limits and do not compare exactly.")
-    if not any(name.startswith("gate_") for name in figures) and any(r["config"].get("arch") == "nag" for r in runs):
+    if not any(name.startswith("gate_") for name in figures) and any(is_nag_arch(r["config"].get("arch")) for r in runs):
         lines.append("No gate telemetry in the NAG runs' metrics.jsonl (trained with --nag-gate-log-every 0?).")
     return "## Notes\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" if lines else ""
