@@ -44,13 +44,13 @@ WINDOW_TILE = 128  # nanochat rounds the short window up to FA3's tile
 HELP = {"value_embeds": "no value embeddings (gated per-token vectors added to the attention values)",
         "smear": "no smear (the previous token's embedding mixed into each token)",
         "backout": "no backout (the mid-depth residual subtracted before the head)",
-        "resid_lambdas": "no per-layer residual scales (nag-recipe has none anyway)",
+        "resid_lambdas": "no per-layer residual scales (an arch without an additive stream has none anyway)",
         "x0_lambdas": "no per-layer mix of the embedding into the stream",
         "quarter_windows": "S windows of half the context, as the baseline's, not nanochat's quarter"}
 
 
 def add_recipe_args(parser):
-    g = parser.add_argument_group("nanochat recipe (used with --arch gpt-recipe and nag-recipe; docs/design.md §10)")
+    g = parser.add_argument_group("nanochat recipe (--arch gpt-recipe and the archs built on it; docs/design.md §10)")
     for part in PARTS:
         g.add_argument(f"--no-{part.replace('_', '-')}", action="store_true", help=HELP[part])
     g.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW LR of the x0 lambdas (× batch LR scale); resid lambdas take 1%% of it")
