@@ -17,7 +17,7 @@ from nanochat.resume import NOT_SETTINGS as BASELINE_NOT_SETTINGS
 from nag.model import NAGGPT, add_nag_args, nag_config_from_args
 from nag.mod import add_mod_args, mod_config_from_args
 from nag.router_mod import RouterMoDGPT
-from nanochat.recipe import RecipeGPT, add_recipe_args, recipe_config_from_args
+from nanochat.recipe import PARTS as RECIPE_PARTS, RecipeGPT, RecipeParts, add_recipe_args, recipe_config_from_args
 from nag.recipe import NAGRecipeGPT
 
 
@@ -146,14 +146,20 @@ def arch_for_args(args):
     return args.arch, spec
 
 
-def ignored_nag_flags(args, defaults):
-    """NAG flags set on an arch that does not read them (defaults: the parser's defaults). Not an error:
-    speedrun.sh passes one flag list to both runs of a pair; but never silent either."""
+RECIPE_FLAGS = frozenset({f"no_{part}" for part in RECIPE_PARTS} | {"scalar_lr"})
+
+
+def ignored_flags(args, defaults):
+    """{family: flags} of the NAG or recipe flags set on an arch that does not read them (defaults: the parser's
+    defaults). Not an error: speedrun.sh passes one flag list to both runs of a pair; but never silent either."""
     arch, spec = arch_for_args(args)
-    if issubclass(spec.model_class, NAGGPT):
-        return []
-    return [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
-            if k.startswith("nag_") and k not in spec.reads and v != getattr(defaults, k)]
+    reads = {"nag": issubclass(spec.model_class, NAGGPT), "recipe": issubclass(spec.model_class, RecipeParts)}
+    out = {}
+    for k, v in vars(args).items():
+        family = "nag" if k.startswith("nag_") else "recipe" if k in RECIPE_FLAGS else None
+        if family and not reads[family] and k not in spec.reads and v != getattr(defaults, k):
+            out.setdefault(family, []).append(f"--{k.replace('_', '-')}")
+    return out
 
 
 def check_args(args):

@@ -48,7 +48,7 @@ from nanochat import resume
 from nanochat import run_dir as run_files
 from nanochat import checkpoint_manager as ckpt
 from nanochat import tracking
-from nag.archs import ARCHS, NOT_SETTINGS, add_arch_args, arch_spec, check_args, ignored_nag_flags, plan_for
+from nag.archs import ARCHS, NOT_SETTINGS, add_arch_args, arch_spec, check_args, ignored_flags, plan_for
 from nag.presets import PRESETS, preset_args
 
 DRY_RUN_VOCAB = 32768  # --dry-run without a preset: the vocab of the default tokenizer (scripts.tok_train)
@@ -220,8 +220,9 @@ def train(args):
         return dry_run(args)
     check_args(args)  # every flag, before any process group or data: one line
     defaults = build_parser().parse_args([])  # what a flag a run's config.json lacks was (resume's settings check)
-    if ignored := ignored_nag_flags(args, defaults):
-        print0(f"note: {', '.join(ignored)} apply only with --arch nag; this {args.arch} run ignores them")
+    for family, flags in ignored_flags(args, defaults).items():
+        which = "a NAG arch (nag, nag-recipe)" if family == "nag" else "a recipe arch (gpt-recipe, nag-recipe)"
+        print0(f"note: {', '.join(flags)} apply only with {which}; this {args.arch} run ignores them")
     preset = PRESETS.get(args.preset, {})
     if preset.get("gpu") and not args.device_type and not torch.cuda.is_available():
         raise UserError(f"--preset {args.preset} is a GPU configuration and torch {torch.__version__} sees no CUDA device here; "

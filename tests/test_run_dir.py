@@ -107,10 +107,11 @@ def test_a_failed_resume_keeps_history_and_a_real_one_keeps_the_removed_rows(run
     assert json.load(open(os.path.join(run_dir, "config.json")))["num_iterations"] == 12
 
 
-def test_nag_flags_on_gpt_are_named(run_base, capsys):
-    main("--arch", "gpt", "--run", "g", "--num-iterations", "1", "--eval-every", "-1", "--nag-mod-floor", "0")
+def test_nag_and_recipe_flags_on_gpt_are_named(run_base, capsys):
+    main("--arch", "gpt", "--run", "g", "--num-iterations", "1", "--eval-every", "-1", "--nag-mod-floor", "0", "--no-smear")
     out = capsys.readouterr().out
-    assert "note: --nag-alpha-warmup-tokens, --nag-mod-floor apply only with --arch nag; this gpt run ignores them" in out
+    assert "note: --nag-alpha-warmup-tokens, --nag-mod-floor apply only with a NAG arch (nag, nag-recipe); this gpt run ignores them" in out
+    assert "note: --no-smear apply only with a recipe arch (gpt-recipe, nag-recipe); this gpt run ignores them" in out
 
 
 def test_settings_cannot_drift_on_resume(run_base, script_error):
