@@ -40,17 +40,18 @@ def main(argv=None):
     p.add_argument("--force", action="store_true", help="write into a folder that holds files compare did not write "
                    "(its files of the names written are replaced)")
     p.add_argument("--ema", type=float, default=0.95, help="EMA factor that smooths the train loss curve")
+    p.add_argument("--mixed-precision", action="store_true", help="compare an fp8 run (base_train --fp8) with a bf16 one (refused otherwise)")
     args = p.parse_args(argv)
     if args.a is not None or args.b is not None:  # two groups of seeds: their own report
         if args.a is None or args.b is None or args.runs:
             p.error("give both --a RUN... and --b RUN..., and no positional runs")
         from analysis.compare.groups import compare_groups  # imports nag's settings list only when asked for
         with exit_on_user_error():
-            return compare_groups(args.a, args.b, args.out, args.force)
+            return compare_groups(args.a, args.b, args.out, args.force, args.mixed_precision)
     if not args.runs:
         p.error("give the runs to compare, or two groups with --a RUN... --b RUN...")
     with exit_on_user_error():
-        return compare(args.runs, args.out, args.ema, args.force)
+        return compare(args.runs, args.out, args.ema, args.force, args.mixed_precision)
 
 
 if __name__ == "__main__":

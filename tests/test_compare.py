@@ -563,3 +563,20 @@ def test_a_p_value_below_the_resampling_floor_is_not_zero(hand_base, capsys):
     assert "p = 0)" not in out and "p < 1/10000" in out and "p < 1/10000" in open(path).read()
     from analysis.compare.tables import p_text
     assert p_text(0.0) == "< 1/10000" and p_text(1 / 10001) == "< 1/10000" and p_text(0.0312) == "= 0.0312"
+
+
+def test_an_fp8_arm_against_a_bf16_one_is_refused_unless_asked(hand_base, script_error, capsys):
+    """base_train --fp8 changes every matmul's rounding: a gap between an fp8 and a bf16 run mixes that into the
+    architecture's, so compare refuses the mix (pairs and groups) unless --mixed-precision says so."""
+    write_run(hand_base / "runs", "g8", [eval_record(6, 1.30)], args={"fp8": True})
+    write_run(hand_base / "runs", "n16", [eval_record(6, 1.29)], arch="nag")
+    err = script_error(compare.main, "g8", "n16")
+    assert err == ("error: `g8` trained with fp8 matmuls (--fp8), `n16` in bf16: their gap would mix the precision into the "
+                   "architecture's; compare runs of one precision, or pass --mixed-precision")
+    assert compare.main(["g8", "n16", "--mixed-precision"]).endswith("report.md")
+    a = seed_group(hand_base / "runs", "gpt", [1.30, 1.31], 0.5, args={"fp8": True})
+    b = seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6)
+    assert "pass --mixed-precision" in script_error(compare.main, "--a", *a, "--b", *b)
+    assert compare.main(["--a", *a, "--b", *b, "--mixed-precision"]).endswith("report.md")
+    b8 = seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6, args={"fp8": True}, prefix="nag8")
+    assert compare.main(["--a", *a, "--b", *b8]).endswith("report.md")  # both in fp8: a comparison like any other

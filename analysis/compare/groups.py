@@ -22,7 +22,7 @@ from nanochat.run_dir import load_run, claim_folder, staging, publish
 from nanochat import stats
 from nag.archs import NOT_SETTINGS
 from analysis.compare.runs import N_RESAMPLES, pair_differences, check_same_items
-from analysis.compare.inputs import TOOL, report_inputs, distinct_names, repeated_run, run_step, check_report_folder
+from analysis.compare.inputs import TOOL, report_inputs, distinct_names, repeated_run, run_step, check_report_folder, check_precision
 from analysis.compare.tables import fmt, value_cell, table, p_text
 
 # what runs of one comparison may differ in: their seeds, and what is no setting of the model or its training
@@ -58,7 +58,7 @@ def check_distinct_runs(groups):
         raise UserError(f"`{r['name']}` is in both groups ({r['dir']}): a run compared with itself differs by nothing")
 
 
-def check_settings(groups):
+def check_settings(groups, ignored=frozenset()):
     """Refuse runs that differ in a setting: within a group in any, across groups in those both record
     (a flag only one architecture has is that architecture's). One line naming the first difference."""
     first = groups["a"][0]
@@ -75,6 +75,7 @@ def check_settings(groups):
     sa, sb = settings(first), settings(groups["b"][0])
     # every run records every flag; NAG's own flags (--nag-*) are the NAG group's business, a GPT run ignores them
     own = {k for k in set(sa) | set(sb) if k.startswith("nag_")} if first["config"].get("arch") != groups["b"][0]["config"].get("arch") else set()
+    own |= set(ignored)
     diff = next((k for k in sorted((set(sa) & set(sb)) - own) if sa[k] != sb[k]), None)
     if diff:
         raise UserError(f"`{groups['b'][0]['name']}` differs from `{first['name']}` in {flag(diff)} ({json.dumps(sa[diff])} vs "
@@ -262,7 +263,7 @@ def comparison_json(groups, metrics, paired, why):
     return out
 
 
-def compare_groups(args_a, args_b, out_dir=None, force=False):
+def compare_groups(args_a, args_b, out_dir=None, force=False, mixed_precision=False):
     """report.md, groups.png, comparison.json and inputs.json of group b against group a, in out_dir (default:
     named after the runs and their steps, never replacing a report of other inputs there); the report's path.
     A folder that holds anything compare did not write is refused unless force (nanochat/run_dir.py claim_folder)."""
@@ -273,7 +274,8 @@ def compare_groups(args_a, args_b, out_dir=None, force=False):
         if r["eval"] is None:
             raise UserError(f"`{r['name']}` has no eval.json: a group comparison needs every run evaluated "
                             f"(`python -m scripts.base_eval --run {r['dir']}`)")
-    check_settings(groups)
+    check_precision(runs, mixed_precision)
+    check_settings(groups, ignored={"fp8"} if mixed_precision else set())
     notes = check_measured(runs)
     paired, why = design(groups)
     runs = groups["a"] + groups["b"]  # b in a's seed order when paired: every array below is in this order

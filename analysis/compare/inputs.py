@@ -64,6 +64,20 @@ def check_distinct(runs):
                         f"`{r['name']}` is given twice ({r['dir']}): give each run once")
 
 
+def precision(run):
+    return "fp8" if (run["config"].get("args") or {}).get("fp8") else "bf16"
+
+
+def check_precision(runs, mixed):
+    """An fp8 arm against a bf16 one measures the precision with the architecture: refused unless asked (mixed)."""
+    kinds = {precision(r) for r in runs}
+    if len(kinds) > 1 and not mixed:
+        fp8 = next(r for r in runs if precision(r) == "fp8")
+        bf16 = next(r for r in runs if precision(r) == "bf16")
+        raise UserError(f"`{fp8['name']}` trained with fp8 matmuls (--fp8), `{bf16['name']}` in bf16: their gap would mix the "
+                        "precision into the architecture's; compare runs of one precision, or pass --mixed-precision")
+
+
 def distinct_names(runs):
     """Two runs of one name (from different base dirs) get distinct names: the names key columns and numbers."""
     seen = {}

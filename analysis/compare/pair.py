@@ -10,7 +10,7 @@ from nanochat.core_eval import NUM_CORE_TASKS
 from nanochat.run_dir import load_run, read_manifest, folder_name, claim_folder, staging, publish
 from nanochat import stats
 from analysis.compare.runs import N_RESAMPLES, BPB_DEPENDS_ON, mod_curves, several_steps, pair_differences, check_same_items
-from analysis.compare.inputs import TOOL, report_inputs, distinct_names, check_distinct, run_step, default_out_dir, check_report_folder
+from analysis.compare.inputs import TOOL, report_inputs, distinct_names, check_distinct, run_step, default_out_dir, check_report_folder, check_precision
 from analysis.compare.tables import (items_text, verdict_sentence, difference_lines, summary_section, measured_section, config_section,
                                      core_section, significance_section, steps_section, step_time_section, mod_section, notes_section)
 from analysis.compare.figures import make_figures
@@ -83,7 +83,7 @@ def analysis_link(runs):
     return folder if ok and os.path.isfile(os.path.join(folder, "analysis.md")) else None
 
 
-def compare(run_args, out_dir=None, beta=0.95, force=False):
+def compare(run_args, out_dir=None, beta=0.95, force=False, mixed_precision=False):
     """report.md, figures and inputs.json of the runs against the first one, in out_dir (default: named after
     the runs and their steps, never replacing a report of other inputs there); the report's path. A folder that
     holds anything compare did not write is refused unless force (nanochat/run_dir.py claim_folder)."""
@@ -91,6 +91,7 @@ def compare(run_args, out_dir=None, beta=0.95, force=False):
         raise UserError(f"--ema must be in [0, 1), got {beta}")
     loaded = [load_run(a) for a in run_args]
     check_distinct(loaded)
+    check_precision(loaded, mixed_precision)
     runs = distinct_names(loaded)
     inputs = {**report_inputs([r["dir"] for r in runs]), "ema": beta}
     if out_dir is None:  # named after the runs and steps only: it must not replace a report of other inputs
