@@ -570,6 +570,8 @@ def finish(run, preempted=False):
         if run.device_type == "cuda":
             print0(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
         print0(f"done: {run.plan.num_iterations} steps in {fmt_time(run.elapsed)}; run directory {run.run_dir}")
+        if warning := run.record["attention"].get("warning"):  # said at the start too; a long log's end is where it is read
+            print0(f"warning: {warning}")
     if run.watchdog:
         run.watchdog.stop()
     if run.is_ddp:

@@ -224,3 +224,17 @@ def test_cuda_kernels_equal_the_dense_reference(kernel, window):
     want = grads(lambda *x: dense_reference(*(t.transpose(1, 2) for t in x), window).transpose(1, 2), torch.float32)
     for a, b in zip(got, want):
         assert (a.float() - b).abs().max() <= 0.02 * b.abs().max()
+
+
+def test_a_fallback_warning_opens_and_closes_the_run(run_base, monkeypatch, capsys):
+    """--attn auto that fell back on a Hopper GPU: the warning is the run's first word and its last (a long log's end
+    is where it is read), and config.json keeps it. Faked here: the CPU never falls back."""
+    from conftest import TINY_TRAIN
+    from scripts import base_train
+    warned = {"warning": "--attn auto fell back to SDPA (faked)"}
+    monkeypatch.setattr(fa, "fallback_warning", lambda *a: warned["warning"])  # as on a Hopper GPU where nothing loads
+    run_dir = base_train.main(TINY_TRAIN + ["--run", "w", "--num-iterations", "2", "--eval-every", "-1"])
+    lines = capsys.readouterr().out.splitlines()
+    said = [i for i, line in enumerate(lines) if line == "warning: --attn auto fell back to SDPA (faked)"]
+    assert len(said) == 2 and said[-1] == len(lines) - 1, lines
+    assert json.load(open(os.path.join(run_dir, "config.json")))["attention"]["warning"] == warned["warning"]
