@@ -4,6 +4,7 @@ count at nanochat's d24 against its estimate_flops, the KV cache and packed rows
 
 import json
 import math
+import os
 from dataclasses import asdict, replace
 
 import pytest
@@ -345,3 +346,15 @@ def test_the_residual_geometry_analysis_observes_the_recipe_archs(arch):
     acc = capture(model, batches, 2, 0)
     assert acc.is_nag == (arch == "nag-recipe") and torch.isfinite(acc.last_norms).all() and acc.last_norms.numel() == 128
     assert "sublayer" not in vars(model) and "recipe_sublayer" not in vars(model)  # the hooks are gone
+
+
+def test_the_recipe_pair_trains_and_compares(run_base):
+    """runs/recipe_cpu.sh's pair at the tests' size: both archs on one FLOP budget, compared in one report showing
+    both arms (the demo itself, 1e13 FLOPs and CORE, runs for minutes: docs/design.md §10 has its figures)."""
+    from scripts import compare
+    for arch in ("gpt-recipe", "nag-recipe"):
+        base_train.main(TINY_TRAIN + ["--arch", arch, "--run", f"t-{arch}", "--target-flops", "2e9", "--eval-every", "-1"])
+    report = open(compare.main(["t-gpt-recipe", "t-nag-recipe"])).read()
+    assert "`t-gpt-recipe` (gpt-recipe)" in report and "`t-nag-recipe` (nag-recipe)" in report
+    cfgs = [json.load(open(os.path.join(run_base, "runs", f"t-{a}", "config.json"))) for a in ("gpt-recipe", "nag-recipe")]
+    assert abs(cfgs[0]["total_flops"] - cfgs[1]["total_flops"]) <= max(c["flops_per_token"] * c["total_batch_size"] for c in cfgs)
