@@ -44,7 +44,8 @@ def check_finite(values, names, step, origin=None):
         return
     bad = [n for n, ok in zip(names, flags[1:]) if not ok]
     where = origin() if origin else None
-    raise NonFiniteError(nonfinite_message(step, loss, bad) + (f"; origin: {where}" if where else "") + "; its update was not applied")
+    # the origin last: the failure experiments read it from there (scripts/experiments/failures.py)
+    raise NonFiniteError(nonfinite_message(step, loss, bad) + "; its update was not applied" + (f"; origin: {where}" if where else ""))
 
 
 def check_finite_late(values, step, names, log_every):
