@@ -328,7 +328,12 @@ def commit_pending(run_dir, record, with_records, replaced_why=None):
     step = record["step"]
     eval_dir = os.path.join(run_dir, EVAL_DIR)
     if replaced_why:
-        dest = set_aside(eval_dir, step_names(run_dir, step))
+        # CORE records the new json keeps (CORE not scored again) stay in place; the replaced folder gets a copy
+        kept = [] if with_records or not record["core_records"] else [os.path.basename(step_files(step)["records"])]
+        dest = set_aside(eval_dir, [n for n in step_names(run_dir, step) if n not in kept])
+        for name in kept:
+            if os.path.exists(os.path.join(eval_dir, name)):
+                shutil.copy2(os.path.join(eval_dir, name), os.path.join(dest, name))
         print0(f"note: the earlier results of step {step} were measured with other settings ({replaced_why}); "
                f"they are kept in {os.path.relpath(dest, run_dir)}/")
     names = step_files(step)
