@@ -230,15 +230,12 @@ class NAGGPT(GPT):
                 res_dir, log_norm = self.sublayer(kind, i, block, br, res_dir, log_norm, cos_sin, mask, **extra)
         if self.thresholds is not None:
             self.thresholds.finish()
-        if cache is not None:
-            cache.advance(T)
-        if logits_at is not None:
-            res_dir, log_norm = res_dir[logits_at], log_norm[logits_at]
-        # cosine with each unit-RMS lm_head row, times the carried norm; no soft-cap
-        logits = self.lm_head(res_dir).float() / self.config.n_embd * log_norm.exp()
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
+        return self.end_forward((res_dir, log_norm), T, targets, loss_reduction, logits_at, cache)
+
+    def logits_from_hidden(self, hidden, at=None):
+        """hidden: (direction, log-norm). The cosine with each unit-RMS lm_head row, times the carried norm; no soft-cap."""
+        res_dir, log_norm = hidden if at is None else (hidden[0][at], hidden[1][at])
+        return self.lm_head(res_dir).float() / self.config.n_embd * log_norm.exp()
 
     def sublayer(self, kind, layer, block, br, res_dir, log_norm, cos_sin, mask, kv=None):
         """One NAG update. With MoD the sub-layer output is f̂ = f(R̄) + X_l for the tokens whose rotation

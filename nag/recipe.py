@@ -75,15 +75,7 @@ class NAGRecipeGPT(RecipeParts, NAGGPT):
                 mid = res_dir
         if r.backout:
             res_dir, log_norm = renormalised(res_dir - self.backout_lambda.to(res_dir.dtype) * mid, log_norm)
-        if cache is not None:
-            cache.advance(T)
-        if logits_at is not None:
-            res_dir, log_norm = res_dir[logits_at], log_norm[logits_at]
-        logits = self.lm_head(res_dir).float() / self.config.n_embd * log_norm.exp()
-        if targets is None:
-            return logits
-        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                                                 reduction=loss_reduction)
+        return self.end_forward((res_dir, log_norm), T, targets, loss_reduction, logits_at, cache)
 
     def recipe_sublayer(self, kind, block, br, res_dir, log_norm, cos_sin, mask, kv, ve):
         """NAGGPT.sublayer without MoD, the value embeddings passed to the attention."""

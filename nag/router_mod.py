@@ -82,13 +82,7 @@ class RouterMoDGPT(GPT):
             for kind in KINDS:
                 x = x + self.routed(kind, i, block, norm(x), cos_sin, mask, kv)
         self.thresholds.finish()
-        if cache is not None:
-            cache.advance(T)
-        logits = self.logits_from_hidden(x if logits_at is None else x[logits_at])
-        if targets is None:
-            return logits
-        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                                                 reduction=loss_reduction)
+        return self.end_forward(x, T, targets, loss_reduction, logits_at, cache)
 
     def routed(self, kind, layer, block, h, cos_sin, mask, kv=None):
         if not self.mod.skips(kind):

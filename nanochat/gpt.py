@@ -336,9 +336,20 @@ class GPT(nn.Module):
         at = torch.arange(start, start + T, device=device)[None]
         return self.rotary(T, at), self.cached_masks(start, T, device), cache.layers
 
-    def logits_from_hidden(self, x):
-        logits = self.lm_head(norm(x)).float()
+    def logits_from_hidden(self, x, at=None):
+        """Logits of the last hidden state (at the positions `at` only, when given)."""
+        logits = self.lm_head(norm(x if at is None else x[at])).float()
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
+
+    def end_forward(self, hidden, T, targets, loss_reduction, logits_at, cache):
+        """Every forward's end, whatever the arch: the KV cache moves past the T new positions, then the logits of
+        `hidden` (logits_from_hidden) and, given targets, the loss."""
+        if cache is not None:
+            cache.advance(T)
+        logits = self.logits_from_hidden(hidden, logits_at)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
 
     def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
         """Logits (B, T, V), or the loss against targets. Evaluation may pack rows (positions, allowed: see
@@ -349,12 +360,7 @@ class GPT(nn.Module):
         x = norm(self.wte(idx).to(self.compute_dtype))
         for block, mask, kv in zip(self.blocks, masks, kvs):
             x = block(x, cos_sin, mask, kv)
-        if cache is not None:
-            cache.advance(T)
-        logits = self.logits_from_hidden(x if logits_at is None else x[logits_at])
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
+        return self.end_forward(x, T, targets, loss_reduction, logits_at, cache)
 
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42, use_cache=True):
         """Yield up to max_tokens sampled ids after the prompt `tokens` (list of ids), with a KV cache; temperature

@@ -20,7 +20,6 @@ from dataclasses import dataclass, asdict, fields
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nanochat.gpt import GPT, Linear, VE_GATE_CHANNELS, layer_windows, norm
 
@@ -250,9 +249,4 @@ class RecipeGPT(RecipeParts, GPT):
                 x_mid = x
         if r.backout:
             x = x - self.backout_lambda.to(x.dtype) * x_mid
-        if cache is not None:
-            cache.advance(T)
-        logits = self.logits_from_hidden(x if logits_at is None else x[logits_at])
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
+        return self.end_forward(x, T, targets, loss_reduction, logits_at, cache)
