@@ -19,7 +19,7 @@ import torch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MIN_DIM = 128  # a smaller matmul gains less from fp8 than its scaling passes cost (gates and routers of a few channels)
-MULTIPLE = 16  # _scaled_mm's rule for every matmul dimension
+MULTIPLE = 16  # CUDA _scaled_mm's rule for the inner dim and the second operand's (admits; pad_rows for the tokens)
 MIN_CAPABILITY = (8, 9)  # CUDA: fp8 tensor cores from Ada and Hopper on
 
 
@@ -50,6 +50,13 @@ def quantise(t, dtype):
     return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
 
 
+def pad_rows(t):
+    """t with zero rows up to a multiple of 16 (t itself when none are missing): CUDA's _scaled_mm wants its inner
+    dim so, and dW's is the token count, which MoD packs to any number. Zero rows add exact zeros, keep the amax."""
+    missing = -t.size(0) % MULTIPLE
+    return torch.nn.functional.pad(t, (0, 0, 0, missing)) if missing else t
+
+
 def column_major(t):
     """The same 2-D values laid out column by column: _scaled_mm wants its second operand so."""
     return t.t().contiguous().t()
@@ -60,19 +67,21 @@ class FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         """x (N, in) in the compute dtype, weight (out, in) fp32: x·Wᵀ (N, out) in x's dtype."""
-        xq, x_inv = quantise(x, E4M3)
+        n = x.size(0)
+        xq, x_inv = quantise(pad_rows(x), E4M3)  # padded for dW = dyᵀ·x; y takes the N real rows (M is free)
         wq, w_inv = quantise(weight, E4M3)
         ctx.save_for_backward(xq, x_inv, wq, w_inv)
         ctx.weight_dtype = weight.dtype
         # wq is (out, in) row-major, so wq.t() is already column-major: no copy
-        return torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
+        return torch._scaled_mm(xq[:n], wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
 
     @staticmethod
     def backward(ctx, dy):
         xq, x_inv, wq, w_inv = ctx.saved_tensors
-        dyq, dy_inv = quantise(dy, E5M2)
+        n = dy.size(0)
+        dyq, dy_inv = quantise(pad_rows(dy), E5M2)
         # exact accumulation in the backward: the gradients feed the optimizer's statistics
-        dx = torch._scaled_mm(dyq, column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=dy.dtype, use_fast_accum=False)
+        dx = torch._scaled_mm(dyq[:n], column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=dy.dtype, use_fast_accum=False)
         dw = torch._scaled_mm(dyq.t().contiguous(), column_major(xq), scale_a=dy_inv, scale_b=x_inv, out_dtype=dy.dtype,
                               use_fast_accum=False)
         return dx, dw.to(ctx.weight_dtype)

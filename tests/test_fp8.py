@@ -1,6 +1,7 @@
 """fp8 training (nanochat/fp8.py) on the CPU, whose _scaled_mm runs the same math: the three matmuls against exact ones
-within what fp8 rounding allows, the size rule, evaluation in the compute dtype, and a tiny --fp8 run that trains and
-resumes exactly."""
+within what fp8 rounding allows, the size rule, evaluation in the compute dtype, a tiny --fp8 run that trains and
+resumes exactly, and CUDA's rules for every _scaled_mm call (which the CPU's kernel does not check): the token
+padding that meets them changes no value, and MoD's packed token counts meet them."""
 
 import json
 import math
@@ -8,11 +9,13 @@ import os
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import TINY_TRAIN
 from nanochat import fp8
 from nanochat.common import UserError
 from nanochat.fp8 import fp8_linear
+from nanochat import gpt
 from nanochat.gpt import GPT, GPTConfig
 from scripts import base_train
 
@@ -125,3 +128,93 @@ def test_the_step_benchmark_measures_fp8_and_the_host_reads():
     r = bench.run_variant(args, "gpt", "off", "fp8", 2)
     assert (r["precision"], r["fp8_layers"], r["host_reads"]) == ("fp8", 13, 2) and r["step_ms"] > 0 and math.isfinite(r["last_loss"])
     assert bench.ratios([dict(r, precision="bf16", host_reads=1), r])[0]["what"] == "gpt fp8, 2 host read(s) / bf16, 1 (eager)"
+
+
+# ---------------------------------------------------------------------------
+# CUDA's rules for _scaled_mm, checked on the CPU (whose kernel takes any shape and layout)
+
+SCALED_MM = torch._scaled_mm  # the real one, for references
+
+
+def check_cuda_rules(a, b, scale_a, scale_b, out_dtype=None, **kw):
+    """Raise unless CUDA's _scaled_mm takes this tensorwise call: its rules as aten/src/ATen/native/cuda/Blas.cpp
+    checks them (K and both dims of the second operand multiples of 16; M, the first operand's rows, may be any), then
+    the CUDA meta kernel (torch's own checks) on fake CUDA tensors of the same shapes and strides."""
+    assert a.dtype in (fp8.E4M3, fp8.E5M2) and b.dtype in (fp8.E4M3, fp8.E5M2), (a.dtype, b.dtype)
+    assert a.stride(1) == 1 and b.stride(0) == 1, f"the first operand row-major, the second column-major: {a.stride()}, {b.stride()}"
+    assert all(d % 16 == 0 for d in b.shape), f"K and N multiples of 16: {tuple(a.shape)} @ {tuple(b.shape)}"
+    assert all(s.dtype == torch.float32 and s.dim() == 0 for s in (scale_a, scale_b)) and out_dtype is not None
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        def fake(t):
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+        SCALED_MM(fake(a), fake(b), scale_a=fake(scale_a), scale_b=fake(scale_b), out_dtype=out_dtype, **kw)
+
+
+@pytest.fixture
+def cuda_rules(monkeypatch):
+    """Every torch._scaled_mm call (nanochat/fp8.py's three) checked against CUDA's rules; the calls' operand shapes."""
+    calls = []
+
+    def checked(a, b, **kw):
+        check_cuda_rules(a, b, **kw)
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return SCALED_MM(a, b, **kw)
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    return calls
+
+
+def test_the_checker_refuses_what_cuda_refuses():
+    s = torch.tensor(1.0)
+    a, b = torch.zeros(256, 512).to(fp8.E4M3), torch.zeros(128, 512).to(fp8.E4M3).t()
+    check_cuda_rules(a, b, scale_a=s, scale_b=s, out_dtype=torch.bfloat16)
+    check_cuda_rules(a[:250], b, scale_a=s, scale_b=s, out_dtype=torch.bfloat16)  # M is free
+    for bad_a, bad_b, why in [(a[:, :500], b[:500], "multiples of 16"), (a, b.contiguous(), "column-major"),
+                              (a.t().contiguous().t(), b, "row-major")]:
+        with pytest.raises(AssertionError, match=why):
+            check_cuda_rules(bad_a, bad_b, scale_a=s, scale_b=s, out_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="divisible by 16"):  # the CUDA meta kernel, on its own
+        with FakeTensorMode():
+            x = torch.empty(256, 500, dtype=fp8.E5M2, device="cuda")
+            SCALED_MM(x, torch.empty(128, 500, dtype=fp8.E4M3, device="cuda").t(), scale_a=torch.empty((), device="cuda"),
+                      scale_b=torch.empty((), device="cuda"), out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [500, 37, 512])
+def test_padded_tokens_meet_cuda_rules_and_change_no_value(n, cuda_rules):
+    """MoD packs any token count N; dW = dyᵀ·x has N as its inner dim. fp8.py pads x and dy to a multiple of 16 rows
+    with zeros for it: the values are those of the same quantised operands unpadded, bit for bit (zero rows add exact
+    zeros and leave every amax as it is)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 128, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(256, 128, generator=g) * 0.05).requires_grad_()
+    dy = torch.randn(n, 256, generator=g).bfloat16()
+    y = fp8_linear(x, w)
+    y.backward(dy)
+    padded = -(-n // 16) * 16
+    assert cuda_rules == [((n, 128), (128, 256)), ((n, 256), (256, 128)), ((256, padded), (padded, 128))]  # dW's K padded
+    assert (fp8.pad_rows(x) is x) == (n % 16 == 0)  # no copy when N needs no padding
+    fp8.FP8Matmul.apply(x, w).mul_(2)  # y is no view of the padded product: in-place ops stay allowed
+    # the reference: the same quantised operands without padding (the CPU's kernel takes N as it is)
+    xq, x_inv = fp8.quantise(x.detach(), fp8.E4M3)
+    wq, w_inv = fp8.quantise(w.detach(), fp8.E4M3)
+    dyq, dy_inv = fp8.quantise(dy, fp8.E5M2)
+    y_ref = SCALED_MM(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=torch.bfloat16, use_fast_accum=True)
+    dx_ref = SCALED_MM(dyq, fp8.column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
+    dw_ref = SCALED_MM(dyq.t().contiguous(), fp8.column_major(xq), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.bfloat16)
+    assert y.shape == (n, 256) and x.grad.shape == (n, 128)
+    assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref) and torch.equal(w.grad, dw_ref.float())
+
+
+@pytest.mark.parametrize("mod", [["--arch", "nag"], ["--arch", "gpt", "--mod-router"]], ids=["nag-mod", "router-mod"])
+def test_a_tiny_fp8_mod_run_meets_cuda_rules(mod, run_base, cuda_rules, monkeypatch):
+    """MoD's gathered sub-layers run on N - round(rate·N) tokens, and attention's on as many as pass the threshold:
+    token counts that are no multiple of 16, each padded to one."""
+    tokens = []
+
+    def recording(x, weight):
+        tokens.append(x.numel() // x.size(-1))
+        return fp8_linear(x, weight)
+    monkeypatch.setattr(gpt, "fp8_linear", recording)
+    base_train.main(FP8_TINY + mod + ["--mod-rate", "0.2", "--max-seq-len", "32", "--num-iterations", "2", "--eval-every", "-1"])
+    assert cuda_rules and len(cuda_rules) == 3 * len(tokens)
+    assert any(n % 16 for n in tokens), sorted(set(tokens))
