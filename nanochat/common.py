@@ -1,5 +1,5 @@
 """Small shared utilities: base directory, device and dtype choice, distributed info, logging, atomic writes,
-the peak-FLOPs table, the git commit, the one rule for a list of seeds and a progress line for long work."""
+the peak-FLOPs table, the git commit and package versions, the one rule for a list of seeds, a progress line."""
 
 import os
 import sys
@@ -205,6 +205,22 @@ def git_commit():
         return (sha + ("-dirty" if dirty else "")) or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+# the packages whose version can move a run's numbers in the last digits (docs/runs.md: what reproducible means)
+RECORDED_PACKAGES = ("torch", "triton", "numpy", "pyarrow", "tiktoken", "rustbpe")
+
+
+def package_versions():
+    """{package: installed version, or None where it is not installed}: config.json's `versions`."""
+    from importlib import metadata
+    versions = {}
+    for name in RECORDED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def parse_seeds(text, flag="--seeds"):

@@ -324,8 +324,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def load_state_dicts(self, state_dicts):
         """This rank's state from the state dicts saved by the ranks of a run on any number of ranks (a list in any order,
-        None for a rank not read, or {saved rank: state dict}): the group settings and AdamW state from rank 0's, this
-        rank's Muon rows from whichever hold them."""
+        None for a rank not read, or {saved rank: state dict}): the AdamW state from rank 0's, this rank's Muon rows from
+        whichever hold them. The groups keep this optimizer's settings, not the saved ones (below)."""
         if isinstance(state_dicts, dict):
             state_dicts = [state_dicts] if "param_groups" in state_dicts else state_dicts.values()
         saved = [sd for sd in state_dicts if sd is not None]
@@ -337,7 +337,10 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError("the saved optimizer state has other parameter groups than this optimizer (another model?)")
         state = {}
         for k, (group, saved_group) in enumerate(zip(self.param_groups, saved_groups)):
-            group.update({key: v for key, v in saved_group.items() if key != "params"})
+            # The group's settings (lr, initial_lr, weight decay, betas, eps, momentum, beta2) stay those this optimizer
+            # was built with: a resume may change them (--change-settings), and the schedules scale initial_lr and
+            # initial_weight_decay as on a fresh run. No saved group key is state: AdamW's step counts live per
+            # parameter in its state, loaded below with the moments, and Muon keeps none.
             ids = saved_group["params"]  # the saved indices of the group's parameters
             if group["kind"] == "adamw":
                 for p, i in zip(group["params"], ids):

@@ -3,9 +3,12 @@ Where a run starts again, and what may differ when it does.
 
 A run resumes from a complete checkpoint (nanochat/checkpoint_manager.py) with the arch, model and total batch it
 was planned with, the same tokenizer and data, and the same settings, the flags that change what it learns.
-NOT_SETTINGS is the one list of the baseline's flags that do not (where and how often a run reports and saves,
-how it is launched); an arch registry adds its own archs' flags. --change-settings accepts other settings, the horizon
-included, and config.json's segments record each change from the step it applies to.
+RESUME_TABLE says, flag by flag, what a resume may change: the flags that are no setting (where and how often a run
+reports and saves, how it is launched: NOT_SETTINGS) change freely; --change-settings accepts the settings, the
+horizon included, and config.json's segments record each change from the step it applies to; the flags that fix the
+model's parameters and shapes, the batch or the initialisation no resume can change. An arch registry adds its own
+archs' free flags to not_settings; an arch flag that adds or removes parameters is refused by comparing the model the
+command builds with the checkpoint's (parameter_changes), so this file names no arch.
 """
 
 import json
@@ -18,10 +21,32 @@ from nanochat import checkpoint_manager as ckpt
 # shards, a number fixed by the total and device batch sizes, and each shard's loader state moves to its new owner
 RESUME_KEYS = ("arch", "model_config", "total_batch_size")
 HORIZON = frozenset({"num_iterations", "target_flops", "target_param_data_ratio"})  # checked as the planned step count
+
+# What a resume may change: (kind, flags, what then happens), every flag of the baseline's parser once
+# (tests/test_resume_settings.py checks that). A new value of an "optimizer" flag is what the optimizer steps with
+# from the resumed step on: load_state_dicts (nanochat/optim.py) restores the moments and buffers only, never the
+# saved LRs or decays, and the schedules scale the new values as on a fresh run.
+FREE, OPTIMIZER, TRAINING, REFUSED_KIND = "free", "optimizer", "training", "refused"
+RESUME_TABLE = (
+    (FREE, ("run", "resume", "dry_run", "change_settings", "preset", "device_type", "compile", "attn", "eval_every",
+            "eval_tokens", "save_every", "log_every", "log_to", "keep_checkpoints", "step_timeout", "start_timeout"),
+     "changes no number the run trains: may differ on any resume"),
+    (OPTIMIZER, ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "muon_momentum"),
+     "with --change-settings: the optimizer groups step with the new value from the resumed step on"),
+    (TRAINING, tuple(sorted(HORIZON)), "with --change-settings: the new horizon (planned step count) stretches or cuts the schedules"),
+    (TRAINING, ("warmup_steps", "warmdown_ratio", "final_lr_frac"), "with --change-settings: the LR schedule from the resumed step on"),
+    (TRAINING, ("data_seed",), "with --change-settings: the order of the train documents from the resumed step on"),
+    (TRAINING, ("fp8",), "with --change-settings: fp8 or full-precision matmuls from the resumed step on"),
+    (REFUSED_KIND, ("arch", "depth", "aspect_ratio", "model_dim", "head_dim", "n_kv_head", "max_seq_len", "window_pattern"),
+     "it builds another model than the checkpoint holds"),
+    (REFUSED_KIND, ("total_batch_size", "device_batch_size"),
+     "the train data is cut into total batch ÷ device batch shards, each with its own saved reading position"),
+    (REFUSED_KIND, ("seed",), "it seeds the initialisation, which the checkpoint's weights and RNG state replace"),
+)
 # flags that change no number a run trains: where and how often it reports and saves, how it is launched
-NOT_SETTINGS = frozenset({"run", "resume", "dry_run", "change_settings", "preset", "device_type", "compile", "attn",
-                          "eval_every", "eval_tokens", "save_every", "log_every", "log_to", "keep_checkpoints",
-                          "step_timeout", "start_timeout"}) | HORIZON
+NOT_SETTINGS = frozenset(f for kind, flags, _ in RESUME_TABLE if kind == FREE for f in flags) | HORIZON
+# {flag: why no resume can change it}
+REFUSED = {f: why for kind, flags, why in RESUME_TABLE if kind == REFUSED_KIND for f in flags}
 
 
 def flag(key):
@@ -54,9 +79,37 @@ def read_config(run_dir):
     return json.load(open(path)) if os.path.exists(path) else {}
 
 
-def start_step(run_dir, args, record, tokenizer, defaults, not_settings):
-    """The step to start from, after every check that can refuse the command (nothing is written here).
-    Returns None for a finished run resumed with --resume latest (nothing to do)."""
+def refused_changes(old_cfg, record, defaults, refused=REFUSED):
+    """{flag: (then, now, why)} for every flag no resume can change that differs from the run's (none where
+    config.json holds no flags to compare with: the model check in start_step still guards the parameters)."""
+    if "args" not in old_cfg:
+        return {}
+    then, now = old_cfg["args"], record["args"]
+    then = {k: then.get(k, defaults.get(k)) for k in now}
+    return {flag(k): (then[k], now[k], why) for k, why in refused.items() if k in now and then[k] != now[k]}
+
+
+def parameter_changes(saved, planned):
+    """How the model a command builds differs from a checkpoint's ({name: shape} of their parameters and buffers,
+    what a strict load needs to match); '' where it does not."""
+    def names(keys):
+        keys = sorted(keys)
+        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    parts = []
+    if lacks := saved.keys() - planned.keys():
+        parts.append(f"lacks {names(lacks)}")
+    if adds := planned.keys() - saved.keys():
+        parts.append(f"adds {names(adds)}")
+    if reshaped := [k for k in saved.keys() & planned.keys() if saved[k] != planned[k]]:
+        parts.append(f"reshapes {names(reshaped)}")
+    return ", ".join(parts)
+
+
+def start_step(run_dir, args, record, tokenizer, defaults, not_settings, planned_shapes=None, saved_shapes=None):
+    """The step to start from, after every check that can refuse the command (nothing is written here, nothing loaded).
+    Returns None for a finished run resumed with --resume latest (nothing to do). planned_shapes: {name: shape} of the
+    model the command builds; saved_shapes: the same of a checkpoint's model, from its meta (the caller's arch registry
+    builds it): where they differ, the run cannot resume, whichever flag made the difference."""
     complete = ckpt.complete_steps(run_dir) if os.path.isdir(run_dir) else []
     if not args.resume:
         if complete:
@@ -71,8 +124,16 @@ def start_step(run_dir, args, record, tokenizer, defaults, not_settings):
         step = int(args.resume)
         if step not in complete:
             raise ckpt.missing_step_error(run_dir, step)
-    ckpt.check_vocab(ckpt.load_meta(run_dir, step), tokenizer)
+    meta = ckpt.load_meta(run_dir, step)
+    ckpt.check_vocab(meta, tokenizer)
     old_cfg = read_config(run_dir)
+    # first what --change-settings cannot accept either, so that no message suggests it in vain; a new device batch
+    # alone is left to the shard count below, which says what to keep
+    refused = refused_changes(old_cfg, record, defaults)
+    if refused and not (set(refused) == {"--device-batch-size"} and "grad_accum_steps" in old_cfg):
+        listed = ", ".join(f"{k} {a} → {b} ({why})" for k, (a, b, why) in refused.items())
+        raise UserError(f"cannot resume {run_dir} with {listed}: a run keeps {'it' if len(refused) == 1 else 'them'} "
+                        "from start to end; pick another --run")
     for key in RESUME_KEYS:
         if key in old_cfg and old_cfg[key] != record.get(key):
             raise UserError(f"cannot resume {run_dir}: its {key} was {old_cfg[key]} but this command gives {record.get(key)}")
@@ -81,13 +142,20 @@ def start_step(run_dir, args, record, tokenizer, defaults, not_settings):
             what = "tokenizer" if key == "tokenizer" else f"{key[5:]} data"
             raise UserError(f"cannot resume {run_dir}: its {what} changed (fingerprint {old} then, {record['fingerprints'].get(key)} now); "
                             "resume with the base dir it was trained in")
-    # first what --change-settings cannot accept either, so that no message suggests it in vain
     shards = lambda cfg: cfg["world_size"] * cfg["grad_accum_steps"]
     if "grad_accum_steps" in old_cfg and shards(old_cfg) != shards(record):
         raise UserError(f"cannot resume {run_dir} on {record['world_size']} process(es) × {record['grad_accum_steps']} micro-step(s): its "
                         f"data was cut into {shards(old_cfg)} shards ({old_cfg['world_size']} × {old_cfg['grad_accum_steps']}), this "
                         f"command's --device-batch-size gives {shards(record)}; keep --device-batch-size {old_cfg.get('args', {}).get('device_batch_size', 'it had')}")
     changed = settings_changes(old_cfg, record, defaults, not_settings)
+    if planned_shapes is not None and saved_shapes is not None and (diff := parameter_changes(saved_shapes(meta), planned_shapes)):
+        # an arch's flag that adds or removes parameters (a recipe part, say): the table above names the baseline's only
+        tabled = {flag(f) for _, flags, _ in RESUME_TABLE for f in flags}
+        culprits = {k: v for k, v in changed.items() if k not in tabled} or changed
+        listed = ", ".join(f"{k} {a} → {b}" for k, (a, b) in culprits.items())
+        raise UserError(f"cannot resume {run_dir}" + (f" with {listed}" if listed else "") + f": the model this command builds "
+                        f"{diff} against the checkpoint of step {step}, and a run keeps its parameters from start to end; "
+                        + ("pick another --run" if listed else "no flag changed it: was it saved by other code?"))
     if changed and not args.change_settings:
         listed = "; ".join(f"{k} {a} → {b}" for k, (a, b) in changed.items())
         finished = step == old_cfg.get("num_iterations") and args.resume == "latest"

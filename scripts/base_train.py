@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import (UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for,
-                             atomic_write_json, ensure_writable_dir, script_argv, START_TIMEOUT, git_commit, peak_flops, fmt_time)
+                             atomic_write_json, ensure_writable_dir, script_argv, START_TIMEOUT, git_commit, package_versions,
+                             peak_flops, fmt_time)
 from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
 from nanochat.flash_attention import CHOICES as ATTN_CHOICES, agree_attention, expected_attention
 from nanochat import step_timer
@@ -40,6 +41,7 @@ from nanochat.step_timer import StepTimer, Readback, biggest
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader, MicroBatches
 from nanochat.loss_eval import evaluate_bpb_shared, held_batches, shared_batches
+from nanochat.gpt import GPTConfig
 from nanochat.optim import MuonAdamW
 from nanochat.plan import SAVES_PER_RUN, lr_multiplier, momentum_at, muon_weight_decay
 from nanochat.nonfinite import NonFiniteError, finite_flags, graded_names, check_finite, check_finite_late
@@ -246,7 +248,7 @@ def train(args):
     plan = plan_for(args, tokenizer.get_vocab_size(), world_size)
     record = plan.record(args)
     record.update(args=vars(args), device_type=device_type, compute_dtype=str(compute_dtype).replace("torch.", ""),
-                  git_commit=git_commit(), torch_version=torch.__version__, command=" ".join(sys.argv),
+                  git_commit=git_commit(), versions=package_versions(), command=" ".join(sys.argv),
                   fingerprints=ckpt.fingerprints(tokenizer), attention=attention)
     run_dir = ckpt.resolve_run_dir(plan.run)
     with contextlib.ExitStack() as stack:
@@ -260,7 +262,8 @@ def train(args):
         stack.callback(stop.restore)
         stack.callback(gc.unfreeze)  # the heap frozen after the first step, back in the collector's sight however training ends
         # one start step for all ranks: rank 0's view of the run directory decides
-        start = rank0_decides(lambda: resume.start_step(run_dir, args, record, tokenizer, vars(defaults), NOT_SETTINGS), is_ddp)
+        start = rank0_decides(lambda: resume.start_step(run_dir, args, record, tokenizer, vars(defaults), NOT_SETTINGS,
+                                                        model_shapes(plan.model), saved_model_shapes), is_ddp)
         if start is None:
             print0(f"{run_dir} already finished its {plan.num_iterations} steps; nothing to do")
             if is_ddp:
@@ -270,6 +273,18 @@ def train(args):
         train_loop(run)
         finish(run)
         return run_dir
+
+
+def model_shapes(model):
+    """{name: shape} of a model's parameters and buffers: what loading a checkpoint into it needs to match."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def saved_model_shapes(meta):
+    """model_shapes of the model a checkpoint holds, built from its meta on the meta device (nothing read or allocated)."""
+    cls = arch_spec(meta["arch"]).model_class
+    with torch.device("meta"):
+        return model_shapes(cls(GPTConfig(**meta["model_config"]), **cls.extra_init_kwargs(meta)))
 
 
 def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults):
