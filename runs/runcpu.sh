@@ -92,4 +92,7 @@ else  # the groups: both training noise (seeds) and evaluation noise in the inte
     python -m scripts.compare --a "${SUFFIXES[@]/#/cpu-gpt}" --b "${SUFFIXES[@]/#/cpu-nag}" --out "$BASE/reports/cpu-seeds-${SEEDS//,/-}" \
         || FAILED+=("report")
 fi
+stage "the figures docs/LOG.md compares, to every digit (the same commit, lock and seed on the same CPU kind repeat them)"
+python -c 'import sys; from nanochat.run_dir import headline; print("\n".join(map(headline, sys.argv[1:])))' \
+    "${SUFFIXES[@]/#/cpu-gpt}" "${SUFFIXES[@]/#/cpu-nag}" || FAILED+=("figures")
 if [ "${#FAILED[@]}" -gt 0 ]; then echo "error: failed: ${FAILED[*]} (rerun to retry them; finished runs are reused)" >&2; exit 1; fi

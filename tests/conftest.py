@@ -11,6 +11,11 @@ import nag  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 
 torch.set_num_threads(2)  # tests assume a small shared CPU; more threads only add contention for tiny models
 
+# runs/test.sh runs two pytest-xdist workers; a test that starts a process group of its own (torchrun, gloo ranks)
+# carries this mark, and the marked tests run one after another on one worker: never two groups competing for the
+# cores, the ports or the timeouts at once
+PROCESSES = pytest.mark.xdist_group("processes")
+
 
 # --require-cuda: the GPU preflight (speedrun.sh, runs/gpu_checks.sh). A CUDA test skipped for want of a GPU
 # passes in an ordinary run; here it must not, or a preflight on a machine where torch sees no GPU says "ok".

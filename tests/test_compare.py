@@ -580,3 +580,27 @@ def test_an_fp8_arm_against_a_bf16_one_is_refused_unless_asked(hand_base, script
     assert compare.main(["--a", *a, "--b", *b, "--mixed-precision"]).endswith("report.md")
     b8 = seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6, args={"fp8": True}, prefix="nag8")
     assert compare.main(["--a", *a, "--b", *b8]).endswith("report.md")  # both in fp8: a comparison like any other
+
+
+def test_runs_on_other_package_versions_get_a_one_line_note(hand_base, capsys):
+    """config.json's `versions`: compare notes (never refuses) runs trained on other versions, in the report and on
+    stdout; runs on the same versions, or without the record, get no such line."""
+    same = {"torch": "2.13.0+cpu", "numpy": "2.4.6"}
+    for name, numpy_version in (("v1", "2.4.6"), ("v2", "2.5.5"), ("v3", "2.4.6")):
+        run_dir = write_run(hand_base / "runs", name, [eval_record(6, 1.30)])
+        config = json.load(open(os.path.join(run_dir, "config.json")))
+        json.dump({**config, "versions": {**same, "numpy": numpy_version}}, open(os.path.join(run_dir, "config.json"), "w"))
+    write_run(hand_base / "runs", "old", [eval_record(6, 1.31)])  # a run that recorded none
+    note = "the runs trained with other package versions: numpy 2.4.6 (`v1`) vs 2.5.5 (`v2`)"
+    report = open(compare.main(["v1", "v2"])).read()
+    assert f"note: {note}" in capsys.readouterr().out.splitlines() and f"- {note}." in report
+    for runs in (["v1", "v3"], ["v1", "old"]):
+        report = open(compare.main(runs)).read()
+        assert "package versions" not in capsys.readouterr().out + report
+    a, b = seed_group(hand_base / "runs", "gpt", [1.30, 1.31], 0.5), seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6)
+    for i, name in enumerate(b):
+        run_dir = hand_base / "runs" / name
+        config = json.load(open(run_dir / "config.json"))
+        json.dump({**config, "versions": {**same, "numpy": ("2.4.6", "2.5.5")[i]}}, open(run_dir / "config.json", "w"))
+    compare.main(["--a", *a, "--b", *b])
+    assert "numpy 2.4.6 (`nag-s0`) vs 2.5.5 (`nag-s1`)" in capsys.readouterr().out

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import PROCESSES
 from nanochat import core_eval
 from nanochat.common import UserError
 from nanochat.core_eval import (
@@ -601,6 +602,7 @@ def _rank_worker(rank, world, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@PROCESSES
 def test_distributed_split_sums_to_the_single_process_accuracy(tmp_path):
     import torch.multiprocessing as mp
     mp.spawn(_rank_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)

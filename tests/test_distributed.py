@@ -8,8 +8,9 @@ import subprocess
 
 import pytest
 
-from conftest import TINY_TRAIN, linked_base
+from conftest import PROCESSES, TINY_TRAIN, linked_base
 
+pytestmark = PROCESSES  # every test here starts a process group (tests/conftest.py)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = TINY_TRAIN + ["--total-batch-size", "512", "--eval-every", "100"]
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import TINY_TRAIN, linked_base, tiny_documents
+from conftest import PROCESSES, TINY_TRAIN, linked_base, tiny_documents
 from scripts import base_eval
 from nanochat import core_eval
 
@@ -177,6 +177,7 @@ def launch_eval(base, nproc, *args):
     return out.stdout
 
 
+@PROCESSES
 def test_bpb_is_the_same_under_one_and_two_processes(run, trained):
     # 3 batches: the two ranks get 2 and 1; the per-batch losses come back in the order of one process
     argv = ["--run", run, "--eval", "bpb", "--split-tokens", str(3 * 256), "--device-batch-size", "4", "--device-type", "cpu"]

@@ -3,14 +3,17 @@ or is marked (GPU) or (network) where it is shown. Run in order, they are the ne
 tokenizer, a tiny pair, evaluation, comparison, benchmarks."""
 
 import ast
-import concurrent.futures
+import contextlib
+import gc
 import glob
+import io
 import os
 import re
 import shlex
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -37,7 +40,9 @@ NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.
 TESTED_ELSEWHERE = {"scripts.bench.sample": "tests/test_sample.py::test_bench_sample_prints_both_modes",
                     "scripts.bench.attention": "tests/test_attention.py::test_bench_runs_on_the_cpu_with_sdpa_alone",
                     "scripts.bench.optim": "tests/test_optim_sharded.py::test_bench_counts_a_share_of_muon_per_rank"}
-LIMIT_S = 300  # per command, generous for a contended 2-core machine
+# run as processes of their own: Triton in compile mode (the test process has it in interpreter mode)
+OWN_PROCESS = {"scripts.bench.kernel_report"}
+LIMIT_S = 300  # per shell recipe, generous for a contended 2-core machine
 # what must run before what: data, tokenizer, training, evaluation, comparison, the rest
 # the benchmarks print figures and nothing else reads them: check they still print what they promise
 PRINTS = {"scripts.bench.train": "nag / gpt (eager): step time", "scripts.bench.nag": ("% of copy", "kernel launches per NAG sub-layer"),
@@ -78,6 +83,35 @@ def order_key(cmd):
     return rank, "--resume" in cmd, "--dry-run" in cmd
 
 
+def run_in_process(argv, env):
+    """`python -m MODULE ARGS` in this process, as its own process would run it (its `__main__` block included):
+    (exit status, output). Every module's process entry is tested by tests/test_help.py; here a command costs its
+    work, not another start of Python and torch."""
+    import runpy
+    import torch
+    out = io.StringIO()
+    saved = sys.argv, dict(os.environ), os.getcwd(), torch.get_num_threads()
+    sys.argv = [argv[2], *argv[3:]]
+    os.environ.update(env)
+    os.chdir(REPO)
+    torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 gives a process
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)  # imported before: expected here
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved[0]
+        os.environ.clear()
+        os.environ.update(saved[1])
+        os.chdir(saved[2])
+        torch.set_num_threads(saved[3])
+        gc.unfreeze()  # base_train freezes the heap after its first step (its own module, not the patched one)
+    return code, out.getvalue()
+
+
 @needs_venv
 def test_shown_commands_run_on_a_cpu(tmp_path, write_eval_bundle, capsys):
     shown = {c for c, marked, _ in shown_commands() if not marked and c not in NOT_RUN_HERE
@@ -88,37 +122,38 @@ def test_shown_commands_run_on_a_cpu(tmp_path, write_eval_bundle, capsys):
     base = tmp_path / "base"
     bundle = write_eval_bundle(tmp_path / "bundle", [("tiny_lm", "language_modeling", 0, 0.0,
                                                       [{"context": f"Line {i} of the", "continuation": " docs"} for i in range(4)])])
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    env.pop("NANOCHAT_OFFLINE", None)
+    env = {"NANOCHAT_BASE_DIR": str(base), "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
 
     def run(cmd):
         argv = shlex.split(cmd.replace("/tmp/nag-chat-", str(tmp_path / "nag-chat-")))  # the examples' own folders
         if argv[:3] == ["python", "-m", "scripts.base_eval"]:
             argv += ["--eval-bundle", bundle]  # the default would download the real bundle
-        if argv[0] == "python":
-            argv[0] = sys.executable
         # speedrun (also under failures.sh's published runs) starts from a fresh node: in the pieces' base dir it
         # would refuse their 4,096-token tokenizer
         published = "speedrun" in cmd.split()[1 if cmd.startswith("bash") else 2] or "--scale published" in cmd
         fresh = {"NANOCHAT_BASE_DIR": str(tmp_path / "fresh-node")} if published else {}
         t0 = time.time()
-        out = subprocess.run(argv, cwd=REPO, env={**env, **fresh}, capture_output=True, text=True, timeout=LIMIT_S)
-        return time.time() - t0, cmd, argv, out
+        if argv[0] == "python" and argv[2] not in OWN_PROCESS:
+            code, output = run_in_process(argv, {**env, **fresh})
+        else:  # the shell recipes, and what needs a process of its own: started as a user starts them
+            argv[0] = sys.executable if argv[0] == "python" else argv[0]
+            proc_env = {k: v for k, v in os.environ.items() if k != "NANOCHAT_OFFLINE"}
+            out = subprocess.run(argv, cwd=REPO, env={**proc_env, **env, **fresh}, capture_output=True, text=True, timeout=LIMIT_S)
+            code, output = out.returncode, out.stdout + out.stderr
+        return time.time() - t0, cmd, argv, code, output
 
-    def check(seconds, cmd, argv, out):
-        assert out.returncode == 0, f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+    def check(seconds, cmd, argv, code, output):
+        assert code == 0, f"{cmd}\n{output[-4000:]}"
         expected = PRINTS.get(argv[2] if len(argv) > 2 else "")
-        assert expected is None or any(e in out.stdout for e in ((expected,) if isinstance(expected, str) else expected)), \
-            (cmd, out.stdout[-2000:])
+        assert expected is None or any(e in output for e in ((expected,) if isinstance(expected, str) else expected)), \
+            (cmd, output[-2000:])
         times.append((seconds, cmd))
 
     times, started = [], time.time()
-    for cmd in [c for c in commands if order_key(c)[0] < len(ORDER)]:  # in order: each needs what the ones before made
-        check(*run(cmd))
-    # the rest only read what those made (no lock, no shared output): two at a time, one per core
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for result in pool.map(run, [c for c in commands if order_key(c)[0] == len(ORDER)]):
-            check(*result)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("NANOCHAT_OFFLINE", raising=False)
+        for cmd in commands:  # in order: each of the first needs what the ones before made; the rest only read
+            check(*run(cmd))
     with capsys.disabled():
-        print(f"\n{len(commands)} shown commands ran in {time.time() - started:.0f} s ({sum(t for t, _ in times):.0f} s of command time); slowest: "
+        print(f"\n{len(commands)} shown commands ran in {time.time() - started:.0f} s; slowest: "
               + "; ".join(f"{t:.0f} s {c[:60]}" for t, c in sorted(times, reverse=True)[:3]))

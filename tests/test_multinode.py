@@ -13,11 +13,12 @@ import subprocess
 import pytest
 import torch
 
-from conftest import TINY_TRAIN, linked_base
+from conftest import PROCESSES, TINY_TRAIN, linked_base
 from nanochat import checkpoint_manager as ckpt
 from nanochat.common import UserError, dist_init, get_dist_info
 from nanochat.distributed import EXIT_HUNG, EXIT_PREEMPTED
 
+pytestmark = PROCESSES  # every test here starts a process group (tests/conftest.py)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = TINY_TRAIN + ["--total-batch-size", "512", "--eval-every", "100"]  # 2 micro-steps of 4 × 64 on one process
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID")

@@ -11,6 +11,7 @@ import subprocess
 import pytest
 import torch
 
+from conftest import PROCESSES
 from nanochat.optim import MuonAdamW, shard_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,6 +122,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@PROCESSES
 def test_two_gloo_ranks_equal_one_process_and_resume_on_another_count(tmp_path):
     out = tmp_path / "result.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

@@ -73,3 +73,19 @@ def test_keep_history_moves_the_rows_past_the_step_aside(tmp_path, capsys):
     # a fresh start (step 0) keeps nothing: it writes its own step-0 row
     run_dir.keep_history(path, 0)
     assert run_dir.metrics_lines(path) == [] and [json.loads(line)["step"] for line in open(f"{path}.bak-0")] == [0, 1, 2, 3]
+
+
+def test_headline_gives_the_evaluated_figures_to_every_digit(tmp_path, monkeypatch):
+    """runcpu.sh's last lines: val bpb and (partial) CORE as repr gives them, so that LOG can compare bit for bit."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    partial = {"val_bpb": 1.7308320840377482, "core_metric": None, "partial_core": -0.010354302974157079, "num_tasks_scored": 18}
+    full = {"val_bpb": 0.9, "core_metric": 0.25, "partial_core": 0.25, "num_tasks_scored": 22}
+    for name, ev in (("cpu-gpt", partial), ("full", full), ("bare", None)):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        if ev:
+            (tmp_path / "runs" / name / run_dir.EVAL_JSON).write_text(json.dumps(ev))
+    assert run_dir.headline("cpu-gpt") == "cpu-gpt: val bpb 1.7308320840377482, partial CORE -0.010354302974157079 (18 tasks)"
+    assert run_dir.headline("full") == "full: val bpb 0.9, CORE 0.25 (22 tasks)"
+    assert run_dir.headline("bare") == "bare: val bpb None, partial CORE None"
+    with pytest.raises(UserError, match="no run directory"):
+        run_dir.headline("missing")

@@ -2,7 +2,9 @@
 a tiny CPU pipeline run three times: everything, then nothing (every stage skipped), then a resume from a
 checkpoint; and a failed run that leaves the next one to go on."""
 
+import contextlib
 import fcntl
+import io
 import json
 import os
 import re
@@ -66,9 +68,25 @@ def test_data_budget_arithmetic():
         assert shards * dataset.TOKENS_PER_SHARD >= tokens / dataset.PACKING_KEPT
 
 
+def plan_in_process(base, *args):
+    """scripts.speedrun's plan (what speedrun.sh prints first) in this process: (stderr, stdout). The shell around it
+    is tested by the dry runs above and below; here only the planning's own rules are."""
+    from scripts import speedrun as speedrun_py
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        mp.setenv("NANOCHAT_BASE_DIR", str(base))
+        mp.delenv("NANOCHAT_OFFLINE", raising=False)
+        speedrun_py.main(list(args))
+    return err.getvalue(), out.getvalue()
+
+
 def test_too_few_shards_are_flagged(tmp_path):
-    r = speedrun(tmp_path / "none", "--dry-run", "--shards", "100", "--base-dir", str(tmp_path / "none"))
-    assert r.returncode == 0 and re.search(r"expected epochs 3\.\d\d .*MORE THAN ONE", r.stdout), r.stdout
+    plan, _ = plan_in_process(tmp_path / "none", "--dry-run", "--shards", "100", "--base-dir", str(tmp_path / "none"))
+    assert re.search(r"expected epochs 3\.\d\d .*MORE THAN ONE", plan), plan
+
+
+def test_bad_input_in_the_shell_is_one_line_error(tmp_path):
+    assert "unknown preset 'gpt5'" in one_line_error(speedrun(tmp_path, "--dry-run", "--preset", "gpt5"))
 
 
 @pytest.mark.parametrize("args, message", [
@@ -77,8 +95,11 @@ def test_too_few_shards_are_flagged(tmp_path):
     (["--gpus", "3"], "not a multiple"),  # 2^20 tokens per step do not split over 3 × 16 × 2048
     (["--flops", "1e12", "--arch", "gpt"], "0 steps"),  # below one step of 2^20 tokens
 ])
-def test_bad_input_is_one_line_error(tmp_path, args, message):
-    assert message in one_line_error(speedrun(tmp_path, "--dry-run", *args))
+def test_bad_input_is_one_line_error(tmp_path, monkeypatch, script_error, args, message):
+    from scripts import speedrun as speedrun_py
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    monkeypatch.delenv("NANOCHAT_OFFLINE", raising=False)
+    assert message in script_error(speedrun_py.main, "--dry-run", *args)
 
 
 @needs_venv
@@ -146,11 +167,13 @@ def test_preflight_fails_when_no_cuda_test_ran():
     assert "--require-cuda" in open(SPEEDRUN).read()  # and the preflight uses it
 
 
-def test_tokenizer_of_another_size_is_refused(tiny_base_dir, tmp_path):
+def test_tokenizer_of_another_size_is_refused(tiny_base_dir, tmp_path, monkeypatch, script_error):
+    from scripts import speedrun as speedrun_py
     base = tmp_path / "base"
     base.mkdir()
     os.symlink(os.path.join(tiny_base_dir, "tokenizer"), base / "tokenizer")  # 512 tokens; the published preset wants 32,768
-    err = one_line_error(speedrun(base, "--dry-run", "--base-dir", str(base)))
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    err = script_error(speedrun_py.main, "--dry-run", "--base-dir", str(base))
     assert "512" in err and "32,768" in err and "fresh --base-dir" in err, err
 
 

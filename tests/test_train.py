@@ -46,6 +46,9 @@ def test_tiny_run_learns_and_records(run_base, arch):
     assert cfg["arch"] == arch and cfg["num_iterations"] == 24 and cfg["seed"] == 42
     assert cfg["total_flops"] == cfg["flops_per_token"] * 24 * 256
     assert cfg["git_commit"] and cfg["args"]["depth"] == 2 and cfg["optimizer"]["groups"]
+    from importlib import metadata  # the versions the run trained with, as installed
+    assert cfg["versions"]["torch"] == metadata.version("torch") and cfg["versions"]["numpy"] == metadata.version("numpy")
+    assert set(cfg["versions"]) == {"torch", "triton", "numpy", "pyarrow", "tiktoken", "rustbpe"}
     assert os.path.exists(os.path.join(run_dir, "model_000024.pt"))
     if arch == "nag":
         gates = [r["gate"] for r in rows if "gate" in r]

@@ -9,7 +9,7 @@ from nanochat.common import UserError, get_base_dir, atomic_write_bytes
 from nanochat.core_eval import NUM_CORE_TASKS
 from nanochat.run_dir import load_run, read_manifest, folder_name, claim_folder, staging, publish
 from nanochat import stats
-from analysis.compare.runs import N_RESAMPLES, BPB_DEPENDS_ON, mod_curves, several_steps, pair_differences, check_same_items
+from analysis.compare.runs import versions_note, N_RESAMPLES, BPB_DEPENDS_ON, mod_curves, several_steps, pair_differences, check_same_items
 from analysis.compare.inputs import TOOL, report_inputs, distinct_names, check_distinct, run_step, default_out_dir, check_report_folder, check_precision
 from analysis.compare.tables import (items_text, verdict_sentence, difference_lines, summary_section, measured_section, config_section,
                                      core_section, significance_section, steps_section, step_time_section, mod_section, notes_section)
@@ -103,7 +103,8 @@ def compare(run_args, out_dir=None, beta=0.95, force=False, mixed_precision=Fals
         report = write_report(runs, pairs, beta, tmp, out_dir)
         publish(tmp, out_dir, TOOL, inputs, aside)
     warnings = [f"warning: {line}" for ps in pairs for line in difference_lines(ps)]
-    for line in warnings + [v for ps in pairs for v in ps["verdicts"]] + [n for r in runs for n in r["read_notes"]]:
+    versions = [f"note: {versions_note(runs)}"] if versions_note(runs) else []
+    for line in warnings + [v for ps in pairs for v in ps["verdicts"]] + [n for r in runs for n in r["read_notes"]] + versions:
         print(line)
     path = os.path.join(out_dir, "report.md")
     print(f"\nreport with figures: {path}")

@@ -132,6 +132,20 @@ def pair_differences(a, b):
     return differ, unknown
 
 
+def versions_note(runs):
+    """One line when the runs trained with other package versions (config.json's `versions`), else None: a note, not
+    a refusal, since the same seed on other versions moves float results in their last digits only (docs/runs.md)."""
+    recorded = [(r["name"], r["config"].get("versions")) for r in runs if r["config"].get("versions")]
+    differ = []
+    for package in sorted({p for _, v in recorded for p in v}):
+        seen = {}
+        for name, versions in recorded:
+            seen.setdefault(str(versions.get(package)), []).append(f"`{name}`")
+        if len(seen) > 1:
+            differ.append(f"{package} " + " vs ".join(f"{v} ({', '.join(names)})" for v, names in seen.items()))
+    return f"the runs trained with other package versions: {'; '.join(differ)}" if differ else None
+
+
 def check_same_items(a, b):
     """Refuse two runs whose CORE records are not on the same items with the same settings."""
     (cols_a, sa), (cols_b, sb) = a["records"], b["records"]

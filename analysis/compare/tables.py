@@ -10,7 +10,7 @@ from nanochat.core_eval import NUM_CORE_TASKS
 from nanochat.step_timer import PHASES, LABELS
 from nanochat import stats
 from nag.archs import is_nag_arch
-from analysis.compare.runs import (N_RESAMPLES, MEASURED_WITH, KEY_NAMES, FINGERPRINTS, ema, loss_curve, last_logged, flat_config,
+from analysis.compare.runs import (versions_note, N_RESAMPLES, MEASURED_WITH, KEY_NAMES, FINGERPRINTS, ema, loss_curve, last_logged, flat_config,
                                    core_value, time_shares, mod_curves, measured_with)
 
 
@@ -332,6 +332,8 @@ def notes_section(runs, figures):
         if (ev.get("max_per_task") or -1) > 0 and ev.get("tasks"):
             lines.append(f"`{name}`: CORE used at most {ev['max_per_task']} examples per task, a subset of the full protocol.")
     lines += history_notes(runs)
+    if versions_note(runs):
+        lines.append(versions_note(runs) + ".")
     limits = {json.dumps(r["eval"].get("max_per_task")) for r in runs if r["eval"] and r["eval"].get("tasks")}
     if len(limits) > 1:
         lines.append("The runs' CORE scores used different --max-per-task limits and do not compare exactly.")
