@@ -9,8 +9,9 @@ The attention kernel: the one place that chooses it and calls it (docs/design.md
                   its cache at run time)
     --attn sdpa   PyTorch SDPA's default backends
 
-    attention = agree_attention("auto", device, dtype, is_ddp)  # rank 0 decides, every rank loads it (base_train)
-    model.set_attention(attention["kernel"])                    # once, before torch.compile
+    shapes = attention_shapes(model)  # the run's head dim, query and kv heads, each window: what the probe runs
+    attention = agree_attention("auto", device, dtype, is_ddp, shapes=shapes)  # rank 0 decides, every rank loads it
+    model.set_attention(attention["kernel"])  # once, before torch.compile (base_train)
 
 Windows count positions. A layer of window w lets a query see itself and the w - 1 positions before it (the
 masks' `delta < w` in nanochat/gpt.py). FA3's and FA4's window_size=(left, right) count keys on each side, both
@@ -22,6 +23,7 @@ Packed rows with several documents (CORE), MoD's gathered queries and the KV cac
 
 import os
 import socket
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,10 +44,11 @@ LOADED = {"fa4": f"{FA4_PACKAGE} loaded", "cudnn": "cuDNN attention runs", "fa3"
 WHEN = {"fa4": f"if {FA4_PACKAGE} loads", "cudnn": "if cuDNN attention runs", "fa3": f"if {FA3_REPO} loads (the hub or its cache)"}
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]  # flash only where cuDNN declines a call
 PROBE_TOL = 0.05  # a probe's largest error against fp32, relative to the reference's largest value: bf16 is ~0.01
+PROBE_LEN = 512  # the probe's longest row (tokens): a longer run's row is probed this short, its S windows scaled along
 
 _fa3 = None  # the loaded kernels' flash_attn_func owners, once per process
 _fa4 = None
-_probed = set()  # (kernel, device) pairs that passed the probe
+_probed = set()  # (kernel, device[, shapes]) that passed the probe
 
 
 class KernelUnavailable(Exception):
@@ -97,28 +100,81 @@ def load_kernel(kernel):
         load_fa4()
 
 
-def probe(kernel, device):
-    """A tiny causal forward + backward through causal_attention against fp32 SDPA: a kernel that loads but cannot
-    run on this GPU (or computes something else) is caught here, once, not at the first training step."""
-    if (kernel, str(device)) in _probed:
-        return
-    g = torch.Generator().manual_seed(0)
-    q, k, v, dy = (torch.randn(1, 128, 2, 64, generator=g) for _ in range(4))
-    call = cudnn_only if kernel == "cudnn" else (lambda *x: causal_attention(*x, 128, kernel))
-    try:
-        q, k, v, dy = (t.to(device) for t in (q, k, v, dy))
-        got = grads(call, (q, k, v), dy, torch.bfloat16)
-    except Exception as e:
-        raise KernelUnavailable(f"{kernel} failed its probe ({first_line(e)})") from None
-    want = grads(lambda *x: causal_attention(*x, 128, "sdpa"), (q, k, v), dy, torch.float32)
-    err = max(((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
-    if not err <= PROBE_TOL:
-        raise KernelUnavailable(f"{kernel} failed its probe (relative error {err:.2g} against fp32)")
-    _probed.add((kernel, str(device)))
+@dataclass(frozen=True)
+class AttentionShapes:
+    """The attention a run trains, as a kernel sees it: head dim, query heads and kv heads (GQA when fewer), the row
+    length, and each distinct window in tokens (the row length: an L layer, plain causal; shorter: an S layer)."""
+    head_dim: int
+    n_head: int
+    n_kv_head: int
+    seq_len: int
+    windows: tuple  # distinct, longest first
+
+    def cases(self):
+        """One probe per window: {head_dim, n_head, n_kv_head, seq_len, window, probe_len, probe_window}. The row is
+        at most PROBE_LEN tokens; an S window keeps its share of the row (1024 of 2048 → 256 of 512), so it still
+        cuts the row and the kernel's windowed code runs (FA3/FA4 build it apart); an L window covers the row."""
+        T = min(self.seq_len, PROBE_LEN)
+        return [dict(head_dim=self.head_dim, n_head=self.n_head, n_kv_head=self.n_kv_head, seq_len=self.seq_len, window=w,
+                     probe_len=T, probe_window=T if w >= self.seq_len else max(1, w * T // self.seq_len)) for w in self.windows]
+
+
+GENERIC_SHAPES = AttentionShapes(head_dim=64, n_head=2, n_kv_head=2, seq_len=128, windows=(128,))  # no run's shapes given
+
+
+def attention_shapes(model):
+    """AttentionShapes of a model (built on any device, meta included): its first block's attention, its windows."""
+    attn, T = model.blocks[0].attn, model.config.sequence_len
+    return AttentionShapes(attn.head_dim, attn.n_head, attn.n_kv_head, T, tuple(sorted({min(w, T) for w in model.windows}, reverse=True)))
+
+
+def describe(case):
+    """A probe case in words: 'head dim 128, 12 heads / 4 kv heads, S window 1024 of 2048'."""
+    w, T = case["window"], case["seq_len"]
+    return (f"head dim {case['head_dim']}, {case['n_head']} heads / {case['n_kv_head']} kv heads, "
+            + (f"L window {w}" if w >= T else f"S window {w} of {T}"))
+
+
+def probe(kernel, device, shapes=None):
+    """Forward + backward of `kernel`, as training calls it, against fp32 SDPA with the dense mask, once per window of
+    the run (shapes: AttentionShapes; None: a generic 1 × 128 row, 2 heads × 64, causal). A kernel that loads but
+    cannot run the run's shapes on this GPU (or computes something else) is caught here, once, not at the first
+    training step. Returns the cases with ok=True; raises KernelUnavailable naming the first case that failed."""
+    cases = (shapes or GENERIC_SHAPES).cases()
+    key = (kernel, str(device)) if shapes is None else (kernel, str(device), shapes)
+    if key not in _probed:
+        for case in cases:
+            at = "" if shapes is None else f" at {describe(case)}"
+            T, w = case["probe_len"], case["probe_window"]
+            g = torch.Generator().manual_seed(0)
+            q, k, v, dy = (torch.randn(1, T, h, case["head_dim"], generator=g)
+                           for h in (case["n_head"], case["n_kv_head"], case["n_kv_head"], case["n_head"]))
+            # cudnn: its L layers run SDPA with cuDNN first; the probe runs cuDNN alone. Its S layers, like every other
+            # kernel's call, run what training runs (on CUDA, flex_attention)
+            call = cudnn_only if kernel == "cudnn" and w >= T else (lambda *x: causal_attention(*x, w, kernel))
+            try:
+                q, k, v, dy = (t.to(device) for t in (q, k, v, dy))
+                got = grads(call, (q, k, v), dy, torch.bfloat16)
+            except Exception as e:
+                raise KernelUnavailable(f"{kernel} failed its probe{at} ({first_line(e)})") from None
+            want = grads(lambda *x: dense_attention(*x, w), (q, k, v), dy, torch.float32)
+            err = max(((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
+            if not err <= PROBE_TOL:
+                raise KernelUnavailable(f"{kernel} failed its probe{at} (relative error {err:.2g} against fp32)")
+        _probed.add(key)
+    return [dict(case, ok=True) for case in cases]
+
+
+def dense_attention(q, k, v, window):
+    """The reference: SDPA with the dense window mask (none for a full row). q (B, T, H, D); k, v (B, T, KV, D)."""
+    T = q.size(1)
+    mask = None if window >= T else window_mask(T, window, q.device)
+    return masked_attention(*(t.transpose(1, 2) for t in (q, k, v)), mask).transpose(1, 2)
 
 
 def cudnn_only(q, k, v):
-    """The probe's cuDNN call: cuDNN alone, so that a GPU where cuDNN declines does not pass on flash's behalf."""
+    """The probe's cuDNN call: cuDNN alone, no other backend to fall back on, so a call cuDNN declines (a head dim,
+    GQA) raises instead of passing on flash's behalf: the record never names a kernel that did not run."""
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return masked_attention(*(t.transpose(1, 2) for t in (q, k, v)), None).transpose(1, 2)
 
@@ -152,8 +208,9 @@ def device_unfit(device, dtype=None, majors=(9,)):
     return None
 
 
-def kernel_unavailable(kernel, device, dtype=None):
-    """Why `kernel` cannot run on `device` in `dtype`, or None when it can (it is then loaded and probed)."""
+def kernel_unavailable(kernel, device, dtype=None, shapes=None):
+    """Why `kernel` cannot run on `device` in `dtype` at the run's attention shapes (AttentionShapes; None: the
+    generic probe), or None when it can (it is then loaded and probed)."""
     if kernel == "sdpa":
         return None
     why = device_unfit(device, dtype, MAJORS[kernel])
@@ -161,34 +218,42 @@ def kernel_unavailable(kernel, device, dtype=None):
         return why
     try:
         load_kernel(kernel)
-        probe(kernel, torch.device(device))
+        if shapes is None:  # the generic probe: probe's two-argument call, as before shapes existed
+            probe(kernel, torch.device(device))
+        else:
+            probe(kernel, torch.device(device), shapes)
     except KernelUnavailable as e:
         return str(e)
     return None
 
 
-def resolve_attention(requested, device, dtype=None):
-    """(kernel, reason) for --attn: one of KERNELS, and why. "auto" never raises; a named kernel where it cannot
-    run is a one-line UserError."""
+def choose_kernel(requested, device, dtype=None, shapes=None):
+    """(kernel, reason, passed_over) for --attn: one of KERNELS, why, and the "kernel: why" of each kernel `auto`
+    passed over before it. "auto" never raises; a named kernel where it cannot run is a one-line UserError."""
     if requested not in CHOICES:
         raise UserError(f"--attn must be one of {', '.join(CHOICES)} (got {requested!r})")
     if requested == "sdpa":
-        return "sdpa", "--attn sdpa"
+        return "sdpa", "--attn sdpa", []
     if requested != "auto":
-        why = kernel_unavailable(requested, device, dtype)
+        why = kernel_unavailable(requested, device, dtype, shapes=shapes)
         if why is not None:
             raise UserError(f"--attn {requested} cannot run here: {why}; --attn auto picks what can")
-        return requested, LOADED[requested]
+        return requested, LOADED[requested], []
     why = device_unfit(device, dtype)
     if why is not None:
-        return "sdpa", why
+        return "sdpa", why, []
     whys = []
     for kernel in AUTO_ORDER:
-        why = kernel_unavailable(kernel, device, dtype)
+        why = kernel_unavailable(kernel, device, dtype, shapes=shapes)
         if why is None:
-            return kernel, f"Hopper GPU, {LOADED[kernel]}"
+            return kernel, f"Hopper GPU, {LOADED[kernel]}", whys
         whys.append(f"{kernel}: {why}")
-    return "sdpa", "; ".join(whys)
+    return "sdpa", "; ".join(whys), whys
+
+
+def resolve_attention(requested, device, dtype=None, shapes=None):
+    """(kernel, reason) for --attn (choose_kernel without what auto passed over)."""
+    return choose_kernel(requested, device, dtype, shapes)[:2]
 
 
 def fallback_warning(requested, kernel, reason, hopper):
@@ -207,16 +272,22 @@ def check_preset_attention(requested, kernel, hopper, gpu_preset, reason=""):
                         f"none ({reason}); pip install {FA4_PACKAGE}, or pass --attn sdpa to train with SDPA anyway")
 
 
-def agree_attention(requested, device, dtype, is_ddp, gpu_preset=""):
-    """The run's attention record {requested, kernel, reason[, warning]}: rank 0 resolves --attn (and applies the
-    preset rule), every rank loads and probes that kernel on its own GPU. If any rank cannot, every rank stops
-    with one UserError naming those ranks: no rank trains with another kernel than the one recorded.
-    gpu_preset: the name of a GPU preset (--preset), else ""."""
+def agree_attention(requested, device, dtype, is_ddp, gpu_preset="", shapes=None):
+    """The run's attention record {requested, kernel, reason[, passed_over][, probed][, warning]}: rank 0 resolves
+    --attn (and applies the preset rule), every rank loads and probes that kernel on its own GPU, at the run's
+    shapes. If any rank cannot, every rank stops with one UserError naming those ranks: no rank trains with another
+    kernel than the one recorded. gpu_preset: the name of a GPU preset (--preset), else "". shapes: the run's
+    AttentionShapes (attention_shapes(model)); None probes a generic shape. passed_over: what auto tried before the
+    kernel, and why not; probed: the chosen fast kernel's probe cases (AttentionShapes.cases), each passed."""
     def decide():
-        kernel, reason = resolve_attention(requested, device, dtype)
+        kernel, reason, passed_over = choose_kernel(requested, device, dtype, shapes)
         hopper = is_hopper(device)
         check_preset_attention(requested, kernel, hopper, gpu_preset, reason)
         record = {"requested": requested, "kernel": kernel, "reason": reason}
+        if passed_over and kernel != "sdpa":  # on sdpa, the reason lists them
+            record["passed_over"] = passed_over
+        if shapes is not None and kernel != "sdpa":  # it passed every case (SDPA is not probed)
+            record["probed"] = [dict(case, ok=True) for case in shapes.cases()]
         warning = fallback_warning(requested, kernel, reason, hopper)
         if warning:
             record["warning"] = warning
@@ -224,7 +295,7 @@ def agree_attention(requested, device, dtype, is_ddp, gpu_preset=""):
 
     record = rank0_decides(decide, is_ddp)
     if is_ddp:
-        why = None if dist.get_rank() == 0 else kernel_unavailable(record["kernel"], device, dtype)
+        why = None if dist.get_rank() == 0 else kernel_unavailable(record["kernel"], device, dtype, shapes=shapes)
         views = [None] * dist.get_world_size()
         dist.all_gather_object(views, (why, socket.gethostname()))
         failed = [f"{r} ({host}: {w})" for r, (w, host) in enumerate(views) if w is not None]

@@ -1,17 +1,20 @@
 """Which attention kernel a run gets, and the CUDA paths' CPU twins (nanochat/flash_attention.py, docs/design.md §2):
-rank 0 decides and every rank loads (two gloo ranks), the Hopper fallback warning and the GPU presets' refusal of
-SDPA, the dry run's line, and the mask-free S window (flex_attention with a block mask) against the dense-mask
-reference. The CUDA tests at the end run the real kernels where a GPU is present."""
+rank 0 decides and every rank loads (two gloo ranks), the probe at the run's own shapes (head dim, GQA, each window;
+cuDNN alone), the Hopper fallback warning and the GPU presets' refusal of SDPA, the dry run's line, and the mask-free
+S window (flex_attention with a block mask) against the dense-mask reference. The CUDA tests at the end run the real kernels where a GPU is present."""
 
+import contextlib
 import json
 import os
 import socket
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from conftest import PROCESSES
 from nanochat import flash_attention as fa
 from nanochat.common import UserError
 from nanochat.gpt import GPT, GPTConfig
@@ -21,7 +24,7 @@ def fake_hopper(monkeypatch, loads=("fa4", "cudnn", "fa3")):
     """A Hopper GPU as torch.cuda shows it, on which the kernels in `loads` load and pass their probe."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(fa, "kernel_unavailable", lambda kernel, device, dtype=None:
+    monkeypatch.setattr(fa, "kernel_unavailable", lambda kernel, device, dtype=None, shapes=None:
                         None if kernel == "sdpa" or kernel in loads else f"{kernel} does not load here")
 
 
@@ -42,7 +45,7 @@ def _rank(rank, init_file, out_dir):
                                                      ("named, rank 1 cannot", "fa4", False, ""),
                                                      ("rank 0 falls back", "auto", None, ""),
                                                      ("published refused", "auto", None, "published")]:
-            def unavailable(kernel, device, dtype=None, rank1_loads=rank1_loads):
+            def unavailable(kernel, device, dtype=None, shapes=None, rank1_loads=rank1_loads):
                 if kernel == "sdpa" or (rank1_loads is not None and (rank == 0 or rank1_loads)):
                     return None
                 return "flash-attn-4 is not installed (pip install flash-attn-4)"
@@ -58,6 +61,7 @@ def _rank(rank, init_file, out_dir):
         json.dump(answers, f)
 
 
+@PROCESSES
 def test_rank0_decides_and_every_rank_loads_or_every_rank_stops(tmp_path):
     import torch.multiprocessing as mp
     # forked: the ranks start with this process's imports (a spawned rank would import torch and the repo again)
@@ -73,6 +77,152 @@ def test_rank0_decides_and_every_rank_loads_or_every_rank_stops(tmp_path):
     fell = r0["rank 0 falls back"]  # nothing loads on rank 0: SDPA everywhere, with the warning in the record
     assert fell["kernel"] == "sdpa" and fell["warning"].startswith("--attn auto fell back to SDPA on a Hopper GPU (fa4: ")
     assert r0["published refused"].startswith("UserError: --preset published on a Hopper GPU needs a fast attention kernel")
+
+
+# ---------------------------------------------------------------------------
+# the probe at the run's own shapes: head dim, GQA, each window, forward and backward
+
+
+class Flaky:
+    """flash_attn_func on the CPU (window_size as FA3/FA4 take it: left of None or -1 is no limit, else left + 1
+    positions), failing where a real build might: in the backward at head dim 128, or on any window."""
+
+    def __init__(self, fails=None):
+        self.fails = fails
+
+    def __call__(self, q, k, v, causal=True, window_size=(None, 0)):
+        left, T = window_size[0], q.size(1)
+        if self.fails == "window" and left not in (None, -1):
+            raise RuntimeError("no local-attention kernel for this build")
+        y = fa.masked_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                fa.window_mask(T, T if left in (None, -1) else left + 1, q.device)).transpose(1, 2)
+        if self.fails == "head dim 128" and q.size(-1) == 128:
+            y.register_hook(refuse_head_dim_128)
+        return y, None  # FA4 also returns the log-sum-exp
+
+
+def refuse_head_dim_128(grad):
+    raise RuntimeError("backward: head dim 128 is not supported on sm90")
+
+
+def cpu_stands_in_for_hopper(fa4, fa3):
+    """fa4 and fa3 'loaded' (no import, no hub) as the given fakes; the CPU passes for a Hopper GPU; nothing probed
+    yet. cuDNN is real: on the CPU, SDPA under cuDNN alone has no backend, so cudnn fails its probe (as it should)."""
+    fa.device_unfit = lambda device, dtype=None, majors=(9,): None
+    fa._fa4, fa._fa3, fa._probed = fa4, types.SimpleNamespace(flash_attn_func=fa3), set()
+
+
+def scenario_shapes():
+    """Three runs' attention: 4 query heads on 2 kv heads, rows of 64 tokens, S windows of 32."""
+    shapes = lambda head_dim, windows: fa.AttentionShapes(head_dim=head_dim, n_head=4, n_kv_head=2, seq_len=64, windows=windows)
+    return {"hd 64, L and S": shapes(64, (64, 32)), "hd 128, L": shapes(128, (64,)), "hd 128, L and S": shapes(128, (64, 32))}
+
+
+def _shapes_rank(rank, init_file, out_dir):
+    """--attn auto on two ranks with fa4 failing at head dim 128 and fa3 failing on windows; last, rank 1's fa4
+    alone refuses windows."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    os.environ["RANK"] = str(rank)
+    answers, runs = {}, scenario_shapes()
+    try:
+        for name, fa4_fails in [(n, "head dim 128") for n in runs] + [("rank 1's fa4 refuses windows", "window" if rank else None)]:
+            cpu_stands_in_for_hopper(Flaky(fa4_fails), Flaky("window"))
+            try:
+                answers[name] = fa.agree_attention("auto", torch.device("cpu"), torch.bfloat16, True,
+                                                   shapes=runs.get(name, runs["hd 64, L and S"]))
+            except UserError as e:
+                answers[name] = f"UserError: {e}"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(answers, f)
+
+
+@PROCESSES
+def test_auto_passes_over_a_kernel_that_fails_the_runs_shapes_and_every_rank_probes_them(tmp_path):
+    import torch.multiprocessing as mp
+    mp.start_processes(_shapes_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0 == r1
+    heads = "4 heads / 2 kv heads"
+    fa4_fails = f"fa4: fa4 failed its probe at head dim 128, {heads}, L window 64 (RuntimeError: backward: head dim 128 is not supported on sm90)"
+    assert r0["hd 64, L and S"]["kernel"] == "fa4" and "passed_over" not in r0["hd 64, L and S"]  # head dim 64 and windows: fa4 runs both
+    fa3 = r0["hd 128, L"]  # fa4 fails at head dim 128 (its backward), cudnn has no CPU backend, fa3 takes plain causal rows
+    assert fa3["kernel"] == "fa3" and fa3["reason"] == f"Hopper GPU, {fa.FA3_REPO} loaded from the hub"
+    assert fa3["passed_over"][0] == fa4_fails
+    assert fa3["passed_over"][1].startswith(f"cudnn: cudnn failed its probe at head dim 128, {heads}, L window 64 (RuntimeError: ")
+    none = r0["hd 128, L and S"]  # and fa3 fails the S window: SDPA, with every reason, each naming its shape
+    assert none["kernel"] == "sdpa" and "probed" not in none and none["reason"].startswith(fa4_fails + "; cudnn: ")
+    assert none["reason"].endswith(f"; fa3: fa3 failed its probe at head dim 128, {heads}, S window 32 of 64 "
+                                   "(RuntimeError: no local-attention kernel for this build)")
+    assert r0["rank 1's fa4 refuses windows"] == (  # rank 0 chose fa4 at the run's shapes; rank 1 probes the same shapes
+        f"UserError: attention: rank 0 chose fa4 (Hopper GPU, flash-attn-4 loaded), but rank(s) 1 ({socket.gethostname()}: "
+        f"fa4 failed its probe at head dim 64, {heads}, S window 32 of 64 (RuntimeError: no local-attention kernel for this "
+        "build)) cannot run it; install it on every node, or pass --attn sdpa")
+
+
+def test_the_record_keeps_each_shape_the_kernel_passed(monkeypatch):
+    """config.json's attention entry: per window of the run, the shape probed and that it passed. A long row is
+    probed short (fa.PROBE_LEN tokens) with its S window scaled along, so the window still cuts the row."""
+    for name in ("device_unfit", "_fa4", "_fa3", "_probed"):
+        monkeypatch.setattr(fa, name, getattr(fa, name))  # cpu_stands_in_for_hopper sets them: restored after
+    cpu_stands_in_for_hopper(Flaky("window"), Flaky())
+    shapes = fa.AttentionShapes(head_dim=16, n_head=4, n_kv_head=1, seq_len=2 * fa.PROBE_LEN, windows=(2 * fa.PROBE_LEN, fa.PROBE_LEN // 2))
+    record = fa.agree_attention("auto", "cpu", torch.bfloat16, False, shapes=shapes)
+    at = dict(head_dim=16, n_head=4, n_kv_head=1, seq_len=2 * fa.PROBE_LEN, probe_len=fa.PROBE_LEN)
+    assert record["kernel"] == "fa3" and record["probed"] == [
+        dict(at, window=2 * fa.PROBE_LEN, probe_window=fa.PROBE_LEN, ok=True),  # L: the whole (short) row
+        dict(at, window=fa.PROBE_LEN // 2, probe_window=fa.PROBE_LEN // 4, ok=True)]  # S: a quarter of the row, as in the run
+    assert record["passed_over"][0] == (f"fa4: fa4 failed its probe at head dim 16, 4 heads / 1 kv heads, S window "
+                                        f"{fa.PROBE_LEN // 2} of {2 * fa.PROBE_LEN} (RuntimeError: no local-attention kernel for this build)")
+    assert json.loads(json.dumps(record)) == record  # config.json takes it as it is
+    assert ("fa3", "cpu", shapes) in fa._probed  # probed once per kernel, device and shapes
+    assert fa.agree_attention("sdpa", "cpu", torch.bfloat16, False, shapes=shapes) == {
+        "requested": "sdpa", "kernel": "sdpa", "reason": "--attn sdpa"}  # SDPA is not probed
+
+
+def test_the_cudnn_probe_runs_cudnn_alone_at_the_runs_shapes(monkeypatch):
+    """cuDNN's probe asks for cuDNN and nothing else (no flash to take a call it declines), with the run's head dim and
+    GQA: a raise there (on the CPU, no backend at all) marks cudnn unavailable; a call it takes passes."""
+    monkeypatch.setattr(fa, "device_unfit", lambda device, dtype=None, majors=(9,): None)
+    monkeypatch.setattr(fa, "_probed", set())
+    asked, shapes_seen, real = [], [], fa.sdpa_kernel
+    monkeypatch.setattr(fa, "sdpa_kernel", lambda backends, set_priority=False: asked.append(backends) or real(backends, set_priority))
+    masked = fa.masked_attention
+    monkeypatch.setattr(fa, "masked_attention", lambda q, k, v, mask: shapes_seen.append((tuple(q.shape), tuple(k.shape), mask is None))
+                        or masked(q, k, v, mask))
+    shapes = fa.AttentionShapes(head_dim=128, n_head=4, n_kv_head=2, seq_len=64, windows=(64, 32))
+    why = fa.kernel_unavailable("cudnn", "cpu", torch.bfloat16, shapes=shapes)
+    assert why.startswith("cudnn failed its probe at head dim 128, 4 heads / 2 kv heads, L window 64 (RuntimeError: No viable backend")
+    assert asked == [fa.SDPBackend.CUDNN_ATTENTION]  # alone: not a priority list with flash behind it
+    assert shapes_seen == [((1, 4, 64, 128), (1, 2, 64, 128), True)]  # (B, H, T, D): the run's head dim and GQA, causal
+    with pytest.raises(UserError, match=r"^--attn cudnn cannot run here: cudnn failed its probe at head dim 128"):
+        fa.resolve_attention("cudnn", "cpu", torch.bfloat16, shapes)
+    asked.clear()
+    shapes_seen.clear()
+    monkeypatch.setattr(fa, "sdpa_kernel", lambda backends, set_priority=False: asked.append(backends) or contextlib.nullcontext())
+    assert fa.kernel_unavailable("cudnn", "cpu", torch.bfloat16, shapes=shapes) is None  # cuDNN takes it (the CPU's SDPA stands in)
+    assert asked == [fa.SDPBackend.CUDNN_ATTENTION]  # the L window; the S window runs what training runs there
+    assert [s[2] for s in shapes_seen] == [True, True, False, False]  # cuDNN and the fp32 reference, then S: the kernel, the reference
+
+
+def test_base_train_probes_the_models_own_shapes(run_base, monkeypatch):
+    """base_train passes the model's attention shapes to agree_attention: head dim, heads, kv heads, each window."""
+    from conftest import TINY_TRAIN
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def agree(*args, shapes=None):
+        seen.append(shapes)
+        raise Stop
+    monkeypatch.setattr(base_train, "agree_attention", agree)
+    with pytest.raises(Stop):
+        base_train.main(TINY_TRAIN + ["--run", "s", "--num-iterations", "2", "--window-pattern", "SL", "--n-kv-head", "1"])
+    assert seen == [fa.AttentionShapes(head_dim=32, n_head=2, n_kv_head=1, seq_len=64, windows=(64, 32))]
 
 
 # ---------------------------------------------------------------------------
@@ -111,7 +261,8 @@ def test_auto_falling_back_on_hopper_warns_and_records_it(monkeypatch, capsys):
         "requested": "sdpa", "kernel": "sdpa", "reason": "--attn sdpa"}  # asked for: no warning, no refusal
     fake_hopper(monkeypatch, loads=("cudnn",))
     assert fa.agree_attention("auto", "cuda", torch.bfloat16, False, "published") == {
-        "requested": "auto", "kernel": "cudnn", "reason": "Hopper GPU, cuDNN attention runs"}
+        "requested": "auto", "kernel": "cudnn", "reason": "Hopper GPU, cuDNN attention runs",
+        "passed_over": ["fa4: fa4 does not load here"]}  # what auto passed over, and why
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100: SDPA, no warning
     assert "warning" not in fa.agree_attention("auto", "cuda", torch.bfloat16, False, "published")
     assert capsys.readouterr().out == ""
