@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The measurements only a GPU can make (scripts/bench/gpu_checks.py has the stages, their time limits, expected times
-# and the figures each writes). No network and no data: the benchmarks use random tokens.
+# and the figures each writes). No network and no data: the benchmarks use random tokens (fp8_mod: an offline corpus).
 #
 #   bash runs/gpu_checks.sh --quick             # at most 7 minutes on one H100/H200, compiles included
-#   bash runs/gpu_checks.sh                     # also cold compiles, per-block compile, full depth; CORE batching with EVAL_BUNDLE=DIR
+#   bash runs/gpu_checks.sh                     # also cold compiles, per-block compile, full depth, fp8 with MoD; CORE batching with EVAL_BUNDLE=DIR
 #   bash runs/gpu_checks.sh --quick --dry-run   # the plan and the files it writes; needs no GPU
 #
 # Output: $OUT when set (a device runner's folder that comes back), else --out DIR, else gpu_checks/:
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # 1. the Python: $PYTHON, else .venv, else the machine's own python3 if it has torch and Triton (a borrowed GPU
-#    slot: no .venv, no network; the checks need neither rustbpe nor the data libraries), else make .venv (network)
+#    slot: no .venv, no network, no rustbpe; what its python has is in docs/gpu_checks.md), else make .venv (network)
 if [ -n "${PYTHON:-}" ]; then
     PY="$PYTHON"
 elif [ -x .venv/bin/python ]; then

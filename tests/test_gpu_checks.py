@@ -5,6 +5,7 @@ headline arithmetic, the branch-op sweep, and bench_train's per-block compile ag
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tarfile
@@ -257,10 +258,91 @@ def test_quick_plan_answers_the_first_questions_within_its_budget():
     assert all(s.expect < s.timeout <= 180 for s in quick)  # each stage its own limit, with room over its expected time
     full = gpu_checks.stages(quick=False, eval_bundle="/bundle")
     assert [s.name for s in full[len(quick):]] == ["depth", "blocks", "host_reads", "fp8", "fp8_d24", "published_gpt", "published_nag", "published_blocks", "mod",
-                                                   "core_batching"]
+                                                   "fp8_mod", "core_batching"]
     assert all(s.expect < s.timeout <= 480 for s in full)  # the 64-layer whole-model compiles: minutes each
     branch_op = next(s for s in quick if s.name == "branch_op")
     assert branch_op.cmd[branch_op.cmd.index("--op-rows-per-program") + 1] == "1,2,4,8,16,32"
+
+
+def test_fp8_with_mod_is_a_base_train_stage_at_the_published_width(tmp_path):
+    # issue 38: base_train itself, --fp8 --mod-rate 0.2, a few steps at the published width (nag/presets.py), in the
+    # full run (the quick plan has no room: its 75 %); the same flags base_train parses, its vocab the published one
+    from nag.presets import PRESETS
+    from scripts.base_train import parse_args
+    st = next(s for s in gpu_checks.stages(quick=False) if s.name == "fp8_mod")
+    assert "fp8_mod" not in [s.name for s in gpu_checks.stages(quick=True)] and st.expect < st.timeout and not st.cold
+    assert st.cmd[:6] == [sys.executable, "-m", "scripts.bench.gpu_checks", "--base-train", "{json}", "--vocab-size"]
+    published = PRESETS["published"]
+    assert int(st.cmd[6]) == published["vocab"]
+    args = parse_args(st.cmd[7:])
+    shape = dict(zip(published["train"][::2], published["train"][1::2]))
+    assert (args.model_dim, args.head_dim, args.max_seq_len, args.device_batch_size) == tuple(
+        int(shape[f]) for f in ("--model-dim", "--head-dim", "--max-seq-len", "--device-batch-size"))
+    assert args.arch == "nag" and args.fp8 and args.mod_rate == 0.2 and 2 <= args.num_iterations <= 3 and args.depth == 8
+    assert args.total_batch_size == args.device_batch_size * args.max_seq_len and args.eval_every == -1  # one micro-batch, no eval
+    assert args.compile is None  # base_train's own default: compiled on CUDA
+    # its figures and its headline line, from the JSON the stage writes
+    d = {"steps": [{"step": 1, "ms": 41000.0, "skip_attn": 0.21, "skip_mlp": 0.2, "mfu": None},
+                   {"step": 2, "ms": 180.0, "skip_attn": 0.19, "skip_mlp": 0.2, "mfu": None},
+                   {"step": 3, "ms": 175.0, "skip_attn": 0.2, "skip_mlp": 0.2, "mfu": 0.31}],
+         "fp8_layers": 41, "attention": "cudnn", "peak_mem_gib": 30.5}
+    assert st.figures(d) == ("3 steps, fp8 on 41 layers, attention cudnn: step 1 41.0 s (compiles), then 180, 175 ms; "
+                             "skipped % attn 21, 19, 20, mlp 20, 20, 20; MFU 31.0%; peak 30.5 GiB")
+    (tmp_path / "fp8_mod.json").write_text(json.dumps(d))
+    assert gpu_checks.headline(str(tmp_path)) == ["- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8: 3 steps ran, "
+                                                  "175 ms per step after the first (41 s), 41 layers in fp8"]
+
+
+def test_the_base_train_stage_tokenizer_needs_no_rustbpe():
+    tok = gpu_checks.pair_tokenizer(32768)
+    assert tok.get_vocab_size() == 32768 and tok.get_bos_token_id() == 32768 - 9
+    text = "café, 東京: x = 1\n"
+    assert tok.decode(tok.encode(text)) == text and len(tok.encode("abcdef")) == 3  # printable pairs are single tokens
+    from nanochat.common import UserError
+    with pytest.raises(UserError, match="tokenizer of byte pairs"):
+        gpu_checks.pair_tokenizer(100)
+
+
+def test_a_budget_must_be_positive():
+    # --budget -5 planned "-6200% of the budget": a non-positive (or not finite) budget is refused in one line
+    for budget in ("-5", "0", "nan"):
+        r = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_checks", "--dry-run", "--budget", budget], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+        assert r.stderr.splitlines() == [f"error: --budget must be positive; got {budget}"]
+    r = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_checks", "--quick", "--dry-run", "--budget", "600"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "of the 600 s budget" in r.stdout
+
+
+def test_an_eval_bundle_that_is_not_one_is_said_in_one_line(tmp_path):
+    # EVAL_BUNDLE=/nonexistent used to drop the core_batching stage without a word
+    def dry_run(bundle, *flags):
+        env = dict(os.environ, PYTHON=sys.executable, EVAL_BUNDLE=str(bundle))
+        r = subprocess.run(["bash", os.path.join(REPO, "runs", "gpu_checks.sh"), "--dry-run", *flags], capture_output=True, text=True,
+                           env=env, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return "core_batching" in [l.split()[0] for l in r.stdout.splitlines() if l.strip()], r.stderr.splitlines()
+    nowhere, empty, bundle = tmp_path / "nowhere", tmp_path / "empty", tmp_path / "bundle"
+    empty.mkdir(), bundle.mkdir()
+    (bundle / "core.yaml").write_text("icl_tasks: []\n")
+    assert dry_run(nowhere) == (False, [f"note: EVAL_BUNDLE={nowhere} is not a folder: the core_batching stage is left out"])
+    assert dry_run(empty) == (False, [f"note: EVAL_BUNDLE={empty} has no core.yaml: the core_batching stage is left out"])
+    assert dry_run(bundle) == (True, [])
+    assert dry_run(nowhere, "--quick") == (False, [])  # --quick has no such stage to leave out
+
+
+def test_the_docs_name_what_the_slot_python_has_and_lacks():
+    # docs/gpu_checks.md once said the slot's python has no pyarrow or PyYAML; it has both (and base_train imports them)
+    text = open(os.path.join(REPO, "docs", "gpu_checks.md")).read()
+    section = text[text.index("## The machine's own python3"):]
+    section = section[:section.index("\n## ", 1)]
+    has = section[section.index("It has "):].split("\n\n")[0]
+    lacks = section[section.index("It lacks "):].split("\n\n")[0]
+    assert all(f"`{name}`" in has for name in gpu_checks.SLOT_HAS) and not any(f"`{name}`" in has for name in gpu_checks.SLOT_LACKS)
+    assert all(f"`{name}`" in lacks for name in gpu_checks.SLOT_LACKS) and "network" in lacks
+    assert not any(f"`{name}`" in lacks for name in gpu_checks.SLOT_HAS)
+    assert "Python 3.12" in text and "torch 2.11.0+cu130" in text and "Triton 3.6.0" in text
 
 
 def test_branch_op_json_and_the_rows_per_program_sweep(tmp_path):
@@ -279,23 +361,148 @@ def test_branch_op_json_and_the_rows_per_program_sweep(tmp_path):
     assert text.startswith("copy ") and f"best {sweep['best']} (" in text and f"× the default 1 (" in text
 
 
+# ---------------------------------------------------------------------------
+# the fake slot: the repo venv's python, made to import what a borrowed GPU slot's own python3 has and nothing else
+#
+# A sitecustomize.py in a folder put on PYTHONPATH (so every process the stages start inherits it) wraps the path
+# finder: a top-level module that is not in the standard library, not in the repo, and not of a distribution the
+# slot has (gpu_checks.SLOT_HAS and what those require, read from the installed metadata) is not found, exactly as
+# if it were not installed: `import rustbpe` raises ModuleNotFoundError, importlib.util.find_spec returns None, and
+# importlib.metadata (pytest's plugins, torch's entry points) does not list its distribution either. A venv with
+# --system-site-packages cannot do this (the venv has everything), and a stub package that raises on import would
+# still be found by find_spec.
+
+SITECUSTOMIZE = """\
+# the fake borrowed GPU slot of tests/test_gpu_checks.py (written by the test; see there)
+import os, re, sys, sysconfig
+import importlib.machinery
+
+MODULES = {modules!r}  # the top-level modules of the slot's distributions
+DISTS = {dists!r}  # those distributions, names normalised
+REPO = {repo!r}
+OPEN = MODULES | set(sys.stdlib_module_names) | set(sys.builtin_module_names)
+LOG = os.environ.get("FAKE_SLOT_LOG")  # each module hidden, a line (the test prints them)
+STDLIB = {{sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}}  # also the modules stdlib_module_names leaves out (_sysconfigdata_*)
+SITE = {{sysconfig.get_paths()[k] for k in ("purelib", "platlib")}}
+
+
+def places(spec):
+    return [os.path.abspath(p) for p in ([spec.origin] if spec.origin else list(spec.submodule_search_locations or [])) if p]
+
+
+def under(spec, roots):
+    return any(p.startswith(r + os.sep) for p in places(spec) for r in roots)
+
+
+def vendored(spec):  # inside an allowed package's own folder (setuptools puts its _vendor on sys.path: jaraco, more_itertools)
+    return any(os.path.relpath(p, r).split(os.sep)[0] in MODULES for p in places(spec) for r in SITE if p.startswith(r + os.sep))
+
+
+def slots(spec):  # the standard library's or the repo's (not in site-packages), or inside a package the slot has
+    return (under(spec, STDLIB | {{REPO}}) and not under(spec, SITE)) or vendored(spec)
+
+
+class Hide:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def find_spec(self, name, path=None, target=None):
+        spec = self.inner.find_spec(name, path, target)
+        if spec is None or "." in name or name in OPEN or slots(spec):
+            return spec
+        # not the slot's: past the site-packages folders, a copy the slot has too (setuptools' _vendor) may be found
+        spec = self.inner.find_spec(name, [e for e in (path or sys.path) if os.path.abspath(e or ".") not in SITE], target)
+        if spec is not None and slots(spec):
+            return spec
+        if LOG:
+            with open(LOG, "a") as f:
+                f.write(name + "\\n")
+        return None
+
+    def find_distributions(self, *args, **kwargs):
+        for d in self.inner.find_distributions(*args, **kwargs):
+            if re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() in DISTS:
+                yield d
+
+
+sys.meta_path[:] = [Hide(f) if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+"""
+
+
+def slot_distributions():
+    """(distributions, top-level modules) a slot's python3 has: gpu_checks.SLOT_HAS and everything they require
+    (installed here), as the slot's pip installed them."""
+    import importlib.metadata as md
+    import re
+    from packaging.requirements import Requirement
+    norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+    todo, dists = list(gpu_checks.SLOT_HAS), set()
+    while todo:
+        name = todo.pop()
+        if norm(name) in dists:
+            continue
+        dists.add(norm(name))
+        try:
+            requires = md.distribution(name).requires or []
+        except md.PackageNotFoundError:
+            continue  # a requirement of the slot's build that this machine's lacks (the CUDA libraries)
+        todo += [r.name for r in map(Requirement, requires) if not r.marker or r.marker.evaluate({"extra": ""})]
+    modules = {m for m, ds in md.packages_distributions().items() if any(norm(d) in dists for d in ds)}
+    return dists, modules
+
+
+def slot_site(tmp_path):
+    """A folder for PYTHONPATH that makes this venv's python a fake slot's (SITECUSTOMIZE above)."""
+    site = tmp_path / "slot_site"
+    site.mkdir()
+    dists, modules = slot_distributions()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(modules=modules, dists=dists, repo=REPO))
+    return site
+
+
+def slot_env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PYTHONPATH", "VIRTUAL_ENV")}
+    return dict(env, PYTHONPATH=str(slot_site(tmp_path)), FAKE_SLOT_LOG=str(tmp_path / "hidden.txt"), OMP_NUM_THREADS="1", **extra)
+
+
+def test_the_fake_slot_has_what_the_slot_has(tmp_path):
+    # what the slot has imports (and find_spec finds); what it lacks is not found, not even in the metadata
+    env = slot_env(tmp_path)
+    has = {"pyarrow": "pyarrow", "PyYAML": "yaml", "pytest": "pytest", "numpy": "numpy", "matplotlib": "matplotlib", "tiktoken": "tiktoken",
+           "torch": "torch", "triton": "triton"}
+    assert sorted(has) == sorted(gpu_checks.SLOT_HAS)
+    code = ("import importlib.util, importlib.metadata as md, json, sys\n"
+            f"for m in {sorted(has.values())!r}: __import__(m)\n"
+            "import nanochat.common, scripts.bench.gpu_checks\n"
+            "gone = [m for m in ('rustbpe', 'flash_attn', 'transformers', 'wandb', 'tensorboard', 'lm_eval', 'safetensors', 'trackio', 'xdist') "
+            "if importlib.util.find_spec(m) is None]\n"
+            "dists = sorted(d.metadata['Name'].lower() for d in md.distributions())\n"
+            "try:\n    import rustbpe\nexcept ModuleNotFoundError as e:\n    print(json.dumps([gone, dists, str(e)]))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    gone, dists, error = json.loads(r.stdout.splitlines()[-1])
+    assert gone == ["rustbpe", "flash_attn", "transformers", "wandb", "tensorboard", "lm_eval", "safetensors", "trackio", "xdist"]
+    assert error == "No module named 'rustbpe'"
+    assert {"torch", "triton", "pyarrow", "pyyaml", "pytest", "numpy", "matplotlib", "tiktoken"} <= set(dists)
+    assert not {"rustbpe", "flash-attn-4", "transformers", "wandb", "pytest-xdist", "nag-chat"} & set(dists)
+
+
 def fake_slot_python(tmp_path):
-    """A repo tree without .venv and a python3 first on PATH that has torch and Triton but no rustbpe (nor tiktoken,
-    pyarrow or yaml), like a borrowed GPU slot's own."""
-    tree, bin_dir, missing = tmp_path / "tree", tmp_path / "bin", tmp_path / "missing"
+    """A repo tree without .venv and a python3 first on PATH that is the fake slot's (slot_env)."""
+    tree, bin_dir = tmp_path / "tree", tmp_path / "bin"
     for d in (tree / "runs", bin_dir):
         d.mkdir(parents=True)
     for name in ("scripts", "nanochat", "nag", "tests"):
         (tree / name).symlink_to(os.path.join(REPO, name))
     (tree / "runs" / "gpu_checks.sh").write_text(open(os.path.join(REPO, "runs", "gpu_checks.sh")).read())
-    for module in ("rustbpe", "tiktoken", "pyarrow", "yaml"):
-        (missing / module).mkdir(parents=True)
-        (missing / module / "__init__.py").write_text(f"raise ImportError('no {module} on this machine')")
+    env = slot_env(tmp_path)
     python3 = bin_dir / "python3"
-    python3.write_text(f'#!/bin/sh\nPYTHONPATH={missing} exec {sys.executable} "$@"\n')
+    python3.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     python3.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PYTHONPATH", "VIRTUAL_ENV")}
-    return tree, dict(env, PATH=f"{bin_dir}:{env['PATH']}", OMP_NUM_THREADS="1")
+    return tree, dict(env, PATH=f"{bin_dir}:{env['PATH']}")
 
 
 def test_the_slot_python_is_picked_without_venv_or_rustbpe(tmp_path):
@@ -304,10 +511,67 @@ def test_the_slot_python_is_picked_without_venv_or_rustbpe(tmp_path):
                        env=env, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1].startswith("writes 3 files") and not (tree / ".venv").exists()
-    # what the stages import, under that python: no rustbpe or data library among it
+    # what the stages import, under that python: nothing the slot lacks among it
     code = "import scripts.bench.train, scripts.bench.nag, scripts.bench.attention, scripts.bench.mod, scripts.bench.models, nag.kernels"
     r = subprocess.run([str(tmp_path / "bin" / "python3"), "-c", code], cwd=tree, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# Each stage's own command line, as gpu_checks builds it, with its sizes made tiny for a CPU: the smallest shape, one
+# timed step after one warm-up, the branch op on 8 rows, its sweep over rows per program the default alone.
+# bench_train's --compile on becomes off: the CPU's inductor takes 20+ s a variant and builds C++, not the GPU's
+# Triton; inductor's imports are the attention stage's, which compiles as it would on the GPU.
+TINY = {"--depth": "1", "--aspect-ratio": "128", "--model-dim": "128", "--head-dim": "32", "--max-seq-len": "16", "--device-batch-size": "1",
+        "--total-batch-size": "16", "--vocab-size": "512", "--steps": "1", "--warmup": "1", "--compile": "off",
+        "--op-rows": "8", "--op-dim": "32", "--op-rows-per-program": "1"}
+
+
+def tiny(stage):
+    cmd = list(stage.cmd)
+    for i, arg in enumerate(cmd[:-1]):
+        if arg in TINY and not cmd[i + 1].startswith("--"):  # a flag with a value (attention's --compile has none)
+            cmd[i + 1] = TINY[arg]
+    assert all(float(a) <= 512 for a in cmd if a.replace(".", "").isdigit()), cmd  # no size of the GPU's left
+    return gpu_checks.Stage(stage.name, stage.what, cmd, 240, stage.expect, stage.figures, stage.writes_json, stage.cold)
+
+
+@pytest.mark.slow
+def test_every_quick_stage_runs_under_the_slot_python(tmp_path, monkeypatch):
+    # the real commands of --quick (and of fp8_mod: base_train itself) under the fake slot, through the runner as on
+    # the GPU: an import the slot cannot make, or a package it lacks, fails its stage here
+    for k, v in slot_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("VIRTUAL_ENV", raising=False)
+    full = {s.name: s for s in gpu_checks.stages(quick=False)}
+    plan = [tiny(s) for s in gpu_checks.stages(quick=True)] + [tiny(full["fp8_mod"])]
+    work = tmp_path / "work"
+    work.mkdir()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    failed = gpu_checks.run_stages(plan, str(work), budget=3600)  # the runner's loop, one stage after another
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = cpu.ru_utime + cpu.ru_stime - before.ru_utime - before.ru_stime
+    got = {n: (s["ok"], s["seconds"], s["note"]) for n, s in json.loads((work / "results.json").read_text())["stages"].items()}
+    hidden = sorted(set((tmp_path / "hidden.txt").read_text().split())) if (tmp_path / "hidden.txt").exists() else []
+    print(f"\nhidden from the stages (tried, not found): {hidden}; the stages' CPU time {cpu:.0f} s")
+    for name, (ok, seconds, note) in got.items():
+        print(f"{name}: {'ok' if ok else 'FAILED'}, {seconds:.0f} s: {note}")
+    assert list(got) == [s.name for s in plan]
+    logs = {n: (work / f"{n}.log").read_text()[-3000:] for n in got}
+    assert "rustbpe" not in hidden  # not even tried
+    # kernel_tests: CUDA by nature; on a CPU every CUDA test skips itself and the stage fails as it must (no CUDA test ran),
+    # but pytest collected tests/test_nag_kernels.py and its conftest under the slot's python and none errored
+    ok, _, note = got.pop("kernel_tests")
+    kt = json.loads((work / "kernel_tests.json").read_text())
+    assert not ok and note.startswith("exit 1: error: kernel tests: pytest exit 0, 0 CUDA test(s) passed"), logs["kernel_tests"]
+    assert kt["pytest_exit"] == 0 and kt["error"] == kt["failure"] == 0 and kt["skipped"] > 0, kt
+    for name, (ok, seconds, note) in got.items():
+        assert ok, f"{name}: {note}\n{logs[name]}"
+    assert failed == ["kernel_tests"]
+    # fp8_mod: base_train's 3 steps with 128-wide layers, the size rule's smallest, so that fp8 and MoD's padding run
+    fp8_mod = json.loads((work / "fp8_mod.json").read_text())
+    assert fp8_mod["base_train_exit"] == 0 and fp8_mod["fp8_layers"] > 0 and fp8_mod["attention"] == "sdpa"
+    assert [s["step"] for s in fp8_mod["steps"]] == [1, 2, 3] and all(0 < s["skip_mlp"] < 1 for s in fp8_mod["steps"])
+    assert got["fp8_mod"][2].startswith(f"3 steps, fp8 on {fp8_mod['fp8_layers']} layers, attention sdpa: step 1 ")
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """
 The measurements only a GPU can make, sized for a GPU borrowed for a few minutes (no network, no data:
-the benchmarks use random tokens).
+the benchmarks use random tokens, and fp8_mod's base_train an offline corpus it writes from the standard library).
 
     bash runs/gpu_checks.sh --quick    # (GPU) at most 7 minutes on one H100/H200, compiles included
-    bash runs/gpu_checks.sh            # (GPU) also depth 4 with cold compiles, per-block compile, the published shape at full depth, MoD, CORE batching (EVAL_BUNDLE=DIR)
+    bash runs/gpu_checks.sh            # (GPU) also depth 4 with cold compiles, per-block compile, the published shape at full depth, MoD, fp8 with MoD, CORE batching (EVAL_BUNDLE=DIR)
     python -m scripts.bench.gpu_checks --quick --dry-run   # the stages, their limits and expected times, the files; needs no GPU
 
 Without a GPU it says so in one line and stops. Otherwise the stages run in the order a first GPU slot must answer
@@ -22,7 +22,9 @@ A stage that fails or runs out of time is marked FAILED and the exit status is 1
 import os
 import sys
 import json
+import math
 import time
+import shutil
 import signal
 import tarfile
 import argparse
@@ -41,7 +43,17 @@ PUBLISHED_SHAPE = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "
 D24 = ["--depth", "24", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
 D20 = ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
 TIMED = ["--steps", "10", "--warmup", "3"]
+# base_train itself, NAG-MoD at 20 % skipped with --fp8, at the published width (depth 8, as step): 3 steps of one micro-batch,
+# no evaluation, the one checkpoint at the end; compiled as base_train compiles on CUDA (its default)
+FP8_MOD = ["--arch", "nag", "--depth", "8", "--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16",
+           "--total-batch-size", str(16 * 2048), "--num-iterations", "3", "--fp8", "--mod-rate", "0.2", "--eval-every", "-1", "--save-every", "0"]
+OFFLINE_DOCS = 200  # the base_train stage's corpus: this many of the standard library's docs (~1,300 documents, ~1 MB of text)
 ROWS_PER_PROGRAM = "1,2,4,8,16,32"  # the fused backward's sweep (nag.kernels.BACKWARD_ROWS_PER_PROGRAM is the default)
+# A borrowed GPU slot's own python3 (Python 3.12, torch 2.11.0+cu130, Triton 3.6.0), which runs/gpu_checks.sh takes when
+# the tree has no .venv: the distributions it has (with what they require), and what it lacks. It has no network either.
+# tests/test_gpu_checks.py builds its fake slot from SLOT_HAS; docs/gpu_checks.md lists both.
+SLOT_HAS = ("torch", "triton", "pyarrow", "PyYAML", "pytest", "numpy", "matplotlib", "tiktoken")
+SLOT_LACKS = ("rustbpe", "flash-attn-4")
 
 
 @dataclass
@@ -104,6 +116,11 @@ def stages(quick, eval_bundle=None):
         Stage("mod", "NAG-MoD at 20 / 40 % skipped vs full depth, width 640, depth 8: time saved for FLOPs saved",
               [py, "-m", "scripts.bench.mod", "--depth", "8", *PUBLISHED_SHAPE, "--rates", "0,0.2,0.4", "--blocks", "attn,mlp,both",
                "--steps", "10", "--warmup", "3"], 240, 90, writes_json=False),
+        # base_train itself (not a benchmark's copy of its step): --fp8 with MoD's packed, data-dependent token counts on
+        # CUDA's _scaled_mm, which checks its shapes (the CPU's does not), and under base_train's torch.compile
+        Stage("fp8_mod", "base_train --fp8 --mod-rate 0.2 (NAG-MoD, both blocks), 3 steps at the published width (640, 16 × 2048), "
+              "depth 8, compiled as base_train compiles, an offline corpus: each step's time, skip rates",
+              [py, "-m", "scripts.bench.gpu_checks", "--base-train", "{json}", "--vocab-size", "32768", *FP8_MOD], 300, 150, train_figures),
     ]
     if eval_bundle:
         out.append(Stage("core_batching", "CORE scoring batched vs one at a time on the GPU",
@@ -251,6 +268,81 @@ def kernel_tests(json_path):
 
 
 # ---------------------------------------------------------------------------
+# the base_train stage: a few steps of base_train itself, on an offline corpus and a tokenizer of byte pairs
+
+
+def pair_tokenizer(vocab_size):
+    """A tokenizer of vocab_size tokens made without training (a borrowed slot has no rustbpe): the 256 bytes, then
+    pairs of bytes (the printable ASCII pairs first), then the special tokens. It encodes any text, about two bytes
+    a token; its merges mean nothing, which a step's time does not mind."""
+    import tiktoken
+    from nanochat.common import UserError
+    from nanochat.tokenizer import Tokenizer, SPECIAL_TOKENS, SPLIT_PATTERN
+    pairs = vocab_size - len(SPECIAL_TOKENS) - 256
+    if not 0 <= pairs <= 256 * 256:
+        raise UserError(f"--vocab-size {vocab_size}: a tokenizer of byte pairs has {256 + len(SPECIAL_TOKENS)} to "
+                        f"{256 + 256 * 256 + len(SPECIAL_TOKENS)} tokens")
+    printable = range(32, 127)
+    order = [bytes([a, b]) for a in printable for b in printable]
+    order += [bytes([a, b]) for a in range(256) for b in range(256) if not (a in printable and b in printable)]
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks.update((token, 256 + i) for i, token in enumerate(order[:pairs]))
+    specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
+    return Tokenizer(tiktoken.Encoding(name="gpu_checks_pairs", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials))
+
+
+def base_train_stage(json_path, argv):
+    """base_train with argv (its flags, and --vocab-size N: the tokenizer's) in a new NANOCHAT_BASE_DIR holding an
+    offline corpus (OFFLINE_DOCS of the standard library's docs: nanochat.dataset, pyarrow) and pair_tokenizer(N). Writes
+    json_path: base_train's exit status, the run's fp8 layers and attention kernel, and each step's time, loss, MoD skip
+    rates and MFU from its metrics.jsonl. Exit status 1 if base_train failed, or ran no layer in fp8 with --fp8, or
+    skipped no token with --mod-rate."""
+    from nanochat.dataset import build_offline_corpus
+    i = argv.index("--vocab-size")
+    vocab, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
+    base = tempfile.mkdtemp(prefix="gpu_checks_base_")
+    try:
+        build_offline_corpus(os.path.join(base, "base_data"), num_train_shards=1, max_docs=OFFLINE_DOCS)
+        pair_tokenizer(vocab).save(os.path.join(base, "tokenizer"))
+        run_dir = os.path.join(base, "run")
+        cmd = [sys.executable, "-m", "scripts.base_train", "--run", run_dir, *argv]
+        print("$ " + " ".join(cmd), flush=True)
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, NANOCHAT_BASE_DIR=base), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        lines = []
+        for line in proc.stdout:  # into the stage's log as it comes
+            print(line, end="", flush=True)
+            lines.append(line.strip())
+        rc = proc.wait()
+        seconds = time.time() - t0
+        rows = []
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                rows = [json.loads(l) for l in f if l.strip()]
+        config = load(run_dir, "config") or {}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    steps, tokens = [], 0
+    for row in rows:
+        if row.get("step") and row.get("tok_per_sec"):
+            mod = row.get("mod", {})
+            steps.append({"step": row["step"], "ms": 1000 * (row["tokens"] - tokens) / row["tok_per_sec"], "train_loss": row["train_loss"],
+                          "skip_attn": mod.get("skip_attn"), "skip_mlp": mod.get("skip_mlp"), "mfu": row.get("mfu")})
+            tokens = row["tokens"]
+    peak = next((float(l.split()[2]) for l in lines if l.startswith("peak memory ")), None)
+    d = {"base_train_exit": rc, "seconds": seconds, "argv": argv, "vocab_size": vocab, "fp8_layers": config.get("fp8_layers"),
+         "attention": (config.get("attention") or {}).get("kernel"), "peak_mem_gib": peak, "steps": steps}
+    with open(json_path, "w") as f:
+        json.dump(d, f, indent=1)
+    why = (f"base_train exit {rc}: {lines[-1] if lines else ''}" if rc != 0 else
+           "--fp8 ran no layer in fp8" if "--fp8" in argv and not d["fp8_layers"] else
+           "--mod-rate skipped no token" if "--mod-rate" in argv and not any(s["skip_mlp"] or s["skip_attn"] for s in steps) else None)
+    if why:
+        sys.exit(f"error: base_train stage: {why}")
+
+
+# ---------------------------------------------------------------------------
 # figures: one short text per stage, and the headline block
 
 
@@ -290,6 +382,17 @@ def rows_per_program_figures(sweep):
     return (f"fused backward alone by rows per program: best {sweep['best']} ({gbps[str(sweep['best'])]:.0f} GB/s), "
             f"{sweep['gain_over_default']:.3f}× the default {sweep['default']} ({gbps[str(sweep['default'])]:.0f} GB/s); "
             + ", ".join(f"{k}: {v:.0f}" for k, v in gbps.items()))
+
+
+def train_figures(d):
+    s = d["steps"]
+    if not s:
+        return "no step logged"
+    times = ", ".join(f"{x['ms']:.0f}" for x in s[1:])
+    skip = lambda k: ", ".join(f"{100 * x[k]:.0f}" for x in s if x[k] is not None) or "-"
+    return (f"{len(s)} steps, fp8 on {d['fp8_layers']} layers, attention {d['attention']}: step 1 {s[0]['ms'] / 1000:.1f} s (compiles), "
+            f"then {times} ms; skipped % attn {skip('skip_attn')}, mlp {skip('skip_mlp')}"
+            + (f"; MFU {100 * s[-1]['mfu']:.1f}%" if s[-1].get("mfu") else "") + (f"; peak {d['peak_mem_gib']:.1f} GiB" if d["peak_mem_gib"] else ""))
 
 
 def compile_figures(r):
@@ -371,6 +474,11 @@ def headline(out):
     if d20:
         lines.append(f"- GPT d20-like (20 × {d20['dim']}, {d20['tokens_per_step']:,} tokens per step), compiled: "
                      + (f"MFU {100 * d20['mfu']:.1f}%, " if "mfu" in d20 else "") + f"{d20['step_ms']:.0f} ms per step")
+    fm = load(out, "fp8_mod")
+    if fm and len(fm["steps"]) > 1:
+        lines.append(f"- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8: {len(fm['steps'])} steps ran, "
+                     f"{min(x['ms'] for x in fm['steps'][1:]):.0f} ms per step after the first ({fm['steps'][0]['ms'] / 1000:.0f} s), "
+                     f"{fm['fp8_layers']} layers in fp8")
     cold = [r for r in (g4, n4, g8, n8, d20, g64, n64) if r and r["fresh_cache"]]
     if cold:
         lines.append("- cold compile (empty caches; first step minus a timed one): "
@@ -417,10 +525,32 @@ def parse(argv=None):
     p.add_argument("--quick", action="store_true", help=f"the stages a first GPU slot must answer, in {QUICK_BUDGET // 60} minutes on one GPU")
     p.add_argument("--out", type=str, default="", help="output folder ($OUT wins when set; default gpu_checks/)")
     p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for the whole run (default {QUICK_BUDGET} with --quick, else {FULL_BUDGET})")
+                   help=f"seconds for the whole run, positive (default {QUICK_BUDGET} with --quick, else {FULL_BUDGET})")
     p.add_argument("--dry-run", action="store_true", help="print the stages and stop (no GPU needed)")
     p.add_argument("--kernel-tests", type=str, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--base-train", nargs=argparse.REMAINDER, default=None, help=argparse.SUPPRESS)  # JSON, then base_train's flags
     return p.parse_args(argv)
+
+
+def refusal(args):
+    """The one `error:` line for flags no run can use (the wording of nanochat.common's number rules), else None."""
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget > 0):
+        return f"--budget must be positive; got {args.budget:g}"
+    return None
+
+
+def eval_bundle(quick):
+    """$EVAL_BUNDLE for the full run's core_batching stage: the folder, or None. Set to what is not an eval bundle
+    (a folder with core.yaml, as nanochat.core_eval reads it), one line on stderr says so and that the stage is left
+    out; --quick has no such stage."""
+    bundle = os.environ.get("EVAL_BUNDLE", "")
+    if quick or not bundle:
+        return None
+    if os.path.isfile(os.path.join(bundle, "core.yaml")):
+        return bundle
+    why = "has no core.yaml" if os.path.isdir(bundle) else "is not a folder"
+    print(f"note: EVAL_BUNDLE={bundle} {why}: the core_batching stage is left out", file=sys.stderr, flush=True)
+    return None
 
 
 def main(argv=None):
@@ -428,9 +558,15 @@ def main(argv=None):
     args = parse(argv)
     if args.kernel_tests:
         return kernel_tests(args.kernel_tests)
-    budget = args.budget or (QUICK_BUDGET if args.quick else FULL_BUDGET)
-    bundle = os.environ.get("EVAL_BUNDLE", "")
-    plan = stages(args.quick, bundle if bundle and os.path.isdir(bundle) else None)
+    if args.base_train is not None:
+        from nanochat.common import exit_on_user_error
+        with exit_on_user_error():
+            return base_train_stage(args.base_train[0], args.base_train[1:])
+    if why := refusal(args):
+        print(f"error: {why}", file=sys.stderr)
+        sys.exit(1)
+    budget = args.budget if args.budget is not None else QUICK_BUDGET if args.quick else FULL_BUDGET
+    plan = stages(args.quick, eval_bundle(args.quick))
     if args.dry_run:
         return dry_run(plan, budget)
     import torch
