@@ -9,8 +9,9 @@ validation tokens per run (analysis/capture.py), then analysis.json (every numbe
 analysis.md (a table beside the paper's and walkthrough's numbers) in --out (default
 $NANOCHAT_BASE_DIR/reports/analysis_<run1>@<step>_vs_<run2>@<step>, named by the runs and steps analysed, the
 folder scripts.compare links from a report of those runs at those steps), with inputs.json, its manifest.
-An analysis of other inputs or settings in that folder moves to its replaced/ first; a folder holding files
-the analysis did not write is refused unless --force. docs/analysis.md explains each measure.
+An analysis of other inputs or settings in that folder moves to its replaced/ first, and so does a file it wrote
+that was changed since (the manifest keeps each one's sha256); a folder holding files the analysis did not write is
+refused unless --force. docs/analysis.md explains each measure.
 """
 
 import os
@@ -22,7 +23,8 @@ import argparse
 
 import torch
 
-from nanochat.common import UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes, ensure_writable_dir
+from nanochat.common import (UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes,
+                             ensure_writable_dir, parse_checked, positive_int, STEP)
 from nanochat.run_dir import folder_name, claim_folder, staging, publish
 from nanochat import checkpoint_manager as ckpt
 from nanochat.loss_eval import held_batches
@@ -39,19 +41,19 @@ SETTINGS = ("tokens", "clusters", "state_sample", "token_sample", "device_batch_
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m analysis", description="Residual geometry, attention sinks and confidence of checkpoints: analysis.json + figures + analysis.md.")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
-    p.add_argument("--step", type=int, default=-1, help="checkpoint step of every run (default: each run's latest)")
-    p.add_argument("--tokens", type=int, default=65536, help="validation tokens per run (rounded down to whole batches)")
-    p.add_argument("--clusters", type=int, default=32, help="spherical k-means clusters for the norm spread (paper Table III)")
-    p.add_argument("--state-sample", type=int, default=1024, help="tokens whose residual vectors are kept for clustering")
-    p.add_argument("--token-sample", type=int, default=65536, help="tokens whose per-token scalars are kept (percentiles, deciles, AUROC)")
-    p.add_argument("--device-batch-size", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--step", type=STEP, default=-1, help="checkpoint step of every run (-1: each run's latest)")
+    p.add_argument("--tokens", type=positive_int, default=65536, help="validation tokens per run (rounded down to whole batches)")
+    p.add_argument("--clusters", type=positive_int, default=32, help="spherical k-means clusters for the norm spread (paper Table III)")
+    p.add_argument("--state-sample", type=positive_int, default=1024, help="tokens whose residual vectors are kept for clustering")
+    p.add_argument("--token-sample", type=positive_int, default=65536, help="tokens whose per-token scalars are kept (percentiles, deciles, AUROC)")
+    p.add_argument("--device-batch-size", type=positive_int, default=8, help="sequences per forward pass")
     p.add_argument("--seed", type=int, default=0, help="seed of the token samples and of k-means")
     p.add_argument("--out", type=str, default=None, help="output directory (default: $NANOCHAT_BASE_DIR/reports/"
                    "analysis_<run1>@<step>_vs_<run2>@<step>); an earlier analysis of other inputs there moves to its replaced/")
     p.add_argument("--force", action="store_true", help="write into a folder that holds files the analysis did not write "
                    "(its files of the names written are replaced)")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    return p.parse_args(argv)
+    return parse_checked(p, argv)
 
 
 class Progress:
@@ -70,12 +72,6 @@ class Progress:
 
 def check_runs(args, tokenizer):
     """Every run exists, has the checkpoint asked for and matches the tokenizer; checked before any pass or write."""
-    if args.tokens <= 0:
-        raise UserError(f"--tokens must be positive, got {args.tokens}")
-    if args.clusters < 1:
-        raise UserError(f"--clusters must be at least 1, got {args.clusters}")
-    if args.device_batch_size < 1 or args.state_sample < 1 or args.token_sample < 1:
-        raise UserError("--device-batch-size, --state-sample and --token-sample must be at least 1")
     plans, names, notes = [], [], []
     for run in args.runs:
         run_dir = ckpt.resolve_run_dir(run)

@@ -149,15 +149,26 @@ def arch_for_args(args):
 RECIPE_FLAGS = frozenset({f"no_{part}" for part in RECIPE_PARTS} | {"scalar_lr"})
 
 
-def ignored_flags(args, defaults):
-    """{family: flags} of the NAG or recipe flags set on an arch that does not read them (defaults: the parser's
-    defaults). Not an error: speedrun.sh passes one flag list to both runs of a pair; but never silent either."""
+def unread_flags(args):
+    """{flag key: family} of every NAG or recipe flag the arch of args does not read, whatever its value: no setting
+    of that run. Its value is recorded in config.json's args as given, but a resume never compares it (base_train adds
+    these to the not-settings), so --no-smear or --scalar-lr given to, or dropped from, a gpt run never blocks it."""
     arch, spec = arch_for_args(args)
     reads = {"nag": issubclass(spec.model_class, NAGGPT), "recipe": issubclass(spec.model_class, RecipeParts)}
     out = {}
-    for k, v in vars(args).items():
+    for k in vars(args):
         family = "nag" if k.startswith("nag_") else "recipe" if k in RECIPE_FLAGS else None
-        if family and not reads[family] and k not in spec.reads and v != getattr(defaults, k):
+        if family and not reads[family] and k not in spec.reads:
+            out[k] = family
+    return out
+
+
+def ignored_flags(args, defaults):
+    """{family: flags} of the NAG or recipe flags set on an arch that does not read them (defaults: the parser's
+    defaults). Not an error: speedrun.sh passes one flag list to both runs of a pair; but never silent either."""
+    out = {}
+    for k, family in unread_flags(args).items():
+        if getattr(args, k) != getattr(defaults, k):
             out.setdefault(family, []).append(f"--{k.replace('_', '-')}")
     return out
 

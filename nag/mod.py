@@ -45,12 +45,13 @@ class ModConfig:
 
 def add_mod_args(parser):
     """The MoD flags, read by both MoD models (registered once, by the nag spec in nag/archs.py)."""
+    from nanochat.common import fraction
     g = parser.add_argument_group("Mixture-of-Depths (--arch nag: rotation score; --arch gpt --mod-router: router baseline)")
     g.add_argument("--mod-rate", type=float, default=None, help="target share of skipped token-sublayers, in [0, 0.95)")
     g.add_argument("--mod-blocks", type=str, default=None, choices=BLOCKS, help="sub-layers tokens may skip (default: both)")
     g.add_argument("--mod-router", action="store_true", help="with --arch gpt: the router-MoD baseline (paper eq. 40)")
-    g.add_argument("--mod-threshold-momentum", type=float, default=ModConfig.momentum,
-                   help="the evaluation thresholds, moving averages of the training batch quantiles: weight of the old estimate")
+    g.add_argument("--mod-threshold-momentum", type=fraction(top_open=True), default=ModConfig.momentum,
+                   help="the evaluation thresholds, moving averages of the training batch quantiles: weight of the old estimate, in [0, 1)")
 
 
 def check_rate(rate, flag="--mod-rate"):
@@ -67,8 +68,6 @@ def mod_config_from_args(args):
             raise UserError("--mod-blocks needs --mod-rate (the target share of skipped token-sublayers)")
         return None
     check_rate(args.mod_rate)
-    if not 0 <= args.mod_threshold_momentum < 1:
-        raise UserError(f"--mod-threshold-momentum must be in [0, 1) (got {args.mod_threshold_momentum})")
     return ModConfig(blocks=args.mod_blocks or "both", rate=args.mod_rate, momentum=args.mod_threshold_momentum)
 
 

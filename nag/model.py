@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from nanochat import step_timer
 from nanochat.gpt import GPT, Linear
+from nanochat.common import positive_int, positive_float, non_negative
 from nag.functional import nag_branch, modulator
 from nag.mod import ModConfig, Thresholds, mod_config_from_args, rotation_score, run_executed, flops_with_skips, skip_summary
 
@@ -39,29 +40,23 @@ class NAGConfig:
 
 def add_nag_args(parser):
     g = parser.add_argument_group("NAG (used with --arch nag)")
-    g.add_argument("--nag-gate-lr", type=float, default=1e-3, help="AdamW LR of α, β, coef, m_down (× batch LR scale)")
-    g.add_argument("--nag-temp-gain-lr", type=float, default=0.005, help="AdamW LR of log G_encode (× batch LR scale)")
-    g.add_argument("--nag-alpha-warmup-tokens", type=int, default=NAGConfig.alpha_warmup_tokens, help="0 disables the α warm-up")
-    g.add_argument("--nag-mod-floor", type=float, default=NAGConfig.mod_floor, help="floor of u before the power; 0 reproduces failure 1")
+    # an LR of 0 would freeze the gates, a negative one climb the loss: positive, as --matrix-lr (nanochat/common.py's rule)
+    g.add_argument("--nag-gate-lr", type=positive_float, default=1e-3, help="AdamW LR of α, β, coef, m_down (× batch LR scale)")
+    g.add_argument("--nag-temp-gain-lr", type=positive_float, default=0.005, help="AdamW LR of log G_encode (× batch LR scale)")
+    g.add_argument("--nag-alpha-warmup-tokens", type=non_negative(int, "no α warm-up"), default=NAGConfig.alpha_warmup_tokens,
+                   help="0 disables the α warm-up")
+    g.add_argument("--nag-mod-floor", type=non_negative(float, "no floor, failure 1"), default=NAGConfig.mod_floor,
+                   help="floor of u before the power; 0 reproduces failure 1")
     g.add_argument("--nag-renorm", type=str, default=NAGConfig.renorm, choices=["measured", "predicted"])
-    g.add_argument("--nag-directions", type=int, default=NAGConfig.directions)
+    g.add_argument("--nag-directions", type=positive_int, default=NAGConfig.directions)
     g.add_argument("--nag-alpha-init-power", type=float, default=NAGConfig.alpha_init_power)
-    g.add_argument("--nag-gate-log-every", type=int, default=100, help="gate telemetry every N steps (0 = never)")
+    g.add_argument("--nag-gate-log-every", type=non_negative(int, "never"), default=100, help="gate telemetry every N steps (0 = never)")
     g.add_argument("--nag-impl", type=str, default="", choices=["", "reference", "compiled", "fused"],
                    help="branch implementation (default: fused on cuda, reference elsewhere)")
 
 
 def nag_config_from_args(args):
-    from nanochat.common import UserError
-    if args.nag_mod_floor < 0:
-        raise UserError(f"--nag-mod-floor must be >= 0 (got {args.nag_mod_floor})")
-    if args.nag_directions < 1:
-        raise UserError(f"--nag-directions must be >= 1 (got {args.nag_directions})")
-    if args.nag_alpha_warmup_tokens < 0:
-        raise UserError(f"--nag-alpha-warmup-tokens must be >= 0 (got {args.nag_alpha_warmup_tokens})")
-    for flag, lr in (("--nag-gate-lr", args.nag_gate_lr), ("--nag-temp-gain-lr", args.nag_temp_gain_lr)):
-        if not lr > 0:  # as --matrix-lr: a zero LR freezes the gates, a negative one climbs the loss
-            raise UserError(f"{flag} must be positive (got {lr})")
+    """NAGConfig of the parsed flags (their values were checked as they were parsed: add_nag_args)."""
     return NAGConfig(directions=args.nag_directions, alpha_init_power=args.nag_alpha_init_power, mod_floor=args.nag_mod_floor,
                      renorm=args.nag_renorm, alpha_warmup_tokens=args.nag_alpha_warmup_tokens)
 

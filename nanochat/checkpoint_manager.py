@@ -76,11 +76,16 @@ def damage(run_dir, step):
     """Why the checkpoint of `step` is not complete, or None when it is: its meta json (written last) and every file it
     lists exist, the model file and one train-state file per rank of the run that saved it, each of the size the meta
     records (a checkpoint saved before sizes were recorded: existence only)."""
+    name = os.path.basename(meta_path(run_dir, step))
     try:
-        with open(meta_path(run_dir, step)) as f:
+        with open(meta_path(run_dir, step), encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, ValueError):
+    except OSError:
         return "a save was cut short"
+    except ValueError:  # written atomically, so never half of one: damaged since (a copy, a disk, an edit)
+        return f"{name} is not valid JSON: the file is damaged"
+    if not (isinstance(meta, dict) and isinstance(meta.get("world_size", 1), int) and isinstance(meta.get("file_sizes", {}), dict)):
+        return f"{name} is not a checkpoint's meta (an object with its number of ranks and file sizes): the file is damaged"
     sizes = meta.get("file_sizes", {})
     for path in [model_path(run_dir, step)] + [optim_path(run_dir, step, r) for r in range(meta.get("world_size", 1))]:
         name = os.path.basename(path)
@@ -186,10 +191,16 @@ def load_model_file(run_dir, step, device="cpu"):
 
 
 def load_meta(run_dir, step):
+    """The meta of a complete checkpoint; one that lacks what a reader needs (its arch, model config) is one line."""
     if not is_complete(run_dir, step):
         raise missing_step_error(run_dir, step)
-    with open(meta_path(run_dir, step)) as f:
-        return json.load(f)
+    with open(meta_path(run_dir, step), encoding="utf-8") as f:
+        meta = json.load(f)
+    if not (isinstance(meta.get("arch"), str) and isinstance(meta.get("model_config"), dict)):
+        earlier = [s for s in complete_steps(run_dir) if s < step]
+        hint = f"the previous complete step is {earlier[-1]}" if earlier else "no earlier complete step exists"
+        raise UserError(f"{meta_path(run_dir, step)} lacks the checkpoint's arch or model config: the file is damaged; {hint}")
+    return meta
 
 
 def resolve_run_dir(run):

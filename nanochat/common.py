@@ -1,9 +1,13 @@
 """Small shared utilities: base directory, device and dtype choice, distributed info, logging, atomic writes,
-the peak-FLOPs table, the git commit and package versions, the one rule for a list of seeds, a progress line."""
+the peak-FLOPs table, the git commit and package versions, the one rule for a list of seeds and the one rule for
+the numbers of a command line, a progress line."""
 
 import os
 import sys
 import json
+import math
+import argparse
+import unicodedata
 import tempfile
 import time
 import contextlib
@@ -223,6 +227,17 @@ def package_versions():
     return versions
 
 
+def check_run_name(run):
+    """The one rule for a new run's name (--run; a path's last component): it starts with a letter or digit, and the
+    whole holds no control character. A name like -x reads as a flag, .x hides, a newline breaks every line naming it."""
+    if any(unicodedata.category(c) == "Cc" for c in run):
+        raise UserError(f"{run!r} is not a run name: it holds a control character; give a name like gpt-d20")
+    name = os.path.basename(os.path.normpath(run)) if run.strip() else ""
+    if not name[:1].isalnum():
+        raise UserError(f"{run!r} is not a run name: a run's name starts with a letter or digit; give a name like gpt-d20, "
+                        "or leave --run out for <arch>-d<depth>")
+
+
 def parse_seeds(text, flag="--seeds"):
     """A list of seeds like 1,2,3: different non-negative integers, comma-separated, nothing else (no spaces: the
     shell recipes split on commas alone). The one seed-list rule: runcpu.sh, speedrun.sh and the experiments use it."""
@@ -231,6 +246,82 @@ def parse_seeds(text, flag="--seeds"):
     if len(seeds) != len(pieces) or len(set(seeds)) != len(seeds):  # a repeated seed would count one run twice
         raise UserError(f"{flag} takes different non-negative integers separated by commas, like 1,2,3; got {text!r}")
     return seeds
+
+
+# ---------------------------------------------------------------------------
+# The one rule for the numbers of a command line: every LR, decay, count, size and step flag of base_train, base_eval,
+# compare, analysis, sample and export_hf is parsed by one of these argparse types. Positive where 0 or a negative
+# means nothing; -1 the one "unset" value, where a flag has one (the help says what it means); 0 only where the help
+# says what it does. A refusal is one `error: --flag must be ...` line (parse_checked), before any work.
+
+
+class NumberRule(argparse.ArgumentTypeError):
+    """A value a number rule refuses; its text follows the flag's name ("must be positive; got -1")."""
+
+
+class Number:
+    """An argparse type: a finite number of `kind` (int or float) that `ok` accepts, else NumberRule(rule)."""
+
+    def __init__(self, kind, ok, rule):
+        self.kind, self.ok, self.rule = kind, ok, rule
+        self.__name__ = kind.__name__  # what argparse calls the type in its own messages
+
+    def __call__(self, text):
+        try:
+            v = self.kind(text)
+        except ValueError:
+            raise NumberRule(f"takes {'a whole number' if self.kind is int else 'a number'}; got {text!r}") from None
+        if not (math.isfinite(v) and self.ok(v)):
+            raise NumberRule(f"{self.rule}; got {text}")
+        return v
+
+    def __repr__(self):
+        return f"Number({self.kind.__name__}: {self.rule})"
+
+
+def positive(kind=float):
+    """> 0: an LR, a size, a count of tokens or steps."""
+    return Number(kind, lambda v: v > 0, "must be positive")
+
+
+def positive_or_unset(kind, unset):
+    """> 0, or -1 meaning `unset` (what the help says): no other non-positive value means anything."""
+    return Number(kind, lambda v: v > 0 or v == -1, f"must be a positive number, or -1 ({unset})")
+
+
+def non_negative(kind, zero):
+    """>= 0, where 0 means `zero` (what the help says): a decay, a warm-up, an interval that 0 turns off."""
+    return Number(kind, lambda v: v >= 0, f"must be >= 0 (0: {zero})")
+
+
+def non_negative_or_unset(kind, unset, zero=None):
+    """>= 0 (0 meaning `zero`, when given), or -1 meaning `unset`."""
+    return Number(kind, lambda v: v >= 0 or v == -1, "must be >= 0" + (f" (0: {zero})" if zero else "") + f", or -1 ({unset})")
+
+
+def fraction(top_open=False, unset=None):
+    """In [0, 1] ([0, 1) with top_open), or -1 meaning `unset` when given."""
+    inside = (lambda v: 0 <= v < 1) if top_open else (lambda v: 0 <= v <= 1)
+    span = f"[0, 1{')' if top_open else ']'}"
+    return Number(float, (lambda v: inside(v) or v == -1) if unset else inside,
+                  f"must be in {span}" + (f", or -1 ({unset})" if unset else ""))
+
+
+positive_int, positive_float = positive(int), positive(float)
+STEP = non_negative_or_unset(int, "the latest checkpoint")  # --step of every tool that reads a checkpoint
+
+
+def parse_checked(parser, argv=None):
+    """parser.parse_args(argv), with a value a number rule refuses ending in one `error: --flag must be ...` line and
+    exit status 1, as every other user error; any other argparse error stays argparse's (usage, status 2)."""
+    parser.exit_on_error = False
+    try:
+        return parser.parse_args(argv)
+    except argparse.ArgumentError as e:
+        if isinstance(e.__context__, NumberRule):
+            with exit_on_user_error():
+                raise UserError(f"{e.argument_name} {e.__context__}") from None
+        parser.error(str(e))
 
 
 class Progress:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import UserError, peak_flops_of, print0
+from nanochat.common import UserError, peak_flops_of, print0, check_run_name
 from nanochat.gpt import GPTConfig
 from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import tracking
@@ -35,54 +35,17 @@ def planned_seconds(total_flops, nproc):
 def check_args(args):
     """Every value of base_train's flags that would crash later or train silently wrong, refused up front in one line."""
     tracking.parse_log_to(args.log_to)  # an unknown tracker or a missing package, before anything starts
-    positive = {"--depth": args.depth, "--head-dim": args.head_dim, "--max-seq-len": args.max_seq_len,
-                "--device-batch-size": args.device_batch_size, "--aspect-ratio": args.aspect_ratio,
-                "--matrix-lr": args.matrix_lr, "--embedding-lr": args.embedding_lr, "--unembedding-lr": args.unembedding_lr}
-    for flag, v in positive.items():
-        if not v > 0:
-            raise UserError(f"{flag} must be positive (got {v})")
-    # -1 is the one "unset" value; 0 or another negative number would silently mean the same (a horizon of 0 steps
-    # trained the automatic one, --eval-every 0 never evaluated), so each is refused with what -1 means
-    unset_means = {"--num-iterations": (args.num_iterations, "-1 takes the horizon from --target-flops or --target-param-data-ratio"),
-                   "--target-flops": (args.target_flops, "-1 leaves it unset"),
-                   "--target-param-data-ratio": (args.target_param_data_ratio, "-1 leaves it unset"),
-                   "--total-batch-size": (args.total_batch_size, "-1 sets it from the model size"),
-                   "--eval-every": (args.eval_every, "-1 never evaluates"),
-                   "--model-dim": (args.model_dim, "-1 takes depth × aspect ratio"),
-                   "--n-kv-head": (args.n_kv_head, "-1 gives every query head its own")}
-    for flag, (v, means) in unset_means.items():
-        if v != -1 and not (v > 0 and math.isfinite(v)):
-            raise UserError(f"{flag} must be a positive number, or -1 ({means}); got {v}")
-    if args.save_every < -1:
-        raise UserError(f"--save-every must be >= 0 (0: the last step only), or -1 (about {SAVES_PER_RUN} per run); got {args.save_every}")
-    if args.dry_run < 0:
-        raise UserError(f"--dry-run takes a number of processes (0: train), got {args.dry_run}")
+    # the numbers (sizes, LRs, decays, horizons, intervals) were checked as they were parsed: nanochat/common.py's rule
     if not set(args.window_pattern) <= {"L", "S"} or not args.window_pattern:
         raise UserError(f"--window-pattern takes the letters L (full context) and S (half), got {args.window_pattern!r}")
-    if not 0 <= args.final_lr_frac <= 1:
-        raise UserError(f"--final-lr-frac must be in [0, 1] (got {args.final_lr_frac})")
-    if not 0 <= args.warmdown_ratio <= 1:
-        raise UserError(f"--warmdown-ratio must be in [0, 1] (got {args.warmdown_ratio})")
-    if args.warmup_steps < 0 or args.weight_decay < 0:
-        raise UserError("--warmup-steps and --weight-decay must be >= 0")
-    if args.muon_momentum != -1 and not 0 <= args.muon_momentum < 1:
-        raise UserError(f"--muon-momentum must be in [0, 1), or -1 for the schedule (got {args.muon_momentum})")
-    if args.log_every < 1:
-        raise UserError(f"--log-every must be >= 1 (1 logs every step), got {args.log_every}")
-    if args.keep_checkpoints < 0:
-        raise UserError(f"--keep-checkpoints must be >= 0 (0 keeps every checkpoint), got {args.keep_checkpoints}")
-    if not (args.step_timeout > 0 and args.start_timeout > 0):
-        raise UserError(f"--step-timeout and --start-timeout must be positive seconds (got {args.step_timeout:g}, {args.start_timeout:g})")
-    if args.eval_tokens < 1:
-        raise UserError(f"--eval-tokens must be positive (got {args.eval_tokens})")
     if args.resume not in ("", "latest") and not args.resume.isdigit():
         raise UserError(f"--resume takes 'latest' or a step number, got {args.resume!r}")
     if args.change_settings and not args.resume:
         raise UserError("--change-settings only applies with --resume")
     if args.device_type not in ("", "cpu", "cuda", "mps"):
         raise UserError(f"--device-type must be cpu, cuda or mps (got {args.device_type!r})")
-    if args.run is not None and args.run.strip() in ("", ".", ".."):
-        raise UserError(f"{args.run!r} is not a run name; give a name like gpt-d20, or leave --run out for <arch>-d<depth>")
+    if args.run is not None:
+        check_run_name(args.run)
     if args.device_type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise UserError("--device-type cuda, but torch sees no CUDA device here (use --device-type cpu, or a CUDA build of torch)")
 

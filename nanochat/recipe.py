@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from nanochat.gpt import GPT, Linear, VE_GATE_CHANNELS, layer_windows, norm
+from nanochat.common import positive_float
 
 
 @dataclass
@@ -52,7 +53,7 @@ def add_recipe_args(parser):
     g = parser.add_argument_group("nanochat recipe (--arch gpt-recipe and the archs built on it; docs/design.md §10)")
     for part in PARTS:
         g.add_argument(f"--no-{part.replace('_', '-')}", action="store_true", help=HELP[part])
-    g.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW LR of the x0 lambdas (× batch LR scale); resid lambdas take 1%% of it")
+    g.add_argument("--scalar-lr", type=positive_float, default=0.5, help="AdamW LR of the x0 lambdas (× batch LR scale); resid lambdas take 1%% of it")
 
 
 def recipe_config_from_args(args):

@@ -11,11 +11,11 @@ archs' free flags to not_settings; an arch flag that adds or removes parameters 
 command builds with the checkpoint's (parameter_changes), so this file names no arch.
 """
 
-import json
 import os
 
 from nanochat.common import UserError
 from nanochat import checkpoint_manager as ckpt
+from nanochat.run_dir import read_json
 
 # what must match for a resume. The process count may change: the train data is cut into world_size × grad_accum
 # shards, a number fixed by the total and device batch sizes, and each shard's loader state moves to its new owner
@@ -74,9 +74,19 @@ def settings_segments(old_cfg, record, start, defaults, not_settings):
     return segments
 
 
+CONFIG_FIX = ("restore it from a copy, or move it away to resume without comparing the settings (the model is still checked "
+              "against the checkpoint; a new config.json is written)")
+
+
 def read_config(run_dir):
+    """A run's config.json, {} where it has none; a damaged one is one line naming it and the fix (run_dir.read_json)."""
     path = os.path.join(run_dir, "config.json")
-    return json.load(open(path)) if os.path.exists(path) else {}
+    if not os.path.exists(path):
+        return {}
+    cfg = read_json(path, CONFIG_FIX)
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path} is not a run's config (a JSON object); {CONFIG_FIX}")
+    return cfg
 
 
 def refused_changes(old_cfg, record, defaults, refused=REFUSED):

@@ -18,6 +18,7 @@ import csv
 import json
 import time
 import shutil
+import hashlib
 import tempfile
 import contextlib
 
@@ -35,7 +36,7 @@ TOP = {"json": EVAL_JSON, "records": RECORDS, "csv": CSV}  # copies of the highe
 STEP_FILE = re.compile(r"step_(\d+)\.json")  # a step's results in eval/: step_000123.json
 PENDING = os.path.join(EVAL_DIR, "pending")  # a step's new results while an earlier complete one stays in place
 REPLACED = "replaced"  # in a results folder: earlier results of other inputs or settings, never deleted
-MANIFEST = "inputs.json"  # in a report or analysis folder: the tool, its inputs and the files it wrote there
+MANIFEST = "inputs.json"  # in a report or analysis folder: the tool, its inputs, the files it wrote there and their sha256
 
 
 # ---------------------------------------------------------------------------
@@ -134,12 +135,24 @@ def existing_run_dir(run):
     return os.path.normpath(path)
 
 
-def read_json(path):
+def read_json(path, fix=None):
+    """A JSON file's content; a damaged one is one line naming it (and `fix`: what to do about it), never a traceback."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
+        raise UserError(f"{path} is not valid JSON ({e})" + (f"; {fix}" if fix else "")) from None
+
+
+def headline(run):
+    """One line of a run's evaluated figures at full precision (val bpb, CORE or partial CORE): what docs/LOG.md
+    compares bit for bit between runs of the same seed (runs/runcpu.sh ends with one per run)."""
+    run_dir = existing_run_dir(run)
+    path = os.path.join(run_dir, EVAL_JSON)
+    ev = read_json(path) if os.path.exists(path) else {}
+    core = ("CORE", ev["core_metric"]) if ev.get("core_metric") is not None else ("partial CORE", ev.get("partial_core"))
+    tasks = f" ({ev['num_tasks_scored']} tasks)" if ev.get("num_tasks_scored") else ""
+    return f"{os.path.basename(run_dir)}: val bpb {ev.get('val_bpb')!r}, {core[0]} {core[1]!r}{tasks}"
 
 
 def load_core_records(run_dir, ev):
@@ -345,6 +358,8 @@ def commit_pending(run_dir, record, with_records, replaced_why=None):
             os.replace(src, os.path.join(run_dir, name))
     for name in step_names(run_dir, step, PENDING):  # CORE records of an earlier unfinished run: no json describes them now
         os.remove(os.path.join(run_dir, PENDING, name))
+    with contextlib.suppress(OSError):  # emptied: no folder left behind (one still holding another step's files stays)
+        os.rmdir(os.path.join(run_dir, PENDING))
     copy_to_top(run_dir, record)
 
 
@@ -387,8 +402,9 @@ def set_aside(folder, names):
 
 
 def read_manifest(folder):
-    """The manifest of a results folder ({"tool", "inputs", "files"}), or None (none, or unreadable). An inputs.json
-    from before manifests ({"runs": ...}) is compare's, with its files unlisted."""
+    """The manifest of a results folder ({"tool", "inputs", "files", "sha256"}), or None (none, or unreadable). An
+    inputs.json from before manifests ({"runs": ...}) is compare's, with its files unlisted; one from before the
+    hashes has no "sha256"."""
     try:
         with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
             m = json.load(f)
@@ -415,6 +431,21 @@ def own_files(folder, tool):
     return [n for n in folder_entries(folder) if n in listed]
 
 
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def changed_files(folder, names, hashes):
+    """Those of names (files in folder) that no longer hold what the tool wrote: their sha256 differs from the one
+    recorded (hashes), or none was (a manifest from before the hashes, another writer's file): a user's edit, say."""
+    hashes = hashes if isinstance(hashes, dict) else {}
+    return [n for n in names if n != MANIFEST and hashes.get(n) != file_sha256(os.path.join(folder, n))]
+
+
 def input_changes(old, new):
     """What differs between two tools' inputs, in words."""
     old = old if isinstance(old, dict) else {}
@@ -426,8 +457,10 @@ def input_changes(old, new):
 def claim_folder(folder, tool, inputs, force=False):
     """May `tool` write its results of `inputs` into folder? Yes when it is new or empty, or holds only the tool's own
     files (its manifest); else one line pointing at --out and --force (with --force: write there, replacing files of
-    the names it writes, like scripts.export_hf). Returns the tool's files there of other inputs, which publish()
-    moves to replaced/; [] for the same inputs, which are simply rewritten. Checked before any work."""
+    the names it writes, like scripts.export_hf). Returns the tool's files there that publish() moves to replaced/: all
+    of them for other inputs; for the same inputs, those changed since the tool wrote them (their sha256 no longer the
+    manifest's: a user's edit of report.md is kept, never overwritten); the others are simply rewritten. Checked before
+    any work."""
     entries = folder_entries(folder)
     ours = own_files(folder, tool)
     foreign = [n for n in entries if n not in ours]
@@ -436,21 +469,33 @@ def claim_folder(folder, tool, inputs, force=False):
         raise UserError(f"{folder} holds files that `python -m {tool}` did not write ({listed}); choose another --out, or add "
                         "--force to write there (its files of the names written are replaced)")
     m = read_manifest(folder)
-    return [] if not ours or m["inputs"] == inputs else ours
+    if not ours or m["inputs"] != inputs:
+        return ours
+    return changed_files(folder, ours, m.get("sha256"))
 
 
 def publish(tmp, folder, tool, inputs, aside):
-    """Move results made in tmp into folder: the tool's files there of other inputs (claim_folder) to replaced/ first,
-    with a line saying so; then the manifest, listing the new files and the tool's others still there; then the
-    files. The manifest goes first: a move cut short is still known as of these inputs."""
+    """Move results made in tmp into folder: the tool's files there that claim_folder set aside (of other inputs, or
+    changed since it wrote them) to replaced/ first, with a line saying so; then the manifest, listing the new files and
+    the tool's others still there with the sha256 of each; then the files. The manifest goes first: a move cut short is
+    still known as of these inputs (and a file it did not move yet, by its hash, as not the tool's latest)."""
     os.makedirs(folder, exist_ok=True)
+    old = read_manifest(folder) or {}
     if aside:
-        why = input_changes(read_manifest(folder)["inputs"], inputs)
+        other_inputs = old.get("inputs") != inputs
         dest = set_aside(folder, aside)
-        print(f"note: {folder} held results of other inputs ({why}); they are kept in {dest}/")
+        if other_inputs:
+            print(f"note: {folder} held results of other inputs ({input_changes(old.get('inputs'), inputs)}); they are kept in {dest}/")
+        else:
+            print(f"note: {', '.join(aside)} in {folder} changed since `python -m {tool}` wrote {'it' if len(aside) == 1 else 'them'} "
+                  f"(an edit is never overwritten); kept in {dest}/")
     new = sorted(os.listdir(tmp))
     kept = [n for n in own_files(folder, tool) if n != MANIFEST]
-    atomic_write_json(os.path.join(folder, MANIFEST), {"tool": tool, "inputs": inputs, "files": sorted(set(new) | set(kept))})
+    recorded = old.get("sha256") if isinstance(old.get("sha256"), dict) else {}
+    hashes = {**{n: recorded.get(n) or file_sha256(os.path.join(folder, n)) for n in kept},
+              **{n: file_sha256(os.path.join(tmp, n)) for n in new}}
+    atomic_write_json(os.path.join(folder, MANIFEST), {"tool": tool, "inputs": inputs, "files": sorted(set(new) | set(kept)),
+                                                       "sha256": hashes})
     for name in new:
         os.replace(os.path.join(tmp, name), os.path.join(folder, name))
 
@@ -458,11 +503,17 @@ def publish(tmp, folder, tool, inputs, aside):
 @contextlib.contextmanager
 def staging(folder):
     """A temp folder next to folder, for results made whole before publish() moves them in; removed afterwards, so
-    an interrupted or failed run leaves folder as it was."""
+    an interrupted or failed run leaves folder as it was. A write that fails there (a full disk: the figure writer's
+    OSError, say) is one line naming the folder, with nothing of the results left behind."""
     parent = os.path.dirname(os.path.abspath(folder))
     ensure_writable_dir(parent)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(folder))}-tmp-")
+    tmp = None
     try:
+        tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(folder))}-tmp-")
         yield tmp
+    except OSError as e:
+        raise UserError(f"cannot write the results to {folder} ({e.strerror or e}): nothing of them was kept; free space "
+                        "and run the command again") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -39,7 +39,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for, Progress
+from nanochat.common import (UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for, Progress,
+                             parse_checked, positive_int, positive_or_unset, STEP)
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import held_batches, shared_batches, evaluate_bpb_shared
@@ -82,19 +83,20 @@ HAS_RESULTS = {"bpb": lambda r: r.get("val_bpb") is not None, "core": lambda r: 
 def build_parser():
     p = argparse.ArgumentParser(description="Evaluate a base model checkpoint: bpb, CORE, samples.")
     p.add_argument("--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
-    p.add_argument("--step", type=int, default=-1, help="checkpoint step (default: the latest)")
+    p.add_argument("--step", type=STEP, default=-1, help="checkpoint step (-1: the latest)")
     p.add_argument("--eval", type=str, default="core,bpb,sample", help="comma-separated subset of core,bpb,sample")
-    p.add_argument("--max-per-task", type=int, default=-1, help="CORE examples per task after the fixed shuffle (-1: all)")
-    p.add_argument("--split-tokens", type=int, default=20 * 2 ** 19, help="tokens of each split (val, train) for bpb")
-    p.add_argument("--device-batch-size", type=int, default=32, help="rows per forward (bpb and CORE)")
+    p.add_argument("--max-per-task", type=positive_or_unset(int, "all items"), default=-1,
+                   help="CORE examples per task after the fixed shuffle, a positive number; -1 (the default): all of them")
+    p.add_argument("--split-tokens", type=positive_int, default=20 * 2 ** 19, help="tokens of each split (val, train) for bpb")
+    p.add_argument("--device-batch-size", type=positive_int, default=32, help="rows per forward (bpb and CORE)")
     p.add_argument("--eval-bundle", type=str, default="", help="CORE eval bundle dir (default: <base_dir>/eval_bundle, downloaded once)")
-    p.add_argument("--sample-tokens", type=int, default=16, help="tokens generated per sample")
+    p.add_argument("--sample-tokens", type=positive_int, default=16, help="tokens generated per sample")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     p.add_argument("--attn", type=str, default="auto", choices=list(ATTN_CHOICES),
                    help="attention kernel of bpb (auto: on Hopper the first of fa4, cudnn, fa3 that loads, else SDPA; CORE's packed rows use masks)")
     p.add_argument("--mod-rate", type=str, default="", help="MoD trade-off curve: comma-separated target skip rates, e.g. 0.05,0.1,0.2")
     p.add_argument("--mod-blocks", type=str, default="both", choices=BLOCKS, help="sub-layers skipped along the curve")
-    p.add_argument("--mod-calib-tokens", type=int, default=2 ** 20, help="train-split tokens that calibrate each rate's thresholds")
+    p.add_argument("--mod-calib-tokens", type=positive_int, default=2 ** 20, help="train-split tokens that calibrate each rate's thresholds")
     return p
 
 
@@ -351,6 +353,17 @@ def check_writable(run_dir, step=None):
             raise UserError(f"cannot write {path}: it is a directory; move it away and retry")
 
 
+@contextlib.contextmanager
+def disk_errors(run_dir, step):
+    """A write of the results that fails (a full disk) as one line: every file is written whole (atomically), so the
+    step's earlier results and those saved so far stay as they were."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"cannot write the results of step {step} into {run_dir} ({e.strerror or e}): every file there is whole, "
+                        "the results saved so far kept; free space and run the command again") from None
+
+
 def broadcast(obj):
     """rank 0's obj on every rank: what it read from the run directory decides what every rank does."""
     if not dist.is_initialized():
@@ -362,8 +375,6 @@ def broadcast(obj):
 
 def evaluate(args):
     evals = parse_evals(args.eval)
-    if args.device_batch_size < 1 or args.split_tokens < 1 or args.sample_tokens < 1 or args.mod_calib_tokens < 1:
-        raise UserError("--device-batch-size, --split-tokens, --sample-tokens and --mod-calib-tokens must be positive")
     if args.mod_rate:
         parse_rates(args.mod_rate)
     device_type = args.device_type or autodetect_device_type()
@@ -437,7 +448,8 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
         if section is not None:
             record["measured_with"][section] = measured[section]
         if rank == 0:
-            write_results(run_dir, record, records, settings, pending=staged)
+            with disk_errors(run_dir, step):
+                write_results(run_dir, record, records, settings, pending=staged)
 
     if "bpb" in evals:
         save(eval_bpb(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size), section="bpb")
@@ -450,7 +462,8 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     if args.mod_rate:  # last: it reconfigures the model's MoD
         save(eval_mod_curve(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size, bundle), section="mod")
     if rank == 0 and staged:  # finished: now it may replace the earlier results
-        commit_pending(run_dir, record, with_records=bundle is not None, replaced_why=changed)
+        with disk_errors(run_dir, step):
+            commit_pending(run_dir, record, with_records=bundle is not None, replaced_why=changed)
     if rank == 0:
         print_table(record)
         top = "" if step < max(evaluated_steps(run_dir)) else f" (and {TOP['json']}, the highest step evaluated)"
@@ -477,7 +490,7 @@ def sigterm_as_interrupt():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(script_argv(argv))
+    args = parse_checked(build_parser(), script_argv(argv))
     with exit_on_user_error(interrupted="interrupted: the results saved so far are kept (CORE after every task, marked "
                             "interrupted; in eval/pending/ where the step has earlier results, which stay as they were); "
                             "the same command resumes CORE at the first unfinished task"), sigterm_as_interrupt():

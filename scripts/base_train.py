@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 from nanochat.common import (UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for,
                              atomic_write_json, ensure_writable_dir, script_argv, START_TIMEOUT, git_commit, package_versions,
-                             peak_flops, fmt_time)
+                             peak_flops, fmt_time, parse_checked, positive_int, positive_float, positive_or_unset, non_negative,
+                             non_negative_or_unset, fraction)
 from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
-from nanochat.flash_attention import CHOICES as ATTN_CHOICES, agree_attention, expected_attention
+from nanochat.flash_attention import CHOICES as ATTN_CHOICES, agree_attention, attention_shapes, expected_attention
 from nanochat import step_timer
 from nanochat.step_timer import StepTimer, Readback, biggest
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
@@ -50,7 +51,7 @@ from nanochat import resume
 from nanochat import run_dir as run_files
 from nanochat import checkpoint_manager as ckpt
 from nanochat import tracking
-from nag.archs import ARCHS, NOT_SETTINGS, add_arch_args, arch_spec, check_args, ignored_flags, plan_for
+from nag.archs import ARCHS, NOT_SETTINGS, add_arch_args, arch_spec, check_args, ignored_flags, unread_flags, plan_for
 from nag.presets import PRESETS, preset_args
 
 DRY_RUN_VOCAB = 32768  # --dry-run without a preset: the vocab of the default tokenizer (scripts.tok_train)
@@ -72,34 +73,44 @@ def build_parser():
     p.add_argument("--attn", type=str, default="auto", choices=list(ATTN_CHOICES),
                    help="attention kernel: auto = on Hopper the first of fa4, cudnn, fa3 that loads (docs/design.md §2), else SDPA")
     # model
-    p.add_argument("--depth", type=int, default=20)
-    p.add_argument("--aspect-ratio", type=int, default=64, help="model dim = depth × aspect ratio, rounded up to a multiple of head dim")
-    p.add_argument("--model-dim", type=int, default=-1, help="explicit model dim (overrides --aspect-ratio)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--n-kv-head", type=int, default=-1, help="GQA key/value heads (default: = query heads)")
-    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--depth", type=positive_int, default=20)
+    p.add_argument("--aspect-ratio", type=positive_int, default=64, help="model dim = depth × aspect ratio, rounded up to a multiple of head dim")
+    p.add_argument("--model-dim", type=positive_or_unset(int, "depth × aspect ratio"), default=-1,
+                   help="explicit model dim (overrides --aspect-ratio; -1: depth × aspect ratio)")
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--n-kv-head", type=positive_or_unset(int, "every query head its own"), default=-1,
+                   help="GQA key/value heads (-1: as many as query heads)")
+    p.add_argument("--max-seq-len", type=positive_int, default=2048)
     p.add_argument("--window-pattern", type=str, default="L", help="per-layer attention windows, cycled: L full, S half")
     # horizon (first of these that is set wins)
-    p.add_argument("--num-iterations", type=int, default=-1)
-    p.add_argument("--target-flops", type=float, default=-1.0)
-    p.add_argument("--target-param-data-ratio", type=float, default=10.5)
+    p.add_argument("--num-iterations", type=positive_or_unset(int, "the horizon from --target-flops or --target-param-data-ratio"),
+                   default=-1, help="optimizer steps (-1: from --target-flops, else --target-param-data-ratio)")
+    p.add_argument("--target-flops", type=positive_or_unset(float, "unset"), default=-1.0, help="training FLOPs (-1: unset)")
+    p.add_argument("--target-param-data-ratio", type=positive_or_unset(float, "unset"), default=10.5,
+                   help="training tokens per scaling parameter (-1: unset)")
     # batch
-    p.add_argument("--device-batch-size", type=int, default=32)
-    p.add_argument("--total-batch-size", type=int, default=-1, help="tokens per optimizer step (default: auto from the model size)")
+    p.add_argument("--device-batch-size", type=positive_int, default=32)
+    p.add_argument("--total-batch-size", type=positive_or_unset(int, "set from the model size"), default=-1,
+                   help="tokens per optimizer step (-1: set from the model size)")
     # optimization
-    p.add_argument("--embedding-lr", type=float, default=0.3)
-    p.add_argument("--unembedding-lr", type=float, default=0.004)
-    p.add_argument("--matrix-lr", type=float, default=0.02)
-    p.add_argument("--weight-decay", type=float, default=0.28, help="Muon weight decay at the d12 reference (scaled by √(B/2^19)·S_ref/S)")
-    p.add_argument("--muon-momentum", type=float, default=-1.0, help="constant Muon momentum (default: 0.85→0.97 ramp, 0.90 in warm-down)")
-    p.add_argument("--warmup-steps", type=int, default=40, help="LR warm-up; capped so it ends before the warm-down starts")
-    p.add_argument("--warmdown-ratio", type=float, default=0.65)
-    p.add_argument("--final-lr-frac", type=float, default=0.05)
+    p.add_argument("--embedding-lr", type=positive_float, default=0.3)
+    p.add_argument("--unembedding-lr", type=positive_float, default=0.004)
+    p.add_argument("--matrix-lr", type=positive_float, default=0.02)
+    p.add_argument("--weight-decay", type=non_negative(float, "no weight decay"), default=0.28,
+                   help="Muon weight decay at the d12 reference (scaled by √(B/2^19)·S_ref/S; 0: none)")
+    p.add_argument("--muon-momentum", type=fraction(top_open=True, unset="the schedule"), default=-1.0,
+                   help="constant Muon momentum in [0, 1) (-1: the schedule, 0.85→0.97 ramp, 0.90 in warm-down)")
+    p.add_argument("--warmup-steps", type=non_negative(int, "no warm-up"), default=40,
+                   help="LR warm-up steps (0: none); capped so it ends before the warm-down starts")
+    p.add_argument("--warmdown-ratio", type=fraction(), default=0.65, help="share of the steps in the LR warm-down, in [0, 1]")
+    p.add_argument("--final-lr-frac", type=fraction(), default=0.05, help="the LR at the end, a fraction of the peak, in [0, 1]")
     # evaluation and checkpoints
-    p.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps and at the end; -1 = never")
-    p.add_argument("--eval-tokens", type=int, default=10 * 2 ** 19, help="val tokens per evaluation (capped at what the split holds)")
-    p.add_argument("--save-every", type=int, default=-1, help=f"checkpoint every N steps (-1: auto, ~{SAVES_PER_RUN} per run; 0: the last step only)")
-    p.add_argument("--log-every", type=int, default=1, metavar="N",
+    p.add_argument("--eval-every", type=positive_or_unset(int, "never evaluates"), default=250,
+                   help="val bpb every N steps and at the end; -1 = never")
+    p.add_argument("--eval-tokens", type=positive_int, default=10 * 2 ** 19, help="val tokens per evaluation (capped at what the split holds)")
+    p.add_argument("--save-every", type=non_negative_or_unset(int, f"about {SAVES_PER_RUN} per run", zero="the last step only"), default=-1,
+                   help=f"checkpoint every N steps (-1: auto, ~{SAVES_PER_RUN} per run; 0: the last step only)")
+    p.add_argument("--log-every", type=positive_int, default=1, metavar="N",
                    help="a metrics row and a training line every N steps (and at evaluations, saves and the end); "
                         "the steps between read nothing from the device")
     p.add_argument("--log-to", type=str, default="", metavar="KINDS",
@@ -107,15 +118,15 @@ def build_parser():
     p.add_argument("--resume", type=str, default="", help="'latest' (newest complete checkpoint; starts the run if it has none) or a step")
     p.add_argument("--change-settings", action="store_true",
                    help="with --resume: accept settings that differ from the run's (the horizon included), recorded in config.json's segments from this step on")
-    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K",
+    p.add_argument("--keep-checkpoints", type=non_negative(int, "keep every checkpoint"), default=0, metavar="K",
                    help="after each save, delete all but the newest K complete checkpoints (0: keep every one)")
     # several processes: how long a rank may wait for the others before the run stops, naming the silent ranks
-    p.add_argument("--step-timeout", type=float, default=300, help="seconds a training step may take once training runs")
-    p.add_argument("--start-timeout", type=float, default=START_TIMEOUT,
+    p.add_argument("--step-timeout", type=positive_float, default=300, help="seconds a training step may take once training runs")
+    p.add_argument("--start-timeout", type=positive_float, default=START_TIMEOUT,
                    help="seconds for start-up (data, compile, the first step), evaluations and checkpoint saves")
-    p.add_argument("--dry-run", type=int, default=0, metavar="NPROC",
+    p.add_argument("--dry-run", type=non_negative(int, "train"), default=0, metavar="NPROC",
                    help="print the plan for NPROC processes (params, FLOPs, steps, tokens, optimizer) and exit; needs no data or GPU "
-                        f"(vocab: the preset's, else {DRY_RUN_VOCAB:,})")
+                        f"(vocab: the preset's, else {DRY_RUN_VOCAB:,}); 0: train")
     add_arch_args(p)
     return p
 
@@ -127,7 +138,7 @@ def parse_args(argv=None):
     pre.add_argument("--preset", default="")
     pre.add_argument("--arch", default="gpt")
     known, _ = pre.parse_known_args(argv)
-    return build_parser().parse_args(preset_args(known.preset, known.arch) + argv)
+    return parse_checked(build_parser(), preset_args(known.preset, known.arch) + argv)
 
 
 def dry_run(args):
@@ -236,7 +247,6 @@ def train(args):
     compute_dtype = compute_dtype_for(device_type)
     if args.fp8 and (why := fp8.cannot_run(device)):
         raise UserError(f"--fp8 cannot run here: {why}; train without --fp8")
-    attention = agree_attention(args.attn, device, compute_dtype, is_ddp, args.preset if preset.get("gpu") else "")  # rank 0's choice, on every rank
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -246,6 +256,8 @@ def train(args):
         raise UserError(f"--preset {args.preset} trains with a {preset['vocab']:,}-token tokenizer, but the one in the base dir has "
                         f"{tokenizer.get_vocab_size():,}; use a fresh NANOCHAT_BASE_DIR, or retrain it with scripts.tok_train --vocab-size {preset['vocab']}")
     plan = plan_for(args, tokenizer.get_vocab_size(), world_size)
+    attention = agree_attention(args.attn, device, compute_dtype, is_ddp, args.preset if preset.get("gpu") else "",
+                                shapes=attention_shapes(plan.model))  # rank 0's choice, probed at the model's shapes, on every rank
     record = plan.record(args)
     record.update(args=vars(args), device_type=device_type, compute_dtype=str(compute_dtype).replace("torch.", ""),
                   git_commit=git_commit(), versions=package_versions(), command=" ".join(sys.argv),
@@ -262,7 +274,7 @@ def train(args):
         stack.callback(stop.restore)
         stack.callback(gc.unfreeze)  # the heap frozen after the first step, back in the collector's sight however training ends
         # one start step for all ranks: rank 0's view of the run directory decides
-        start = rank0_decides(lambda: resume.start_step(run_dir, args, record, tokenizer, vars(defaults), NOT_SETTINGS,
+        start = rank0_decides(lambda: resume.start_step(run_dir, args, record, tokenizer, vars(defaults), not_settings(args),
                                                         model_shapes(plan.model), saved_model_shapes), is_ddp)
         if start is None:
             print0(f"{run_dir} already finished its {plan.num_iterations} steps; nothing to do")
@@ -273,6 +285,12 @@ def train(args):
         train_loop(run)
         finish(run)
         return run_dir
+
+
+def not_settings(args):
+    """The flags that change no number this run trains: every arch's free flags, and the arch flags its arch ignores
+    (a note names those given; a resume never compares them)."""
+    return NOT_SETTINGS | frozenset(unread_flags(args))
 
 
 def model_shapes(model):
@@ -298,6 +316,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     model.init_weights()
     model.set_compute_dtype(compute_dtype_for(device_type))
     fp8_layers = model.set_fp8(args.fp8)  # before DDP and compile, as the attention kernel
+    record["fp8_layers"] = len(fp8_layers)  # what trains in fp8 (0 where --fp8's size rule admits no layer): compare's precision
     model.set_attention(record["attention"]["kernel"])  # before DDP and compile: the compiled graph sees a constant
     use_compile = args.compile if args.compile is not None else device_type == "cuda"
     # under DDP each rank updates its chunk of every Muon stack, then all-gathers them (docs/optimizer.md)
@@ -326,9 +345,13 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
         old_cfg = resume.read_config(run_dir) if start > 0 else {}
         if start == 0 and os.path.exists(os.path.join(run_dir, "config.json")):
             print0(f"note: {run_dir} has no complete checkpoint: starting it again")
-        run_files.keep_history(os.path.join(run_dir, run_files.METRICS), start)
-        record["segments"] = resume.settings_segments(old_cfg, record, start, vars(defaults), NOT_SETTINGS)
-        atomic_write_json(os.path.join(run_dir, "config.json"), record)
+        record["segments"] = resume.settings_segments(old_cfg, record, start, vars(defaults), not_settings(args))
+        try:  # a full disk: one line; metrics.jsonl and config.json are each rewritten whole or not at all
+            run_files.keep_history(os.path.join(run_dir, run_files.METRICS), start)
+            atomic_write_json(os.path.join(run_dir, "config.json"), record)
+        except OSError as e:
+            raise UserError(f"cannot write metrics.jsonl or config.json in {run_dir} ({e.strerror or e}); free space and run the "
+                            "command again") from None
         trackers = tracking.open_trackers(tracking.parse_log_to(args.log_to), os.path.basename(run_dir), run_dir, record, TRACKER_PROJECT)
     if start > 0:
         print0(f"resumed from step {start} of {run_dir}")
@@ -377,7 +400,13 @@ def run_eval(run, step):
 
 def write_row(run, row):
     if run.rank == 0:
-        run_files.append_row(run.metrics_path, row)
+        try:
+            run_files.append_row(run.metrics_path, row)
+        except OSError as e:  # a full disk: one line; the next start moves a torn row aside (run_dir.keep_history)
+            done = ckpt.complete_steps(run.run_dir)
+            raise UserError(f"cannot append the row of step {row['step']} to {run.metrics_path} ({e.strerror or e}); the newest "
+                            f"complete checkpoint is {f'step {done[-1]}' if done else 'none'}: free space, then continue with "
+                            "--resume latest") from None
         run.trackers.log(row)
 
 

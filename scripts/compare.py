@@ -12,8 +12,9 @@ and inputs.json (what the report was made from, and the files it wrote) into --o
 $NANOCHAT_BASE_DIR/reports/<run1>@<step>_vs_<run2>@<step>, is named after the runs and their evaluated steps
 only, so a report there of other inputs (other run directories of the same names, a re-evaluation) is never
 replaced: compare stops and asks for --out. Into a folder of its own (its inputs.json lists the files) compare
-writes again, moving an earlier report of other inputs to replaced/ first; a folder holding any file it did not
-write is refused unless --force. The report is made in a temp folder and moved in whole.
+writes again, moving an earlier report of other inputs to replaced/ first, and any file it wrote that was changed
+since (inputs.json keeps each one's sha256: an edited report.md) too, with a note; a folder holding any file it did
+not write is refused unless --force. The report is made in a temp folder and moved in whole (a full disk: one line).
 
 Every delta against the first run comes with a paired 95% bootstrap interval (nanochat/stats.py):
 CORE resampled over items within each task, val bpb over the shared evaluation batches, each only
@@ -26,7 +27,7 @@ The command only parses its arguments: the reports are made in analysis/compare/
 
 import argparse
 
-from nanochat.common import exit_on_user_error
+from nanochat.common import exit_on_user_error, parse_checked, fraction
 from analysis.compare.pair import compare
 
 
@@ -39,9 +40,9 @@ def main(argv=None):
                    "(default: $NANOCHAT_BASE_DIR/reports/<run1>@<step>_vs_<run2>@<step>, never replacing a report of other inputs)")
     p.add_argument("--force", action="store_true", help="write into a folder that holds files compare did not write "
                    "(its files of the names written are replaced)")
-    p.add_argument("--ema", type=float, default=0.95, help="EMA factor that smooths the train loss curve")
+    p.add_argument("--ema", type=fraction(top_open=True), default=0.95, help="EMA factor that smooths the train loss curve, in [0, 1) (0: unsmoothed)")
     p.add_argument("--mixed-precision", action="store_true", help="compare an fp8 run (base_train --fp8) with a bf16 one (refused otherwise)")
-    args = p.parse_args(argv)
+    args = parse_checked(p, argv)
     if args.a is not None or args.b is not None:  # two groups of seeds: their own report
         if args.a is None or args.b is None or args.runs:
             p.error("give both --a RUN... and --b RUN..., and no positional runs")

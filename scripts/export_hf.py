@@ -8,8 +8,10 @@ lm-evaluation-harness (docs/interop.md). Needs the [hf] extra: pip install -e '.
 The folder (DIR) then holds model.safetensors (fp32, the native weight names), config.json, generation_config.json,
 the modeling code (configuration_nagchat.py, modeling_nagchat.py, loaded with trust_remote_code=True), the tokenizer
 (tokenizer.json: a byte-level BPE with the tiktoken ids, checked on sample strings) and README.md, a model card with
-the run's config, fingerprints, evaluation results and this command. The export then loads DIR with transformers and
-prints the largest logit difference against the native model (--no-verify skips that).
+the run's config, fingerprints, evaluation results and this command, and inputs.json, the manifest (the checkpoint
+exported, every file written and its sha256: with --force over an earlier export, a file of it changed since, say an
+edited README.md, moves to DIR/replaced/<time>/ with a note instead of being overwritten). The export then loads DIR
+with transformers and prints the largest logit difference against the native model (--no-verify skips that).
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)  # the config is remote code; the tokenizer is not
@@ -29,9 +31,10 @@ import argparse
 
 import torch
 
-from nanochat.common import UserError, exit_on_user_error, script_argv, FILE_MODE
+from nanochat.common import UserError, exit_on_user_error, script_argv, FILE_MODE, parse_checked, STEP, atomic_write_bytes, atomic_write_json
 from nanochat.tokenizer import get_tokenizer
 from nanochat import checkpoint_manager as ckpt
+from nanochat.run_dir import MANIFEST, read_manifest, changed_files, file_sha256, set_aside
 from nag.hf.tokenizer import PAD
 from nag.archs import load_model
 
@@ -42,12 +45,14 @@ ARCHS = ("gpt", "nag", "gpt-router", "gpt-recipe", "nag-recipe")
 VERIFY_TOKENS = 256  # tokens of the verification forward (at most the context)
 VERIFY_LIMIT = 1e-4  # largest logit difference accepted; fp32 on a CPU gives ~1e-6
 HF_EXTRA = "pip install -e '.[hf]'"
+TOOL = "scripts.export_hf"  # the manifest's tool (inputs.json: the checkpoint exported, the files written and their sha256)
+CARD = "README.md"  # written last, once the export is verified
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
-    p.add_argument("--step", type=int, default=-1, help="checkpoint step (default: the latest)")
+    p.add_argument("--step", type=STEP, default=-1, help="checkpoint step (-1: the latest)")
     p.add_argument("--out", type=str, required=True, help="the export folder (created; must be empty unless --force)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty (its files of the same names are replaced)")
     p.add_argument("--no-verify", action="store_true", help="skip loading the export back and comparing its logits with the native model's")
@@ -270,13 +275,29 @@ def prepare_out(out, force):
         raise UserError(f"cannot create {out} ({e.strerror or e})") from None
 
 
+def edited_files(out, names):
+    """Those of names that an earlier export wrote into out (its manifest lists them) and that changed since (their
+    sha256 no longer the manifest's: a user's edit of README.md, say): --force moves them to replaced/, never over them."""
+    m = read_manifest(out)
+    if m is None or m["tool"] != TOOL:
+        return []
+    listed = [n for n in names if n in (m["files"] or []) and os.path.isfile(os.path.join(out, n))]
+    return changed_files(out, listed, m.get("sha256"))
+
+
 def write_export(out, staging, write):
-    """write(staging), then its files moved into `out` (created; with --force, files of the same names replaced).
+    """write(staging), then its files moved into `out` (created; with --force, files of the same names replaced, but
+    an earlier export's file changed since it was written first moves to replaced/<time>/ with a line saying so).
     Whatever stops the writing, the staging folder goes and `out` is as it was: one line for a disk error."""
     try:
         write(staging)
         os.makedirs(out, exist_ok=True)
-        for name in sorted(os.listdir(staging)):
+        if edited := edited_files(out, sorted(os.listdir(staging)) + [CARD]):
+            dest = set_aside(out, edited)
+            print(f"note: {', '.join(edited)} in {out} changed since `python -m {TOOL}` wrote {'it' if len(edited) == 1 else 'them'} "
+                  f"(an edit is never overwritten); kept in {dest}/")
+        written = sorted(os.listdir(staging))
+        for name in written:
             os.replace(os.path.join(staging, name), os.path.join(out, name))
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
@@ -285,6 +306,20 @@ def write_export(out, staging, write):
             raise UserError(f"cannot write the export to {out} ({detail}): nothing of it was kept; free space and run the command again") from None
         raise
     os.rmdir(staging)
+    return written
+
+
+def write_card(out, card, written, inputs):
+    """The model card, then the manifest (inputs.json: the checkpoint, every file written with its sha256, so that a
+    later --force knows an edit from its own output). A disk error is one line: the verified export is in place."""
+    try:
+        atomic_write_bytes(os.path.join(out, CARD), card.encode())
+        files = sorted(set(written) | {CARD})
+        atomic_write_json(os.path.join(out, MANIFEST), {"tool": TOOL, "inputs": inputs, "files": files,
+                                                       "sha256": {n: file_sha256(os.path.join(out, n)) for n in files}})
+    except OSError as e:
+        raise UserError(f"cannot write {os.path.join(out, CARD)} ({e.strerror or e}): the verified weights, code and tokenizer are "
+                        f"in {out}, the model card is not; free space and run the command again with --force") from None
 
 
 def export(args, command):
@@ -303,21 +338,20 @@ def export(args, command):
     def write(folder):
         write_model(folder, model, meta, tokenizer.get_bos_token_id(), tokenizer.encode_special(PAD))
         write_tokenizer(folder, tokenizer, model.config.sequence_len)
-    write_export(out, staging, write)
+    written = write_export(out, staging, write)
     max_diff = None if args.no_verify else verify(out, model, tokenizer)
     if max_diff is not None and not max_diff <= VERIFY_LIMIT:
         raise UserError(f"the export's logits differ from the native model's by up to {max_diff:.3g} (limit {VERIFY_LIMIT:g}); "
                         f"{out} is not a faithful copy")
     card = model_card(run_dir, meta, read_json(os.path.join(run_dir, "config.json")), eval_record(run_dir, meta["step"]), command, max_diff)
-    with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
-        f.write(card)
+    write_card(out, card, written, {"run": os.path.realpath(run_dir), "step": meta["step"]})
     check = f"largest |logit difference| against the native model {max_diff:.3g}" if max_diff is not None else "not verified"
     print(f"exported {run_dir} step {meta['step']} ({meta['arch']}) to {out}: {check}")
     return out, max_diff
 
 
 def main(argv=None):
-    args = build_parser().parse_args(script_argv(argv))
+    args = parse_checked(build_parser(), script_argv(argv))
     command = "python -m scripts.export_hf " + shlex.join(script_argv(argv))
     with exit_on_user_error(interrupted="interrupted: an export cut short while writing leaves nothing; "
                             "one cut short while verifying is in place but unchecked: run the command again with --force"):

@@ -21,13 +21,13 @@ only and the cache stays exact. A checkpoint trained with MoD samples at its own
 """
 
 import sys
-import math
 import time
 import argparse
 
 import torch
 
-from nanochat.common import UserError, exit_on_user_error, script_argv, autodetect_device_type, compute_dtype_for
+from nanochat.common import (UserError, exit_on_user_error, script_argv, autodetect_device_type, compute_dtype_for, parse_checked,
+                             positive_int, non_negative, STEP)
 from nanochat.tokenizer import get_tokenizer
 from nanochat.dataloader import data_loader
 from nanochat.engine import generate, context_room, Utf8Stream
@@ -41,33 +41,26 @@ DEVICE_TYPES = ("cuda", "cpu", "mps")
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
-    p.add_argument("--step", type=int, default=-1, help="checkpoint step (default: the latest)")
+    p.add_argument("--step", type=STEP, default=-1, help="checkpoint step (-1: the latest)")
     p.add_argument("--prompt", type=str, action="append", default=[], help="a prompt (repeatable); - reads one from stdin")
     p.add_argument("--prompt-file", type=str, default="", help="prompts separated by blank lines; - reads them from stdin")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens sampled per sample at most")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (argmax)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only (default: all)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens sampled per sample at most")
+    p.add_argument("--temperature", type=non_negative(float, "greedy"), default=0.8, help="0 = greedy (argmax)")
+    p.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens only (default: all)")
     p.add_argument("--seed", type=int, default=42, help="the samples of each prompt use seeds seed, seed + 1, ...")
-    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--num-samples", type=positive_int, default=1, help="samples per prompt")
     p.add_argument("--device-type", type=str, default="", choices=("",) + DEVICE_TYPES, help="default: cuda if available, else cpu")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (slow: the cache's reference)")
     p.add_argument("--mod-rate", type=float, default=None, help="MoD: target share of skipped token-sublayers, in [0, 0.95)")
     p.add_argument("--mod-blocks", type=str, default=None, choices=BLOCKS,
                    help="sub-layers skipped with --mod-rate (default: the checkpoint's own MoD blocks, else both)")
-    p.add_argument("--mod-calib-tokens", type=int, default=2 ** 16, help="train-split tokens that calibrate the --mod-rate thresholds")
-    p.add_argument("--device-batch-size", type=int, default=4, help="rows per calibration forward (--mod-rate)")
+    p.add_argument("--mod-calib-tokens", type=positive_int, default=2 ** 16, help="train-split tokens that calibrate the --mod-rate thresholds")
+    p.add_argument("--device-batch-size", type=positive_int, default=4, help="rows per calibration forward (--mod-rate)")
     return p
 
 
 def check_args(args):
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UserError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature:g}")
-    if args.top_k is not None and args.top_k < 1:
-        raise UserError(f"--top-k must be >= 1, got {args.top_k}")
-    for flag, value in (("--max-tokens", args.max_tokens), ("--num-samples", args.num_samples),
-                        ("--mod-calib-tokens", args.mod_calib_tokens), ("--device-batch-size", args.device_batch_size)):
-        if value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
+    """What the flags' types (nanochat/common.py's rule for numbers) cannot check alone."""
     if args.mod_rate is not None:
         check_rate(args.mod_rate)
     elif args.mod_blocks:
@@ -224,7 +217,7 @@ def sample(args, stdin=None, out=None):
 
 
 def main(argv=None, stdin=None, out=None):
-    args = build_parser().parse_args(script_argv(argv))
+    args = parse_checked(build_parser(), script_argv(argv))
     with exit_on_user_error(interrupted="interrupted"):
         return sample(args, stdin, out)
 

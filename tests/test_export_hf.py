@@ -165,7 +165,7 @@ def test_tokenizer_gives_tiktokens_ids(exported, native_tok):
 
 def test_folder_and_model_card(exported):
     hf_dir = exported["nag"][1]
-    assert sorted(os.listdir(hf_dir)) == ["README.md", "config.json", "configuration_nagchat.py", "generation_config.json",
+    assert sorted(os.listdir(hf_dir)) == ["README.md", "config.json", "configuration_nagchat.py", "generation_config.json", "inputs.json",
                                           "model.safetensors", "modeling_nagchat.py", "tokenizer.json", "tokenizer_config.json"]
     for name in ("configuration_nagchat.py", "modeling_nagchat.py"):  # self-contained: the folder has no repo to import
         code = open(os.path.join(hf_dir, name)).read()
@@ -179,6 +179,26 @@ def test_folder_and_model_card(exported):
                      "CORE (1 of 22 tasks): 0.0125 (not CORE", "| copa | 0.5200 | +0.0400 |", "α warm-up factor at this step | 0.5",
                      "largest |logit difference| against the native model at export: 0", "trust_remote_code=True,add_bos_token=True"):
         assert expected in card, expected
+
+
+def test_force_moves_an_edited_file_aside_instead_of_over_it(exported, monkeypatch, tmp_path, capsys):
+    """The manifest (inputs.json) keeps the sha256 of every file written: --force over an earlier export moves a file of
+    it changed since (an edited model card) to replaced/<time>/, never over it; unchanged files are simply rewritten."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", os.path.dirname(os.path.dirname(exported["gpt"][1])))
+    out = tmp_path / "hf"
+    export_hf.main(["--run", "gpt", "--out", str(out), "--no-verify"])
+    manifest = json.load(open(out / "inputs.json"))
+    assert manifest["tool"] == "scripts.export_hf" and manifest["inputs"]["step"] == STEP and "README.md" in manifest["sha256"]
+    with open(out / "README.md", "a") as f:
+        f.write("\nmy notes\n")
+    capsys.readouterr()
+    export_hf.main(["--run", "gpt", "--out", str(out), "--no-verify", "--force"])
+    (stamp,) = os.listdir(out / "replaced")
+    assert os.listdir(out / "replaced" / stamp) == ["README.md"] and "my notes" in (out / "replaced" / stamp / "README.md").read_text()
+    assert "my notes" not in (out / "README.md").read_text()
+    assert f"note: README.md in {out} changed since `python -m scripts.export_hf` wrote it" in capsys.readouterr().out
+    export_hf.main(["--run", "gpt", "--out", str(out), "--no-verify", "--force"])  # nothing changed since: nothing set aside
+    assert os.listdir(out / "replaced") == [stamp]
 
 
 def test_refusals_are_one_line(exported, script_error, monkeypatch, tmp_path):

@@ -21,7 +21,7 @@ from nanochat.core_eval import NUM_CORE_TASKS
 from nanochat.run_dir import load_run, claim_folder, staging, publish
 from nanochat import stats
 from nag.archs import NOT_SETTINGS
-from analysis.compare.runs import N_RESAMPLES, pair_differences, check_same_items
+from analysis.compare.runs import versions_note, N_RESAMPLES, pair_differences, check_same_items
 from analysis.compare.inputs import TOOL, report_inputs, distinct_names, repeated_run, run_step, check_report_folder, check_precision
 from analysis.compare.tables import fmt, value_cell, table, p_text
 
@@ -93,7 +93,7 @@ def check_measured(runs):
                             "trained and evaluated on the same data and val tokens")
         if unknown:
             notes.append(f"not recorded for `{r['name']}` or `{runs[0]['name']}`: {', '.join(unknown)}; compare cannot check that they share them")
-    return notes
+    return notes + ([versions_note(runs)] if versions_note(runs) else [])
 
 
 def bpb_inputs(runs):
@@ -275,7 +275,7 @@ def compare_groups(args_a, args_b, out_dir=None, force=False, mixed_precision=Fa
             raise UserError(f"`{r['name']}` has no eval.json: a group comparison needs every run evaluated "
                             f"(`python -m scripts.base_eval --run {r['dir']}`)")
     check_precision(runs, mixed_precision)
-    check_settings(groups, ignored={"fp8"} if mixed_precision else set())
+    check_settings(groups, ignored={"fp8"})  # what the runs trained in is check_precision's: a --fp8 that admitted no layer changed nothing
     notes = check_measured(runs)
     paired, why = design(groups)
     runs = groups["a"] + groups["b"]  # b in a's seed order when paired: every array below is in this order

@@ -64,17 +64,31 @@ def check_distinct(runs):
                         f"`{r['name']}` is given twice ({r['dir']}): give each run once")
 
 
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "float32"}  # config.json's compute_dtype, as a report says it
+
+
 def precision(run):
-    return "fp8" if (run["config"].get("args") or {}).get("fp8") else "bf16"
+    """What a run's matmuls trained in, from what it recorded: "fp8" where any layer did (config.json's fp8_layers; a
+    config from before that count: its --fp8 flag), else its compute dtype ("bf16" on a GPU, "float32" on a CPU; "bf16"
+    for a config that records none, as before compute_dtype was read). A --fp8 run whose size rule admitted no layer
+    (a tiny model) trained in its compute dtype, and is named so."""
+    cfg = run["config"]
+    layers = cfg.get("fp8_layers")
+    if (layers > 0) if isinstance(layers, int) else (cfg.get("args") or {}).get("fp8"):
+        return "fp8"
+    dtype = cfg.get("compute_dtype")
+    return DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else "bf16"
 
 
 def check_precision(runs, mixed):
-    """An fp8 arm against a bf16 one measures the precision with the architecture: refused unless asked (mixed)."""
+    """Runs of other precisions (an fp8 arm against a bf16 one, a float32 CPU run against a bf16 GPU one) measure the
+    precision with the architecture: refused unless asked (mixed)."""
     kinds = {precision(r) for r in runs}
     if len(kinds) > 1 and not mixed:
-        fp8 = next(r for r in runs if precision(r) == "fp8")
-        bf16 = next(r for r in runs if precision(r) == "bf16")
-        raise UserError(f"`{fp8['name']}` trained with fp8 matmuls (--fp8), `{bf16['name']}` in bf16: their gap would mix the "
+        first = next((r for r in runs if precision(r) == "fp8"), runs[0])
+        other = next(r for r in runs if precision(r) != precision(first))
+        how = "with fp8 matmuls (--fp8)" if precision(first) == "fp8" else f"in {precision(first)}"
+        raise UserError(f"`{first['name']}` trained {how}, `{other['name']}` in {precision(other)}: their gap would mix the "
                         "precision into the architecture's; compare runs of one precision, or pass --mixed-precision")
 
 
