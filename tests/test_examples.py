@@ -39,9 +39,8 @@ NOT_RUN_HERE = {"bash runs/test.sh": "the test suite itself", "bash runs/runcpu.
 # benchmarks whose own test runs the same code on a smaller shape: their shown commands are not run again here
 TESTED_ELSEWHERE = {"scripts.bench.sample": "tests/test_sample.py::test_bench_sample_prints_both_modes",
                     "scripts.bench.attention": "tests/test_attention.py::test_bench_runs_on_the_cpu_with_sdpa_alone",
-                    "scripts.bench.optim": "tests/test_optim_sharded.py::test_bench_counts_a_share_of_muon_per_rank"}
-# run as processes of their own: Triton in compile mode (the test process has it in interpreter mode)
-OWN_PROCESS = {"scripts.bench.kernel_report"}
+                    "scripts.bench.optim": "tests/test_optim_sharded.py::test_bench_counts_a_share_of_muon_per_rank",
+                    "scripts.bench.kernel_report": "tests/test_nag_kernels.py::test_kernels_build_for_hopper (the same report)"}
 LIMIT_S = 300  # per shell recipe, generous for a contended 2-core machine
 # what must run before what: data, tokenizer, training, evaluation, comparison, the rest
 # the benchmarks print figures and nothing else reads them: check they still print what they promise
@@ -133,10 +132,9 @@ def test_shown_commands_run_on_a_cpu(tmp_path, write_eval_bundle, capsys):
         published = "speedrun" in cmd.split()[1 if cmd.startswith("bash") else 2] or "--scale published" in cmd
         fresh = {"NANOCHAT_BASE_DIR": str(tmp_path / "fresh-node")} if published else {}
         t0 = time.time()
-        if argv[0] == "python" and argv[2] not in OWN_PROCESS:
+        if argv[0] == "python":
             code, output = run_in_process(argv, {**env, **fresh})
-        else:  # the shell recipes, and what needs a process of its own: started as a user starts them
-            argv[0] = sys.executable if argv[0] == "python" else argv[0]
+        else:  # the shell recipes: a process of their own, as a user starts them
             proc_env = {k: v for k, v in os.environ.items() if k != "NANOCHAT_OFFLINE"}
             out = subprocess.run(argv, cwd=REPO, env={**proc_env, **env, **fresh}, capture_output=True, text=True, timeout=LIMIT_S)
             code, output = out.returncode, out.stdout + out.stderr

@@ -198,11 +198,11 @@ def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled
     return sum(storages.values())
 
 
-def activations_per_layer(variant, dim, vocab_size, device, compiled, seq_len=199):
-    """Activation bytes per token per layer: the slope between depths 1 and 3, so that the embedding and
-    the lm_head cancel out. Sequence length 199 is prime: no model width can equal it."""
-    low, high = (saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled) for depth in (1, 3))
-    return (high - low) / (2 * seq_len)
+def activations_per_layer(variant, dim, vocab_size, device, compiled, seq_len=199, depths=(1, 3)):
+    """Activation bytes per token per layer: the slope between two depths, so that the embedding and the lm_head
+    cancel out. Sequence length 199 is prime: no model width can equal it."""
+    low, high = (saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled) for depth in depths)
+    return (high - low) / ((depths[1] - depths[0]) * seq_len)
 
 
 def activation_memory(args, impls):
