@@ -62,7 +62,6 @@ def column_major(t):
     return t.t().contiguous().t()
 
 
-@torch._dynamo.allow_in_graph  # one opaque node for torch.compile: it fuses around it, not into it
 class FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
@@ -85,6 +84,13 @@ class FP8Matmul(torch.autograd.Function):
         dw = torch._scaled_mm(dyq.t().contiguous(), column_major(xq), scale_a=dy_inv, scale_b=x_inv, out_dtype=dy.dtype,
                               use_fast_accum=False)
         return dx, dw.to(ctx.weight_dtype)
+
+
+def opaque_to_compile():
+    """FP8Matmul as one opaque node for torch.compile: it fuses around it, not into it. GPT.set_fp8(True) calls this,
+    before any compile; not done at import, since registering imports torch._dynamo (over a second at every start)."""
+    import torch._dynamo
+    torch._dynamo.allow_in_graph(FP8Matmul)
 
 
 def fp8_linear(x, weight):

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.fp8 import fp8_linear, admits as fp8_admits
+from nanochat.fp8 import fp8_linear, admits as fp8_admits, opaque_to_compile
 from nanochat.flash_attention import KERNELS, causal_attention, load_kernel, mask_free, masked_attention
 
 
@@ -222,6 +222,8 @@ class GPT(nn.Module):
     def set_fp8(self, enabled):
         """fp8 matmuls in training for every Linear the size rule admits (nanochat/fp8.py); returns their names."""
         chosen = [name for name, m in self.named_modules() if isinstance(m, Linear) and fp8_admits(m.in_features, m.out_features)]
+        if enabled:
+            opaque_to_compile()
         for name, m in self.named_modules():
             if isinstance(m, Linear):
                 m.fp8 = enabled and name in chosen

@@ -102,6 +102,7 @@ def test_a_tiny_fp8_run_trains_records_and_resumes_exactly(run_base, capsys, scr
 def test_compiled_fp8_is_one_graph_equal_to_eager():
     """torch.compile (inductor on the CPU, as on CUDA) takes the fp8 matmul as one opaque node: no graph break, the
     same values forward and backward."""
+    fp8.opaque_to_compile()  # what GPT.set_fp8(True) does
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     g = torch.Generator().manual_seed(1)
@@ -118,6 +119,30 @@ def test_compiled_fp8_is_one_graph_equal_to_eager():
     assert not torch._dynamo.utils.counters["graph_break"]
     for eager, compiled in zip(*grads):
         assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-7)
+
+
+def test_set_fp8_makes_the_matmul_one_opaque_node_for_compile(monkeypatch):
+    """GPT.set_fp8(True) registers FP8Matmul with dynamo (not at import: that would import dynamo in every command):
+    the traced graph calls it as one node, where dynamo would otherwise trace into its forward and backward."""
+    from nanochat import gpt
+    registered = []
+    monkeypatch.setattr(gpt, "opaque_to_compile", lambda: registered.append(fp8.opaque_to_compile()))
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        model = gpt.GPT(gpt.GPTConfig(sequence_len=64, vocab_size=256, n_layer=1, n_head=1, n_kv_head=1, n_embd=128))
+    model.set_fp8(False)
+    assert registered == []
+    model.set_fp8(True)
+    assert registered == [None]
+    graphs = []
+
+    def record(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+    x, w = torch.randn(32, 128, requires_grad=True), torch.randn(128, 128, requires_grad=True)
+    torch.compile(lambda x, w: fp8_linear(x, w).sum(), backend=record, fullgraph=True)(x, w)
+    calls = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert len(calls) == 1 and "autograd_function_apply" not in calls[0], calls
 
 
 def test_the_step_benchmark_measures_fp8_and_the_host_reads():
