@@ -61,12 +61,17 @@ def _rank(rank, init_file, out_dir):
         json.dump(answers, f)
 
 
-@PROCESSES
-def test_rank0_decides_and_every_rank_loads_or_every_rank_stops(tmp_path):
+def answers_of_two_ranks(rank_fn, tmp_path):
+    """rank_fn(rank, init file, out dir) on two gloo ranks; each rank's answers, from the rank<r>.json it wrote."""
     import torch.multiprocessing as mp
     # forked: the ranks start with this process's imports (a spawned rank would import torch and the repo again)
-    mp.start_processes(_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="fork")
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    mp.start_processes(rank_fn, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@PROCESSES
+def test_rank0_decides_and_every_rank_loads_or_every_rank_stops(tmp_path):
+    r0, r1 = answers_of_two_ranks(_rank, tmp_path)
     assert r0 == r1  # the same decision, or the same one line, on both ranks
     assert r0["both load"] == {"requested": "auto", "kernel": "fa4", "reason": "Hopper GPU, flash-attn-4 loaded"}
     host = socket.gethostname()
@@ -142,9 +147,7 @@ def _shapes_rank(rank, init_file, out_dir):
 
 @PROCESSES
 def test_auto_passes_over_a_kernel_that_fails_the_runs_shapes_and_every_rank_probes_them(tmp_path):
-    import torch.multiprocessing as mp
-    mp.start_processes(_shapes_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="fork")
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = answers_of_two_ranks(_shapes_rank, tmp_path)
     assert r0 == r1
     heads = "4 heads / 2 kv heads"
     fa4_fails = f"fa4: fa4 failed its probe at head dim 128, {heads}, L window 64 (RuntimeError: backward: head dim 128 is not supported on sm90)"
