@@ -135,6 +135,37 @@ def existing_run_dir(run):
     return os.path.normpath(path)
 
 
+def run_path(name, base_dir=None):
+    """<base>/runs/<name>: where the run of that name lives (base: $NANOCHAT_BASE_DIR unless given)."""
+    return os.path.join(base_dir or get_base_dir(), "runs", name)
+
+
+def metrics_path(run_dir):
+    return os.path.join(run_dir, METRICS)
+
+
+def read_config(run_dir):
+    """A run's config.json; missing or damaged, one line naming the file and what to do."""
+    path = os.path.join(run_dir, CONFIG)
+    if not os.path.exists(path):
+        raise UserError(f"{path} is missing; is {run_dir} a run directory written by scripts.base_train?")
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a run's config (a JSON object); restore it from a copy")
+    return config
+
+
+def read_eval(run_dir):
+    """A run's eval.json (its highest evaluated step), None where it has none; damaged, one line."""
+    path = os.path.join(run_dir, EVAL_JSON)
+    if not os.path.exists(path):
+        return None
+    ev = read_json(path)
+    if not isinstance(ev, dict):
+        raise UserError(f"{path} is not an evaluation record (a JSON object); rerun scripts.base_eval")
+    return ev
+
+
 def read_json(path, fix=None):
     """A JSON file's content; a damaged one is one line naming it (and `fix`: what to do about it), never a traceback."""
     try:

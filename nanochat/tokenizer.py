@@ -28,8 +28,14 @@ SPECIAL_TOKENS = [
 ]
 
 
-def get_tokenizer_dir():
-    return os.path.join(get_base_dir(), "tokenizer")
+def get_tokenizer_dir(base_dir=None):
+    return os.path.join(base_dir or get_base_dir(), "tokenizer")
+
+
+def has_tokenizer(base_dir=None):
+    """Whether a trained tokenizer (both of its files) is in place under base_dir (default $NANOCHAT_BASE_DIR)."""
+    d = get_tokenizer_dir(base_dir)
+    return all(os.path.exists(os.path.join(d, f)) for f in ("tokenizer.pkl", "token_bytes.pt"))
 
 
 class Tokenizer:
