@@ -27,8 +27,13 @@ stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
 
 # 1. environment and plan: flags checked, steps / tokens / FLOPs / disk / time printed, stage status
 source runs/setup_env.sh
-PLAN=$(python -m scripts.speedrun "$@")  # shell assignments: BASE, PRESET, DRY_RUN, the *_DONE flags, the runs (--help: exit 0)
-eval "$PLAN"
+# the plan as data: scripts.speedrun writes plain quoted assignments (BASE, PRESET, DRY_RUN, the *_DONE flags, the
+# runs) to PLAN_FILE, which is sourced, never run as generated code; --help leaves it empty: nothing more to do
+PLAN_FILE=$(mktemp "${TMPDIR:-/tmp}/speedrun-plan.XXXXXX")
+trap 'rm -f "$PLAN_FILE"' EXIT
+python -m scripts.speedrun --plan-file "$PLAN_FILE" "$@"
+if [ ! -s "$PLAN_FILE" ]; then exit 0; fi
+source "$PLAN_FILE"
 if [ "$DRY_RUN" = 1 ]; then echo "dry run: nothing was started"; exit 0; fi
 export NANOCHAT_BASE_DIR="$BASE"
 mkdir -p "$BASE"
@@ -60,14 +65,15 @@ else
 fi
 if [ -n "$DL_PID" ]; then stage "waiting for the ClimbMix download"; wait "$DL_PID"; fi
 
-# 5. training: run RUNS[i] of arch RUN_ARCH[i]; for each seed GPT, then NAG, on the same FLOP budget (FLOPS: --flops)
-#    and data order. The user's base_train flags (EXTRA: those after --) come after the preset's, the seeds and the
-#    run's name last. A finished run is a no-op; a failed one is named at the end, and the others go on.
+# 5. training: run RUNS[i] of arch RUN_ARCH[i]; for each seed GPT, then NAG (then any other arch), on the same FLOP
+#    budget (FLOPS: --flops) and data order. The user's base_train flags (EXTRA: those after --) come after the
+#    preset's, the seed's flags (RUN_SEED_ARGS: as the plan made them) and the run's name last. A finished run is a
+#    no-op; a failed one is named at the end, and the others go on.
 FAILED=()
 for i in "${!RUNS[@]}"; do
     if [ "${TRAIN_DONE[$i]}" = 1 ]; then continue; fi
     stage "train ${RUNS[$i]}"
-    SEED=(); if [ -n "${RUN_SEED[$i]}" ]; then SEED=(--seed "${RUN_SEED[$i]}" --data-seed "${RUN_SEED[$i]}"); fi
+    read -r -a SEED <<< "${RUN_SEED_ARGS[$i]}"
     if "${LAUNCH[@]}" scripts.base_train -- --preset "$PRESET" --arch "${RUN_ARCH[$i]}" "${FLOPS[@]}" "${EXTRA[@]}" "${SEED[@]}" \
         --run "${RUNS[$i]}" --resume latest
     then TRAIN_DONE[$i]=1; else FAILED+=("${RUNS[$i]}"); fi

@@ -1,4 +1,6 @@
 """
+Figures and tables of residual geometry, attention sinks and confidence, from checkpoints.
+
 Figures and tables from checkpoints: the residual-stream geometry, attention sinks and confidence of the NAG
 paper (arXiv:2606.16112, Figs. 3-7 and 12, Tables III-IV) measured on GPT and NAG runs side by side.
 

@@ -1,5 +1,8 @@
 """
-PNG figures of analysis.json, all runs on shared axes where that makes sense (matplotlib, Agg backend).
+PNG figures of analysis.json, all runs on shared axes where that makes sense.
+
+Drawn with matplotlib, Agg backend.
+
 Each function takes {run name: summary} and the output directory, and returns [(file name, caption)].
 """
 

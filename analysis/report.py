@@ -1,5 +1,6 @@
 """
-analysis.md: one table comparing the runs, with the paper's and the walkthrough's numbers beside them.
+analysis.md: one table comparing the runs, with the paper's and walkthrough's numbers beside them.
+
 The reference columns are at their own scale (64 blocks × 640, 2^20-token batches, ~10B tokens; the paper's
 MoE ablations for Tables III-IV), so they say what to look for, not what a toy model should hit.
 """

@@ -25,7 +25,7 @@ import torch
 
 from nanochat.common import (UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes,
                              ensure_writable_dir, parse_checked, positive_int, STEP)
-from nanochat.run_dir import folder_name, claim_folder, staging, publish
+from nanochat.run_dir import folder_name, claim_folder, staging, publish, existing_run_dir
 from nanochat import checkpoint_manager as ckpt
 from nanochat.loss_eval import held_batches
 from nag.archs import load_model
@@ -74,9 +74,7 @@ def check_runs(args, tokenizer):
     """Every run exists, has the checkpoint asked for and matches the tokenizer; checked before any pass or write."""
     plans, names, notes = [], [], []
     for run in args.runs:
-        run_dir = ckpt.resolve_run_dir(run)
-        if not os.path.isdir(run_dir):
-            raise UserError(f"no run directory {run_dir}; give a run name under {os.path.join(get_base_dir(), 'runs')} or a path")
+        run_dir = existing_run_dir(run)
         step = ckpt.latest_step(run_dir) if args.step < 0 else args.step
         meta = ckpt.load_meta(run_dir, step)
         ckpt.check_vocab(meta, tokenizer)  # also catches runs trained with different tokenizers

@@ -1,5 +1,8 @@
 """
-From a finished capture (analysis/capture.py) to plain numbers: every value of analysis.json for one run.
+From a finished capture to plain numbers: every value of analysis.json for one run.
+
+The capture is analysis/capture.py's.
+
 All arithmetic is in analysis/measures.py; this module only feeds it and names the results.
 """
 

@@ -9,12 +9,12 @@ them, its telemetry). A new arch is a subclass plus one entry in ARCHS; base_tra
 
 from dataclasses import dataclass, field
 
-from nanochat.common import UserError
+from nanochat.common import UserError, positive_float
 from nanochat.gpt import GPT
 from nanochat import checkpoint_manager as ckpt
 from nanochat import plan as run_plan
 from nanochat.resume import NOT_SETTINGS as BASELINE_NOT_SETTINGS
-from nag.model import NAGGPT, add_nag_args, nag_config_from_args
+from nag.model import GATE_LR, NAGGPT, add_nag_args, nag_config_from_args
 from nag.mod import add_mod_args, mod_config_from_args
 from nag.router_mod import RouterMoDGPT
 from nanochat.recipe import PARTS as RECIPE_PARTS, RecipeGPT, RecipeParts, add_recipe_args, recipe_config_from_args
@@ -38,9 +38,11 @@ class ArchSpec:
     """What an arch brings to base_train beyond its model class (torchtitan's ModelSpec is the model)."""
     model_class: type
     add_args: callable = no_flags  # its own flags (an arch sharing another's flags leaves this out)
-    init_kwargs: callable = no_kwargs  # constructor arguments beyond the GPTConfig, from parsed flags (may raise UserError)
+    # constructor arguments beyond the GPTConfig, from parsed flags (may raise UserError)
+    init_kwargs: callable = no_kwargs
     optimizer_kwargs: callable = no_kwargs  # extra keyword arguments of model.optimizer_groups, from parsed flags
-    telemetry: callable = no_telemetry  # (model, step, idx, args) -> (dict for metrics.jsonl or None, line to print or None)
+    # (model, step, idx, args) -> (dict for metrics.jsonl or None, line to print or None)
+    telemetry: callable = no_telemetry
     reads: frozenset = field(default_factory=frozenset)  # flags of other archs it reads too
     not_settings: frozenset = field(default_factory=frozenset)  # its flags that change no number it trains
 
@@ -70,6 +72,12 @@ def nag_recipe_init_kwargs(args):
     return {"nag": nag_config_from_args(args), "impl": args.nag_impl or None, "recipe": recipe_config_from_args(args)}
 
 
+def add_router_args(parser):
+    g = parser.add_argument_group("router-MoD (used with --arch gpt-router, with the --mod-* flags)")
+    g.add_argument("--router-lr", type=positive_float, default=GATE_LR,
+                   help="AdamW LR of the routers (× batch LR scale); default: NAG's gate LR, as its NAG twin's gates")
+
+
 def router_init_kwargs(args):
     mod = mod_config_from_args(args)
     if mod is None:
@@ -90,31 +98,25 @@ ARCHS = {
                            optimizer_kwargs=lambda args: {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr,
                                                           "scalar_lr": args.scalar_lr},
                            telemetry=nag_telemetry),
-}
-# variants picked by a flag on top of --arch; their checkpoints record the variant's name
-VARIANTS = {
-    # --arch gpt --mod-router: the router-MoD baseline (paper eq. 40). Its --mod-* flags are NAG's (registered
-    # once, by the nag spec), and --nag-gate-lr sets its routers' LR, as the gates' LR of its NAG twin
-    "gpt-router": ArchSpec(RouterMoDGPT, init_kwargs=router_init_kwargs,
-                           optimizer_kwargs=lambda args: {"router_lr": args.nag_gate_lr}, reads=frozenset({"nag_gate_lr"})),
+    # the router-MoD baseline (paper eq. 40): the GPT with a learned router per skippable sub-layer; its --mod-*
+    # flags are NAG-MoD's (registered once, by the nag spec)
+    "gpt-router": ArchSpec(RouterMoDGPT, add_args=add_router_args, init_kwargs=router_init_kwargs,
+                           optimizer_kwargs=lambda args: {"router_lr": args.router_lr}),
 }
 
 # every flag of every arch that changes no number a run trains (nanochat/resume.py says what that list is for)
-NOT_SETTINGS = BASELINE_NOT_SETTINGS | frozenset().union(*(s.not_settings for s in {**ARCHS, **VARIANTS}.values()))
+NOT_SETTINGS = BASELINE_NOT_SETTINGS | frozenset().union(*(s.not_settings for s in ARCHS.values()))
 
 
 def arch_spec(arch):
     if arch in ARCHS:
         return ARCHS[arch]
-    if arch in VARIANTS:
-        return VARIANTS[arch]
     raise UserError(f"unknown arch {arch!r} (expected one of: {', '.join(ARCHS)})")
 
 
 def is_nag_arch(arch):
     """Whether an arch name is a NAG model (it reads the --nag-* flags and a preset's NAG flags)."""
-    spec = ARCHS.get(arch) or VARIANTS.get(arch)
-    return spec is not None and issubclass(spec.model_class, NAGGPT)
+    return arch in ARCHS and issubclass(ARCHS[arch].model_class, NAGGPT)
 
 
 def model_class(arch):
@@ -127,50 +129,60 @@ def add_arch_args(parser):
         add_args(parser)
 
 
+def mod_asked(args):
+    return getattr(args, "mod_rate", None) is not None or bool(getattr(args, "mod_blocks", None))
+
+
 def arch_for_args(args):
-    """(arch name, ArchSpec) that the flags ask for: --arch, turned into its router-MoD variant by --mod-router."""
+    """(arch name, ArchSpec) that the flags ask for; the --mod-* flags only where the arch skips tokens."""
     spec = arch_spec(args.arch)
-    mod_asked = getattr(args, "mod_rate", None) is not None or getattr(args, "mod_blocks", None)
-    if issubclass(spec.model_class, (RecipeGPT, NAGRecipeGPT)) and (mod_asked or getattr(args, "mod_router", False)):
-        raise UserError(f"--arch {args.arch} has no Mixture-of-Depths: drop the --mod-* flags, or use --arch gpt / nag")
-    if getattr(args, "mod_router", False):
-        if spec.model_class is NAGGPT:
-            raise UserError("--mod-router is the GPT baseline's MoD (paper eq. 40); NAG skips by its rotation score: "
-                            "drop --mod-router, or use --arch gpt")
-        if spec.model_class not in (GPT, RouterMoDGPT):
-            raise UserError(f"--mod-router applies to --arch gpt only (got --arch {args.arch})")
-        return RouterMoDGPT.arch, VARIANTS[RouterMoDGPT.arch]
-    if spec.model_class is GPT and mod_asked:
-        raise UserError("the GPT baseline has no score to skip tokens by: add --mod-router for the router-MoD baseline, "
-                        "or use --arch nag")
+    if mod_asked(args) and not issubclass(spec.model_class, (NAGGPT, RouterMoDGPT)):
+        raise UserError(f"--arch {args.arch} has no Mixture-of-Depths: drop the --mod-* flags, or use --arch nag "
+                        "(skips by its rotation score) or --arch gpt-router (the router-MoD baseline)")
+    if issubclass(spec.model_class, NAGRecipeGPT) and mod_asked(args):
+        raise UserError(f"--arch {args.arch} has no Mixture-of-Depths: drop the --mod-* flags, or use --arch nag")
     return args.arch, spec
 
 
 RECIPE_FLAGS = frozenset({f"no_{part}" for part in RECIPE_PARTS} | {"scalar_lr"})
+# the flag families an arch may not read: which flags belong to one, which model classes read it, what to call them
+FAMILIES = {
+    "nag": (lambda k: k.startswith("nag_"), NAGGPT, "a NAG arch"),
+    "recipe": (lambda k: k in RECIPE_FLAGS, RecipeParts, "a recipe arch"),
+    "router": (lambda k: k.startswith("router_"), RouterMoDGPT, "the router-MoD arch"),
+}
+
+
+def family_of(key):
+    return next((name for name, (member, _, _) in FAMILIES.items() if member(key)), None)
 
 
 def unread_flags(args):
-    """{flag key: family} of every NAG or recipe flag the arch of args does not read, whatever its value: no setting
+    """{flag key: family} of every family flag the arch of args does not read, whatever its value: no setting
     of that run. Its value is recorded in config.json's args as given, but a resume never compares it (base_train adds
     these to the not-settings), so --no-smear or --scalar-lr given to, or dropped from, a gpt run never blocks it."""
-    arch, spec = arch_for_args(args)
-    reads = {"nag": issubclass(spec.model_class, NAGGPT), "recipe": issubclass(spec.model_class, RecipeParts)}
+    _, spec = arch_for_args(args)
     out = {}
     for k in vars(args):
-        family = "nag" if k.startswith("nag_") else "recipe" if k in RECIPE_FLAGS else None
-        if family and not reads[family] and k not in spec.reads:
+        family = family_of(k)
+        if family and not issubclass(spec.model_class, FAMILIES[family][1]) and k not in spec.reads:
             out[k] = family
     return out
 
 
 def ignored_flags(args, defaults):
-    """{family: flags} of the NAG or recipe flags set on an arch that does not read them (defaults: the parser's
-    defaults). Not an error: speedrun.sh passes one flag list to both runs of a pair; but never silent either."""
-    out = {}
+    """Notes on the family flags set on an arch that does not read them (defaults: the parser's defaults). Not an
+    error: speedrun.sh passes one flag list to both runs of a pair; but never silent either."""
+    given = {}
     for k, family in unread_flags(args).items():
         if getattr(args, k) != getattr(defaults, k):
-            out.setdefault(family, []).append(f"--{k.replace('_', '-')}")
-    return out
+            given.setdefault(family, []).append(f"--{k.replace('_', '-')}")
+    notes = []
+    for family, flags in given.items():
+        readers = [a for a, s in ARCHS.items() if issubclass(s.model_class, FAMILIES[family][1])]
+        notes.append(f"note: {', '.join(flags)} apply only with {FAMILIES[family][2]} ({', '.join(readers)}); "
+                     f"this {args.arch} run ignores them")
+    return notes
 
 
 def check_args(args):

@@ -1,6 +1,7 @@
 """
-Mixture-of-Depths (MoD): which tokens run a sub-layer, and a gathered computation so that a skipped
-token really costs nothing (docs/mod.md). Shared by NAG-MoD (nag/model.py) and the router baseline
+Mixture-of-Depths (MoD): which tokens run a sub-layer, and a gathered computation for them.
+
+The computation is gathered so that a skipped token really costs nothing (docs/mod.md). Shared by NAG-MoD (nag/model.py) and the router baseline
 (nag/router_mod.py); only the score differs:
 
     NAG     r_l = atan(α_l·m_l) / atan(α_l) ∈ [0, 1]      the predicted rotation over the largest possible one
@@ -45,13 +46,9 @@ class ModConfig:
 
 def add_mod_args(parser):
     """The MoD flags, read by both MoD models (registered once, by the nag spec in nag/archs.py)."""
-    from nanochat.common import fraction
-    g = parser.add_argument_group("Mixture-of-Depths (--arch nag: rotation score; --arch gpt --mod-router: router baseline)")
+    g = parser.add_argument_group("Mixture-of-Depths (--arch nag: rotation score; --arch gpt-router: router baseline)")
     g.add_argument("--mod-rate", type=float, default=None, help="target share of skipped token-sublayers, in [0, 0.95)")
     g.add_argument("--mod-blocks", type=str, default=None, choices=BLOCKS, help="sub-layers tokens may skip (default: both)")
-    g.add_argument("--mod-router", action="store_true", help="with --arch gpt: the router-MoD baseline (paper eq. 40)")
-    g.add_argument("--mod-threshold-momentum", type=fraction(top_open=True), default=ModConfig.momentum,
-                   help="the evaluation thresholds, moving averages of the training batch quantiles: weight of the old estimate, in [0, 1)")
 
 
 def check_rate(rate, flag="--mod-rate"):
@@ -68,7 +65,7 @@ def mod_config_from_args(args):
             raise UserError("--mod-blocks needs --mod-rate (the target share of skipped token-sublayers)")
         return None
     check_rate(args.mod_rate)
-    return ModConfig(blocks=args.mod_blocks or "both", rate=args.mod_rate, momentum=args.mod_threshold_momentum)
+    return ModConfig(blocks=args.mod_blocks or "both", rate=args.mod_rate)
 
 
 def rotation_score(alpha, m):
@@ -104,8 +101,10 @@ class Thresholds(nn.Module):
         self.momentum = config.momentum
         self.register_buffer("values", torch.zeros(1 + n_layer, device=device))  # [attention, mlp 0, mlp 1, ...]
         self.register_buffer("counts", torch.zeros(1 + n_layer, device=device))  # batches averaged in; 0 = never set
-        self.register_buffer("last_attn", torch.zeros(1, device=device))  # the previous batch's pooled attention quantile
-        self.register_buffer("attn_debt", torch.zeros(1, device=device))  # Σ DEBT_GAIN·(target − realised), attention skips
+        # the previous batch's pooled attention quantile
+        self.register_buffer("last_attn", torch.zeros(1, device=device))
+        # Σ DEBT_GAIN·(target − realised), attention skips
+        self.register_buffer("attn_debt", torch.zeros(1, device=device))
         self.pending = []  # attention scores and skip masks of the current training forward
         self.sums = {}  # (mode, kind, layer) -> [summed skipped fraction, forwards]
 

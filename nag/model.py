@@ -1,6 +1,7 @@
 """
-The NAG model (docs/design.md §4): the baseline's attention and MLP, with the additive
-residual stream replaced by a direction R̄ (RMS 1) and a carried log-norm s (fp32).
+The NAG model: the GPT baseline with the additive residual replaced by a direction and a log-norm.
+
+docs/design.md §4: the baseline's attention and MLP, with the additive residual stream replaced by a direction R̄ (RMS 1) and a carried log-norm s (fp32).
 
 Each sub-layer output x = f(R̄) rotates R̄ towards N_out(x) by angle arctan(g), with
 g = α · warmup(t) · m(R̄), and adds ½·log1p(g²) to s. Decoding reads the cosine
@@ -29,6 +30,10 @@ WALKTHROUGH_DEAD_GAIN = 0.05
 DEAD_MODULATOR = 0.1
 
 
+# AdamW LRs of the gates (α, β, coef, m_down) and of log G_encode, before the batch LR scale: the published pair's
+GATE_LR, TEMP_GAIN_LR = 1e-3, 0.005
+
+
 @dataclass
 class NAGConfig:
     directions: int = 32  # C, preferred directions of the modulator
@@ -40,16 +45,16 @@ class NAGConfig:
 
 def add_nag_args(parser):
     g = parser.add_argument_group("NAG (used with --arch nag)")
-    # an LR of 0 would freeze the gates, a negative one climb the loss: positive, as --matrix-lr (nanochat/common.py's rule)
-    g.add_argument("--nag-gate-lr", type=positive_float, default=1e-3, help="AdamW LR of α, β, coef, m_down (× batch LR scale)")
-    g.add_argument("--nag-temp-gain-lr", type=positive_float, default=0.005, help="AdamW LR of log G_encode (× batch LR scale)")
+    # an LR of 0 would freeze the gates, a negative one climb the loss:
+    # positive, as --matrix-lr (nanochat/common.py's rule)
+    g.add_argument("--nag-gate-lr", type=positive_float, default=GATE_LR, help="AdamW LR of α, β, coef, m_down (× batch LR scale)")
+    g.add_argument("--nag-temp-gain-lr", type=positive_float, default=TEMP_GAIN_LR, help="AdamW LR of log G_encode (× batch LR scale)")
     g.add_argument("--nag-alpha-warmup-tokens", type=non_negative(int, "no α warm-up"), default=NAGConfig.alpha_warmup_tokens,
                    help="0 disables the α warm-up")
     g.add_argument("--nag-mod-floor", type=non_negative(float, "no floor, failure 1"), default=NAGConfig.mod_floor,
                    help="floor of u before the power; 0 reproduces failure 1")
     g.add_argument("--nag-renorm", type=str, default=NAGConfig.renorm, choices=["measured", "predicted"])
     g.add_argument("--nag-directions", type=positive_int, default=NAGConfig.directions)
-    g.add_argument("--nag-alpha-init-power", type=float, default=NAGConfig.alpha_init_power)
     g.add_argument("--nag-gate-log-every", type=non_negative(int, "never"), default=100, help="gate telemetry every N steps (0 = never)")
     g.add_argument("--nag-impl", type=str, default="", choices=["", "reference", "compiled", "fused"],
                    help="branch implementation (default: fused on cuda, reference elsewhere)")
@@ -57,7 +62,7 @@ def add_nag_args(parser):
 
 def nag_config_from_args(args):
     """NAGConfig of the parsed flags (their values were checked as they were parsed: add_nag_args)."""
-    return NAGConfig(directions=args.nag_directions, alpha_init_power=args.nag_alpha_init_power, mod_floor=args.nag_mod_floor,
+    return NAGConfig(directions=args.nag_directions, mod_floor=args.nag_mod_floor,
                      renorm=args.nag_renorm, alpha_warmup_tokens=args.nag_alpha_warmup_tokens)
 
 
@@ -203,9 +208,10 @@ class NAGGPT(GPT):
         warm = self.nag.alpha_warmup_tokens
         self.alpha_warmup.fill_(1.0 if warm <= 0 else min(1.0, tokens / warm))
 
-    def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr=1e-3, temp_gain_lr=0.005):
+    def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr=GATE_LR, temp_gain_lr=TEMP_GAIN_LR):
         groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale)
-        gates = list(self.gates.parameters()) + (list(self.mod_base.parameters()) if self.mod_base is not None else [])  # X_l trains with the gates
+        # X_l trains with the gates
+        gates = list(self.gates.parameters()) + (list(self.mod_base.parameters()) if self.mod_base is not None else [])
         groups.append(dict(kind="adamw", name="nag_gates", params=gates, lr=gate_lr * lr_scale, betas=(0.8, 0.95)))
         groups.append(dict(kind="adamw", name="nag_temp_gain", params=[self.log_gain_encode], lr=temp_gain_lr * lr_scale, betas=(0.8, 0.95)))
         return groups

@@ -1,6 +1,7 @@
 """
-Named configurations for base_train (`--preset NAME`), and the matching base_eval and analysis
-arguments that speedrun.sh passes.
+Named configurations for base_train (`--preset NAME`).
+
+Each comes with the matching base_eval and analysis arguments that speedrun.sh passes.
 
 A preset is a list of flags placed before the command line's own, so any flag given
 after it wins. A preset marked "gpu" is refused where torch sees no CUDA device (unless
@@ -19,25 +20,27 @@ PRESETS = {
                   "--warmup-steps", "40", "--warmdown-ratio", "0.65", "--final-lr-frac", "0.05",
                   "--matrix-lr", "0.012", "--embedding-lr", "0.18", "--unembedding-lr", "0.006",
                   "--eval-tokens", str(80 * 2 ** 19)],
-        "nag": ["--nag-gate-lr", "1e-3", "--nag-temp-gain-lr", "0.005"],
+        "nag": [],  # its gate and temperature-gain LRs are NAG's defaults (nag/model.py: GATE_LR, TEMP_GAIN_LR)
         # the published val bpb was measured on 80 × 2^19 tokens
         "eval": ["--split-tokens", str(80 * 2 ** 19)],
         "analysis": ["--tokens", str(2 ** 20)],
         "vocab": 32768,
         "gpu": True,
     },
-    # nanochat's record, dev/LEADERBOARD.md "Run 6" (karpathy/nanochat a825e63; runs/speedrun.sh, base_train.py defaults):
-    # d24 (dim 1536, 12 heads × 128), SSSL windows, tokens = 8 × S, fp8, batch 2^20 (what nanochat's batch rule gives
-    # at d24), its LRs and schedule, on the recipe baseline; its NAG twin on the same FLOPs (docs/design.md §10). The
-    # Muon decay: nanochat scales 0.28 from its d12 (dim 768) to 0.0597384 at d24; ours scales from the d12 of the
-    # same width, so the flag that lands on 0.0597384 is 0.0790324 (tests/test_recipe.py checks both figures).
+    # nanochat's record, dev/LEADERBOARD.md "Run 6" (karpathy/nanochat a825e63; runs/speedrun.sh,
+    # base_train.py defaults): d24 (dim 1536, 12 heads × 128), SSSL windows, tokens = 8 × S, fp8,
+    # batch 2^20 (what nanochat's batch rule gives at d24), its LRs and schedule, on the recipe baseline;
+    # its NAG twin on the same FLOPs (docs/design.md §10). The Muon decay: nanochat scales 0.28 from its
+    # d12 (dim 768) to 0.0597384 at d24; ours scales from the d12 of the same width, so the flag that lands
+    # on 0.0597384 is 0.0790324 (tests/test_recipe.py checks both figures).
     "run6": {
-        "train": ["--depth", "24", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "SSSL",
+        "train": ["--depth", "24", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "SSSL",
                   "--target-param-data-ratio", "8", "--total-batch-size", "1048576", "--device-batch-size", "16",
                   "--warmup-steps", "40", "--warmdown-ratio", "0.65", "--final-lr-frac", "0.05",
                   "--matrix-lr", "0.02", "--embedding-lr", "0.3", "--unembedding-lr", "0.008", "--scalar-lr", "0.5",
                   "--weight-decay", "0.0790324", "--fp8", "--eval-every", "250", "--eval-tokens", str(80 * 2 ** 19)],
-        # the baseline's planned FLOPs (5,568 steps × 2^20 tokens × 4,775,225,616 FLOPs/token): the NAG twin takes fewer steps
+        # the baseline's planned FLOPs (5,568 steps × 2^20 tokens × 4,775,225,616 FLOPs/token):
+        # the NAG twin takes fewer steps
         "nag": ["--target-flops", "2.7880017079711039e19"],
         "eval": ["--split-tokens", str(80 * 2 ** 19)],
         "analysis": ["--tokens", str(2 ** 20)],
@@ -47,7 +50,7 @@ PRESETS = {
     },
     # nanochat-d20-like: dim 1280, 10 heads × 128, batch and horizon from the size rules
     "d20": {
-        "train": ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "L",
+        "train": ["--depth", "20", "--head-dim", "128", "--max-seq-len", "2048", "--window-pattern", "L",
                   "--device-batch-size", "32"],
         "nag": [], "eval": [], "analysis": ["--tokens", str(2 ** 20)], "vocab": 32768, "gpu": True,
     },
@@ -63,7 +66,8 @@ PRESETS = {
                   "--save-every", "30"],
         "nag": ["--nag-alpha-warmup-tokens", "40960", "--nag-gate-log-every", "10", "--nag-gate-lr", "0.01",
                 "--nag-temp-gain-lr", "1.0"],
-        "eval": ["--split-tokens", "65536", "--device-batch-size", "4"],  # 64 batches of 4 × 256: enough units for an interval
+        # 64 batches of 4 × 256: enough units for an interval
+        "eval": ["--split-tokens", "65536", "--device-batch-size", "4"],
         "analysis": ["--tokens", "65536"],
         "vocab": 4096,
     },

@@ -1,5 +1,7 @@
 """
-NAG on today's nanochat recipe (docs/design.md §10): NAGGPT (nag/model.py) with the recipe's parts (nanochat/recipe.py),
+NAG on today's nanochat recipe (docs/design.md §10).
+
+NAGGPT (nag/model.py) with the recipe's parts (nanochat/recipe.py),
 each decided against the paper's equations:
 
 - value embeddings and quarter windows live inside a sub-layer's f (its attention), which NAG leaves as it is: carried over;
@@ -17,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from nanochat.recipe import RecipeConfig, RecipeParts
-from nag.model import NAGGPT, NAGConfig
+from nag.model import GATE_LR, NAGGPT, NAGConfig, TEMP_GAIN_LR
 
 
 def renormalised(y, log_norm):
@@ -49,7 +51,7 @@ class NAGRecipeGPT(RecipeParts, NAGGPT):
         """NAG's S (nag/model.py) with the ve gates, which live in the blocks; the smear gate stays out, as in nanochat."""
         return super().num_scaling_params() - (self.smear_gate.weight.numel() if self.recipe.smear else 0)
 
-    def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr=1e-3, temp_gain_lr=0.005,
+    def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr=GATE_LR, temp_gain_lr=TEMP_GAIN_LR,
                          scalar_lr=0.5):
         groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr, temp_gain_lr)
         return groups + self.recipe_groups(embedding_lr, scalar_lr, lr_scale)

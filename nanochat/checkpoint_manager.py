@@ -23,11 +23,8 @@ import torch.distributed as dist
 
 from nanochat.common import UserError, atomic_torch_save, atomic_write_json
 from nanochat.gpt import GPTConfig
-
-
-def get_run_dir(run, base_dir=None):
-    from nanochat.common import get_base_dir
-    return os.path.join(base_dir or get_base_dir(), "runs", run)
+# the old place, for scripts/base_train.py until it imports run_dir
+from nanochat.run_dir import resolve_run_dir  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -75,7 +72,7 @@ def saved_steps(run_dir):
 def damage(run_dir, step):
     """Why the checkpoint of `step` is not complete, or None when it is: its meta json (written last) and every file it
     lists exist, the model file and one train-state file per rank of the run that saved it, each of the size the meta
-    records (a checkpoint saved before sizes were recorded: existence only)."""
+    records."""
     name = os.path.basename(meta_path(run_dir, step))
     try:
         with open(meta_path(run_dir, step), encoding="utf-8") as f:
@@ -86,7 +83,10 @@ def damage(run_dir, step):
         return f"{name} is not valid JSON: the file is damaged"
     if not (isinstance(meta, dict) and isinstance(meta.get("world_size", 1), int) and isinstance(meta.get("file_sizes", {}), dict)):
         return f"{name} is not a checkpoint's meta (an object with its number of ranks and file sizes): the file is damaged"
-    sizes = meta.get("file_sizes", {})
+    if "file_sizes" not in meta:
+        return f"{name} records no file sizes: a checkpoint of an earlier version of this code, which this one " \
+               "does not read"
+    sizes = meta["file_sizes"]
     for path in [model_path(run_dir, step)] + [optim_path(run_dir, step, r) for r in range(meta.get("world_size", 1))]:
         name = os.path.basename(path)
         if not os.path.exists(path):
@@ -203,16 +203,6 @@ def load_meta(run_dir, step):
     return meta
 
 
-def resolve_run_dir(run):
-    """A run name is one path component, looked up under $NANOCHAT_BASE_DIR/runs; anything with a path
-    separator is taken as a directory (relative to the current one). The same rule in every script."""
-    if os.sep in run or (os.altsep and os.altsep in run):
-        return os.path.normpath(os.path.abspath(run))
-    if run in ("", ".", ".."):
-        raise UserError(f"{run!r} is not a run name; give a name like gpt-d20, or a directory path like ./runs/gpt-d20")
-    return get_run_dir(run)
-
-
 def load_train_state(run_dir, step, rank=0, device="cpu"):
     path = optim_path(run_dir, step, rank)
     if not os.path.exists(path):
@@ -256,13 +246,15 @@ def fingerprints(tokenizer, splits=("train", "val")):
 
 
 def check_vocab(meta, tokenizer):
-    """The tokenizer must be the one the checkpoint was trained with: same size, and same merges where the
-    checkpoint recorded them (checkpoints from before fingerprints are checked on the size alone)."""
+    """The tokenizer must be the one the checkpoint was trained with: same size, and same merges (its fingerprint)."""
     v_model, v_tok = meta["model_config"]["vocab_size"], tokenizer.get_vocab_size()
     if v_model != v_tok:
         raise UserError(f"checkpoint vocab {v_model} does not match the tokenizer's {v_tok}; "
                         "use the tokenizer the model was trained with (NANOCHAT_BASE_DIR)")
-    trained = meta.get("fingerprints", {}).get("tokenizer")
-    if trained and trained != tokenizer.fingerprint():
+    trained = (meta.get("fingerprints") or {}).get("tokenizer")
+    if not trained:
+        raise UserError(f"the checkpoint of step {meta.get('step')} records no tokenizer fingerprint: a checkpoint of "
+                        "an earlier version of this code, which this one does not read")
+    if trained != tokenizer.fingerprint():
         raise UserError(f"the tokenizer in the base dir (fingerprint {tokenizer.fingerprint()}) is not the one this checkpoint was "
                         f"trained with ({trained}), though both have {v_tok:,} tokens; use the base dir the model was trained in")

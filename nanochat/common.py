@@ -1,4 +1,6 @@
-"""Small shared utilities: base directory, device and dtype choice, distributed info, logging, atomic writes,
+"""Small shared utilities used across the repo.
+
+Base directory, device and dtype choice, distributed info, logging, atomic writes,
 the peak-FLOPs table, the git commit and package versions, the one rule for a list of seeds and the one rule for
 the numbers of a command line, a progress line."""
 
@@ -379,3 +381,9 @@ def cuda_problem(need=None):
     else:
         fix = "check that the GPUs are visible here (CUDA_VISIBLE_DEVICES, the container's --gpus)"
     return f"torch sees {seen} CUDA device(s), {need} needed: {build}; {smi}; {fix}"
+
+
+def seed_flags(seed):
+    """base_train's flags for one seed of an experiment's --seeds (None: none, the defaults). The one rule: a seed
+    sets both the init (--seed) and the data order (--data-seed), so every arch of one seed reads the same data."""
+    return [] if seed is None else ["--seed", str(seed), "--data-seed", str(seed)]

@@ -159,7 +159,8 @@ def load_core_tasks(bundle_dir):
         if label not in baselines:
             raise UserError(f"{meta_path} has no random baseline for task {label}")
         shots = t["num_fewshot"]
-        shots = shots[0] if isinstance(shots, list) and shots else shots  # DCLM lists the shot counts; CORE uses the first
+        # DCLM lists the shot counts; CORE uses the first
+        shots = shots[0] if isinstance(shots, list) and shots else shots
         if not isinstance(shots, int) or shots < 0:
             raise UserError(f"{yaml_path}: task {label} has an invalid num_fewshot {t['num_fewshot']!r}")
         tasks.append({
@@ -595,7 +596,7 @@ def core_summary(results, missing, settings, records, unfinished=()):
         "partial_core": partial,
         "partial_label": f"partial CORE ({n}/{NUM_CORE_TASKS})",
         "max_per_task": settings["max_per_task"],
-        "settings": {**settings, "tasks": dict(settings["tasks"])},  # copies: later tasks do not change a summary already given
+        "settings": {**settings, "tasks": dict(settings["tasks"])},  # copies: later tasks leave a given summary alone
         "records": list(records),
     }
 

@@ -42,7 +42,8 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
         raise UserError(f"the {split} split has {len(all_row_groups)} row groups, fewer than the {world_size} ranks; use fewer GPUs or more data")
     row_groups = _epoch_row_groups(all_row_groups, rank, world_size, data_seed)
     num_row_groups = len(row_groups(0))  # the same every epoch: only their order changes
-    docs_per_epoch = sum(row_group_sizes(row_groups(0)))  # with a data seed it varies a little by epoch; epoch 0's is kept
+    # with a data seed it varies a little by epoch; epoch 0's is kept
+    docs_per_epoch = sum(row_group_sizes(row_groups(0)))
     if docs_per_epoch == 0:
         raise UserError(f"the {split} split has no documents for rank {rank}; re-create the data")
     if resume_state is not None:
@@ -88,7 +89,8 @@ def _packed_batches(tokenizer, B, T, split, device, row_groups, num_row_groups, 
             tokens[(epoch, pos, d)] = doc
             insort(keys, (len(doc), epoch, pos, d))
 
-    dropped = 0 if resume_state is None else resume_state.get("dropped_tokens", 0)  # cropped away so far: the data budget's loss
+    # tokens cropped away so far: the data budget's loss
+    dropped = 0 if resume_state is None else resume_state.get("dropped_tokens", 0)
     if resume_state is None:
         epoch, next_pos = 0, 0
     else:
@@ -171,8 +173,12 @@ def _check_state(state, split, rank, world_size, num_row_groups, data_seed):
         raise UserError(f"dataloader resume state is for split/rank/world_size {saved}, not {(split, rank, world_size)}; resume with the same setup")
     if state["num_row_groups"] != num_row_groups:
         raise UserError(f"the {split} data changed since the checkpoint ({state['num_row_groups']} row groups for this rank then, {num_row_groups} now); resume with the same shards")
-    if state.get("data_seed") != data_seed:  # a state saved before data seeds existed read the file order
-        raise UserError(f"dataloader resume state is for data seed {state.get('data_seed')}, not {data_seed}; resume with the same --data-seed")
+    if "data_seed" not in state:
+        raise UserError("the dataloader resume state records no data seed: a state of an earlier version of this code, "
+                        "which this one does not resume; start without it")
+    if state["data_seed"] != data_seed:
+        raise UserError(f"dataloader resume state is for data seed {state['data_seed']}, not {data_seed}; "
+                        "resume with the same --data-seed")
 
 
 class MicroBatches:

@@ -1,5 +1,7 @@
 """
-What a run of several processes (one node or many) needs beyond DDP itself, each a small piece with one job:
+What a run of several processes (one node or many) needs beyond DDP itself.
+
+Each is a small piece with one job:
 
     rank0_decides(fn)       rank 0 computes a value (the start step) and every rank gets it, or the same error
     check_shared_dir(path)  every rank must see the files rank 0 writes: the run directory on a shared filesystem

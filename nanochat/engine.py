@@ -1,6 +1,7 @@
 """
-Sampling with a KV cache (docs/design.md §9), for every arch: a prefill forward over the whole prompt, then
-one forward of one token per sampled token.
+Sampling with a KV cache (docs/design.md §9), for every arch.
+
+A prefill forward over the whole prompt, then one forward of one token per sampled token.
 
 Attention is the only part of the model that reads other positions, and it reads them through their keys
 and values: so the cache holds, per layer, the keys (after rotary and QK-norm) and values of every position
@@ -46,7 +47,8 @@ class KVCache:
         self.layers = [LayerKV(self, i) for i in range(n_layer)]
         self.max_len = max_len
         self.pos = 0
-        self.prev_embedding = None  # the last cached position's embedding, for a model that smears it into the next (nanochat/recipe.py)
+        # the last cached position's embedding, for a model that smears it into the next (nanochat/recipe.py)
+        self.prev_embedding = None
 
     @classmethod
     def for_model(cls, model, batch_size=1):

@@ -1,5 +1,7 @@
 """
-The attention kernel: the one place that chooses it and calls it (docs/design.md §2, "The attention kernel").
+The attention kernel: the one place that chooses it and calls it.
+
+docs/design.md §2, "The attention kernel", explains the choice.
 
     --attn auto   Hopper (compute capability 9.x, bf16): the first of AUTO_ORDER that loads and passes a probe,
                   else SDPA with a warning; anywhere else SDPA
@@ -119,7 +121,8 @@ class AttentionShapes:
                      probe_len=T, probe_window=T if w >= self.seq_len else max(1, w * T // self.seq_len)) for w in self.windows]
 
 
-GENERIC_SHAPES = AttentionShapes(head_dim=64, n_head=2, n_kv_head=2, seq_len=128, windows=(128,))  # no run's shapes given
+# used when no run's shapes are given
+GENERIC_SHAPES = AttentionShapes(head_dim=64, n_head=2, n_kv_head=2, seq_len=128, windows=(128,))
 
 
 def attention_shapes(model):

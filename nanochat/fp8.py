@@ -1,5 +1,7 @@
 """
-fp8 training of the linear layers: tensorwise dynamic scaling around torch._scaled_mm (docs/design.md §2, "fp8").
+fp8 training of the linear layers: tensorwise dynamic scaling around torch._scaled_mm.
+
+docs/design.md §2, "fp8", explains the design.
 
     model.set_fp8(True)    # base_train --fp8: every Linear the size rule admits runs its three matmuls in fp8
     fp8_linear(x, weight)  # x @ weight.T; forward and backward each quantise their operands on the fly

@@ -35,7 +35,8 @@ class GPTConfig:
 ROTARY_BASE = 100_000
 QK_SCALE = 1.2
 SOFTCAP = 15.0
-VE_GATE_CHANNELS = 12  # a value embedding's gate reads this many leading channels of the attention input (nanochat/recipe.py)
+# a value embedding's gate reads this many leading channels of the attention input (nanochat/recipe.py)
+VE_GATE_CHANNELS = 12
 
 
 def norm(x):
@@ -139,6 +140,9 @@ class Block(nn.Module):
         x = x + self.mlp(norm(x))
         return x
 
+
+# base_train's optimizer flags default to these, and so does setup_optimizer: one place for both
+OPTIMIZER_DEFAULTS = dict(embedding_lr=0.3, unembedding_lr=0.004, matrix_lr=0.02, weight_decay=0.28)
 
 class GPT(nn.Module):
     arch = "gpt"
@@ -270,9 +274,10 @@ class GPT(nn.Module):
             dict(kind="muon", name="matrices", params=block_matrices, lr=matrix_lr * lr_scale, weight_decay=weight_decay),
         ]
 
-    def setup_optimizer(self, embedding_lr=0.3, unembedding_lr=0.004, matrix_lr=0.02, weight_decay=0.2, lr_scale=1.0, **extra):
+    def setup_optimizer(self, lr_scale=1.0, **settings):
+        """MuonAdamW over every parameter: OPTIMIZER_DEFAULTS, overridden by `settings` (and an arch's own LRs)."""
         from nanochat.optim import MuonAdamW
-        groups = self.optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, **extra)
+        groups = self.optimizer_groups(lr_scale=lr_scale, **{**OPTIMIZER_DEFAULTS, **settings})
         # every parameter in exactly one group
         seen = [id(p) for g in groups for p in g["params"]]
         assert len(seen) == len(set(seen)), "a parameter is in two optimizer groups"

@@ -33,9 +33,9 @@ POLAR_EXPRESS_COEFFS = [
 ]
 POLAR_NORM_FACTOR = 1.01
 NORMUON_BETA2 = 0.9  # decay of NorMuon's running second moment
-# compiled AdamW: a tensor this large gets its own fused update; smaller ones (a model may have hundreds of small gate tensors) stay in
-# eager foreach kernels, since one graph over hundreds of tensors takes minutes to compile and a call per tensor
-# would cost more launches than the fusion saves
+# compiled AdamW: a tensor this large gets its own fused update; smaller ones (a model may have hundreds of
+# small gate tensors) stay in eager foreach kernels, since one graph over hundreds of tensors takes minutes
+# to compile and a call per tensor would cost more launches than the fusion saves
 FUSE_MIN_NUMEL = 1 << 16
 
 
@@ -262,7 +262,8 @@ class MuonAdamW(torch.optim.Optimizer):
         stacked_g = torch.stack([p.grad for p in params]).float()
         ortho_dtype = self.ortho_dtype(stacked_p)
         update, hyper = muon_update, [group["lr"], group["momentum"], group["weight_decay"]]
-        if self.compiles(stacked_p) and not partial:  # a skipped matrix (rare) would need a graph for another stack size
+        # a skipped matrix (rare) would need a graph for another stack size
+        if self.compiles(stacked_p) and not partial:
             update, hyper = compiled(muon_update), scalars(stacked_p.device, *hyper)
         update(stacked_p, stacked_g, momentum_buf, variance_buf, *hyper, beta2=group["beta2"], ortho_dtype=ortho_dtype, gate=gate)
         torch._foreach_copy_(params, list(stacked_p.unbind(0)))

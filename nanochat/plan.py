@@ -1,5 +1,7 @@
 """
-What a run will do, from its flags: model shape, batch, horizon, LR and weight-decay scale, schedules.
+What a run will do, worked out from its flags.
+
+Model shape, batch, horizon, LR and weight-decay scale, schedules.
 
 The plan is computed on the meta device (nothing allocated, no data read), so `base_train --dry-run`,
 speedrun's planning and the depth sweep see exactly the numbers training will use.
@@ -22,8 +24,10 @@ REFERENCE_DEPTH = 12
 BATCH_EXPONENT = 0.383
 MAX_DECAY_PER_STEP = 0.01
 SAVES_PER_RUN = 5  # --save-every auto: about this many checkpoints before the last one
+ASPECT_RATIO = 64  # model dim per layer when --model-dim is unset (nanochat's aspect ratio)
 MOMENTUM = {"start": 0.85, "peak": 0.97, "peak_step": 400, "end": 0.90}  # Muon momentum schedule of the published code
-# wall-time estimates of a plan (speedrun, the depth sweep): 40% MFU of an H100's dense bf16 peak, evaluation not included
+# wall-time estimates of a plan (speedrun, the depth sweep): 40% MFU of an H100's dense bf16 peak,
+# evaluation not included
 PLANNED_MFU = 0.40
 PLANNED_PEAK = peak_flops_of("NVIDIA H100 80GB HBM3")  # the SXM part of an 8 × H100 node
 
@@ -55,7 +59,7 @@ def model_config_from_args(args, vocab_size, depth=None):
     if args.model_dim > 0:
         dim = args.model_dim
     else:
-        dim = args.depth * args.aspect_ratio
+        dim = args.depth * ASPECT_RATIO
         dim = -(-dim // args.head_dim) * args.head_dim
     if dim % args.head_dim:
         raise UserError(f"model dim {dim} is not a multiple of --head-dim {args.head_dim}")
@@ -102,10 +106,9 @@ class Plan:
             if g["kind"] == "adamw":
                 row.update(betas=list(g["betas"]), eps=g["eps"])
             else:
-                row.update(momentum_at_step0=momentum_at(0, self, args), normuon_beta2=g["beta2"])
+                row.update(momentum_at_step0=momentum_at(0, self), normuon_beta2=g["beta2"])
             groups.append(row)
-        momentum = ({"constant": args.muon_momentum} if args.muon_momentum > 0 else
-                    dict(MOMENTUM, end_step=self.num_iterations, warmdown_start_step=self.num_iterations - self.warmdown_steps))
+        momentum = dict(MOMENTUM, end_step=self.num_iterations, warmdown_start_step=self.num_iterations - self.warmdown_steps)
         return {"groups": groups, "muon_momentum": momentum,
                 "muon_weight_decay": {"value": self.weight_decay, "rule": "weight_decay × √(B/2^19) × S_ref/S (capped at lr × wd ≤ 0.01)",
                                       "schedule": "cosine from value to 0 over the run"},
@@ -125,7 +128,8 @@ class Plan:
                 "lr_scale": self.lr_scale, "weight_decay_effective": self.weight_decay, "save_every": self.save_every,
                 "seed": args.seed, "data_seed": args.data_seed,  # null: the train data in file order
                 "optimizer": self.optimizer_record(args),
-                # fp32 weights + optimizer state (AdamW: 2 fp32 moments; Muon: 1 momentum + small variance) ≈ 12-16 bytes/param
+                # fp32 weights + optimizer state (AdamW: 2 fp32 moments; Muon: 1 momentum + small variance)
+                # ≈ 12-16 bytes/param
                 "checkpoint_gib": params * 16 / 2 ** 30}
 
 
@@ -198,8 +202,8 @@ def muon_momentum(step, num_iterations, warmdown_steps):
     return m
 
 
-def momentum_at(step, plan, args):
-    return args.muon_momentum if args.muon_momentum > 0 else muon_momentum(step, plan.num_iterations, plan.warmdown_steps)
+def momentum_at(step, plan):
+    return muon_momentum(step, plan.num_iterations, plan.warmdown_steps)
 
 
 def muon_weight_decay(step, plan, initial):

@@ -1,5 +1,7 @@
 """
-Today's nanochat recipe on the clean baseline (docs/design.md §10): the GPT of nanochat/gpt.py plus the parts that
+Today's nanochat recipe on the clean GPT baseline (docs/design.md §10).
+
+The GPT of nanochat/gpt.py plus the parts that
 nanochat's record run (dev/LEADERBOARD.md "Run 6": d24, tokens/params 8, fp8) trains with, as karpathy/nanochat's
 nanochat/gpt.py (GPT.__init__, init_weights, forward, setup_optimizer) defines them:
 
@@ -37,7 +39,8 @@ class RecipeConfig:
 
 PARTS = tuple(f.name for f in fields(RecipeConfig))
 SMEAR_CHANNELS = 24  # the smear gate reads this many leading channels of the token's normed embedding
-SMEAR_LR = 0.2  # AdamW LR of smear_gate, smear_lambda, backout_lambda: a constant in nanochat (no batch or width scaling)
+# AdamW LR of smear_gate, smear_lambda, backout_lambda: a constant in nanochat (no batch or width scaling)
+SMEAR_LR = 0.2
 WINDOW_TILE = 128  # nanochat rounds the short window up to FA3's tile
 
 

@@ -15,7 +15,7 @@ import os
 
 from nanochat.common import UserError
 from nanochat import checkpoint_manager as ckpt
-from nanochat.run_dir import read_json
+from nanochat import run_dir as run_files
 
 # what must match for a resume. The process count may change: the train data is cut into world_size × grad_accum
 # shards, a number fixed by the total and device batch sizes, and each shard's loader state moves to its new owner
@@ -28,16 +28,16 @@ HORIZON = frozenset({"num_iterations", "target_flops", "target_param_data_ratio"
 # saved LRs or decays, and the schedules scale the new values as on a fresh run.
 FREE, OPTIMIZER, TRAINING, REFUSED_KIND = "free", "optimizer", "training", "refused"
 RESUME_TABLE = (
-    (FREE, ("run", "resume", "dry_run", "change_settings", "preset", "device_type", "compile", "attn", "eval_every",
-            "eval_tokens", "save_every", "log_every", "log_to", "keep_checkpoints", "step_timeout", "start_timeout"),
+    (FREE, ("run", "resume", "dry_run", "change_settings", "preset", "device_type", "attn", "eval_every",
+            "eval_tokens", "save_every", "log_every", "log_to", "step_timeout"),
      "changes no number the run trains: may differ on any resume"),
-    (OPTIMIZER, ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "muon_momentum"),
+    (OPTIMIZER, ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"),
      "with --change-settings: the optimizer groups step with the new value from the resumed step on"),
     (TRAINING, tuple(sorted(HORIZON)), "with --change-settings: the new horizon (planned step count) stretches or cuts the schedules"),
     (TRAINING, ("warmup_steps", "warmdown_ratio", "final_lr_frac"), "with --change-settings: the LR schedule from the resumed step on"),
     (TRAINING, ("data_seed",), "with --change-settings: the order of the train documents from the resumed step on"),
     (TRAINING, ("fp8",), "with --change-settings: fp8 or full-precision matmuls from the resumed step on"),
-    (REFUSED_KIND, ("arch", "depth", "aspect_ratio", "model_dim", "head_dim", "n_kv_head", "max_seq_len", "window_pattern"),
+    (REFUSED_KIND, ("arch", "depth", "model_dim", "head_dim", "n_kv_head", "max_seq_len", "window_pattern"),
      "it builds another model than the checkpoint holds"),
     (REFUSED_KIND, ("total_batch_size", "device_batch_size"),
      "the train data is cut into total batch ÷ device batch shards, each with its own saved reading position"),
@@ -66,7 +66,8 @@ def settings_segments(old_cfg, record, start, defaults, not_settings):
     segments = list(old_cfg.get("segments", [])) or [{"start_step": 0, "command": old_cfg.get("command", record["command"]),
                                                         "git_commit": old_cfg.get("git_commit", record["git_commit"])}]
     changes = {k: {"then": a, "now": b} for k, (a, b) in (settings_changes(old_cfg, record, defaults, not_settings) if old_cfg else {}).items()}
-    for key in ("num_iterations", "world_size"):  # the horizon (--change-settings), the process count (the same numbers: docs/runs.md)
+    # the horizon (--change-settings), the process count (the same numbers: docs/runs.md)
+    for key in ("num_iterations", "world_size"):
         if old_cfg.get(key, record[key]) != record[key]:
             changes[key] = {"then": old_cfg[key], "now": record[key]}
     if start > 0 and (changes or old_cfg.get("git_commit") != record["git_commit"]):
@@ -79,14 +80,8 @@ CONFIG_FIX = ("restore it from a copy, or move it away to resume without compari
 
 
 def read_config(run_dir):
-    """A run's config.json, {} where it has none; a damaged one is one line naming it and the fix (run_dir.read_json)."""
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
-        return {}
-    cfg = read_json(path, CONFIG_FIX)
-    if not isinstance(cfg, dict):
-        raise UserError(f"{path} is not a run's config (a JSON object); {CONFIG_FIX}")
-    return cfg
+    """A run's config.json, {} where it has none; a damaged one is one line naming it and the fix (run_dir.py)."""
+    return run_files.read_config(run_dir, CONFIG_FIX, missing_ok=True)
 
 
 def refused_changes(old_cfg, record, defaults, refused=REFUSED):

@@ -1,4 +1,6 @@
 """
+Read and write a run directory's files other than checkpoints: config, metrics and evaluations.
+
 The files of a run directory other than its checkpoints: config.json, metrics.jsonl and the evaluations
 (eval/step_NNNNNN.* per evaluated step, and eval.json, core_records.parquet and core_tasks.csv at the top,
 copies of the highest step evaluated), read and written here only. docs/runs.md lists them. Also the one rule of
@@ -23,7 +25,6 @@ import tempfile
 import contextlib
 
 from nanochat.common import UserError, print0, get_base_dir, atomic_write_bytes, atomic_write_json, ensure_writable_dir
-from nanochat.checkpoint_manager import resolve_run_dir
 from nanochat.core_eval import load_records, save_records
 
 METRICS = "metrics.jsonl"
@@ -36,7 +37,8 @@ TOP = {"json": EVAL_JSON, "records": RECORDS, "csv": CSV}  # copies of the highe
 STEP_FILE = re.compile(r"step_(\d+)\.json")  # a step's results in eval/: step_000123.json
 PENDING = os.path.join(EVAL_DIR, "pending")  # a step's new results while an earlier complete one stays in place
 REPLACED = "replaced"  # in a results folder: earlier results of other inputs or settings, never deleted
-MANIFEST = "inputs.json"  # in a report or analysis folder: the tool, its inputs, the files it wrote there and their sha256
+# in a report or analysis folder: the tool, its inputs, the files it wrote there and their sha256
+MANIFEST = "inputs.json"
 
 
 # ---------------------------------------------------------------------------
@@ -128,6 +130,21 @@ def append_row(metrics_path, row):
 # reading a run
 
 
+def run_path(name, base_dir=None):
+    """<base>/runs/<name>: where the run of that name lives (base: $NANOCHAT_BASE_DIR unless given)."""
+    return os.path.join(base_dir or get_base_dir(), "runs", name)
+
+
+def resolve_run_dir(run):
+    """A run name is one path component, looked up under $NANOCHAT_BASE_DIR/runs; anything with a path
+    separator is taken as a directory (relative to the current one). The same rule in every script."""
+    if os.sep in run or (os.altsep and os.altsep in run):
+        return os.path.normpath(os.path.abspath(run))
+    if run in ("", ".", ".."):
+        raise UserError(f"{run!r} is not a run name; give a name like gpt-d20, or a directory path like ./runs/gpt-d20")
+    return run_path(run)
+
+
 def existing_run_dir(run):
     path = resolve_run_dir(run)
     if not os.path.isdir(path):
@@ -135,52 +152,69 @@ def existing_run_dir(run):
     return os.path.normpath(path)
 
 
-def run_path(name, base_dir=None):
-    """<base>/runs/<name>: where the run of that name lives (base: $NANOCHAT_BASE_DIR unless given)."""
-    return os.path.join(base_dir or get_base_dir(), "runs", name)
-
-
 def metrics_path(run_dir):
     return os.path.join(run_dir, METRICS)
 
 
-def read_config(run_dir):
-    """A run's config.json; missing or damaged, one line naming the file and what to do."""
+def read_json(path, fix=None, missing_ok=False):
+    """A JSON file's content, None where it is absent and missing_ok. Every JSON file of a run is read here: a missing,
+    unreadable or damaged one is one line naming it (and `fix`: what to do about it), never a traceback."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        why = "is missing"
+    except OSError as e:
+        why = f"cannot be read ({e.strerror or e})"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        why = f"is not valid JSON ({e})"
+    raise UserError(f"{path} {why}" + (f"; {fix}" if fix else "")) from None
+
+
+def read_record(path):
+    """A results json as a dict, or None when absent or unreadable (then it is rewritten from scratch)."""
+    try:
+        record = read_json(path, missing_ok=True)
+    except UserError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def read_config(run_dir, fix="restore it from a copy", missing_ok=False):
+    """A run's config.json ({} where it has none and missing_ok); missing or damaged, one line naming it and `fix`."""
     path = os.path.join(run_dir, CONFIG)
-    if not os.path.exists(path):
+    if not missing_ok and not os.path.exists(path):
         raise UserError(f"{path} is missing; is {run_dir} a run directory written by scripts.base_train?")
-    config = read_json(path)
+    config = read_json(path, fix, missing_ok=True)
+    if config is None:
+        return {}
     if not isinstance(config, dict):
-        raise UserError(f"{path} is not a run's config (a JSON object); restore it from a copy")
+        raise UserError(f"{path} is not a run's config (a JSON object); {fix}")
     return config
 
 
 def read_eval(run_dir):
     """A run's eval.json (its highest evaluated step), None where it has none; damaged, one line."""
     path = os.path.join(run_dir, EVAL_JSON)
-    if not os.path.exists(path):
-        return None
-    ev = read_json(path)
-    if not isinstance(ev, dict):
+    ev = read_json(path, missing_ok=True)
+    if ev is not None and not isinstance(ev, dict):
         raise UserError(f"{path} is not an evaluation record (a JSON object); rerun scripts.base_eval")
     return ev
 
 
-def read_json(path, fix=None):
-    """A JSON file's content; a damaged one is one line naming it (and `fix`: what to do about it), never a traceback."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})" + (f"; {fix}" if fix else "")) from None
+def earlier_version(path, what, fix):
+    """The one line for a file of a format this version never writes: what it is, and that it is not read."""
+    return UserError(f"{path} is {what}, written by an earlier version of this code, which this one does not read; "
+                     f"{fix}")
 
 
 def headline(run):
     """One line of a run's evaluated figures at full precision (val bpb, CORE or partial CORE): what docs/LOG.md
     compares bit for bit between runs of the same seed (runs/runcpu.sh ends with one per run)."""
     run_dir = existing_run_dir(run)
-    path = os.path.join(run_dir, EVAL_JSON)
-    ev = read_json(path) if os.path.exists(path) else {}
+    ev = read_eval(run_dir) or {}
     core = ("CORE", ev["core_metric"]) if ev.get("core_metric") is not None else ("partial CORE", ev.get("partial_core"))
     tasks = f" ({ev['num_tasks_scored']} tasks)" if ev.get("num_tasks_scored") else ""
     return f"{os.path.basename(run_dir)}: val bpb {ev.get('val_bpb')!r}, {core[0]} {core[1]!r}{tasks}"
@@ -188,11 +222,14 @@ def headline(run):
 
 def load_core_records(run_dir, ev):
     """(columns, settings) of the run's CORE records, or None when eval.json has no CORE results.
-    Records missing (an eval.json from before they were kept), damaged, or not of this eval.json are errors."""
+    Records missing, damaged, or not of this eval.json are errors."""
     if not ev or not ev.get("tasks"):
         return None
     path = os.path.join(run_dir, RECORDS)
-    if not ev.get("core_records") or not os.path.exists(path):
+    if not ev.get("core_records"):
+        raise earlier_version(os.path.join(run_dir, EVAL_JSON), "an evaluation with CORE scores but no per-example "
+                              "records", f"rerun `python -m scripts.base_eval --run {run_dir} --eval core`")
+    if not os.path.exists(path):
         raise UserError(f"{run_dir} has CORE scores but no per-example records ({os.path.basename(path)}), so no interval can be "
                         f"computed; rerun `python -m scripts.base_eval --run {run_dir} --eval core`")
     cols, settings = load_records(path)
@@ -212,9 +249,19 @@ def evaluated_steps(run_dir):
     return sorted(int(STEP_FILE.fullmatch(os.path.basename(p))[1]) for p in history_files(run_dir))
 
 
+def check_layout(run_dir, ev):
+    """eval.json is a copy of an evaluated step's eval/step_*.json: one without it is of the layout of one eval.json
+    per run, before eval/ kept each step's results."""
+    step = ev.get("step") if ev else None
+    if isinstance(step, int) and not os.path.exists(os.path.join(run_dir, step_files(step)["json"])):
+        raise earlier_version(os.path.join(run_dir, EVAL_JSON), f"an evaluation of step {step} without its "
+                              f"{step_files(step)['json']}", "move it aside and rerun "
+                              f"`python -m scripts.base_eval --run {run_dir} --step {step}`")
+
+
 def eval_history(run_dir, ev):
-    """[(step, record)] of every evaluated step, by step: eval/step_*.json, plus eval.json where the
-    history lacks its step (an evaluation from before base_eval kept one)."""
+    """[(step, record)] of every evaluated step, by step: eval/step_*.json (eval.json is a copy of the highest)."""
+    check_layout(run_dir, ev)
     by_step = {}
     for path in history_files(run_dir):
         rec = read_json(path)
@@ -222,8 +269,6 @@ def eval_history(run_dir, ev):
             raise UserError(f"{path} is not an evaluation record (a JSON object); rerun scripts.base_eval at that step")
         step = rec.get("step") if isinstance(rec.get("step"), int) else int(STEP_FILE.fullmatch(os.path.basename(path))[1])
         by_step[step] = rec
-    if ev and isinstance(ev.get("step"), int):
-        by_step.setdefault(ev["step"], ev)
     return sorted(by_step.items())
 
 
@@ -237,15 +282,13 @@ def load_run(arg):
     """Everything a comparison reads of one run (a name or a path): its directory, name, config, metrics rows,
     eval.json, evaluated steps, CORE records, and notes on what was skipped reading them."""
     run_dir = existing_run_dir(arg)
-    cfg_path = os.path.join(run_dir, CONFIG)
-    if not os.path.exists(cfg_path):
-        raise UserError(f"{cfg_path} is missing; is {run_dir} a run directory written by scripts.base_train?")
-    config = read_json(cfg_path)
-    eval_path = os.path.join(run_dir, EVAL_JSON)
-    metrics, notes = read_metrics(os.path.join(run_dir, METRICS))
-    ev = read_json(eval_path) if os.path.exists(eval_path) else None
-    if ev is not None and not isinstance(ev, dict):
-        raise UserError(f"{eval_path} is not an evaluation record (a JSON object); rerun scripts.base_eval")
+    config = read_config(run_dir)
+    metrics, notes = read_metrics(metrics_path(run_dir))
+    ev = read_eval(run_dir)
+    vb = (ev or {}).get("val_batches")
+    if (ev or {}).get("val_bpb") is not None and not (isinstance(vb, dict) and vb.get("nats")):
+        raise earlier_version(os.path.join(run_dir, EVAL_JSON), "an evaluation of val bpb without its per-batch val "
+                              "losses", f"rerun `python -m scripts.base_eval --run {run_dir} --eval bpb`")
     return {
         "dir": run_dir,
         "name": config.get("run") or os.path.basename(run_dir),
@@ -275,38 +318,6 @@ def step_files(step):
     """The run-dir-relative names of one step's results: its json, CORE records and per-task CSV."""
     stem = os.path.join(EVAL_DIR, f"step_{step:06d}")
     return {"json": stem + ".json", "records": f"{stem}_{RECORDS}", "csv": f"{stem}_{CSV}"}
-
-
-def read_record(path):
-    """A results json as a dict, or None when absent or unreadable (then it is rewritten from scratch)."""
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def adopt_legacy(run_dir):
-    """A top-level eval.json from before eval/ existed (one per run) becomes its step's entry in eval/, with its
-    records and CSV, so that evaluating another step does not lose it."""
-    old = read_record(os.path.join(run_dir, TOP["json"]))
-    if old is None or not isinstance(old.get("step"), int) or os.path.exists(os.path.join(run_dir, step_files(old["step"])["json"])):
-        return
-    names = step_files(old["step"])
-    os.makedirs(os.path.join(run_dir, EVAL_DIR), exist_ok=True)
-    if old.get("core_records"):
-        try:
-            _, settings = load_records(os.path.join(run_dir, TOP["records"]))
-            ok = settings.get("step") == old["step"]
-        except UserError:
-            ok = False
-        if ok:
-            shutil.copyfile(os.path.join(run_dir, TOP["records"]), os.path.join(run_dir, names["records"]))
-        old["core_records"] = names["records"] if ok else None
-    atomic_write_bytes(os.path.join(run_dir, names["csv"]), core_csv(old.get("tasks") or {}).encode())
-    atomic_write_json(os.path.join(run_dir, names["json"]), old)
-    print0(f"kept the earlier eval.json of step {old['step']} as {names['json']}")
 
 
 def mergeable(old, new):
@@ -387,7 +398,8 @@ def commit_pending(run_dir, record, with_records, replaced_why=None):
         src = os.path.join(run_dir, PENDING, os.path.basename(name))
         if os.path.exists(src) and (key != "records" or with_records):
             os.replace(src, os.path.join(run_dir, name))
-    for name in step_names(run_dir, step, PENDING):  # CORE records of an earlier unfinished run: no json describes them now
+    # CORE records of an earlier unfinished run: no json describes them now
+    for name in step_names(run_dir, step, PENDING):
         os.remove(os.path.join(run_dir, PENDING, name))
     with contextlib.suppress(OSError):  # emptied: no folder left behind (one still holding another step's files stays)
         os.rmdir(os.path.join(run_dir, PENDING))
@@ -433,17 +445,10 @@ def set_aside(folder, names):
 
 
 def read_manifest(folder):
-    """The manifest of a results folder ({"tool", "inputs", "files", "sha256"}), or None (none, or unreadable). An
-    inputs.json from before manifests ({"runs": ...}) is compare's, with its files unlisted; one from before the
-    hashes has no "sha256"."""
-    try:
-        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
-            m = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(m, dict):
-        return None
-    return m if "tool" in m else {"tool": "scripts.compare", "inputs": m, "files": None}
+    """The manifest of a results folder ({"tool", "inputs", "files", "sha256"}), or None (none, unreadable, or not
+    a manifest: then no tool's files are there)."""
+    m = read_record(os.path.join(folder, MANIFEST))
+    return m if m is not None and "tool" in m else None
 
 
 def folder_entries(folder):
@@ -458,7 +463,7 @@ def own_files(folder, tool):
     m = read_manifest(folder)
     if m is None or m["tool"] != tool:
         return []
-    listed = set(m["files"] or folder_entries(folder)) | {MANIFEST}  # unlisted (an old inputs.json): all of them
+    listed = set(m.get("files") or []) | {MANIFEST}
     return [n for n in folder_entries(folder) if n in listed]
 
 

@@ -1,5 +1,7 @@
 """
-How sure is a difference between two runs? Paired bootstrap intervals for the CORE delta, each task's
+How sure is a difference between two runs: paired bootstrap intervals and resolvable differences.
+
+Paired bootstrap intervals for the CORE delta, each task's
 delta and the val bpb delta, and the smallest CORE difference an evaluation of a given size can resolve.
 
 Both runs are scored on the same items (CORE) or the same batches (bpb), so every interval is paired:

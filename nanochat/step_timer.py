@@ -1,5 +1,7 @@
 """
-Where a training step's time goes, and small device values read on the host, both without making the device wait.
+Where a training step's time goes, and small device values read on the host, without device waits.
+
+Neither the timing nor the reads make the device wait.
 
     timer = StepTimer(device)
     ...                          # get a micro-batch

@@ -28,6 +28,9 @@ SPECIAL_TOKENS = [
 ]
 
 
+ENCODING, TOKEN_BYTES = "tokenizer.pkl", "token_bytes.pt"  # the tokenizer's two files, named here only
+
+
 def get_tokenizer_dir(base_dir=None):
     return os.path.join(base_dir or get_base_dir(), "tokenizer")
 
@@ -35,7 +38,7 @@ def get_tokenizer_dir(base_dir=None):
 def has_tokenizer(base_dir=None):
     """Whether a trained tokenizer (both of its files) is in place under base_dir (default $NANOCHAT_BASE_DIR)."""
     d = get_tokenizer_dir(base_dir)
-    return all(os.path.exists(os.path.join(d, f)) for f in ("tokenizer.pkl", "token_bytes.pt"))
+    return all(os.path.exists(os.path.join(d, f)) for f in (ENCODING, TOKEN_BYTES))
 
 
 class Tokenizer:
@@ -61,7 +64,7 @@ class Tokenizer:
 
     @classmethod
     def from_directory(cls, directory):
-        path = os.path.join(directory, "tokenizer.pkl")
+        path = os.path.join(directory, ENCODING)
         if not os.path.exists(path):
             raise UserError(f"no tokenizer at {path}; run `python -m scripts.tok_train`")
         try:
@@ -77,8 +80,8 @@ class Tokenizer:
     def save(self, directory):
         """Write tokenizer.pkl and token_bytes.pt into directory (each atomically)."""
         os.makedirs(directory, exist_ok=True)
-        atomic_write_bytes(os.path.join(directory, "tokenizer.pkl"), pickle.dumps(self.enc))
-        atomic_torch_save(self.token_bytes(), os.path.join(directory, "token_bytes.pt"))
+        atomic_write_bytes(os.path.join(directory, ENCODING), pickle.dumps(self.enc))
+        atomic_torch_save(self.token_bytes(), os.path.join(directory, TOKEN_BYTES))
 
     def token_bytes(self):
         """int32 tensor (vocab,): UTF-8 byte length of each token; 0 for special tokens, which stand for no text."""
@@ -138,7 +141,7 @@ def get_tokenizer():
 
 
 def get_token_bytes(device="cpu"):
-    path = os.path.join(get_tokenizer_dir(), "token_bytes.pt")
+    path = os.path.join(get_tokenizer_dir(), TOKEN_BYTES)
     if not os.path.exists(path):
         raise UserError(f"no token_bytes at {path}; run `python -m scripts.tok_train`")
     try:

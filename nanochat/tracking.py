@@ -1,5 +1,7 @@
 """
-Experiment tracking, optional: every metrics.jsonl row also goes to TensorBoard, Weights & Biases and/or Trackio
+Optional experiment tracking: metrics rows to TensorBoard, Weights & Biases and/or Trackio.
+
+Every metrics.jsonl row also goes to TensorBoard, Weights & Biases and/or Trackio
 (`base_train --log-to tensorboard,wandb,trackio`, any subset; none by default). Each is in the [track] extra
 (pip install -e '.[track]'); training never imports them unless asked (docs/interop.md §5).
 
@@ -104,8 +106,10 @@ def wandb_has_key():
 class WandB:
     def __init__(self, project, run_name, run_dir, config):
         import wandb
-        mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_key() else "offline")  # offline never prompts for a key
-        # its service writes debug logs to $WANDB_CACHE_DIR/wandb/logs (default ~/.cache): set for the service it starts now
+        # offline never prompts for a key
+        mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_key() else "offline")
+        # its service writes debug logs to $WANDB_CACHE_DIR/wandb/logs (default ~/.cache):
+        # set for the service it starts now
         ours = "WANDB_CACHE_DIR" not in os.environ
         if ours:
             os.environ["WANDB_CACHE_DIR"] = run_dir

@@ -1,0 +1,1 @@
+"""The command-line entry points, each run as `python -m scripts.NAME`."""

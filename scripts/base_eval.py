@@ -1,5 +1,7 @@
 """
-Evaluate a base model checkpoint of either arch: bits per byte on the val and train splits,
+Evaluate a base model checkpoint of any arch: bits per byte, the CORE score and samples.
+
+It measures bits per byte on the val and train splits,
 the CORE score (DCLM protocol, nanochat/core_eval.py) and a few fixed-prompt samples.
 
     python -m scripts.base_eval --run nag-tiny --max-per-task 20 --split-tokens 4096 --device-batch-size 4
@@ -48,8 +50,8 @@ from nanochat.stats import bpb_delta_interval, core_delta_interval
 from nanochat.core_eval import ensure_eval_bundle, evaluate_core, load_records, records_by_task
 from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
 from nanochat import checkpoint_manager as ckpt
-from nanochat.run_dir import (EVAL_DIR, PENDING, TOP, step_files, evaluated_steps, adopt_legacy, previous_results, read_pending,
-                              write_results, commit_pending)
+from nanochat.run_dir import (EVAL_DIR, PENDING, TOP, step_files, evaluated_steps, check_layout, previous_results,
+                              read_pending, write_results, commit_pending, read_record, resolve_run_dir)
 from nag.archs import load_model
 from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
 
@@ -379,7 +381,7 @@ def evaluate(args):
         parse_rates(args.mod_rate)
     device_type = args.device_type or autodetect_device_type()
     is_ddp, rank, _, world_size, device = dist_init(device_type)
-    run_dir = ckpt.resolve_run_dir(args.run)
+    run_dir = resolve_run_dir(args.run)
     if not os.path.isdir(run_dir):
         raise UserError(f"run directory {run_dir} does not exist")
     if rank == 0:
@@ -423,7 +425,8 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     sections = [s for s in ("bpb", "core", "sample") if s in evals and (s != "core" or bundle is not None)] + ["mod"] * bool(args.mod_rate)
     old, done, staged, changed = {}, None, False, ""
     if rank == 0:
-        adopt_legacy(run_dir)
+        # an eval.json of an earlier version (no eval/ file of its step) is one line, never overwritten
+        check_layout(run_dir, read_record(os.path.join(run_dir, TOP["json"])))
         old = previous_results(run_dir, step, fingerprints)
         changed = changed_settings(old, measured, sections)
         if bundle is not None and old.get("core_finished") is False:  # an interrupted CORE run in place

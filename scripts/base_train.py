@@ -1,5 +1,7 @@
 """
-Pretrain a base model: the GPT baseline (--arch gpt) or NAG (--arch nag); nag/archs.py lists the archs.
+Pretrain a base model: the GPT baseline (--arch gpt) or NAG (--arch nag).
+
+nag/archs.py lists the archs.
 
     python -m scripts.base_train --depth 2 --max-seq-len 64 --device-batch-size 4 --total-batch-size 256 --num-iterations 20 --eval-every 10 --eval-tokens 1024
     python -m scripts.base_train --preset published --arch nag --dry-run 8        # the plan only; no data, no GPU
@@ -32,11 +34,9 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import (UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for,
-                             atomic_write_json, ensure_writable_dir, script_argv, START_TIMEOUT, git_commit, package_versions,
-                             peak_flops, fmt_time, parse_checked, positive_int, positive_float, positive_or_unset, non_negative,
-                             non_negative_or_unset, fraction)
+                             atomic_write_json, ensure_writable_dir, git_commit, package_versions, peak_flops, fmt_time)
 from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
-from nanochat.flash_attention import CHOICES as ATTN_CHOICES, agree_attention, attention_shapes, expected_attention
+from nanochat.flash_attention import agree_attention, attention_shapes, expected_attention
 from nanochat import step_timer
 from nanochat.step_timer import StepTimer, Readback, biggest
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
@@ -44,101 +44,17 @@ from nanochat.dataloader import data_loader, MicroBatches
 from nanochat.loss_eval import evaluate_bpb_shared, held_batches, shared_batches
 from nanochat.gpt import GPTConfig
 from nanochat.optim import MuonAdamW
-from nanochat.plan import SAVES_PER_RUN, lr_multiplier, momentum_at, muon_weight_decay
+from nanochat.plan import lr_multiplier, momentum_at, muon_weight_decay
 from nanochat.nonfinite import NonFiniteError, finite_flags, graded_names, check_finite, check_finite_late
 from nanochat import fp8
 from nanochat import resume
 from nanochat import run_dir as run_files
 from nanochat import checkpoint_manager as ckpt
 from nanochat import tracking
-from nag.archs import ARCHS, NOT_SETTINGS, add_arch_args, arch_spec, check_args, ignored_flags, unread_flags, plan_for
-from nag.presets import PRESETS, preset_args
-
-DRY_RUN_VOCAB = 32768  # --dry-run without a preset: the vocab of the default tokenizer (scripts.tok_train)
+from nag.archs import NOT_SETTINGS, arch_spec, check_args, ignored_flags, unread_flags, plan_for
+from nag.presets import PRESETS
+from nag.train_flags import DRY_RUN_VOCAB, build_parser, parse_args, start_timeout
 TRACKER_PROJECT = "nag-chat"  # the project --log-to's trackers log under (wandb: $WANDB_PROJECT wins)
-
-
-def build_parser():
-    p = argparse.ArgumentParser(description="Pretrain a GPT or NAG base model.")
-    p.add_argument("--preset", type=str, default="", help=f"a named configuration ({', '.join(PRESETS)}; nag/presets.py); later flags override it")
-    p.add_argument("--run", type=str, default=None, help="run name (one directory under $NANOCHAT_BASE_DIR/runs) or a directory path; default <arch>-d<depth>")
-    p.add_argument("--arch", type=str, default="gpt", help=f"one of {', '.join(ARCHS)}")
-    p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--seed", type=int, default=42, help="seed of the initialisation")
-    p.add_argument("--data-seed", type=int, default=None,
-                   help="seed of the order the train documents are read in (row groups shuffled per epoch; default: file order)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model (default: on for cuda)")
-    p.add_argument("--fp8", action="store_true",
-                   help="fp8 matmuls in training for the linear layers the size rule admits (nanochat/fp8.py; CUDA 8.9+, or the CPU)")
-    p.add_argument("--attn", type=str, default="auto", choices=list(ATTN_CHOICES),
-                   help="attention kernel: auto = on Hopper the first of fa4, cudnn, fa3 that loads (docs/design.md §2), else SDPA")
-    # model
-    p.add_argument("--depth", type=positive_int, default=20)
-    p.add_argument("--aspect-ratio", type=positive_int, default=64, help="model dim = depth × aspect ratio, rounded up to a multiple of head dim")
-    p.add_argument("--model-dim", type=positive_or_unset(int, "depth × aspect ratio"), default=-1,
-                   help="explicit model dim (overrides --aspect-ratio; -1: depth × aspect ratio)")
-    p.add_argument("--head-dim", type=positive_int, default=128)
-    p.add_argument("--n-kv-head", type=positive_or_unset(int, "every query head its own"), default=-1,
-                   help="GQA key/value heads (-1: as many as query heads)")
-    p.add_argument("--max-seq-len", type=positive_int, default=2048)
-    p.add_argument("--window-pattern", type=str, default="L", help="per-layer attention windows, cycled: L full, S half")
-    # horizon (first of these that is set wins)
-    p.add_argument("--num-iterations", type=positive_or_unset(int, "the horizon from --target-flops or --target-param-data-ratio"),
-                   default=-1, help="optimizer steps (-1: from --target-flops, else --target-param-data-ratio)")
-    p.add_argument("--target-flops", type=positive_or_unset(float, "unset"), default=-1.0, help="training FLOPs (-1: unset)")
-    p.add_argument("--target-param-data-ratio", type=positive_or_unset(float, "unset"), default=10.5,
-                   help="training tokens per scaling parameter (-1: unset)")
-    # batch
-    p.add_argument("--device-batch-size", type=positive_int, default=32)
-    p.add_argument("--total-batch-size", type=positive_or_unset(int, "set from the model size"), default=-1,
-                   help="tokens per optimizer step (-1: set from the model size)")
-    # optimization
-    p.add_argument("--embedding-lr", type=positive_float, default=0.3)
-    p.add_argument("--unembedding-lr", type=positive_float, default=0.004)
-    p.add_argument("--matrix-lr", type=positive_float, default=0.02)
-    p.add_argument("--weight-decay", type=non_negative(float, "no weight decay"), default=0.28,
-                   help="Muon weight decay at the d12 reference (scaled by √(B/2^19)·S_ref/S; 0: none)")
-    p.add_argument("--muon-momentum", type=fraction(top_open=True, unset="the schedule"), default=-1.0,
-                   help="constant Muon momentum in [0, 1) (-1: the schedule, 0.85→0.97 ramp, 0.90 in warm-down)")
-    p.add_argument("--warmup-steps", type=non_negative(int, "no warm-up"), default=40,
-                   help="LR warm-up steps (0: none); capped so it ends before the warm-down starts")
-    p.add_argument("--warmdown-ratio", type=fraction(), default=0.65, help="share of the steps in the LR warm-down, in [0, 1]")
-    p.add_argument("--final-lr-frac", type=fraction(), default=0.05, help="the LR at the end, a fraction of the peak, in [0, 1]")
-    # evaluation and checkpoints
-    p.add_argument("--eval-every", type=positive_or_unset(int, "never evaluates"), default=250,
-                   help="val bpb every N steps and at the end; -1 = never")
-    p.add_argument("--eval-tokens", type=positive_int, default=10 * 2 ** 19, help="val tokens per evaluation (capped at what the split holds)")
-    p.add_argument("--save-every", type=non_negative_or_unset(int, f"about {SAVES_PER_RUN} per run", zero="the last step only"), default=-1,
-                   help=f"checkpoint every N steps (-1: auto, ~{SAVES_PER_RUN} per run; 0: the last step only)")
-    p.add_argument("--log-every", type=positive_int, default=1, metavar="N",
-                   help="a metrics row and a training line every N steps (and at evaluations, saves and the end); "
-                        "the steps between read nothing from the device")
-    p.add_argument("--log-to", type=str, default="", metavar="KINDS",
-                   help="also send every metrics row to tensorboard, wandb and/or trackio, comma-separated (the [track] extra; docs/interop.md §5)")
-    p.add_argument("--resume", type=str, default="", help="'latest' (newest complete checkpoint; starts the run if it has none) or a step")
-    p.add_argument("--change-settings", action="store_true",
-                   help="with --resume: accept settings that differ from the run's (the horizon included), recorded in config.json's segments from this step on")
-    p.add_argument("--keep-checkpoints", type=non_negative(int, "keep every checkpoint"), default=0, metavar="K",
-                   help="after each save, delete all but the newest K complete checkpoints (0: keep every one)")
-    # several processes: how long a rank may wait for the others before the run stops, naming the silent ranks
-    p.add_argument("--step-timeout", type=positive_float, default=300, help="seconds a training step may take once training runs")
-    p.add_argument("--start-timeout", type=positive_float, default=START_TIMEOUT,
-                   help="seconds for start-up (data, compile, the first step), evaluations and checkpoint saves")
-    p.add_argument("--dry-run", type=non_negative(int, "train"), default=0, metavar="NPROC",
-                   help="print the plan for NPROC processes (params, FLOPs, steps, tokens, optimizer) and exit; needs no data or GPU "
-                        f"(vocab: the preset's, else {DRY_RUN_VOCAB:,}); 0: train")
-    add_arch_args(p)
-    return p
-
-
-def parse_args(argv=None):
-    """Flags of a --preset first, then the command line, so that later flags win."""
-    argv = script_argv(argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", default="")
-    pre.add_argument("--arch", default="gpt")
-    known, _ = pre.parse_known_args(argv)
-    return parse_checked(build_parser(), preset_args(known.preset, known.arch) + argv)
 
 
 def dry_run(args):
@@ -233,15 +149,14 @@ def train(args):
         return dry_run(args)
     check_args(args)  # every flag, before any process group or data: one line
     defaults = build_parser().parse_args([])  # what a flag a run's config.json lacks was (resume's settings check)
-    for family, flags in ignored_flags(args, defaults).items():
-        which = "a NAG arch (nag, nag-recipe)" if family == "nag" else "a recipe arch (gpt-recipe, nag-recipe)"
-        print0(f"note: {', '.join(flags)} apply only with {which}; this {args.arch} run ignores them")
+    for note in ignored_flags(args, defaults):
+        print0(note)
     preset = PRESETS.get(args.preset, {})
     if preset.get("gpu") and not args.device_type and not torch.cuda.is_available():
         raise UserError(f"--preset {args.preset} is a GPU configuration and torch {torch.__version__} sees no CUDA device here; "
                         f"see its plan with --dry-run N, or pass --device-type cpu to train it on the CPU anyway")
     device_type = args.device_type or autodetect_device_type()
-    procs = dist_init(device_type, timeout=args.start_timeout)
+    procs = dist_init(device_type, timeout=start_timeout(args))
     is_ddp, rank, local_rank, world_size, device = procs
     torch.manual_seed(args.seed)
     compute_dtype = compute_dtype_for(device_type)
@@ -318,7 +233,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     fp8_layers = model.set_fp8(args.fp8)  # before DDP and compile, as the attention kernel
     record["fp8_layers"] = len(fp8_layers)  # what trains in fp8 (0 where --fp8's size rule admits no layer): compare's precision
     model.set_attention(record["attention"]["kernel"])  # before DDP and compile: the compiled graph sees a constant
-    use_compile = args.compile if args.compile is not None else device_type == "cuda"
+    use_compile = device_type == "cuda"  # torch's own TORCH_COMPILE_DISABLE=1 runs it eagerly
     # under DDP each rank updates its chunk of every Muon stack, then all-gathers them (docs/optimizer.md)
     optimizer = MuonAdamW(plan.optimizer_groups(args), rank=rank, world_size=world_size, compile=use_compile)
 
@@ -386,7 +301,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
 
 def run_eval(run, step):
     """val bpb at `step`, on the same batches every time."""
-    run.progress("evaluation", step, run.args.start_timeout)
+    run.progress("evaluation", step, start_timeout(run.args))
     run.model.eval()
     run.model.set_tokens_seen(step * run.plan.total_batch)  # the model as the checkpoint of this step holds it
     if not run.val_batches:  # this rank's share of the batches one process would read
@@ -412,15 +327,13 @@ def write_row(run, row):
 
 def save(run, step):
     args = run.args
-    run.progress("checkpoint save", step, args.start_timeout)
+    run.progress("checkpoint save", step, start_timeout(args))
     train_state = {"optimizer": run.optimizer.state_dict(), "dataloader": run.batches.states, "elapsed": run.elapsed,
                    "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if run.device_type == "cuda" else None}}
     meta = {"arch": run.plan.arch, "model_config": run.plan.config.to_dict(), **run.model.extra_meta(),
             "step": step, "tokens": step * run.plan.total_batch, "world_size": run.world_size, "fingerprints": run.record["fingerprints"]}
     ckpt.save_checkpoint(run.run_dir, step, run.model, meta, train_state, run.rank)
     print0(f"saved checkpoint at step {step} in {run.run_dir}")
-    if run.rank == 0 and args.keep_checkpoints and (pruned := ckpt.prune_checkpoints(run.run_dir, args.keep_checkpoints)):
-        print0(f"deleted the checkpoint(s) of step {', '.join(map(str, pruned))} (--keep-checkpoints {args.keep_checkpoints})")
 
 
 def forward_backward(run, step, timer):
@@ -453,7 +366,7 @@ def optimizer_step(run, step, gate=None):
     for group in run.optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lrm
         if group["kind"] == "muon":
-            group["momentum"] = momentum_at(step, run.plan, run.args)
+            group["momentum"] = momentum_at(step, run.plan)
             group["weight_decay"] = muon_weight_decay(step, run.plan, group["initial_weight_decay"])
     run.optimizer.step(gate)
     run.model.after_optimizer_step()
@@ -578,7 +491,7 @@ def train_loop(run):
     last_row = run.start
     while step < num_iterations:
         run.progress("the first step" if step == run.start else "a training step", step + 1,
-                     args.start_timeout if slow_step else args.step_timeout)
+                     start_timeout(args) if slow_step else args.step_timeout)
         done = train_step(run, step, unlogged, stop_flag, timer)
         step += 1
         slow_step = False

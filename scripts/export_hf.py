@@ -1,5 +1,7 @@
 """
-Export a checkpoint (gpt, nag, NAG-MoD, router-MoD GPT, gpt-recipe, nag-recipe) to the Hugging Face format, for transformers and
+Export a checkpoint of any arch to the Hugging Face format.
+
+The archs: gpt, nag, NAG-MoD, router-MoD GPT, gpt-recipe, nag-recipe. The export is for transformers and
 lm-evaluation-harness (docs/interop.md). Needs the [hf] extra: pip install -e '.[hf]'.
 
     python -m scripts.export_hf --run nag-tiny --out /tmp/nag-chat-hf-nag-tiny
@@ -34,7 +36,8 @@ import torch
 from nanochat.common import UserError, exit_on_user_error, script_argv, FILE_MODE, parse_checked, STEP, atomic_write_bytes, atomic_write_json
 from nanochat.tokenizer import get_tokenizer
 from nanochat import checkpoint_manager as ckpt
-from nanochat.run_dir import MANIFEST, read_manifest, changed_files, file_sha256, set_aside
+from nanochat.run_dir import (CONFIG, MANIFEST, read_manifest, changed_files, file_sha256, set_aside, read_record,
+                              step_files, resolve_run_dir)
 from nag.hf.tokenizer import PAD
 from nag.archs import load_model
 
@@ -158,21 +161,9 @@ def verify(out, model, tokenizer):
 # ----- the model card -----
 
 
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def eval_record(run_dir, step):
-    """The evaluation of this step: eval/step_N.json, else the top-level eval.json when it is this step's."""
-    rec = read_json(os.path.join(run_dir, "eval", f"step_{step:06d}.json"))
-    if rec is None:
-        top = read_json(os.path.join(run_dir, "eval.json"))
-        rec = top if top and top.get("step") == step else None
-    return rec
+    """The evaluation of this step (its eval/step_N.json), or None: none, or unreadable."""
+    return read_record(os.path.join(run_dir, step_files(step)["json"]))
 
 
 def fmt(v):
@@ -246,7 +237,7 @@ def model_card(run_dir, meta, config_record, rec, command, max_diff):
     else:
         lines.append("The run directory has no config.json.")
     lines += ["", "## Fingerprints", "", "What the numbers depend on besides the weights (nanochat/tokenizer.py, nanochat/dataset.py):", ""]
-    lines += [f"- {k}: `{v}`" for k, v in sorted(fingerprints.items())] or ["- none recorded (a checkpoint from before fingerprints)"]
+    lines += [f"- {k}: `{v}`" for k, v in sorted(fingerprints.items())]
     lines += ["", "## Evaluation (scripts.base_eval, this step)", ""] + eval_lines(rec)
     lines += ["", "## Export", "",
               "- weights: model.safetensors, fp32, the native parameter names; MoD thresholds as `mod_thresholds` (fixed, evaluation rule)",
@@ -324,7 +315,7 @@ def write_card(out, card, written, inputs):
 
 def export(args, command):
     require_hf()
-    run_dir = ckpt.resolve_run_dir(args.run)
+    run_dir = resolve_run_dir(args.run)
     model, meta = load_model(run_dir, None if args.step < 0 else args.step, "cpu")
     if meta["arch"] not in ARCHS:
         raise UserError(f"arch {meta['arch']!r} has no exported modeling code (exported: {', '.join(ARCHS)})")
@@ -343,7 +334,8 @@ def export(args, command):
     if max_diff is not None and not max_diff <= VERIFY_LIMIT:
         raise UserError(f"the export's logits differ from the native model's by up to {max_diff:.3g} (limit {VERIFY_LIMIT:g}); "
                         f"{out} is not a faithful copy")
-    card = model_card(run_dir, meta, read_json(os.path.join(run_dir, "config.json")), eval_record(run_dir, meta["step"]), command, max_diff)
+    config = read_record(os.path.join(run_dir, CONFIG))  # None (no config.json, or unreadable): the card says so
+    card = model_card(run_dir, meta, config, eval_record(run_dir, meta["step"]), command, max_diff)
     write_card(out, card, written, {"run": os.path.realpath(run_dir), "step": meta["step"]})
     check = f"largest |logit difference| against the native model {max_diff:.3g}" if max_diff is not None else "not verified"
     print(f"exported {run_dir} step {meta['step']} ({meta['arch']}) to {out}: {check}")

@@ -1,6 +1,7 @@
 """
-Sample from a checkpoint of any arch (gpt, nag, a NAG-MoD or router-MoD one) with a KV cache, printing the text as
-it comes (docs/design.md §9).
+Sample from a checkpoint of any arch with a KV cache, printing the text as it comes.
+
+Any arch: gpt, nag, a NAG-MoD or router-MoD one (docs/design.md §9).
 
     python -m scripts.sample --run nag-tiny --prompt "The capital of France is"
     python -m scripts.sample --run nag-tiny --prompt "The" --prompt "Once" --temperature 0.8 --top-k 50 --num-samples 2
@@ -32,6 +33,7 @@ from nanochat.tokenizer import get_tokenizer
 from nanochat.dataloader import data_loader
 from nanochat.engine import generate, context_room, Utf8Stream
 from nanochat import checkpoint_manager as ckpt
+from nanochat.run_dir import resolve_run_dir
 from nag.archs import load_model
 from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
 
@@ -180,7 +182,7 @@ def sample(args, stdin=None, out=None):
     if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device-type cuda, but torch sees no CUDA device")
     device = torch.device(device_type)
-    run_dir = ckpt.resolve_run_dir(args.run)
+    run_dir = resolve_run_dir(args.run)
     model, meta = load_model(run_dir, None if args.step < 0 else args.step, device)
     tokenizer = get_tokenizer()
     ckpt.check_vocab(meta, tokenizer)

@@ -1,15 +1,20 @@
 """
-The logic behind speedrun.sh: its flags, the plan of every run (GPT and NAG, once per seed with --seeds), the
-disk and GPU checks, and which stages are already done. speedrun.sh runs `eval "$(python -m scripts.speedrun "$@")"`:
-the plan and the status go to stderr for the user, and shell assignments (quoted) go to stdout for the script.
+speedrun.sh's planner: its flags, every run's plan, disk and GPU checks, and the stages done.
+
+speedrun.sh runs `python -m scripts.speedrun --plan-file FILE "$@"`: the plan and the status go to stderr for the
+user, and FILE (a temporary file of speedrun.sh's) receives the plan as data for the script: plain assignments of
+scalars and bash arrays, every value shell-quoted, which speedrun.sh sources (write_plan_file). Nothing is written
+to stdout, and no shell code is generated: a line of base_train's output can never become a command.
 
     python -m scripts.speedrun --dry-run                 # the plan of the published pair, for 8 GPUs
     python -m scripts.speedrun --preset tiny --dry-run   # the CPU smoke test
 
-With --seeds 1,2,3 every arch trains once per seed (<run>-s1, ...), and the report compares the two groups.
---help prints the usage on stderr and `exit 0` on stdout, so speedrun.sh stops there. Paths (--base-dir,
---eval-bundle, $NANOCHAT_BASE_DIR) are the caller's: relative to $NANOCHAT_CALLER_CWD, which speedrun.sh
-and the runs/ scripts set to the directory they were started from before they cd to the repo root.
+--arch names the runs: gpt and nag are the preset's pair (its baseline and its NAG run; run6's pair is gpt-recipe
+and nag-recipe), and any other arch of nag/archs.py trains beside them under its own name. With --seeds 1,2,3 every
+arch trains once per seed (<run>-s1, ...), and the report compares the pair's two groups. --help prints the usage
+and writes no plan, so speedrun.sh stops there. Paths (--base-dir, --eval-bundle, $NANOCHAT_BASE_DIR) are the
+caller's: relative to $NANOCHAT_CALLER_CWD, which speedrun.sh and the runs/ scripts set to the directory they were
+started from before they cd to the repo root.
 """
 
 import argparse
@@ -24,23 +29,31 @@ import shutil
 import sys
 import time
 
-from nanochat.common import UserError, exit_on_user_error, caller_path, base_dir_path, parse_seeds, cuda_problem, nvidia_smi
+from nanochat.common import (UserError, exit_on_user_error, caller_path, base_dir_path, parse_seeds, seed_flags,
+                             cuda_problem, nvidia_smi)
 from nanochat import checkpoint_manager as ckpt
-from nanochat.run_dir import folder_name
+from nanochat.run_dir import EVAL_JSON, folder_name, run_path
+from nanochat.tokenizer import get_tokenizer_dir, has_tokenizer
 from nanochat.dataset import MAX_SHARD, PACKING_KEPT, SHARD_MB, TOKENS_PER_SHARD, expected_epochs, shards_for
 from nanochat.plan import PLANNED_MFU, PLANNED_PEAK, planned_seconds
 from nanochat.resume import HORIZON
-from nag.archs import NOT_SETTINGS, plan_for
+from nag.archs import ARCHS, NOT_SETTINGS, is_nag_arch, plan_for
 from nag.presets import PRESETS, get_preset, pair_arch
 from scripts import base_train
 from analysis.compare.inputs import report_is_current
 
+# --arch's words for the preset's pair, baseline first: each names the run of that role, whose arch the preset's
+# "pair" gives (nag/presets.py pair_arch; without a pair, the arch of that name). User-facing words, not a registry
+# lookup: any other arch --arch names comes from nag/archs.py and trains beside the pair.
+ROLES = ("gpt", "nag")
+SEED_FLAGS = seed_flags(0)[::2]  # the base_train flags a seed sets (nanochat.common.seed_flags): --seeds owns them
 TOK_SHARDS = 8
 TOKENIZER_CHARS = {"tiny": 2_000_000}  # default 2B characters
 # base_train flags that change how a run is saved, logged or computed, not what it learns (nanochat/resume.py's list
 # and the archs'): they add nothing to the tag derived from the flags after `--`, so a rerun with another checkpoint
 # period finds the same runs. speedrun sets the others of that list itself; the horizon changes what a run learns.
-UNNAMED_FLAGS = {f"--{k.replace('_', '-')}" for k in NOT_SETTINGS - HORIZON - {"run", "resume", "dry_run", "preset", "device_type"}} | {"--no-compile"}
+SPEEDRUN_SETS = {"run", "resume", "dry_run", "preset", "device_type"}
+UNNAMED_FLAGS = {f"--{k.replace('_', '-')}" for k in NOT_SETTINGS - HORIZON - SPEEDRUN_SETS} | {"--no-compile"}
 # Set for every torchrun launch. torch shares the rendezvous TCP store between torchrun's agent and the workers by
 # default, and a restart after a lost worker can then connect to the previous round's peers and fail or hang
 # (pytorch/pytorch#135712); with a store of the workers' own, every restart in our trials resumed (docs/LOG.md).
@@ -50,27 +63,40 @@ MAX_TAG = 40
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="speedrun.sh", description="FLOP-matched GPT vs NAG: data, tokenizer, training, CORE + bpb, report.",
-                                epilog="Anything after -- goes to base_train (python -m scripts.base_train --help). Relative paths are "
-                                       "taken from the directory the command runs in. Rerunning skips finished stages.")
+    p = argparse.ArgumentParser(
+        prog="speedrun.sh", description="FLOP-matched GPT vs NAG: data, tokenizer, training, CORE + bpb, report.",
+        epilog="Anything after -- goes to base_train (python -m scripts.base_train --help). Relative paths are taken "
+               "from the directory the command runs in. Rerunning skips finished stages.")
     p.add_argument("--preset", default="published", help=f"one of {', '.join(PRESETS)}")
-    p.add_argument("--arch", default="gpt,nag", help="which runs: gpt, nag or gpt,nag (GPT trains first); a preset's "
-                   "pair may name other archs for the two (run6: gpt-recipe, nag-recipe)")
+    p.add_argument("--arch", default=",".join(ROLES),
+                   help=f"which runs: {', '.join(ROLES)} or {','.join(ROLES)}, the preset's pair (the baseline "
+                        "trains first; run6's pair is gpt-recipe, nag-recipe); any other arch of nag/archs.py trains "
+                        "beside them")
     p.add_argument("--flops", type=float, default=None, help="override the FLOP budget of every run")
-    p.add_argument("--gpus", type=int, default=None, help="processes (default: every visible GPU; 8 in --dry-run without GPUs; 1 for tiny)")
-    p.add_argument("--tag", default="", help="run names become <arch>-<preset>-<tag> (default: derived from the base_train flags after --)")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds, e.g. 1,2,3: every arch once per seed, named <run>-s<seed>, with "
-                                                 "--seed and --data-seed set from it; the report compares the groups")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes, each running this command with its --node-rank (docs/runs.md)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1: node 0 fetches data, evaluates, reports")
-    p.add_argument("--rdzv-endpoint", default="", help="with --nnodes > 1: HOST:PORT of node 0, where every run's torchrun rendezvous meets")
-    p.add_argument("--max-restarts", type=int, default=2, help="torchrun restarts of a training run after a lost worker (it resumes)")
-    p.add_argument("--base-dir", default=None, help="everything goes here (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat); "
-                                                    "several nodes: one directory every node sees")
-    p.add_argument("--shards", type=int, default=None, help="ClimbMix train shards to download (default: from the budget)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="processes (default: every visible GPU; 8 in --dry-run without GPUs; 1 for tiny)")
+    p.add_argument("--tag", default="",
+                   help="run names become <arch>-<preset>-<tag> (default: derived from the base_train flags after --)")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds, e.g. 1,2,3: every arch once per seed, named <run>-s<seed>, with "
+                        f"{' and '.join(SEED_FLAGS)} set from it; the report compares the groups")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes, each running this command with its --node-rank (docs/runs.md)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's rank, 0 .. nnodes-1: node 0 fetches data, evaluates, reports")
+    p.add_argument("--rdzv-endpoint", default="",
+                   help="with --nnodes > 1: HOST:PORT of node 0, where every run's torchrun rendezvous meets")
+    p.add_argument("--max-restarts", type=int, default=2,
+                   help="torchrun restarts of a training run after a lost worker (it resumes)")
+    p.add_argument("--base-dir", default=None,
+                   help="everything goes here (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat); several nodes: one "
+                        "directory every node sees")
+    p.add_argument("--shards", type=int, default=None,
+                   help="ClimbMix train shards to download (default: from the budget)")
     p.add_argument("--offline", action="store_true", help="build the offline corpus instead of downloading ClimbMix")
     p.add_argument("--eval-bundle", default="", help="a local CORE bundle (default: downloaded once into the base dir)")
     p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is downloaded, trained or written")
+    p.add_argument("--plan-file", default=None, help=argparse.SUPPRESS)  # speedrun.sh's: where the plan goes
     return p
 
 
@@ -100,6 +126,22 @@ def derived_tag(extra):
     return tag
 
 
+def parse_archs(text, preset):
+    """--arch: the pair's roles present (baseline first, whatever the order given), then any other registered arch."""
+    archs = list(dict.fromkeys(a for a in text.split(",") if a))
+    bad = [a for a in archs if a not in ROLES and a not in ARCHS]
+    if bad:
+        raise UserError(f"unknown arch {bad[0]!r} in --arch {text} (expected {', '.join(ROLES)} or an arch of "
+                        f"nag/archs.py: {', '.join(ARCHS)})")
+    if not archs:
+        raise UserError(f"--arch is empty (expected {', '.join(ROLES)} or {','.join(ROLES)})")
+    archs = [r for r in ROLES if r in archs] + [a for a in archs if a not in ROLES]
+    trained = [pair_arch(preset, a) for a in archs]
+    if len(set(trained)) < len(trained):  # run6's gpt is gpt-recipe: the two would be one run
+        raise UserError(f"--arch {text} names one arch twice with --preset {preset} ({', '.join(trained)})")
+    return archs
+
+
 def parse(argv):
     """speedrun flags, then base_train flags after `--`."""
     argv = list(argv)
@@ -109,23 +151,21 @@ def parse(argv):
     args.derived_tag = "" if args.tag else derived_tag(extra)  # extras change the runs: they need names of their own
     args.tag = args.tag or args.derived_tag
     get_preset(args.preset)
-    archs = [a for a in args.arch.split(",") if a]
-    bad = [a for a in archs if a not in ("gpt", "nag")]
-    if bad or not archs:
-        raise UserError(f"unknown arch {bad[0]!r} in --arch {args.arch}" if bad else "--arch is empty (expected gpt, nag or gpt,nag)")
-    args.archs = [a for a in ("gpt", "nag") if a in archs]  # GPT first, whatever the order given
+    args.archs = parse_archs(args.arch, args.preset)
     if args.seeds is not None:
         args.seeds = parse_seeds(args.seeds)
-        given = [a.split("=", 1)[0] for a in extra if a.split("=", 1)[0] in ("--seed", "--data-seed")]
+        given = [a.split("=", 1)[0] for a in extra if a.split("=", 1)[0] in SEED_FLAGS]
         if given:
-            raise UserError(f"--seeds sets --seed and --data-seed of every run; drop {given[0]} from the base_train flags after --")
+            raise UserError(f"--seeds sets {' and '.join(SEED_FLAGS)} of every run; drop {given[0]} from the "
+                            "base_train flags after --")
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be a positive integer, got {args.gpus}")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes or args.max_restarts < 0:
         raise UserError(f"--nnodes must be >= 1, --node-rank in 0..nnodes-1 and --max-restarts >= 0 "
                         f"(got {args.nnodes}, {args.node_rank}, {args.max_restarts})")
     if args.nnodes > 1 and not re.fullmatch(r"[^\s:]+:\d+", args.rdzv_endpoint):
-        raise UserError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port), got {args.rdzv_endpoint!r}")
+        raise UserError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port), "
+                        f"got {args.rdzv_endpoint!r}")
     if args.shards is not None and args.shards < 1:
         raise UserError(f"--shards must be a positive integer, got {args.shards}")
     if args.flops is not None and not (math.isfinite(args.flops) and args.flops > 0):
@@ -142,13 +182,20 @@ def parse(argv):
 
 
 def run_name(args, arch, seed=None):
-    """arch: the run's role, gpt or nag; the name holds the preset's arch of that role (preset "pair")."""
-    return f"{pair_arch(args.preset, arch)}-{args.preset}" + (f"-{args.tag}" if args.tag else "") + (f"-s{seed}" if seed is not None else "")
+    """arch: a role of the pair (the name holds the preset's arch of that role, its "pair") or an arch of its own."""
+    return (f"{pair_arch(args.preset, arch)}-{args.preset}" + (f"-{args.tag}" if args.tag else "")
+            + (f"-s{seed}" if seed is not None else ""))
 
 
 def runs(args):
-    """(arch, seed) of every run in training order: for each seed GPT, then NAG; seed None without --seeds."""
+    """(arch, seed) of every run in training order: for each seed the pair's baseline, its NAG run, then any other
+    arch; seed None without --seeds."""
     return [(arch, seed) for seed in (args.seeds or [None]) for arch in args.archs]
+
+
+def has_pair(args):
+    """Whether both runs of the pair train: the analysis and the report compare them."""
+    return all(r in args.archs for r in ROLES)
 
 
 def flops_args(args):
@@ -160,17 +207,16 @@ def bundle_args(args):
 
 
 def train_args(args, arch, seed=None):
-    """The base_train command line of one run, as speedrun.sh writes it: the seeds after the user's flags, the run's own
-    --run and --resume last, so they win. A seed sets the init and the data order: the GPT and NAG runs of one seed
-    read the same data."""
-    seeds = ["--seed", str(seed), "--data-seed", str(seed)] if seed is not None else []
-    return ["--preset", args.preset, "--arch", pair_arch(args.preset, arch), *flops_args(args), *args.extra, *seeds, "--run", run_name(args, arch, seed),
-            "--resume", "latest"]
+    """The base_train command line of one run, as speedrun.sh writes it: the seed's flags (seed_flags) after the user's
+    flags, the run's own --run and --resume last, so they win."""
+    return ["--preset", args.preset, "--arch", pair_arch(args.preset, arch), *flops_args(args), *args.extra,
+            *seed_flags(seed), "--run", run_name(args, arch, seed), "--resume", "latest"]
 
 
 def eval_args(args, arch, seed=None):
     """The base_eval command line of one run, as speedrun.sh writes it."""
-    return ["--run", run_name(args, arch, seed), "--eval", "core,bpb,sample", *get_preset(args.preset)["eval"], *bundle_args(args)]
+    return ["--run", run_name(args, arch, seed), "--eval", "core,bpb,sample", *get_preset(args.preset)["eval"],
+            *bundle_args(args)]
 
 
 def plans(args, vocab, gpus):
@@ -188,19 +234,21 @@ def arch_runs(args, arch):
 
 
 def report_dir(args):
-    """speedrun's own report folder (compare's --out): with one run per arch the pair's, with several seeds the groups'."""
-    gpt, nag = arch_runs(args, "gpt"), arch_runs(args, "nag")
-    if len(gpt) == 1:
-        return os.path.join(args.base_dir, "reports", f"{gpt[0]}_vs_{nag[0]}")
+    """speedrun's own report folder (compare's --out): with one run per arch the pair's, with several seeds the
+    groups'."""
+    a, b = (arch_runs(args, r) for r in ROLES)
+    if len(a) == 1:
+        return os.path.join(args.base_dir, "reports", f"{a[0]}_vs_{b[0]}")
     seeds = "seeds-" + "-".join(map(str, args.seeds))
-    return os.path.join(args.base_dir, "reports", f"{run_name(args, 'gpt')}-{seeds}_vs_{run_name(args, 'nag')}-{seeds}")
+    a, b = (run_name(args, r) for r in ROLES)
+    return os.path.join(args.base_dir, "reports", f"{a}-{seeds}_vs_{b}-{seeds}")
 
 
 def compared_runs(args):
     """scripts.compare's runs, as speedrun.sh passes them with --out REPORT: the pair, or with several seeds group a
-    (GPT) against group b (NAG)."""
-    gpt, nag = arch_runs(args, "gpt"), arch_runs(args, "nag")
-    return [*gpt, *nag] if len(gpt) == 1 else ["--a", *gpt, "--b", *nag]
+    (the baseline's runs) against group b (NAG's)."""
+    a, b = (arch_runs(args, r) for r in ROLES)
+    return [*a, *b] if len(a) == 1 else ["--a", *a, "--b", *b]
 
 
 def launch_command(gpus, nnodes=1, max_restarts=2, endpoint=""):
@@ -209,22 +257,25 @@ def launch_command(gpus, nnodes=1, max_restarts=2, endpoint=""):
     c10d rendezvous on node 0 (one per run: the run's torchrun on every node joins the same one)."""
     if gpus == 1 and nnodes == 1:
         return ["python", "-m"]
-    where = ["--standalone"] if nnodes == 1 else [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=nanochat"]
+    where = (["--standalone"] if nnodes == 1 else
+             [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=nanochat"])
     return ["torchrun", *where, f"--nproc_per_node={gpus}", f"--max-restarts={max_restarts}", "-m"]
 
 
 def wait_for_node0(args, records):
-    """Nodes other than node 0 train only: they wait until node 0 has the data and the tokenizer in the shared base dir."""
+    """Nodes other than node 0 train only: they wait until node 0 has the data and the tokenizer in the shared base
+    dir."""
     waited, say = 0, lambda *a: print(*a, file=sys.stderr, flush=True)
     while True:
         done = status(args, records)
         if done["data"] and done["tokenizer"]:
             return
         if waited >= NODE_WAIT_S:
-            raise UserError(f"node {args.node_rank}: node 0 has not prepared the data and tokenizer in {args.base_dir} after "
-                            f"{NODE_WAIT_S // 3600} h; is node 0 running, and is the base dir shared?")
+            raise UserError(f"node {args.node_rank}: node 0 has not prepared the data and tokenizer in {args.base_dir} "
+                            f"after {NODE_WAIT_S // 3600} h; is node 0 running, and is the base dir shared?")
         if waited % 300 == 0:
-            say(f"node {args.node_rank}: waiting for node 0's data and tokenizer in {args.base_dir} ({waited // 60} min so far)")
+            say(f"node {args.node_rank}: waiting for node 0's data and tokenizer in {args.base_dir} "
+                f"({waited // 60} min so far)")
         time.sleep(30)
         waited += 30
 
@@ -233,35 +284,39 @@ def newer(a, b):
     return os.path.exists(a) and os.path.exists(b) and os.path.getmtime(a) >= os.path.getmtime(b)
 
 
+def eval_path(run_dir):
+    return os.path.join(run_dir, EVAL_JSON)  # its mtime, against the final checkpoint's: nanochat.run_dir names it
+
+
 def status(args, plan_records):
     """Which stages are already done (each is skipped on a rerun): data, tokenizer, each run's training and
-    evaluation, and with both archs the analysis of the first seed's pair and the report of all runs."""
+    evaluation, and with the pair the analysis of the first seed's pair and the report of the pair's runs."""
     base = args.base_dir
     data = os.path.join(base, "base_data")
     if args.offline:
         data_done = os.path.isdir(data) and any(f.startswith("shard_") for f in os.listdir(data))
     else:
-        data_done = all(os.path.exists(os.path.join(data, f"shard_{i:05d}.parquet")) for i in [*range(args.shards_needed), MAX_SHARD])
-    done = {"data": data_done,
-            "tokenizer": all(os.path.exists(os.path.join(base, "tokenizer", f)) for f in ("tokenizer.pkl", "token_bytes.pt"))}
+        data_done = all(os.path.exists(os.path.join(data, f"shard_{i:05d}.parquet"))
+                        for i in [*range(args.shards_needed), MAX_SHARD])
+    done = {"data": data_done, "tokenizer": has_tokenizer(base)}
     for run, p in plan_records.items():
-        run_dir = os.path.join(base, "runs", run)
+        run_dir = run_path(run, base)
         final = ckpt.model_path(run_dir, p["num_iterations"])
         done[f"train {run}"] = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, p["num_iterations"])
-        done[f"eval {run}"] = done[f"train {run}"] and newer(os.path.join(run_dir, "eval.json"), final)
-    if len(args.archs) < 2:
+        done[f"eval {run}"] = done[f"train {run}"] and newer(eval_path(run_dir), final)
+    if not has_pair(args):
         return done
-    gpt, nag = arch_runs(args, "gpt")[0], arch_runs(args, "nag")[0]  # the analysis: the first seed's pair
-    evals = [os.path.join(base, "runs", r, "eval.json") for r in (gpt, nag)]
+    pair = [arch_runs(args, r)[0] for r in ROLES]  # the analysis: the first seed's pair
+    evals = [eval_path(run_path(r, base)) for r in pair]
     # python -m analysis names its folder by the runs and the steps it analysed: their final ones
-    analysis = os.path.join(base, "reports", "analysis_" + folder_name([(r, plan_records[r]["num_iterations"]) for r in (gpt, nag)]),
-                            "analysis.json")
-    done["analysis"] = done[f"eval {gpt}"] and done[f"eval {nag}"] and all(newer(analysis, e) for e in evals)
-    # the runs in compare's order (GPT's, then NAG's, each in seed order): the order its inputs.json records
-    compared = [os.path.join(base, "runs", r) for a in ("gpt", "nag") for r in arch_runs(args, a)]
+    folder = "analysis_" + folder_name([(r, plan_records[r]["num_iterations"]) for r in pair])
+    analysis = os.path.join(base, "reports", folder, "analysis.json")
+    done["analysis"] = all(done[f"eval {r}"] for r in pair) and all(newer(analysis, e) for e in evals)
+    # the runs in compare's order (the baseline's, then NAG's, each in seed order): the order its inputs.json records
+    compared = [run_path(r, base) for a in ROLES for r in arch_runs(args, a)]
     current = report_is_current(report_dir(args), compared)
     if args.seeds and len(args.seeds) > 1:  # the group report links no analysis
-        done["report"] = all(done[f"eval {r}"] for r in plan_records) and current
+        done["report"] = all(done[f"eval {r}"] for a in ROLES for r in arch_runs(args, a)) and current
     else:  # the pair's report links the analysis: made after it
         done["report"] = done["analysis"] and newer(os.path.join(report_dir(args), "report.md"), analysis) and current
     return done
@@ -278,20 +333,22 @@ def gpus_and_vocab(args):
     gpus = args.gpus or (1 if args.preset == "tiny" else have)
     if not gpus:
         if not args.dry_run:
-            raise UserError("no NVIDIA GPU found (nvidia-smi); see the plan with --dry-run, or smoke-test on CPU with --preset tiny")
+            raise UserError("no NVIDIA GPU found (nvidia-smi); see the plan with --dry-run, or smoke-test on CPU with "
+                            "--preset tiny")
         gpus = 8
     if not args.dry_run and args.preset != "tiny":  # nvidia-smi may list GPUs that this torch cannot use
         problem = cuda_problem(gpus)
         if problem:
             raise UserError(problem)
     vocab = get_preset(args.preset)["vocab"]
-    if os.path.exists(os.path.join(args.base_dir, "tokenizer", "tokenizer.pkl")):  # it would be reused: it must be the preset's
+    if has_tokenizer(args.base_dir):  # it would be reused: it must be the preset's
         os.environ["NANOCHAT_BASE_DIR"] = args.base_dir
         from nanochat.tokenizer import get_tokenizer
         have_vocab = get_tokenizer().get_vocab_size()
         if have_vocab != vocab:
-            raise UserError(f"the tokenizer in {args.base_dir}/tokenizer has {have_vocab:,} tokens but --preset {args.preset} trains with "
-                            f"{vocab:,}; use a fresh --base-dir, or delete that tokenizer folder so speedrun trains the right one")
+            raise UserError(f"the tokenizer in {get_tokenizer_dir(args.base_dir)} has {have_vocab:,} tokens but "
+                            f"--preset {args.preset} trains with {vocab:,}; use a fresh --base-dir, or delete that "
+                            "tokenizer folder so speedrun trains the right one")
     return gpus, vocab, have
 
 
@@ -300,16 +357,20 @@ def print_plan(args, records, done, gpus, have, nproc):
     Returns the disk space still needed, GiB."""
     say = lambda *a: print(*a, file=sys.stderr)
     nodes = f" per node × {args.nnodes} nodes = {nproc}, this is node {args.node_rank}" if args.nnodes > 1 else ""
+    planned_for_8 = not have and not args.gpus and args.preset != "tiny"
     say(f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es){nodes}"
-        + (" (no GPU visible here: planned for 8)" if not have and not args.gpus and args.preset != "tiny" else "") + f" | base dir {args.base_dir}"
-        + (f" | eval bundle {args.eval_bundle}" if args.eval_bundle else "") + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else ""))
+        + (" (no GPU visible here: planned for 8)" if planned_for_8 else "") + f" | base dir {args.base_dir}"
+        + (f" | eval bundle {args.eval_bundle}" if args.eval_bundle else "")
+        + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else ""))
     if args.derived_tag:
-        say(f"tag: {args.tag} (from the base_train flags after --; the same flags find the same runs again; --tag T names them yourself)")
+        say(f"tag: {args.tag} (from the base_train flags after --; the same flags find the same runs again; --tag T "
+            "names them yourself)")
     if args.seeds:
-        say(f"seeds: {','.join(map(str, args.seeds))} (each sets --seed and --data-seed of its runs: the GPT and NAG runs of a seed share "
-            "their init seed and data order)")
+        say(f"seeds: {','.join(map(str, args.seeds))} (each sets {' and '.join(SEED_FLAGS)} of its runs: every arch "
+            "of a seed shares its init seed and data order)")
     w = max(24, *(len(p["run"]) + 2 for p in records.values()))  # a derived tag makes long names
-    say(f"{'run':<{w}}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  {'checkpoints':<22}est. time")
+    say(f"{'run':<{w}}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  "
+        f"{'checkpoints':<22}est. time")
     need_gib, total_s = 0.0, 0.0
     tokens = max(p["total_tokens"] for p in records.values())
     for run, p in records.items():
@@ -320,35 +381,41 @@ def print_plan(args, records, done, gpus, have, nproc):
             need_gib += saves * p["checkpoint_gib"]
         when = "CPU: minutes" if args.preset == "tiny" else f"{hms(secs)} at {PLANNED_MFU:.0%} MFU"
         saved = f"{saves} × {p['checkpoint_gib']:.3g} GiB"
-        say(f"{p['run']:<{w}}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}{p['total_tokens']:>17,}"
-            f"{p['total_flops']:>13.4e}  {saved:<22}{when}")
+        say(f"{p['run']:<{w}}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}"
+            f"{p['total_tokens']:>17,}{p['total_flops']:>13.4e}  {saved:<22}{when}")
     if args.offline:
         say("data: offline corpus (python -m nanochat.dataset --offline), no download")
     else:
-        say(f"data: {args.shards_needed} ClimbMix train shards + 1 val shard ≈ {(args.shards_needed + 1) * SHARD_MB / 1024:.1f} GiB "
-            f"(assuming ~{TOKENS_PER_SHARD / 1e6:.0f}M tokens, ~{SHARD_MB} MB per shard; {tokens:,} tokens trained)"
+        gib = (args.shards_needed + 1) * SHARD_MB / 1024
+        say(f"data: {args.shards_needed} ClimbMix train shards + 1 val shard ≈ {gib:.1f} GiB (assuming "
+            f"~{TOKENS_PER_SHARD / 1e6:.0f}M tokens, ~{SHARD_MB} MB per shard; {tokens:,} tokens trained)"
             + ("; every seed reads these shards, in its own order" if args.seeds else ""))
         epochs = expected_epochs(tokens, args.shards_needed)
         say(f"data: expected epochs {epochs:.2f} (packing keeps ~{PACKING_KEPT:.0%} of the text it reads)"
-            + ("" if epochs <= 1 else f"; MORE THAN ONE: the last {1 - 1 / epochs:.0%} of the longest run repeats data, raise --shards"))
+            + ("" if epochs <= 1 else
+               f"; MORE THAN ONE: the last {1 - 1 / epochs:.0%} of the longest run repeats data, raise --shards"))
         if not done["data"]:
             need_gib += (args.shards_needed + 1) * SHARD_MB / 1024
     for p in records.values():  # base_train's full plan, optimizer included: diff two configurations with these lines
         say(f"PLAN {json.dumps(p)}")
-    periods = " / ".join({p["arch"]: f"{p['save_every'] or p['num_iterations']:,}" for p in records.values()}.values())  # one per arch
-    say(f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; the optimizer state sharded over the ranks' files)")
+    periods = " / ".join({p["arch"]: f"{p['save_every'] or p['num_iterations']:,}" for p in records.values()}.values())
+    say(f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; the optimizer state "
+        "sharded over the ranks' files)")
     if args.seeds:
-        cost = "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {nproc} × H100"
-        say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({len(args.seeds)} × {','.join(args.archs)}), {cost}")
+        cost = ("on the CPU, minutes each" if args.preset == "tiny" else
+                f"≈ {hms(total_s)} of training on {nproc} × H100")
+        each = f"{len(args.seeds)} × {','.join(args.archs)}"
+        say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({each}), {cost}")
     if args.preset != "tiny":
-        say(f"training time: ≈ {hms(total_s)} on {nproc} × H100 at {PLANNED_MFU:.0%} MFU of {PLANNED_PEAK / 1e12:.0f} TFLOP/s (+ evaluation)"
-            + (f", all {len(records)} runs" if args.seeds else ""))
+        say(f"training time: ≈ {hms(total_s)} on {nproc} × H100 at {PLANNED_MFU:.0%} MFU of {PLANNED_PEAK / 1e12:.0f} "
+            "TFLOP/s (+ evaluation)" + (f", all {len(records)} runs" if args.seeds else ""))
     probe = args.base_dir
     while not os.path.isdir(probe):
         probe = os.path.dirname(probe)
     free_gib = shutil.disk_usage(probe).free / 2 ** 30
     enough = need_gib <= free_gib
-    say(f"disk: need ≈ {need_gib:.1f} GiB more in {args.base_dir}, {free_gib:.0f} GiB free" + ("" if enough else " (NOT ENOUGH: a real run stops here)"))
+    say(f"disk: need ≈ {need_gib:.1f} GiB more in {args.base_dir}, {free_gib:.0f} GiB free"
+        + ("" if enough else " (NOT ENOUGH: a real run stops here)"))
     say("stages:")
     w = max(len(stage) for stage in done) + 1
     for stage, is_done in done.items():
@@ -357,56 +424,67 @@ def print_plan(args, records, done, gpus, have, nproc):
 
 
 def plan_and_check(args):
-    """Print the plan to stderr; return the shell assignments for speedrun.sh."""
+    """Print the plan to stderr; return speedrun.sh's variables: ({name: scalar}, {name: list for a bash array})."""
     gpus, vocab, have = gpus_and_vocab(args)
     nproc = gpus * args.nnodes
-    with contextlib.redirect_stdout(sys.stderr):  # base_train's notes are for the user, not for the shell
-        records = plans(args, vocab, nproc)
+    records = plans(args, vocab, nproc)
     tokens = max(p["total_tokens"] for p in records.values())
     args.shards_needed = 0 if args.offline else (args.shards or max(TOK_SHARDS, shards_for(tokens)))
     done = status(args, records)
     need_gib, free_gib = print_plan(args, records, done, gpus, have, nproc)
-    say = lambda *a: print(*a, file=sys.stderr)
     launch = launch_command(gpus, args.nnodes, args.max_restarts, args.rdzv_endpoint)
-    say(f"training launch: {' '.join([*launch, 'scripts.base_train', '--', '...'])}"
-        + (" (node 0 alone: data, tokenizer, evaluation, report)" if args.nnodes > 1 else ""))
+    print(f"training launch: {' '.join([*launch, 'scripts.base_train', '--', '...'])}"
+          + (" (node 0 alone: data, tokenizer, evaluation, report)" if args.nnodes > 1 else ""), file=sys.stderr)
     if not args.dry_run:
         if need_gib > free_gib:
-            raise UserError(f"not enough disk in {args.base_dir}: need ≈ {need_gib:.1f} GiB, {free_gib:.0f} GiB free (see --dry-run)")
+            raise UserError(f"not enough disk in {args.base_dir}: need ≈ {need_gib:.1f} GiB, {free_gib:.0f} GiB free "
+                            "(see --dry-run)")
         if args.node_rank > 0:
             wait_for_node0(args, records)
     others = args.node_rank > 0  # the other nodes join the training runs, nothing else
-    shell = {"BASE": args.base_dir, "PRESET": args.preset, "DRY_RUN": int(args.dry_run), "OFFLINE": int(args.offline), "SHARDS": args.shards_needed,
-             "TOK_SHARDS": min(TOK_SHARDS, args.shards_needed), "VOCAB": get_preset(args.preset)["vocab"],
-             "TOK_CHARS": TOKENIZER_CHARS.get(args.preset, 2_000_000_000), "PREFLIGHT": int(args.preset != "tiny" and "nag" in args.archs
-                                                                                       and "--nag-impl" not in " ".join(args.extra)),
-             "DATA_DONE": int(done["data"] or others), "TOK_DONE": int(done["tokenizer"] or others), "PAIR": int(len(args.archs) == 2 and not others),
-             "ANALYSIS_DONE": int(done.get("analysis", True)), "REPORT_DONE": int(done.get("report", True)),
-             "REPORT": report_dir(args), "LOG": "speedrun.log" if args.node_rank == 0 else f"speedrun-node{args.node_rank}.log"}
-    # per run i (training order: for each seed GPT, then NAG): RUNS[i], RUN_ARCH[i], RUN_SEED[i] ("" without --seeds),
-    # TRAIN_DONE[i], EVAL_DONE[i]; speedrun.sh writes their base_train and base_eval commands out (train_args, eval_args)
+    preset = get_preset(args.preset)
+    preflight = (args.preset != "tiny" and any(is_nag_arch(pair_arch(args.preset, a)) for a in args.archs)
+                 and "--nag-impl" not in " ".join(args.extra))
+    scalars = {"BASE": args.base_dir, "PRESET": args.preset, "DRY_RUN": int(args.dry_run), "OFFLINE": int(args.offline),
+               "SHARDS": args.shards_needed, "TOK_SHARDS": min(TOK_SHARDS, args.shards_needed),
+               "VOCAB": preset["vocab"],
+               "TOK_CHARS": TOKENIZER_CHARS.get(args.preset, 2_000_000_000), "PREFLIGHT": int(preflight),
+               "DATA_DONE": int(done["data"] or others), "TOK_DONE": int(done["tokenizer"] or others),
+               "PAIR": int(has_pair(args) and not others), "ANALYSIS_DONE": int(done.get("analysis", True)),
+               "REPORT_DONE": int(done.get("report", True)), "REPORT": report_dir(args),
+               "LOG": "speedrun.log" if args.node_rank == 0 else f"speedrun-node{args.node_rank}.log"}
+    # per run i (training order: for each seed the pair's baseline, its NAG run, any other arch): RUNS[i], RUN_ARCH[i],
+    # RUN_SEED_ARGS[i] (its seed's base_train flags, one string, "" without --seeds), TRAIN_DONE[i], EVAL_DONE[i];
+    # speedrun.sh writes their base_train and base_eval commands out (train_args, eval_args)
     names = list(records)
-    arrays = {"LAUNCH": launch, "EVAL_LAUNCH": launch_command(gpus, max_restarts=0), "ANALYSIS": get_preset(args.preset)["analysis"],
-              "FLOPS": flops_args(args), "EXTRA": args.extra, "EVAL_PRESET": get_preset(args.preset)["eval"], "BUNDLE": bundle_args(args),
-              "COMPARE_RUNS": compared_runs(args), "RUNS": names, "RUN_ARCH": [pair_arch(args.preset, a) for a, _ in runs(args)],
-              "RUN_SEED": ["" if s is None else s for _, s in runs(args)],
-              "TRAIN_DONE": [int(done[f"train {r}"]) for r in names], "EVAL_DONE": [int(done[f"eval {r}"] or others) for r in names]}
-    lines = [f"{k}={shlex.quote(str(v))}" for k, v in shell.items()]
+    arrays = {"LAUNCH": launch, "EVAL_LAUNCH": launch_command(gpus, max_restarts=0), "ANALYSIS": preset["analysis"],
+              "FLOPS": flops_args(args), "EXTRA": args.extra, "EVAL_PRESET": preset["eval"],
+              "BUNDLE": bundle_args(args),
+              "COMPARE_RUNS": compared_runs(args) if has_pair(args) else [], "RUNS": names,
+              "RUN_ARCH": [pair_arch(args.preset, a) for a, _ in runs(args)],
+              "RUN_SEED_ARGS": [" ".join(seed_flags(s)) for _, s in runs(args)],
+              "TRAIN_DONE": [int(done[f"train {r}"]) for r in names],
+              "EVAL_DONE": [int(done[f"eval {r}"] or others) for r in names]}
+    return scalars, arrays
+
+
+def plan_file_text(scalars, arrays):
+    """speedrun.sh's plan as data: one plain assignment a line (NAME=value, NAME=(values...), and the launch
+    environment as `export NAME=value`), every value shell-quoted, so sourcing it sets variables and runs nothing."""
+    lines = [f"{k}={shlex.quote(str(v))}" for k, v in scalars.items()]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in LAUNCH_ENV.items()]
     lines += [f"{k}=({' '.join(shlex.quote(str(a)) for a in v)})" for k, v in arrays.items()]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     with exit_on_user_error():
-        try:
-            with contextlib.redirect_stdout(sys.stderr):  # --help (ours, or base_train's after --) is for the user
-                plan = plan_and_check(parse(sys.argv[1:] if argv is None else argv))
-        except SystemExit as e:
-            if e.code == 0:
-                print("exit 0")  # speedrun.sh evals this: it stops after the usage, before any stage
-            raise
-        print(plan)
+        with contextlib.redirect_stdout(sys.stderr):  # --help (ours, or base_train's after --) and notes: the user's
+            args = parse(sys.argv[1:] if argv is None else argv)
+            scalars, arrays = plan_and_check(args)
+        if args.plan_file:  # speedrun.sh's temporary file; --help exits above and leaves it empty: no stage runs
+            with open(args.plan_file, "w") as f:
+                f.write(plan_file_text(scalars, arrays))
 
 
 if __name__ == "__main__":

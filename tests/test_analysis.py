@@ -1,4 +1,6 @@
-"""analysis/: each measure on inputs with a known answer, the capture against an independent forward, NAG's
+"""analysis/: its measures, its capture, and the command on a tiny GPT / NAG pair.
+
+Each measure on inputs with a known answer, the capture against an independent forward, NAG's
 rotation = atan(g), and the command on a tiny GPT / NAG pair."""
 
 import json

@@ -1,4 +1,6 @@
-"""The attention kernel (nanochat/flash_attention.py): which kernel --attn gets where, the fallback to SDPA, the
+"""The attention kernel (nanochat/flash_attention.py): choice, fallback and window paths on the CPU.
+
+Which kernel --attn gets where, the fallback to SDPA, the
 sliding-window paths against attention written out by hand, and the FA3 code path run on the CPU with a fake
 kernel that does FA3's documented window arithmetic with that hand-written attention."""
 

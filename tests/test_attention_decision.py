@@ -1,7 +1,9 @@
-"""Which attention kernel a run gets, and the CUDA paths' CPU twins (nanochat/flash_attention.py, docs/design.md §2):
-rank 0 decides and every rank loads (two gloo ranks), the probe at the run's own shapes (head dim, GQA, each window;
-cuDNN alone), the Hopper fallback warning and the GPU presets' refusal of SDPA, the dry run's line, and the mask-free
-S window (flex_attention with a block mask) against the dense-mask reference. The CUDA tests at the end run the real kernels where a GPU is present."""
+"""Which attention kernel a run gets, and the CUDA paths' CPU twins.
+
+nanochat/flash_attention.py, docs/design.md §2: rank 0 decides and every rank loads (two gloo ranks), the probe
+at the run's own shapes (head dim, GQA, each window; cuDNN alone), the Hopper fallback warning and the GPU presets'
+refusal of SDPA, the dry run's line, and the mask-free S window (flex_attention with a block mask) against the
+dense-mask reference. The CUDA tests at the end run the real kernels where a GPU is present."""
 
 import contextlib
 import json

@@ -16,6 +16,7 @@ from analysis.compare.tables import config_section
 from nanochat import stats
 from nanochat.common import atomic_write_bytes
 from nanochat.core_eval import load_records, save_records, centered_accuracy
+from nanochat.run_dir import step_files
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -46,9 +47,14 @@ def pair(tiny_base_dir, tmp_path_factory, write_eval_bundle):
 
 
 def copy_run(run_dir, dest, with_eval=False):
-    os.makedirs(dest)
-    for name in ("config.json", "metrics.jsonl") + (("eval.json",) if with_eval else ()):  # without core_records.parquet
-        shutil.copy(os.path.join(run_dir, name), dest)
+    """A copy of config.json and metrics.jsonl, with_eval: and of eval.json and its step's eval/ json (without the
+    CORE records)."""
+    os.makedirs(os.path.join(dest, "eval"))
+    names = ("config.json", "metrics.jsonl")
+    if with_eval:
+        names += ("eval.json", step_files(json.load(open(os.path.join(run_dir, "eval.json")))["step"])["json"])
+    for name in names:
+        shutil.copy(os.path.join(run_dir, name), os.path.join(dest, name))
     return str(dest)
 
 
@@ -135,7 +141,8 @@ def edited_copy(pair, arch, dest, correct=None, settings_edit=None, items_edit=N
         t["accuracy"] = sum(verdicts) / len(verdicts)
         t["centered"] = centered_accuracy(t["accuracy"], settings["tasks"][label]["random_baseline"])
     ev["partial_core"] = sum(t["centered"] for t in ev["tasks"].values()) / len(ev["tasks"])
-    json.dump(ev, open(os.path.join(run_dir, "eval.json"), "w"))
+    for name in ("eval.json", step_files(ev["step"])["json"]):
+        json.dump(ev, open(os.path.join(run_dir, name), "w"))
     return run_dir
 
 
@@ -181,7 +188,7 @@ def test_runs_on_other_items_or_without_records_are_refused(pair, tmp_path, scri
     other = edited_copy(pair, "nag", tmp_path / "shots", settings_edit=lambda s: s["tasks"]["mc_task"].update(num_fewshot=1))
     assert "task mc_task settings" in script_error(compare.main, "gpt", other, "--out", str(tmp_path / "o"))
     assert not os.path.exists(tmp_path / "o")  # refused before writing anything
-    # an eval.json from before records were kept
+    # an eval.json whose records file is gone
     old = copy_run(pair["runs"]["nag"], tmp_path / "old", with_eval=True)
     err = script_error(compare.main, "gpt", old, "--out", str(tmp_path / "o"))
     assert "has CORE scores but no per-example records" in err and old in err
@@ -273,7 +280,8 @@ def write_run(root, name, evals, arch="gpt", train_fingerprints=FP, core=None, a
     run_dir = os.path.join(root, name)
     os.makedirs(os.path.join(run_dir, "eval"))
     last = evals[-1]["step"]
-    config = {"run": name, "arch": arch, "world_size": 1, "num_iterations": last, "args": {"arch": arch, **(args or {})}}
+    config = {"run": name, "arch": arch, "world_size": 1, "num_iterations": last, "args": {"arch": arch, **(args or {})},
+              "compute_dtype": "bfloat16", "fp8_layers": 12 if (args or {}).get("fp8") else 0}
     if train_fingerprints:
         config["fingerprints"] = train_fingerprints
     json.dump(config, open(os.path.join(run_dir, "config.json"), "w"))
@@ -340,6 +348,34 @@ def test_unrecorded_fingerprints_are_said_not_guessed(hand_base, capsys):
     assert table_row(report, "training data") == [f"`{FP['data_train']}`", "not recorded"]
     assert "not recorded for `old`" in report and "training data, tokenizer, val data, evaluation processes" in report
     assert "(95% CI" in report  # what was recorded agrees, and the batches pair: the interval stands
+
+
+def test_run_directories_of_an_earlier_version_are_one_line(hand_base, script_error):
+    """What this version never writes is not read: an eval.json without its eval/ step file, val bpb without per-batch
+    losses, CORE scores without records named, a config without its precision. One line each, naming the file."""
+    write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
+    runs = hand_base / "runs"
+
+    def edit(name, path, change):
+        run_dir = write_run(runs, name, [eval_record(6, 1.20, seed=1)])
+        for p in ([path] if path != "eval" else ["eval.json", "eval/step_000006.json"]):
+            with open(os.path.join(run_dir, p)) as f:
+                rec = json.load(f)
+            change(rec)
+            json.dump(rec, open(os.path.join(run_dir, p), "w"))
+        return run_dir
+
+    cases = {"eval.json": (write_run(runs, "no-eval-dir", [eval_record(6, 1.20, seed=1)]), "an evaluation of step 6 without "
+                           "its eval/step_000006.json"),
+             "nats": (edit("no-nats", "eval", lambda r: r.pop("val_batches")), "an evaluation of val bpb without its per-batch"),
+             "records": (edit("no-records", "eval", lambda r: r.update(tasks={"t": {"accuracy": 1.0, "centered": 1.0, "num_examples": 1}})),
+                         "an evaluation with CORE scores but no per-example records"),
+             "config": (edit("no-dtype", "config.json", lambda c: c.pop("compute_dtype")), "a run's config without its fp8 layers")}
+    shutil.rmtree(os.path.join(cases["eval.json"][0], "eval"))
+    for key, (run_dir, what) in cases.items():
+        err = script_error(compare.main, "a", os.path.basename(run_dir))
+        file = os.path.join(run_dir, "config.json" if key == "config" else "eval.json")
+        assert err.startswith(f"error: {file} is {what}") and "written by an earlier version of this code" in err, err
 
 
 def test_intervals_need_enough_batches(hand_base, capsys):

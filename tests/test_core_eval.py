@@ -1,4 +1,4 @@
-"""Tests of the CORE evaluation (nanochat/core_eval.py): prompts, spans, scoring paths, the bundle and the metric."""
+"""The CORE evaluation (nanochat/core_eval.py): prompts, spans, scoring paths, the bundle, the metric."""
 
 import io
 import json

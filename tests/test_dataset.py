@@ -1,3 +1,4 @@
+"""The pretraining shards: layout, errors, the offline corpus, and downloads with retries."""
 import io
 import os
 import socket

@@ -1,4 +1,6 @@
-"""scripts/experiments/depth_sweep.py: the planner's parameter matching across depths, a tiny end-to-end sweep, bad input,
+"""scripts/experiments/depth_sweep.py: the planner, a tiny end-to-end sweep, bad input and seeds.
+
+The planner's parameter matching across depths, a tiny end-to-end sweep, bad input,
 and with --seeds: the plan of every seed, the results of several seeds, a failed run that the others outlive."""
 
 import json

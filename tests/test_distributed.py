@@ -98,7 +98,7 @@ runpy.run_module("scripts.base_train", run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("arch", [["nag"], ["gpt", "--mod-router"]], ids=["nag-mod", "gpt-router"])
+@pytest.mark.parametrize("arch", [["nag"], ["gpt-router"]], ids=["nag-mod", "gpt-router"])
 def test_sublayer_skipped_on_one_rank_equals_grad_accumulation(base, tmp_path, arch):
     # DDP (find_unused_parameters=False) needs every parameter to get a gradient on every rank: a skipped
     # sub-layer still runs on one padded row whose result is dropped (nag/mod.py)

@@ -1,4 +1,6 @@
-"""The repo explains itself: every docs/ reference in code, scripts and docs resolves (file and § section),
+"""The repo explains itself: every docs/ reference and markdown link resolves, inside the repo.
+
+Every docs/ reference in code, scripts and docs resolves (file and § section),
 every relative link between markdown files resolves, and nothing points outside the repo."""
 
 import glob

@@ -1,5 +1,6 @@
-"""base_eval's results per evaluated step (eval/step_NNNNNN.*), what they record, and the numbers that must not
-depend on how the evaluation ran: the number of processes, a --split-tokens larger than the split, an interruption."""
+"""base_eval's results per evaluated step (eval/step_NNNNNN.*), and what they record.
+
+Also the numbers that must not depend on how the evaluation ran: the number of processes, a --split-tokens larger than the split, an interruption."""
 
 import os
 import sys
@@ -14,6 +15,8 @@ import torch
 from conftest import PROCESSES, TINY_TRAIN, linked_base, tiny_documents
 from scripts import base_eval
 from nanochat import core_eval
+from nanochat import run_dir as run_files
+from nanochat.common import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL = ["--split-tokens", "512", "--device-batch-size", "4", "--sample-tokens", "4", "--max-per-task", "4"]
@@ -121,16 +124,19 @@ def test_results_of_other_fingerprints_are_replaced_not_merged(run, trained, mon
     assert evaluate(run, trained["bundle"], "--eval", "sample")["val_bpb"] is None
 
 
-def test_an_eval_json_from_before_eval_dir_is_kept(run, trained):
-    # the one-file-per-run layout: eval.json and core_records.parquet at the top, no eval/
-    evaluate(run, trained["bundle"], "--eval", "core,bpb")
-    legacy = load(run, "eval.json")
+def test_an_eval_json_from_before_eval_dir_is_one_line(run, trained, script_error):
+    # the one-file-per-run layout of an earlier version: eval.json at the top, no eval/. Neither evaluated nor compared
+    evaluate(run, trained["bundle"], "--eval", "bpb")
     shutil.rmtree(os.path.join(run, "eval"))
-    evaluate(run, trained["bundle"], "--step", "3", "--eval", "bpb")
-    adopted = load(run, "eval/step_000006.json")
-    assert adopted["tasks"] == legacy["tasks"] and adopted["val_batches"] == legacy["val_batches"]
-    assert core_eval.load_records(os.path.join(run, adopted["core_records"]))[1]["step"] == 6
-    assert load(run, "eval.json") == adopted
+    before = load(run, "eval.json")
+    err = script_error(base_eval.main, "--run", run, *EVAL, "--step", "3", "--eval", "bpb")
+    with pytest.raises(UserError) as e:
+        run_files.load_run(run)  # what compare reads
+    assert err == f"error: {e.value}" == (
+        f"error: {os.path.join(run, 'eval.json')} is an evaluation of step 6 without its eval/step_000006.json, written by an "
+        f"earlier version of this code, which this one does not read; move it aside and rerun `python -m scripts.base_eval "
+        f"--run {run} --step 6`")
+    assert load(run, "eval.json") == before and not os.path.exists(os.path.join(run, "eval"))
 
 
 def test_a_tokenizer_retrained_to_the_same_size_is_refused(tiny_base_dir, tmp_path, monkeypatch, script_error):

@@ -1,4 +1,6 @@
-"""Every command shown in README.md or in a module docstring either runs here, on a CPU within a time limit,
+"""Every command shown in README.md or a module docstring runs here, or is marked (GPU) or (network).
+
+Every command shown in README.md or in a module docstring either runs here, on a CPU within a time limit,
 or is marked (GPU) or (network) where it is shown. Run in order, they are the newcomer's path: data,
 tokenizer, a tiny pair, evaluation, comparison, benchmarks."""
 

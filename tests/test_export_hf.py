@@ -1,5 +1,6 @@
-"""The Hugging Face export (scripts/export_hf.py, nag/hf/): transformers loads the folder with trust_remote_code
-and gives the native logits for every arch (GPT, NAG, NAG-MoD with GQA and a sliding window, router-MoD GPT, GPT and
+"""The Hugging Face export (scripts/export_hf.py, nag/hf/) against the native model, for every arch.
+
+transformers loads the folder with trust_remote_code and gives the native logits for every arch (GPT, NAG, NAG-MoD with GQA and a sliding window, router-MoD GPT, GPT and
 NAG on nanochat's recipe); greedy
 generate() equals nanochat.engine's, alone and in a left-padded batch; the tokenizer gives tiktoken's ids; the model
 card records the run; lm-evaluation-harness scores a local task offline and agrees with the native model's scores."""

@@ -1,4 +1,4 @@
-"""Failure cases of NAG (docs/failures.md): the guard names the origin of a NaN; the gate-collapse verdict."""
+"""Failure cases of NAG (docs/failures.md): the NaN guard names the origin; the gate-collapse verdict."""
 
 import json
 import os

@@ -1,4 +1,6 @@
-"""fp8 training (nanochat/fp8.py) on the CPU, whose _scaled_mm runs the same math: the three matmuls against exact ones
+"""fp8 training (nanochat/fp8.py) on the CPU, and CUDA's rules for every _scaled_mm call.
+
+The CPU's _scaled_mm runs the same math: the three matmuls against exact ones
 within what fp8 rounding allows, the size rule, evaluation in the compute dtype, a tiny --fp8 run that trains and
 resumes exactly, and CUDA's rules for every _scaled_mm call (which the CPU's kernel does not check): the token
 padding that meets them changes no value, and MoD's packed token counts meet them."""
@@ -230,7 +232,7 @@ def test_padded_tokens_meet_cuda_rules_and_change_no_value(n, cuda_rules):
     assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref) and torch.equal(w.grad, dw_ref.float())
 
 
-@pytest.mark.parametrize("mod", [["--arch", "nag"], ["--arch", "gpt", "--mod-router"]], ids=["nag-mod", "router-mod"])
+@pytest.mark.parametrize("mod", [["--arch", "nag"], ["--arch", "gpt-router"]], ids=["nag-mod", "router-mod"])
 def test_a_tiny_fp8_mod_run_meets_cuda_rules(mod, run_base, cuda_rules, monkeypatch):
     """MoD's gathered sub-layers run on N - round(rate·N) tokens, and attention's on as many as pass the threshold:
     token counts that are no multiple of 16, each padded to one."""

@@ -1,4 +1,6 @@
-"""runs/gpu_checks.sh and scripts/bench/gpu_checks.py on a CPU: the one-line stop without a GPU, the python a borrowed
+"""runs/gpu_checks.sh and scripts/bench/gpu_checks.py, checked on a CPU.
+
+The one-line stop without a GPU, the python a borrowed
 slot has (no .venv, no rustbpe), the stage runner with fake stages (ok, failing, timed out, skipped for the budget,
 their compiler caches), the plan against the quick budget, the kernel-test verdict when no CUDA test can run, the
 headline arithmetic, the branch-op sweep, and bench_train's per-block compile against eager on a tiny model."""

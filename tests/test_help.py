@@ -1,4 +1,6 @@
-"""The shell entry points: --help prints the usage and starts nothing; bad flags end in one line; paths given
+"""The shell entry points: --help, bad flags, and paths relative to the caller's directory.
+
+--help prints the usage and starts nothing; bad flags end in one line; paths given
 relative to the directory a command runs in stay relative to it, though every script changes to the repo root."""
 
 import glob

@@ -1,4 +1,6 @@
-"""The layout's rules (docs/design.md §1), read from the source: no command importing another, the layers below the
+"""The layout's rules (docs/design.md §1), read from the source: who may import what.
+
+No command importing another, the layers below the
 commands importing none of them, the baseline free of NAG. Each checker takes a root folder, so that a fake tree
 shows it catches what it should and nothing else, whatever today's tree holds."""
 

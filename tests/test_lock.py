@@ -1,4 +1,6 @@
-"""requirements.lock: what runs/setup_env.sh installs, exactly (docs/runs.md, "What reproducible means")."""
+"""requirements.lock: what runs/setup_env.sh installs, exactly.
+
+docs/runs.md, "What reproducible means", explains why."""
 
 import hashlib
 import os

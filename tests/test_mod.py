@@ -253,13 +253,13 @@ def test_iso_flop_plan_buys_more_steps(capsys):
     assert mod["flops_per_token"] < full["flops_per_token"]
     assert mod["num_iterations"] == round(1e13 / (mod["flops_per_token"] * 4096)) > full["num_iterations"]
     assert mod["mod_config"] == {"blocks": "both", "rate": 0.2, "momentum": 0.9}
-    router = base_train.main(["--preset", "demo", "--arch", "gpt", "--dry-run", "1", "--mod-router", "--mod-rate", "0.2", "--mod-blocks", "mlp"])
+    router = base_train.main(["--preset", "demo", "--arch", "gpt-router", "--dry-run", "1", "--mod-rate", "0.2", "--mod-blocks", "mlp"])
     assert router["arch"] == "gpt-router" and router["run"] == "gpt-router-d4"
 
 
 @pytest.mark.parametrize("variant", ["nag", "router"])
 def test_training_records_skip_rates_and_checkpoint_round_trips_thresholds(run_base, variant):
-    flags = ["--arch", "nag"] if variant == "nag" else ["--arch", "gpt", "--mod-router"]
+    flags = ["--arch", "nag"] if variant == "nag" else ["--arch", "gpt-router"]
     run_dir = base_train.main(TINY_TRAIN + flags + ["--mod-rate", "0.25", "--run", "m", "--num-iterations", "4",
                                                     "--eval-every", "2", "--nag-gate-log-every", "2"])
     rows = read_metrics(run_dir)
@@ -283,8 +283,9 @@ def test_training_records_skip_rates_and_checkpoint_round_trips_thresholds(run_b
     (["--arch", "nag", "--mod-rate", "0.95"], "--mod-rate must be in [0, 0.95) (got 0.95)"),
     (["--arch", "nag", "--mod-rate", "-0.1"], "--mod-rate must be in [0, 0.95) (got -0.1)"),
     (["--arch", "nag", "--mod-blocks", "attn"], "--mod-blocks needs --mod-rate"),
-    (["--arch", "nag", "--mod-router", "--mod-rate", "0.2"], "--mod-router is the GPT baseline's MoD"),
-    (["--arch", "gpt", "--mod-rate", "0.2"], "the GPT baseline has no score to skip tokens by"),
+    (["--arch", "gpt-router"], "the router-MoD baseline needs --mod-rate"),
+    (["--arch", "gpt", "--mod-rate", "0.2"], "--arch gpt has no Mixture-of-Depths"),
+    (["--arch", "gpt-recipe", "--mod-rate", "0.2"], "--arch gpt-recipe has no Mixture-of-Depths"),
 ])
 def test_bad_training_input_is_one_line(run_base, script_error, argv, message):
     err = script_error(base_train.main, *TINY_TRAIN, "--run", "bad", "--num-iterations", "2", *argv)

@@ -1,6 +1,5 @@
 """
-Tests of the fused NAG Triton kernels (nag/kernels.py) against the reference
-math in nag/functional.py.
+The fused NAG Triton kernels (nag/kernels.py) against the reference math in nag/functional.py.
 
 Without a GPU, nag.kernels selects Triton's interpreter (TRITON_INTERPRET=1),
 which runs the kernels on CPU tensors, slowly: shapes stay small. On a CUDA

@@ -1,4 +1,6 @@
-"""MuonAdamW sharded over ranks: two gloo processes give one process's weights over 20 steps (GPT and NAG), and
+"""MuonAdamW sharded over ranks: same weights as one process, and state reloads on other rank counts.
+
+Two gloo processes give one process's weights over 20 steps (GPT and NAG), and
 the per-rank state dicts reload on another number of ranks (2 → 1, 1 → 2, a checkpoint from before sharding)."""
 
 import os

@@ -43,10 +43,9 @@ def test_published_scaling_params_as_the_published_code_counts_them(arch, count,
 
 def test_published_preset_keeps_the_momentum_schedule():
     args, plan = published("gpt")
-    assert args.muon_momentum == -1  # no constant override
     n, wd = plan.num_iterations, plan.warmdown_steps
     start = n - wd
-    m = lambda s: momentum_at(s, plan, args)
+    m = lambda s: momentum_at(s, plan)
     assert m(0) == pytest.approx(0.85)
     assert m(200) == pytest.approx(0.91)
     assert m(400) == pytest.approx(0.97)

@@ -1,4 +1,4 @@
-"""nanochat.common.Progress: a line at most every `every` seconds on long work, with an ETA; none on short work."""
+"""nanochat.common.Progress: an ETA line at most every `every` seconds on long work, none on short."""
 
 from nanochat import common
 from nanochat.common import Progress

@@ -1,4 +1,6 @@
-"""nanochat's recipe on the baseline (gpt-recipe, nanochat/recipe.py) and on NAG (nag-recipe, nag/recipe.py): each part
+"""nanochat's recipe on the GPT baseline (gpt-recipe) and on NAG (nag-recipe).
+
+nanochat/recipe.py and nag/recipe.py: each part
 against a plain restatement of nanochat's formula, every part off = the base arch bit for bit, NAG's decisions, the FLOP
 count at nanochat's d24 against its estimate_flops, the KV cache and packed rows, the run6 preset's plan, train + resume."""
 

@@ -1,4 +1,6 @@
-"""What a resume may change (nanochat/resume.py's table): a new LR or weight decay, given with --change-settings, is
+"""What a resume may change (nanochat/resume.py's table), and what it refuses.
+
+A new LR or weight decay, given with --change-settings, is
 what the optimizer steps with from the resumed step on (only the moments and buffers come from the checkpoint); a flag
 that changes the model's parameters or shapes, the batch or the init is refused in one line before anything loads."""
 

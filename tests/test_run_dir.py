@@ -1,4 +1,6 @@
-"""Run directories that never lose or mix data: --resume latest, history kept across restarts, the run lock,
+"""Run directories that never lose or mix data.
+
+--resume latest, history kept across restarts, the run lock,
 checked names and values, corrupt files, and a kill -9 fault-injection run that must end bit-exact."""
 
 import json
@@ -8,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -17,6 +20,8 @@ from nag.archs import plan_for
 from nanochat.plan import lr_multiplier
 from scripts import base_train
 from nanochat import checkpoint_manager as ckpt
+from nanochat import run_dir as run_files
+from nanochat.common import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -268,7 +273,7 @@ def test_leftover_temp_files_are_cleaned_on_the_next_start(run_base):
     (["--head-dim", "-64"], "--head-dim must be positive"),
     (["--device-batch-size", "0"], "--device-batch-size must be positive"),
     (["--max-seq-len", "0"], "--max-seq-len must be positive"),
-    (["--aspect-ratio", "0"], "--aspect-ratio must be positive"),
+    (["--model-dim", "0"], "--model-dim must be positive"),
     (["--matrix-lr", "0"], "--matrix-lr must be positive"),
     (["--window-pattern", "X"], "--window-pattern takes the letters L"),
     (["--target-flops", "inf", "--num-iterations", "-1"], "--target-flops must be a positive number, or -1"),
@@ -310,8 +315,17 @@ def test_a_run_path_is_a_directory_everywhere(run_base, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_dir = main("--run", "mine/r1", "--num-iterations", "1", "--eval-every", "-1")
     assert run_dir == str(tmp_path / "mine" / "r1") and ckpt.complete_steps(run_dir) == [1]
-    assert ckpt.resolve_run_dir("mine/r1") == run_dir
-    assert ckpt.resolve_run_dir("r1") == os.path.join(run_base, "runs", "r1")
+    assert run_files.resolve_run_dir("mine/r1") == run_dir
+    assert run_files.resolve_run_dir("r1") == os.path.join(run_base, "runs", "r1") == run_files.run_path("r1")
+
+
+def test_a_checkpoint_without_a_tokenizer_fingerprint_is_an_earlier_versions():
+    """A meta without fingerprints was once checked on the vocab size alone: now it is one line, an earlier version."""
+    tok = types.SimpleNamespace(get_vocab_size=lambda: 512, fingerprint=lambda: "f" * 16)
+    meta = {"step": 4, "model_config": {"vocab_size": 512}}
+    with pytest.raises(UserError, match="step 4 records no tokenizer fingerprint: a checkpoint of an earlier version"):
+        ckpt.check_vocab(meta, tok)
+    ckpt.check_vocab({**meta, "fingerprints": {"tokenizer": "f" * 16}}, tok)  # the format this version writes
 
 
 @pytest.mark.parametrize("steps, warmdown", [(10, 0.65), (40, 0.65), (50, 0.65), (7, 1.0)])

@@ -1,4 +1,6 @@
-"""nanochat.run_dir's one rule for metrics.jsonl: a torn last line (a kill mid-write) is skipped with a note or
+"""nanochat.run_dir's one rule for metrics.jsonl: torn last lines and bad lines.
+
+A torn last line (a kill mid-write) is skipped with a note or
 handed back with step None; a bad line anywhere else is a one-line error naming the file and the line."""
 
 import json
@@ -89,3 +91,24 @@ def test_headline_gives_the_evaluated_figures_to_every_digit(tmp_path, monkeypat
     assert run_dir.headline("bare") == "bare: val bpb None, partial CORE None"
     with pytest.raises(UserError, match="no run directory"):
         run_dir.headline("missing")
+
+
+def test_every_run_json_is_read_by_one_reader_with_one_error_line(tmp_path):
+    """run_dir.read_json: a missing, unreadable or damaged file is one line naming it and the fix; read_record (results
+    rewritten from scratch) and read_config(missing_ok: a resume) keep None and {} for an absent file."""
+    path = str(tmp_path / "config.json")
+    assert run_dir.read_json(path, missing_ok=True) is None and run_dir.read_record(path) is None
+    assert run_dir.read_config(str(tmp_path), missing_ok=True) == {}
+    with pytest.raises(UserError, match=f"^{path} is missing; restore it$"):
+        run_dir.read_json(path, "restore it")
+    with pytest.raises(UserError, match="config.json is missing; is .* a run directory written by scripts.base_train"):
+        run_dir.read_config(str(tmp_path))
+    open(path, "w").write('{"run": ')
+    with pytest.raises(UserError, match=rf"^{path} is not valid JSON \(.*\); restore it$"):
+        run_dir.read_json(path, "restore it", missing_ok=True)
+    assert run_dir.read_record(path) is None
+    with pytest.raises(UserError, match="is not valid JSON .*; move it away"):
+        run_dir.read_config(str(tmp_path), "move it away", missing_ok=True)
+    (tmp_path / "eval.json").mkdir()  # unreadable: one line too
+    with pytest.raises(UserError, match="eval.json cannot be read"):
+        run_dir.read_eval(str(tmp_path))

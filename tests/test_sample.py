@@ -1,4 +1,6 @@
-"""Sampling with a KV cache (nanochat/engine.py, scripts/sample.py): cached decoding equals uncached decoding for
+"""Sampling with a KV cache (nanochat/engine.py, scripts/sample.py).
+
+Cached decoding equals uncached decoding for
 every arch, token for token and logit for logit; seeds reproduce samples; the script streams text and refuses
 bad input in one line."""
 

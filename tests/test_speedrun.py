@@ -1,4 +1,6 @@
-"""speedrun.sh: the dry-run plan of the published pair (and of several seeds), bad input caught before any work,
+"""speedrun.sh: the dry-run plan, bad input, and a tiny CPU pipeline run, rerun and resumed.
+
+The dry-run plan of the published pair (and of several seeds), bad input caught before any work,
 a tiny CPU pipeline run three times: everything, then nothing (every stage skipped), then a resume from a
 checkpoint; and a failed run that leaves the next one to go on."""
 
@@ -11,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,7 +29,7 @@ def speedrun(base, *args):
     env = {k: v for k, v in os.environ.items() if k != "NANOCHAT_OFFLINE"}
     env.update(NANOCHAT_BASE_DIR=str(base), OMP_NUM_THREADS="1")  # the tiny models gain nothing from threads
     r = subprocess.run(["bash", SPEEDRUN, *args], capture_output=True, text=True, env=env, timeout=150)
-    r.stdout = r.stderr + r.stdout  # the plan is printed on stderr (stdout carries the shell assignments)
+    r.stdout = r.stderr + r.stdout  # the plan is printed on stderr
     return r
 
 
@@ -255,14 +258,25 @@ def fake_checkpoint(run_dir, step, world_size):
 
 
 def plan_of(capsys, *argv):
-    """(the plan on stderr, the shell assignments: a value or, for an array, a list)"""
+    """(the plan on stderr, the plan file's assignments: a value or, for an array, a list). The file is data: every
+    line one plain assignment of quoted values, nothing that runs; nothing goes to stdout."""
     from scripts import speedrun as sr
-    sr.main(list(argv))
+    fd, path = tempfile.mkstemp(prefix="speedrun-plan.")
+    os.close(fd)
+    cut = argv.index("--") if "--" in argv else len(argv)  # speedrun's own flags end at --
+    try:
+        sr.main([*argv[:cut], "--plan-file", path, *argv[cut:]])
+        text = open(path).read()
+    finally:
+        os.remove(path)
     out = capsys.readouterr()
+    assert out.out == ""
     sh = {}
-    for line in out.out.splitlines():
+    for line in text.splitlines():
         key, value = line.split("=", 1)
+        assert re.fullmatch(r"(export )?[A-Z_]+", key), line
         sh[key] = shlex.split(value[1:-1]) if value.startswith("(") else shlex.split(value)[0]
+        assert line == f"{key}=" + (f"({' '.join(map(shlex.quote, sh[key]))})" if value.startswith("(") else shlex.quote(sh[key]))
     return out.err, sh
 
 
@@ -459,13 +473,12 @@ def sh_commands(sh, i):
             start += 1
             text = text[:-1] + lines[start].strip()
         return text.split("; then")[0].strip()  # the command's own arguments, up to the end of its line(s)
-    seed = sh["RUN_SEED"][i]
     assign = "\n".join(f"{k}=({' '.join(shlex.quote(v) for v in vs)})" if isinstance(vs, list) else f"{k}={shlex.quote(vs)}"
                        for k, vs in sh.items())
+    seed_line = next(line.strip() for line in lines if "read -r -a SEED" in line)  # the run's seed flags, as speedrun.sh reads them
     out = {}
     for name, marker in (("train", 'scripts.base_train -- '), ("eval", 'scripts.base_eval -- ')):
-        script = (f"{assign}\ni={i}\nSEED=(); if [ -n {shlex.quote(seed)} ]; then SEED=(--seed {shlex.quote(seed)} --data-seed {shlex.quote(seed)}); fi\n"
-                  f"printf '%s\\n' {command(marker)}")
+        script = f"{assign}\ni={i}\n{seed_line}\nprintf '%s\\n' {command(marker)}"
         out[name] = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
     return out
 

@@ -1,4 +1,4 @@
-"""nanochat/stats.py: paired bootstrap intervals, the CORE delta interval and the minimum detectable difference."""
+"""nanochat/stats.py: paired bootstrap intervals, the CORE delta's, the minimum detectable difference."""
 
 import math
 import random

@@ -1,4 +1,4 @@
-"""Where a step's time goes: the parts of each metrics row add up to its step time, and time spent in a part lands there."""
+"""Where a step's time goes: a metrics row's parts add up to its step time, each in the right part."""
 
 import os
 import re

@@ -1,3 +1,4 @@
+"""The BPE tokenizer: specials, round trips, save and load, training, and the tok_* scripts."""
 import os
 import shutil
 

@@ -1,4 +1,6 @@
-"""Experiment tracking (nanochat/tracking.py): --log-to is checked up front in one line; every metrics.jsonl row,
+"""Experiment tracking (nanochat/tracking.py): flag checks, rows reaching each tracker, lazy imports.
+
+--log-to is checked up front in one line; every metrics.jsonl row,
 nested time / gate / MoD dicts included, reaches TensorBoard exactly and a wandb offline run; the core training path
 imports none of the optional packages."""
 

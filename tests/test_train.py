@@ -1,4 +1,4 @@
-"""End-to-end training on a tiny corpus: loss falls, exact resume, non-finite guard, bad inputs, the arch registry."""
+"""End-to-end training on a tiny corpus: loss, resume, non-finite guard, bad inputs, arch registry."""
 
 import json
 import os

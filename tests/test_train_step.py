@@ -1,4 +1,6 @@
-"""base_train's own training step on the meta device (every arch): no CPU tensor mixed into a device step and no
+"""base_train's own training step on the meta device, for every arch.
+
+No CPU tensor mixed into a device step and no
 hidden host read, the reads it does make counted; and the device-side veto of a non-finite update (MuonAdamW's gate)."""
 
 import sys

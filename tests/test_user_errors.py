@@ -1,4 +1,6 @@
-"""Issue 39: one rule for the numbers of every command line, a user's edit of a report never lost, the remaining
+"""Issue 39: clear handling of user mistakes and user edits, in one line each.
+
+One rule for the numbers of every command line, a user's edit of a report never lost, the remaining
 tracebacks as one line, and no confusing refusal (an ignored arch flag, a float32 run called bf16, an empty
 eval/pending/, a run name that starts with a dot or holds a newline)."""
 

@@ -1,5 +1,6 @@
 """
 The PNG figures of a pair's report, each written atomically into the report folder with its caption.
+
 matplotlib is imported only once a report is written, and with the Agg backend (files only, no display).
 """
 

@@ -33,7 +33,7 @@ PUBLISHED_GAPS = {"core": 0.0148, "val_bpb": 0.0086}
 
 
 def seeds(run):
-    """(seed, data_seed) of a run; a run from before --data-seed has None there."""
+    """(seed, data_seed) of a run."""
     args = run["config"].get("args") or {}
     return args.get("seed"), args.get("data_seed")
 
@@ -104,11 +104,8 @@ def bpb_inputs(runs):
     if len(have) < len(runs):
         missing = next(r for r in runs if r not in have)
         raise UserError(f"`{missing['name']}` has no val bpb in its eval.json, `{have[0]['name']}` has: evaluate every run with --eval bpb")
-    for r in runs:
-        vb = r["eval"].get("val_batches")
-        if not (isinstance(vb, dict) and vb.get("nats")):
-            raise UserError(f"`{r['name']}`'s eval.json has no per-batch val losses (from before they were kept); rerun scripts.base_eval")
-        ref = runs[0]["eval"]["val_batches"]
+    for r in runs:  # every eval.json with val bpb has its per-batch losses (run_dir.load_run)
+        vb, ref = r["eval"]["val_batches"], runs[0]["eval"]["val_batches"]
         if vb.get("bytes") != ref["bytes"]:
             raise UserError(f"`{r['name']}` and `{runs[0]['name']}` were evaluated on different val tokens ({len(vb['nats'])} vs "
                             f"{len(ref['nats'])} batches, other byte counts): evaluate every run with the same --split-tokens and batch size")

@@ -1,15 +1,16 @@
 """
-What a report is made from, and the folder it goes into: its manifest, inputs.json (nanochat/run_dir.py), records
+What a report is made from, and the folder it goes into.
+
+Its manifest, inputs.json (nanochat/run_dir.py), records
 each run's directory, evaluated step and a hash of its evaluation files, the report's own settings and the files
 it wrote, so that a report of other inputs is never replaced unasked and a user's files are never touched.
 """
 
 import os
-import json
 import hashlib
 
 from nanochat.common import UserError, get_base_dir
-from nanochat.run_dir import EVAL_JSON, eval_files, read_manifest, folder_name
+from nanochat.run_dir import CONFIG, eval_files, read_eval, read_manifest, folder_name, earlier_version
 
 TOOL = "scripts.compare"  # the manifest's tool: a folder this command wrote
 
@@ -19,16 +20,12 @@ def report_inputs(run_dirs):
     A hash, not mtimes: a re-evaluation that gives the same numbers is the same input."""
     runs = []
     for run_dir in run_dirs:
-        h, step = hashlib.sha256(), None
+        h = hashlib.sha256()
         for path in eval_files(run_dir):
             with open(path, "rb") as f:
                 data = f.read()
             h.update(f"{os.path.relpath(path, run_dir)}\0{len(data)}\0".encode() + data)
-            if os.path.basename(path) == EVAL_JSON:
-                try:
-                    step = json.loads(data).get("step")
-                except (ValueError, AttributeError):
-                    step = None
+        step = (read_eval(run_dir) or {}).get("step")
         runs.append({"dir": os.path.realpath(run_dir), "step": step, "eval_sha256": h.hexdigest()})
     return {"runs": runs}
 
@@ -68,16 +65,15 @@ DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "float32"}  # c
 
 
 def precision(run):
-    """What a run's matmuls trained in, from what it recorded: "fp8" where any layer did (config.json's fp8_layers; a
-    config from before that count: its --fp8 flag), else its compute dtype ("bf16" on a GPU, "float32" on a CPU; "bf16"
-    for a config that records none, as before compute_dtype was read). A --fp8 run whose size rule admitted no layer
-    (a tiny model) trained in its compute dtype, and is named so."""
+    """What a run's matmuls trained in, from what it recorded: "fp8" where any layer did (config.json's fp8_layers),
+    else its compute dtype ("bf16" on a GPU, "float32" on a CPU). A --fp8 run whose size rule admitted no layer (a tiny
+    model) trained in its compute dtype, and is named so."""
     cfg = run["config"]
-    layers = cfg.get("fp8_layers")
-    if (layers > 0) if isinstance(layers, int) else (cfg.get("args") or {}).get("fp8"):
-        return "fp8"
-    dtype = cfg.get("compute_dtype")
-    return DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else "bf16"
+    layers, dtype = cfg.get("fp8_layers"), cfg.get("compute_dtype")
+    if not (isinstance(layers, int) and isinstance(dtype, str)):
+        raise earlier_version(os.path.join(run["dir"], CONFIG), "a run's config without its fp8 layers and compute "
+                              "dtype", "compare it with the version that trained it")
+    return "fp8" if layers > 0 else DTYPE_NAMES.get(dtype, dtype)
 
 
 def check_precision(runs, mixed):

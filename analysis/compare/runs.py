@@ -1,5 +1,7 @@
 """
-What a comparison reads off the runs nanochat.run_dir.load_run loaded: the curves and scores of each, what
+What a comparison reads off the loaded runs (nanochat.run_dir.load_run).
+
+The curves and scores of each, what
 its numbers were measured with, and whether two runs were measured alike.
 """
 

@@ -5,7 +5,7 @@ The report's markdown: cells and tables, the verdicts in words, and the sections
 import os
 import json
 
-from nanochat.checkpoint_manager import get_run_dir
+from nanochat.run_dir import run_path
 from nanochat.core_eval import NUM_CORE_TASKS
 from nanochat.step_timer import PHASES, LABELS
 from nanochat import stats
@@ -313,7 +313,7 @@ def notes_section(runs, figures):
     for r in runs:
         name, ev = r["name"], r["eval"]
         if ev is None:
-            where = name if os.path.normpath(get_run_dir(name)) == r["dir"] else r["dir"]
+            where = name if os.path.normpath(run_path(name)) == r["dir"] else r["dir"]
             lines.append(f"`{name}` has no eval.json: its CORE and base_eval bpb are not shown "
                          f"(run `python -m scripts.base_eval --run {where}`).")
             continue

@@ -1,7 +1,10 @@
 """
-An exported nag-chat model for transformers: the GPT baseline (nanochat/gpt.py), NAG (nag/model.py, nag/functional.py),
-NAG-MoD (nag/mod.py), the router-MoD GPT (nag/router_mod.py), and GPT and NAG on nanochat's recipe (nanochat/recipe.py,
-nag/recipe.py), inference only.
+An exported nag-chat model for transformers, inference only.
+
+The archs: the GPT baseline (nanochat/gpt.py), NAG (nag/model.py, nag/functional.py),
+NAG-MoD (nag/mod.py), the router-MoD GPT (nag/router_mod.py), GPT and NAG on nanochat's recipe (nanochat/recipe.py,
+nag/recipe.py), and the rival depth arms LNS, Peri-LN and LayerRoPE (nag/rivals.py; LayerRoPE's base b is a weight,
+layerrope.base, as natively).
 
 Copied into the export folder by scripts/export_hf.py and loaded with `trust_remote_code=True`, so it imports torch
 and transformers only: the math below restates the repo's (docs/design.md §2, §4, §9), and the tests check that it
@@ -36,6 +39,9 @@ RMS_EPS = 1e-20
 VE_GATE_CHANNELS = 12
 SMEAR_CHANNELS = 24
 RECIPE_ARCHS = ("gpt-recipe", "nag-recipe")
+RIVAL_ARCHS = ("gpt-lns", "gpt-peri", "gpt-layerrope")
+LAYERROPE_SITES = ("attn_in", "mlp_in", "attn_out", "mlp_out")  # the two reads, then the two writes
+NO_GAINS = (None, None, None, None)
 # transformers 5 renamed the output's past_key_values to cache; take whichever this version has
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -98,6 +104,28 @@ def renormalised(y, log_norm):
     return (y.float() / rms).to(y.dtype), log_norm + torch.log(rms)
 
 
+def times(x, gain):
+    """x times a gain: nothing (None), a number (LNS) or a (d,) vector in x's dtype (LayerRoPE)."""
+    if gain is None:
+        return x
+    return x * (gain.to(x.dtype) if torch.is_tensor(gain) else gain)
+
+
+def depth_gains(gamma, depth, base, n_layer):
+    """LayerRoPE's γ_l of every block l (n_layer, d) in fp32: the pairs (γ_2j, γ_2j+1) times exp(r(l) + iθ(l, j)) as
+    complex numbers, r(l) = α + β·log(l+1), θ(l, j) = exp(α_rot + β_rot·log(l+1))·b^(−2j/d); depth = (α, β, α_rot, β_rot)."""
+    g = gamma.float()
+    d = g.size(0)
+    alpha, beta, alpha_rot, beta_rot = depth.float().unbind()
+    u = torch.arange(1, n_layer + 1, dtype=torch.float32, device=g.device).log()[:, None]
+    j = torch.arange(d // 2, dtype=torch.float32, device=g.device)
+    theta = torch.exp(alpha_rot + beta_rot * u) * torch.pow(base.float(), -2.0 * j / d)
+    mag = torch.exp(alpha + beta * u)
+    re, im = g[0::2], g[1::2]
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    return torch.stack([mag * (re * cos - im * sin), mag * (re * sin + im * cos)], dim=-1).flatten(-2)
+
+
 def rotation_score(alpha, m):
     """NAG-MoD's score r = atan(α·m)/atan(α), (B, T); r = m where α is ~0."""
     a = alpha.float().reshape(())
@@ -107,7 +135,7 @@ def rotation_score(alpha, m):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config, has_ve=False):
+    def __init__(self, config, has_ve=False, out_norm=False):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
@@ -117,6 +145,7 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(d, self.n_kv_head * hd, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
         self.ve_gate = nn.Linear(VE_GATE_CHANNELS, self.n_kv_head, bias=False) if has_ve else None
+        self.out_gain = nn.Parameter(torch.ones(d)) if out_norm else None  # Peri-LN's output norm gain
 
     def forward(self, x, cos_sin, mask, cache, layer, ve=None):
         B, T, _ = x.shape
@@ -141,20 +170,31 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, out_norm=False):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        self.out_gain = nn.Parameter(torch.ones(config.n_embd)) if out_norm else None
 
     def forward(self, x):
         return self.c_proj(F.relu(self.c_fc(x)).square())
 
 
 class Block(nn.Module):
-    def __init__(self, config, has_ve=False):
+    def __init__(self, config, has_ve=False, out_norm=False):
         super().__init__()
-        self.attn = CausalSelfAttention(config, has_ve)
-        self.mlp = MLP(config)
+        self.attn = CausalSelfAttention(config, has_ve, out_norm)
+        self.mlp = MLP(config, out_norm)
+
+
+class LayerRoPE(nn.Module):
+    """LayerRoPE's shared gains: per site a gain γ (d) and (α, β, α_rot, β_rot); the base b, a buffer."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.gamma = nn.ParameterDict({s: nn.Parameter(torch.ones(dim)) for s in LAYERROPE_SITES})
+        self.depth = nn.ParameterDict({s: nn.Parameter(torch.zeros(4)) for s in LAYERROPE_SITES})
+        self.register_buffer("base", torch.ones(()))
 
 
 class NAGBranch(nn.Module):
@@ -181,15 +221,17 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config):
         super().__init__(config)
-        if config.arch not in ("gpt", "nag", "gpt-router") + RECIPE_ARCHS:
-            raise ValueError(f"unknown arch {config.arch!r} (gpt, nag, gpt-router, gpt-recipe, nag-recipe)")
+        if config.arch not in ("gpt", "nag", "gpt-router") + RECIPE_ARCHS + RIVAL_ARCHS:
+            raise ValueError(f"unknown arch {config.arch!r} (gpt, nag, gpt-router, gpt-recipe, nag-recipe, "
+                             f"{', '.join(RIVAL_ARCHS)})")
         d, L = config.n_embd, config.n_layer
         self.is_nag = config.arch in ("nag", "nag-recipe")
         self.parts = dict(config.recipe or {}) if config.arch in RECIPE_ARCHS else {}
         ve_layers = [i for i in range(L) if self.parts.get("value_embeds") and i % 2 == (L - 1) % 2]
         self.windows = layer_windows(config)
         self.wte = nn.Embedding(config.vocab_size, d)
-        self.blocks = nn.ModuleList([Block(config, i in ve_layers) for i in range(L)])
+        peri = config.arch == "gpt-peri"
+        self.blocks = nn.ModuleList([Block(config, i in ve_layers, peri) for i in range(L)])
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
         mod = config.mod or {"blocks": "both", "rate": 0.0}
         self.covers = {k: config.mod is not None and mod["blocks"] in (k, "both") for k in ("attn", "mlp")}
@@ -203,6 +245,8 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
         if config.arch == "gpt-router":
             self.routers = nn.ModuleDict({f"{k}_{i}": nn.Linear(d, 1, bias=True) for i in range(L) for k in ("attn", "mlp")
                                           if self.covers[k]})
+        if config.arch == "gpt-layerrope":
+            self.layerrope = LayerRoPE(d)
         if config.mod is not None:  # [attention, mlp 0, mlp 1, ...]: the evaluation thresholds, fixed
             self.register_buffer("mod_thresholds", torch.zeros(1 + L))
         if ve_layers:
@@ -271,17 +315,34 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
             return block.attn(x, cos_sin, mask, cache, layer, ve)
         return block.mlp(x)
 
+    def written(self, kind, layer, out, gain):
+        """A rival's write: Peri-LN's output norm with its gain, then LayerRoPE's write gain (nag/rivals.py)."""
+        out_gain = getattr(self.blocks[layer], kind).out_gain
+        if out_gain is not None:
+            out = norm(out) * out_gain.to(out.dtype)
+        return times(out, gain)
+
+    def rival_gains(self, n_layer):
+        """Per layer, (attn read, mlp read, attn write, mlp write): LNS's 1/√(l+1) reads, LayerRoPE's γ_l, else none."""
+        if self.config.arch == "gpt-lns":
+            return [(1 / math.sqrt(i + 1),) * 2 + (None, None) for i in range(n_layer)]
+        if self.config.arch == "gpt-layerrope":
+            lr = self.layerrope
+            g = {s: depth_gains(lr.gamma[s], lr.depth[s], lr.base, n_layer) for s in LAYERROPE_SITES}
+            return [tuple(g[s][i] for s in LAYERROPE_SITES) for i in range(n_layer)]
+        return [NO_GAINS] * n_layer
+
     def threshold(self, kind, layer):
         return self.mod_thresholds[0 if kind == "attn" else 1 + layer]
 
-    def gpt_layer(self, layer, x, cos_sin, mask, cache, ve=None):
-        for kind in ("attn", "mlp"):
+    def gpt_layer(self, layer, x, cos_sin, mask, cache, ve=None, gains=NO_GAINS):
+        for kind, read, write in (("attn", gains[0], gains[2]), ("mlp", gains[1], gains[3])):
             h = norm(x)
-            out = self.run(kind, layer, h, cos_sin, mask, cache, ve)
+            out = self.run(kind, layer, times(h, read), cos_sin, mask, cache, ve)
             if self.skips[kind]:  # router-MoD: the executed tokens' output, scaled by their gate
                 gate = torch.sigmoid(self.routers[f"{kind}_{layer}"](h).float())
                 out = self.executed(out, gate.squeeze(-1) > self.threshold(kind, layer)) * gate.to(h.dtype)
-            x = x + out
+            x = x + self.written(kind, layer, out, write)
         return x
 
     def nag_layer(self, layer, res_dir, log_norm, cos_sin, mask, cache, ve=None):
@@ -322,12 +383,13 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
         if p.get("smear"):
             x = self.smear(x, positions, cache)
         x0, mid = x, None
+        gains = self.rival_gains(len(masks))
         for layer, mask in enumerate(masks):
             if p.get("resid_lambdas"):
                 x = self.resid_lambdas[layer] * x
             if p.get("x0_lambdas"):
                 x = x + self.x0_lambdas[layer] * x0
-            x = self.gpt_layer(layer, x, cos_sin, mask, cache, self.value_embed(layer, input_ids, x.dtype))
+            x = self.gpt_layer(layer, x, cos_sin, mask, cache, self.value_embed(layer, input_ids, x.dtype), gains[layer])
             if layer == len(masks) // 2:
                 mid = x
         if p.get("backout"):
@@ -361,7 +423,8 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
         T = input_ids.size(1)
         past = cache.get_seq_length() if cache is not None else 0
         positions, masks = self.attention_inputs(T, past, attention_mask, input_ids.device)
-        if int(positions.max()) >= self.config.sequence_len:  # no sliding window: the long layers would see more than in training
+        # no sliding window: the long layers would see more than in training
+        if int(positions.max()) >= self.config.sequence_len:
             raise ValueError(f"position {int(positions.max())} is past the context: the model was trained on {self.config.sequence_len} "
                              "positions, which a prompt and its new tokens must fit")
         dtype = self.wte.weight.dtype

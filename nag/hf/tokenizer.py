@@ -1,6 +1,8 @@
 """
-The repo's tokenizer (a tiktoken Encoding: byte-level BPE merges as ranks, a split pattern, special tokens) as a
-`tokenizers` BPE that transformers loads as a PreTrainedTokenizerFast (tokenizer.json), with the same ids.
+The repo's tokenizer as a transformers fast tokenizer (tokenizer.json) with the same ids.
+
+The repo's tokenizer is a tiktoken Encoding (byte-level BPE merges as ranks, a split pattern, special tokens);
+here it becomes a `tokenizers` BPE that transformers loads as a PreTrainedTokenizerFast.
 
 tiktoken stores each token's rank, not the merges that made it; a BPE in `tokenizers` needs both a vocabulary and
 ordered merges. Token t of rank r was made by merging two tokens of lower rank, and tiktoken's own merge loop run on

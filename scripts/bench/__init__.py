@@ -1,0 +1,1 @@
+"""Benchmarks and GPU checks, each run as `python -m scripts.bench.NAME`."""

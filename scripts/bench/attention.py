@@ -1,4 +1,6 @@
 """
+Benchmark every attention kernel that loads against SDPA: time and output differences.
+
 Attention alone, every kernel that loads against SDPA (nanochat/flash_attention.py, docs/design.md §2): forward and
 forward + backward time of one attention call, for a full causal window (L) and the half window of S layers, and
 the largest differences between each kernel's outputs and input gradients and SDPA's, each kernel also against a

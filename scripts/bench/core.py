@@ -1,4 +1,6 @@
 """
+Time CORE scoring batched vs one example at a time, and check both give the same verdicts.
+
 Time CORE scoring batched vs one example at a time, on a tiny random GPT, and check that every
 per-example verdict (correct, predicted choice) is the same both ways.
 

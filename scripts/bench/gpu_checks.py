@@ -1,6 +1,8 @@
 """
-The measurements only a GPU can make, sized for a GPU borrowed for a few minutes (no network, no data:
-the benchmarks use random tokens, and fp8_mod's base_train an offline corpus it writes from the standard library).
+The measurements only a GPU can make, sized for a GPU borrowed for a few minutes.
+
+They need no network and no data: the benchmarks use random tokens, and fp8_mod's base_train an offline
+corpus it writes from the standard library.
 
     bash runs/gpu_checks.sh --quick    # (GPU) at most 7 minutes on one H100/H200, compiles included
     bash runs/gpu_checks.sh            # (GPU) also depth 4 with cold compiles, per-block compile, the published shape at full depth, MoD, fp8 with MoD, CORE batching (EVAL_BUNDLE=DIR)
@@ -40,8 +42,8 @@ QUICK_BUDGET, FULL_BUDGET = 420, 2400  # seconds; a borrowed slot gives a comman
 PLANNED = 0.75  # the quick stages' expected times fit this share of its budget: the rest is room for a slower machine
 CACHE = "compile_cache"  # in the work folder: the Inductor and Triton caches every stage but a cold one shares
 PUBLISHED_SHAPE = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
-D24 = ["--depth", "24", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
-D20 = ["--depth", "20", "--aspect-ratio", "64", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
+D24 = ["--depth", "24", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
+D20 = ["--depth", "20", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
 TIMED = ["--steps", "10", "--warmup", "3"]
 # base_train itself, NAG-MoD at 20 % skipped with --fp8, at the published width (depth 8, as step): 3 steps of one micro-batch,
 # no evaluation, the one checkpoint at the end; compiled as base_train compiles on CUDA (its default)
@@ -298,6 +300,7 @@ def base_train_stage(json_path, argv):
     rates and MFU from its metrics.jsonl. Exit status 1 if base_train failed, or ran no layer in fp8 with --fp8, or
     skipped no token with --mod-rate."""
     from nanochat.dataset import build_offline_corpus
+    from nanochat.run_dir import metrics_path, metrics_lines, read_config
     i = argv.index("--vocab-size")
     vocab, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
     base = tempfile.mkdtemp(prefix="gpu_checks_base_")
@@ -316,11 +319,8 @@ def base_train_stage(json_path, argv):
             lines.append(line.strip())
         rc = proc.wait()
         seconds = time.time() - t0
-        rows = []
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-                rows = [json.loads(l) for l in f if l.strip()]
-        config = load(run_dir, "config") or {}
+        rows = [json.loads(line) for step, line in metrics_lines(metrics_path(run_dir)) if step is not None]
+        config = read_config(run_dir, missing_ok=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     steps, tokens = [], 0

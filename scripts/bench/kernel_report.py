@@ -1,4 +1,6 @@
 """
+What the fused NAG kernels compile to on a Hopper GPU, built ahead of time without a GPU.
+
 What the fused NAG kernels compile to on a Hopper GPU (sm_90: H100, H200), built ahead of time
 on any machine: Triton ships ptxas and cuobjdump, so this needs neither a GPU nor a driver.
 

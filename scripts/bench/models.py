@@ -28,7 +28,7 @@ def shape_config(args):
 def train_config(train_argv, vocab_size):
     """The GPTConfig that base_train's flags in train_argv give (its defaults fill in the rest)."""
     from nanochat.plan import model_config_from_args
-    from scripts.base_train import parse_args  # here, not at the top: the benchmarks that take no base_train flags load none of it
+    from nag.train_flags import parse_args  # here: the benchmarks that take no base_train flags load none of it
     return model_config_from_args(parse_args(train_argv), vocab_size)
 
 

@@ -1,4 +1,6 @@
 """
+Count one optimizer step per rank on the meta device, MuonAdamW replicated vs sharded.
+
 One optimizer step per rank, counted on the meta device (nothing allocated, nothing run): aten ops, bytes read and
 written, matmul FLOPs and the state held, for MuonAdamW replicated (every rank updates every matrix, as before) and
 sharded over --world-size ranks (each rank its chunk of every Muon stack, then one all-gather per stack).
@@ -23,9 +25,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from nanochat.common import peak_flops_of
 from nanochat.optim import MuonAdamW
 
-H100_BYTES_PER_S, H100_BF16_FLOPS = 3.35e12, 989e12  # SXM: HBM3 bandwidth, dense bf16 tensor-core peak
+H100_BYTES_PER_S = 3.35e12  # SXM HBM3 bandwidth
+H100_BF16_FLOPS = peak_flops_of("NVIDIA H100 80GB HBM3")  # the dense bf16 peak, from nanochat/common.py's table
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default}
 FREE = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default}
 OVERWRITE = {"copy_", "_foreach_copy_", "fill_", "zero_"}  # in place, but the old value is not read
@@ -125,10 +129,10 @@ def count_step(groups, rank, world_size):
 
 
 def plan_groups(preset, arch):
-    from scripts import base_train
     from nag.archs import plan_for
     from nag.presets import get_preset
-    args = base_train.parse_args(["--preset", preset, "--arch", arch])
+    from nag.train_flags import parse_args
+    args = parse_args(["--preset", preset, "--arch", arch])
     plan = plan_for(args, get_preset(preset)["vocab"], 1)  # the groups do not depend on the process count
     return plan.optimizer_groups(args), plan
 

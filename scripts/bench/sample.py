@@ -1,5 +1,7 @@
 """
-Sampling speed with and without the KV cache (docs/design.md §9): greedy tokens per second after a prompt of
+Sampling speed with and without the KV cache (docs/design.md §9), and whether the tokens match.
+
+Greedy tokens per second after a prompt of
 random tokens, the whole sequence recomputed for every token (uncached) against one prefill and one token per
 step (cached), and whether both give the same tokens.
 
@@ -97,9 +99,9 @@ def main(argv=None):
     named_models = []
     if args.run:
         from nag.archs import load_model
-        from nanochat import checkpoint_manager as ckpt
+        from nanochat.run_dir import resolve_run_dir
         for run in args.run:
-            model, meta = load_model(ckpt.resolve_run_dir(run), None, device)
+            model, meta = load_model(resolve_run_dir(run), None, device)
             if "tokens" in meta:
                 model.set_tokens_seen(meta["tokens"])
             named_models.append((f"{run} ({meta['arch']})", model))

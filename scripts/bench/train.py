@@ -37,8 +37,7 @@ def parse(argv=None):
     p.add_argument("--arch", type=str, default="gpt,nag", help="comma list of gpt, nag, or nag:IMPL (reference|compiled|fused)")
     p.add_argument("--compile", type=str, default="off", help="comma list of off, on (whole model), blocks (each block on its own); both = off,on")
     p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--aspect-ratio", type=int, default=64)
-    p.add_argument("--model-dim", type=int, default=-1)
+    p.add_argument("--model-dim", type=int, default=-1, help="-1: depth × 64, as base_train")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--vocab-size", type=int, default=4096)
@@ -74,7 +73,7 @@ def run_variant(args, variant, mode, precision="bf16", reads=1):
     from nanochat.nonfinite import finite_flags
     device_type = args.device_type or autodetect_device_type()
     device = torch.device(device_type)
-    config = models.train_config(["--depth", str(args.depth), "--aspect-ratio", str(args.aspect_ratio), "--model-dim", str(args.model_dim),
+    config = models.train_config(["--depth", str(args.depth), "--model-dim", str(args.model_dim),
                                   "--head-dim", str(args.head_dim), "--max-seq-len", str(args.max_seq_len)], args.vocab_size)
     model = models.variant(variant, config, device)
     model.set_compute_dtype(compute_dtype_for(device_type))

@@ -1,4 +1,6 @@
-"""Experiment drivers: each runs several commands' work through their public entries (train, evaluate, main)."""
+"""Experiment drivers: each runs several commands' work through their public entries.
+
+The entries are train, evaluate and main."""
 
 import os
 

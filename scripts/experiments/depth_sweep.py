@@ -1,4 +1,6 @@
 """
+A FLOP-matched depth sweep of GPT / NAG pairs: does NAG's advantage grow with depth?
+
 The paper's depth claim (its Fig. 2: NAG's loss advantage over the baseline grows as the same parameter
 budget is spent on more, narrower layers) as a FLOP-matched sweep. At each depth a GPT / NAG pair trains on
 one FLOP budget; the width is chosen so that the blocks hold about as many parameters at every depth as at

@@ -1,5 +1,7 @@
 """
-The two failure cases of the published NAG run (docs/failures.md), each beside its fixed twin, and a verdict table.
+The two failure cases of the published NAG run, each beside its fixed twin, and a verdict table.
+
+docs/failures.md describes both cases.
 
     python -m scripts.experiments.failures --scale cpu                 # tiny runs in $NANOCHAT_BASE_DIR, minutes on a CPU
     python -m scripts.experiments.failures --scale cpu --seeds 1,2,3
