@@ -35,7 +35,8 @@ from analysis.figures import make_figures
 from analysis.report import markdown
 
 TOOL = "analysis"  # the manifest's tool: a folder this command wrote
-SETTINGS = ("tokens", "clusters", "state_sample", "token_sample", "device_batch_size", "seed")  # what else its numbers depend on
+# what else its numbers depend on
+SETTINGS = ("tokens", "clusters", "state_sample", "token_sample", "device_batch_size", "seed")
 
 
 def parse_args(argv):

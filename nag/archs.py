@@ -19,6 +19,7 @@ from nag.mod import add_mod_args, mod_config_from_args
 from nag.router_mod import RouterMoDGPT
 from nanochat.recipe import PARTS as RECIPE_PARTS, RecipeGPT, RecipeParts, add_recipe_args, recipe_config_from_args
 from nag.recipe import NAGRecipeGPT
+from nag.rivals import LNSGPT, LayerRoPEGPT, PeriGPT, add_rival_args
 
 
 def no_flags(parser):
@@ -102,6 +103,13 @@ ARCHS = {
     # flags are NAG-MoD's (registered once, by the nag spec)
     "gpt-router": ArchSpec(RouterMoDGPT, add_args=add_router_args, init_kwargs=router_init_kwargs,
                            optimizer_kwargs=lambda args: {"router_lr": args.router_lr}),
+    # the rival depth arms (nag/rivals.py, docs/design.md §11): the baseline with Layer-Norm Scaling, Peri-LN or
+    # LayerRoPE; one flag group for the three (--rival-gain-lr: the gains' LR; --layerrope-init)
+    "gpt-lns": ArchSpec(LNSGPT, add_args=add_rival_args, init_kwargs=LNSGPT.kwargs_from_args),
+    "gpt-peri": ArchSpec(PeriGPT, add_args=add_rival_args, init_kwargs=PeriGPT.kwargs_from_args,
+                         optimizer_kwargs=lambda args: {"gain_lr": args.rival_gain_lr}),
+    "gpt-layerrope": ArchSpec(LayerRoPEGPT, add_args=add_rival_args, init_kwargs=LayerRoPEGPT.kwargs_from_args,
+                              optimizer_kwargs=lambda args: {"gain_lr": args.rival_gain_lr}),
 }
 
 # every flag of every arch that changes no number a run trains (nanochat/resume.py says what that list is for)

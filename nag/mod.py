@@ -1,7 +1,8 @@
 """
 Mixture-of-Depths (MoD): which tokens run a sub-layer, and a gathered computation for them.
 
-The computation is gathered so that a skipped token really costs nothing (docs/mod.md). Shared by NAG-MoD (nag/model.py) and the router baseline
+The computation is gathered so that a skipped token really costs nothing (docs/mod.md).
+Shared by NAG-MoD (nag/model.py) and the router baseline
 (nag/router_mod.py); only the score differs:
 
     NAG     r_l = atan(α_l·m_l) / atan(α_l) ∈ [0, 1]      the predicted rotation over the largest possible one

@@ -1,7 +1,8 @@
 """
 The NAG model: the GPT baseline with the additive residual replaced by a direction and a log-norm.
 
-docs/design.md §4: the baseline's attention and MLP, with the additive residual stream replaced by a direction R̄ (RMS 1) and a carried log-norm s (fp32).
+docs/design.md §4: the baseline's attention and MLP, with the additive residual stream
+replaced by a direction R̄ (RMS 1) and a carried log-norm s (fp32).
 
 Each sub-layer output x = f(R̄) rotates R̄ towards N_out(x) by angle arctan(g), with
 g = α · warmup(t) · m(R̄), and adds ½·log1p(g²) to s. Decoding reads the cosine

@@ -1,5 +1,5 @@
 """
-Rival depth arms on the GPT baseline: Layer-Norm Scaling, Peri-LN and LayerRoPE (docs/design.md §11).
+Rival depth arms on the GPT baseline: Layer-Norm Scaling, Peri-LN, LayerRoPE (docs/design.md §11).
 
 Each arm changes only what a block reads from the residual stream (the pre-norm's output) or writes back to it (the
 branch output), on the baseline of nanochat/gpt.py, whose norms are parameter-free:

@@ -1,7 +1,8 @@
 """
 The router-MoD baseline (paper eq. 40): the GPT baseline with a learned router per sub-layer.
 
-Each skippable sub-layer has a router g_l = σ(x̂·w_l + b_l) on the normed input x̂. The thresholds follow NAG-MoD's rules (nag/mod.py), and
+Each skippable sub-layer has a router g_l = σ(x̂·w_l + b_l) on the normed input x̂.
+The thresholds follow NAG-MoD's rules (nag/mod.py), and
 the executed tokens' sub-layer output is scaled by g_l, which is how the router learns:
 
     x ← x + g_l(x̂) · f_l(x̂)   for tokens with g_l above the threshold,   x unchanged otherwise

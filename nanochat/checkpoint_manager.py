@@ -83,10 +83,10 @@ def damage(run_dir, step):
         return f"{name} is not valid JSON: the file is damaged"
     if not (isinstance(meta, dict) and isinstance(meta.get("world_size", 1), int) and isinstance(meta.get("file_sizes", {}), dict)):
         return f"{name} is not a checkpoint's meta (an object with its number of ranks and file sizes): the file is damaged"
-    if "file_sizes" not in meta:
+    if "file_sizes" not in meta and "arch" in meta:  # without its arch too it is damaged, which load_meta says
         return f"{name} records no file sizes: a checkpoint of an earlier version of this code, which this one " \
                "does not read"
-    sizes = meta["file_sizes"]
+    sizes = meta.get("file_sizes", {})
     for path in [model_path(run_dir, step)] + [optim_path(run_dir, step, r) for r in range(meta.get("world_size", 1))]:
         name = os.path.basename(path)
         if not os.path.exists(path):
@@ -150,19 +150,6 @@ def save_checkpoint(run_dir, step, model, meta, train_state, rank=0):
         earlier = [s for s in complete_steps(run_dir) if s < step]
         raise UserError(f"cannot save the checkpoint of step {step} in {run_dir} ({e.strerror or e}); the newest complete one is "
                         f"{f'step {earlier[-1]}' if earlier else 'none'}: free space, then continue with --resume latest") from None
-
-
-def prune_checkpoints(run_dir, keep):
-    """Delete the complete checkpoints older than the newest `keep` (keep >= 1: never the newest complete one), meta
-    first, so that a prune cut short leaves an incomplete checkpoint, which every reader skips. Called by training,
-    which holds the run's lock: no evaluation of this run (base_eval takes the same lock) is reading one meanwhile."""
-    pruned = complete_steps(run_dir)[:-keep]
-    for step in pruned:
-        world_size = json.load(open(meta_path(run_dir, step))).get("world_size", 1)
-        for path in [meta_path(run_dir, step), model_path(run_dir, step), *(optim_path(run_dir, step, r) for r in range(world_size))]:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-    return pruned
 
 
 def missing_step_error(run_dir, step):

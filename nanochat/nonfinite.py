@@ -1,7 +1,8 @@
 """
 Stop a run on a non-finite loss or gradient before the update is applied.
 
-The stop names the step, the parameters whose gradients are non-finite and, where the model can tell (its nonfinite_origin hook), where it started.
+The stop names the step, the parameters whose gradients are non-finite and, where the model
+can tell (its nonfinite_origin hook), where it started.
 
 The flags are computed on the device and veto the step's update there (MuonAdamW.step's gate), so nothing waits
 for them: a step that logs a row reads them with its loss, after its update is queued (check_finite); one that

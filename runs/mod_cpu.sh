@@ -37,7 +37,7 @@ TAG="$(awk "BEGIN { print int($RATE * 100 + 0.5) }")"   # 0.2 → 20
 stage "NAG-MoD at ${RATE} (both blocks, iso-FLOP)"
 python -m scripts.base_train --arch nag --mod-rate "$RATE" --mod-blocks both --run "cpu-nag-mod$TAG" "${MODEL[@]}" --resume latest
 stage "router GPT-MoD at ${RATE} (paper eq. 40)"
-python -m scripts.base_train --arch gpt --mod-router --nag-gate-lr 0.01 --mod-rate "$RATE" --mod-blocks both --run "cpu-gpt-router$TAG" "${MODEL[@]}" --resume latest
+python -m scripts.base_train --arch gpt-router --router-lr 0.01 --mod-rate "$RATE" --mod-blocks both --run "cpu-gpt-router$TAG" "${MODEL[@]}" --resume latest
 
 stage "evaluate (bpb) and the inference curve of the full-depth NAG model"
 for run in "cpu-nag-mod$TAG" "cpu-gpt-router$TAG"; do

@@ -22,15 +22,15 @@ source runs/setup_env.sh
 RATE="${RATE:-0.2}"
 GPUS="${GPUS:-8}"
 TAG="$(awk "BEGIN { print int($RATE * 100 + 0.5) }")"   # 0.2 → 20
-MOD=(--mod-rate "$RATE" --mod-blocks both --no-compile)
+MOD=(--mod-rate "$RATE" --mod-blocks both)
 if [ "${1:-}" = "--dry-run" ]; then
     python -m scripts.base_train --preset published --arch nag "${MOD[@]}" --run "nag-mod$TAG" --dry-run "$GPUS"
-    python -m scripts.base_train --preset published --arch gpt --mod-router "${MOD[@]}" --run "gpt-router$TAG" --dry-run "$GPUS"
+    python -m scripts.base_train --preset published --arch gpt-router "${MOD[@]}" --run "gpt-router$TAG" --dry-run "$GPUS"
     exit 0
 fi
 T=(torchrun --standalone --nproc_per_node="$GPUS")
 "${T[@]}" -m scripts.base_train -- --preset published --arch nag "${MOD[@]}" --run "nag-mod$TAG" --resume latest
-"${T[@]}" -m scripts.base_train -- --preset published --arch gpt --mod-router "${MOD[@]}" --run "gpt-router$TAG" --resume latest
+"${T[@]}" -m scripts.base_train -- --preset published --arch gpt-router "${MOD[@]}" --run "gpt-router$TAG" --resume latest
 for run in "nag-mod$TAG" "gpt-router$TAG"; do
     "${T[@]}" -m scripts.base_eval -- --run "$run" --eval core,bpb --split-tokens $((80 * 2 ** 19))
 done

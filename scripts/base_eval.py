@@ -219,7 +219,8 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
                 dist.all_reduce(model.thresholds.values)
                 model.thresholds.values /= world_size
         model.eval()
-        steps, val = split_batches(tokenizer, B, T, "val", args, device, rank, world_size, note=rate == 0)  # the same at every rate
+        # the same at every rate
+        steps, val = split_batches(tokenizer, B, T, "val", args, device, rank, world_size, note=rate == 0)
         batches = {}
         with torch.no_grad():
             bpb = evaluate_bpb_shared(model, val, token_bytes, per_batch=batches)
@@ -401,7 +402,7 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     ckpt.check_vocab(meta, tokenizer)
     if args.mod_rate and not hasattr(model, "configure_mod"):
         raise UserError(f"--mod-rate: {run_dir} holds a {meta['arch']!r} checkpoint, which has no router to score tokens by "
-                        "(train the router-MoD baseline with --mod-router, or use a NAG checkpoint)")
+                        "(train the router-MoD baseline with --arch gpt-router, or use a NAG checkpoint)")
     model.set_compute_dtype(compute_dtype_for(device_type))
     attn_kernel, attn_reason = resolve_attention(args.attn, device, compute_dtype_for(device_type))
     model.set_attention(attn_kernel)

@@ -167,12 +167,14 @@ def train(args):
         torch.backends.cudnn.allow_tf32 = True
 
     tokenizer = get_tokenizer()
-    if preset.get("gpu") and tokenizer.get_vocab_size() != preset["vocab"]:  # its plan and published numbers assume that vocab
+    # the preset's plan and published numbers assume that vocab
+    if preset.get("gpu") and tokenizer.get_vocab_size() != preset["vocab"]:
         raise UserError(f"--preset {args.preset} trains with a {preset['vocab']:,}-token tokenizer, but the one in the base dir has "
                         f"{tokenizer.get_vocab_size():,}; use a fresh NANOCHAT_BASE_DIR, or retrain it with scripts.tok_train --vocab-size {preset['vocab']}")
     plan = plan_for(args, tokenizer.get_vocab_size(), world_size)
+    # rank 0's choice, probed at the model's shapes, on every rank
     attention = agree_attention(args.attn, device, compute_dtype, is_ddp, args.preset if preset.get("gpu") else "",
-                                shapes=attention_shapes(plan.model))  # rank 0's choice, probed at the model's shapes, on every rank
+                                shapes=attention_shapes(plan.model))
     record = plan.record(args)
     record.update(args=vars(args), device_type=device_type, compute_dtype=str(compute_dtype).replace("torch.", ""),
                   git_commit=git_commit(), versions=package_versions(), command=" ".join(sys.argv),
@@ -187,7 +189,8 @@ def train(args):
         check_shared_dir(run_dir, is_ddp)
         stop = StopRequest()  # SIGTERM from here on: a checkpoint at the end of the current step, then EXIT_PREEMPTED
         stack.callback(stop.restore)
-        stack.callback(gc.unfreeze)  # the heap frozen after the first step, back in the collector's sight however training ends
+        # the heap frozen after the first step, back in the collector's sight however training ends
+        stack.callback(gc.unfreeze)
         # one start step for all ranks: rank 0's view of the run directory decides
         start = rank0_decides(lambda: resume.start_step(run_dir, args, record, tokenizer, vars(defaults), not_settings(args),
                                                         model_shapes(plan.model), saved_model_shapes), is_ddp)
@@ -231,9 +234,12 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     model.init_weights()
     model.set_compute_dtype(compute_dtype_for(device_type))
     fp8_layers = model.set_fp8(args.fp8)  # before DDP and compile, as the attention kernel
-    record["fp8_layers"] = len(fp8_layers)  # what trains in fp8 (0 where --fp8's size rule admits no layer): compare's precision
+    # what trains in fp8 (0 where --fp8's size rule admits no layer): compare's precision
+    record["fp8_layers"] = len(fp8_layers)
     model.set_attention(record["attention"]["kernel"])  # before DDP and compile: the compiled graph sees a constant
-    use_compile = device_type == "cuda"  # torch's own TORCH_COMPILE_DISABLE=1 runs it eagerly
+    # compiled on CUDA, but not with Mixture-of-Depths, whose gathers have data-dependent shapes (docs/mod.md);
+    # torch's own TORCH_COMPILE_DISABLE=1 runs any run eagerly
+    use_compile = device_type == "cuda" and getattr(model, "mod", None) is None
     # under DDP each rank updates its chunk of every Muon stack, then all-gathers them (docs/optimizer.md)
     optimizer = MuonAdamW(plan.optimizer_groups(args), rank=rank, world_size=world_size, compile=use_compile)
 
@@ -258,12 +264,12 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     trackers = tracking.Trackers()  # rank 0 opens them below: one tracked run per run
     if rank == 0:
         old_cfg = resume.read_config(run_dir) if start > 0 else {}
-        if start == 0 and os.path.exists(os.path.join(run_dir, "config.json")):
+        if start == 0 and os.path.exists(os.path.join(run_dir, run_files.CONFIG)):
             print0(f"note: {run_dir} has no complete checkpoint: starting it again")
         record["segments"] = resume.settings_segments(old_cfg, record, start, vars(defaults), not_settings(args))
         try:  # a full disk: one line; metrics.jsonl and config.json are each rewritten whole or not at all
             run_files.keep_history(os.path.join(run_dir, run_files.METRICS), start)
-            atomic_write_json(os.path.join(run_dir, "config.json"), record)
+            atomic_write_json(os.path.join(run_dir, run_files.CONFIG), record)
         except OSError as e:
             raise UserError(f"cannot write metrics.jsonl or config.json in {run_dir} ({e.strerror or e}); free space and run the "
                             "command again") from None
@@ -429,7 +435,8 @@ def step_row(run, step, train_loss, lrm, x):
     read_into_rows = step * plan.grad_accum * args.device_batch_size * (args.max_seq_len + 1)
     dropped = sum(s.get("dropped_tokens", 0) for s in states)
     row.update(data_kept=read_into_rows / (read_into_rows + dropped), data_epoch=max(s["epoch"] for s in states))
-    row.update(run.model.step_metrics())  # e.g. MoD's realised skip rates and FLOPs since the last row (every rank pops its own)
+    # e.g. MoD's realised skip rates and FLOPs since the last row (every rank pops its own)
+    row.update(run.model.step_metrics())
     stats_line = None
     if run.rank == 0:
         stats, stats_line = arch_spec(plan.arch).telemetry(run.model, step, x, args)
@@ -527,7 +534,8 @@ def finish(run, preempted=False):
         if run.device_type == "cuda":
             print0(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
         print0(f"done: {run.plan.num_iterations} steps in {fmt_time(run.elapsed)}; run directory {run.run_dir}")
-        if warning := run.record["attention"].get("warning"):  # said at the start too; a long log's end is where it is read
+        # said at the start too; a long log's end is where it is read
+        if warning := run.record["attention"].get("warning"):
             print0(f"warning: {warning}")
     if run.watchdog:
         run.watchdog.stop()

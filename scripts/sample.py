@@ -132,7 +132,7 @@ def configure_mod(model, meta, args, tokenizer, device):
                 + ("" if calibrated else " (not estimated yet: almost every token runs)"))
     if not hasattr(model, "configure_mod"):
         raise UserError(f"--mod-rate: the checkpoint is a {meta['arch']!r} model, which has no score to skip tokens by "
-                        "(a NAG checkpoint, or a router-MoD GPT one trained with --mod-router)")
+                        "(a NAG checkpoint, or a router-MoD GPT one trained with --arch gpt-router)")
     own = getattr(model, "mod", None)
     blocks = args.mod_blocks or (own.blocks if own is not None else "both")
     model.configure_mod(ModConfig(blocks=blocks, rate=args.mod_rate))

@@ -39,7 +39,7 @@ from nanochat.plan import PLANNED_MFU, PLANNED_PEAK, planned_seconds
 from nanochat.resume import HORIZON
 from nag.archs import ARCHS, NOT_SETTINGS, is_nag_arch, plan_for
 from nag.presets import PRESETS, get_preset, pair_arch
-from scripts import base_train
+from nag import train_flags
 from analysis.compare.inputs import report_is_current
 
 # --arch's words for the preset's pair, baseline first: each names the run of that role, whose arch the preset's
@@ -223,7 +223,7 @@ def plans(args, vocab, gpus):
     """base_train's plan record of every run, keyed by run name, in training order."""
     out = {}
     for arch, seed in runs(args):
-        train = base_train.parse_args(train_args(args, arch, seed))
+        train = train_flags.parse_args(train_args(args, arch, seed))
         out[run_name(args, arch, seed)] = plan_for(train, vocab, gpus).record(train)
     return out
 

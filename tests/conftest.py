@@ -177,7 +177,8 @@ def _write_eval_bundle(root, tasks, extra_baselines=None):
     for label, kind, shots, baseline, items, *delimiter in tasks:
         yaml_lines += ["-", f"  label: {label}", f"  dataset_uri: tiny/{label}.jsonl", f"  num_fewshot: [{shots}]", f"  icl_task_type: {kind}"]
         if delimiter:
-            yaml_lines.append(f"  continuation_delimiter: {json.dumps(delimiter[0])}")  # a JSON string is a YAML double-quoted one
+            # a JSON string is a YAML double-quoted one
+            yaml_lines.append(f"  continuation_delimiter: {json.dumps(delimiter[0])}")
         if baseline is not None:
             meta.append(f'{label},tiny,{baseline},"a, quoted description"')
         if items is not None:

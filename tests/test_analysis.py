@@ -38,7 +38,8 @@ def test_spectrum_isotropic_vs_rank1():
     st = M.spectrum_stats(torch.tensor(iso))
     assert st["effective_rank"] > 5.95 and st["participation_ratio"] > 5.9  # all 6 directions carry variance
     assert st["total_variance"] == pytest.approx(6, rel=0.03)
-    rank1 = rng.standard_normal((500, 1)) * np.array([[1.0, 2.0, -1.0, 0.5, 0.0, 3.0]]) + 7.0  # offset: covariance is around the mean
+    # offset: covariance is around the mean
+    rank1 = rng.standard_normal((500, 1)) * np.array([[1.0, 2.0, -1.0, 0.5, 0.0, 3.0]]) + 7.0
     st1 = M.spectrum_stats(torch.tensor(rank1))
     assert st1["effective_rank"] == pytest.approx(1, abs=1e-6) and st1["participation_ratio"] == pytest.approx(1, abs=1e-9)
     for x, s in ((iso[:300], M.spectrum_stats(torch.tensor(iso[:300]))), (rank1, st1)):

@@ -221,7 +221,8 @@ def test_the_probe_catches_a_kernel_that_loads_but_cannot_run(monkeypatch, answe
     monkeypatch.setattr(fa, "load_fa4", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(fa, "device_unfit", lambda device, dtype=None, majors=(9,): None)  # the CPU stands in for the GPU
+    # the CPU stands in for the GPU
+    monkeypatch.setattr(fa, "device_unfit", lambda device, dtype=None, majors=(9,): None)
     got = fa.kernel_unavailable("fa4", "cpu", torch.bfloat16)
     assert got == why if why is None else got.startswith(why)
     assert (("fa4", "cpu") in fa._probed) == (why is None)  # probed once per device
@@ -319,7 +320,8 @@ def test_flash_adapters_pass_layout_and_window(fake_flash, T, w):
 
 def test_fa3_kernels_tuple_output_is_unpacked(fake_fa3, monkeypatch):
     call = fake_fa3.flash_attn_func
-    monkeypatch.setattr(fake_fa3, "flash_attn_func", lambda *a, **kw: (call(*a, **kw), torch.zeros(1)))  # (out, lse) builds
+    # builds that return (out, lse)
+    monkeypatch.setattr(fake_fa3, "flash_attn_func", lambda *a, **kw: (call(*a, **kw), torch.zeros(1)))
     q = torch.randn(1, 8, 2, 8)
     assert fa.causal_attention(q, q, q, 4, "fa3").shape == q.shape
 
@@ -333,7 +335,8 @@ def test_model_on_a_flash_kernel_equals_model_on_sdpa(fake_flash, cls):
     assert model.attention_masks(32, "cpu") == [None, None, None]  # plain rows: no mask, the kernel takes the window
     x = torch.randint(0, 128, (2, 32))
     loss = model(x, x)
-    assert kernel.windows == [(15, 0), (15, 0), (-1 if name == "fa3" else None, 0)]  # S = 16 positions, the last layer L
+    # S = 16 positions, the last layer L
+    assert kernel.windows == [(15, 0), (15, 0), (-1 if name == "fa3" else None, 0)]
     want = sdpa(x, x)
     assert torch.allclose(loss, want, atol=1e-5)
     loss.backward()
@@ -379,7 +382,8 @@ def test_bench_runs_on_the_cpu_with_sdpa_alone(tmp_path, monkeypatch):
     assert [(r["kernel"], r["window"], r["window_tokens"]) for r in d["results"]] == [("sdpa", "L", 64), ("sdpa", "S", 32)]
     assert all(r["fwd_bwd_ms"] > 0 and r["err_out"] < 1e-5 for r in d["results"])
     assert d["attention"] == {"requested": "auto", "kernel": "sdpa", "reason": "no CUDA"} and d["vs_sdpa"] == [] and d["ok"]
-    assert d["kernels"] == {"sdpa": "timed", "cudnn": "no CUDA", "fa3": "no CUDA", "fa4": "no CUDA"}  # why each was not run
+    # why each was not run
+    assert d["kernels"] == {"sdpa": "timed", "cudnn": "no CUDA", "fa3": "no CUDA", "fa4": "no CUDA"}
     figures = gpu_checks.attention_figures(d)
     assert figures.startswith("fwd+bwd sdpa L ") and figures.endswith("not run: cudnn (no CUDA), fa3 (no CUDA), fa4 (no CUDA)")
     for named in ("fa3", "fa4", "cudnn"):  # a named kernel where it cannot run: the one line, exit status 1

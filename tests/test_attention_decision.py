@@ -53,7 +53,8 @@ def _rank(rank, init_file, out_dir):
                 return "flash-attn-4 is not installed (pip install flash-attn-4)"
             fa.kernel_unavailable = unavailable
             try:
-                answers[name] = fa.agree_attention(requested, torch.device("cuda"), torch.bfloat16, True, preset)  # a faked GPU: nothing is allocated
+                # a faked GPU: nothing is allocated
+                answers[name] = fa.agree_attention(requested, torch.device("cuda"), torch.bfloat16, True, preset)
             except UserError as e:
                 answers[name] = f"UserError: {e}"
         dist.barrier()
@@ -153,8 +154,10 @@ def test_auto_passes_over_a_kernel_that_fails_the_runs_shapes_and_every_rank_pro
     assert r0 == r1
     heads = "4 heads / 2 kv heads"
     fa4_fails = f"fa4: fa4 failed its probe at head dim 128, {heads}, L window 64 (RuntimeError: backward: head dim 128 is not supported on sm90)"
-    assert r0["hd 64, L and S"]["kernel"] == "fa4" and "passed_over" not in r0["hd 64, L and S"]  # head dim 64 and windows: fa4 runs both
-    fa3 = r0["hd 128, L"]  # fa4 fails at head dim 128 (its backward), cudnn has no CPU backend, fa3 takes plain causal rows
+    # head dim 64 and windows: fa4 runs both
+    assert r0["hd 64, L and S"]["kernel"] == "fa4" and "passed_over" not in r0["hd 64, L and S"]
+    # fa4 fails at head dim 128 (its backward), cudnn has no CPU backend, fa3 takes plain causal rows
+    fa3 = r0["hd 128, L"]
     assert fa3["kernel"] == "fa3" and fa3["reason"] == f"Hopper GPU, {fa.FA3_REPO} loaded from the hub"
     assert fa3["passed_over"][0] == fa4_fails
     assert fa3["passed_over"][1].startswith(f"cudnn: cudnn failed its probe at head dim 128, {heads}, L window 64 (RuntimeError: ")
@@ -162,7 +165,8 @@ def test_auto_passes_over_a_kernel_that_fails_the_runs_shapes_and_every_rank_pro
     assert none["kernel"] == "sdpa" and "probed" not in none and none["reason"].startswith(fa4_fails + "; cudnn: ")
     assert none["reason"].endswith(f"; fa3: fa3 failed its probe at head dim 128, {heads}, S window 32 of 64 "
                                    "(RuntimeError: no local-attention kernel for this build)")
-    assert r0["rank 1's fa4 refuses windows"] == (  # rank 0 chose fa4 at the run's shapes; rank 1 probes the same shapes
+    # rank 0 chose fa4 at the run's shapes; rank 1 probes the same shapes
+    assert r0["rank 1's fa4 refuses windows"] == (
         f"UserError: attention: rank 0 chose fa4 (Hopper GPU, flash-attn-4 loaded), but rank(s) 1 ({socket.gethostname()}: "
         f"fa4 failed its probe at head dim 64, {heads}, S window 32 of 64 (RuntimeError: no local-attention kernel for this "
         "build)) cannot run it; install it on every node, or pass --attn sdpa")
@@ -179,7 +183,8 @@ def test_the_record_keeps_each_shape_the_kernel_passed(monkeypatch):
     at = dict(head_dim=16, n_head=4, n_kv_head=1, seq_len=2 * fa.PROBE_LEN, probe_len=fa.PROBE_LEN)
     assert record["kernel"] == "fa3" and record["probed"] == [
         dict(at, window=2 * fa.PROBE_LEN, probe_window=fa.PROBE_LEN, ok=True),  # L: the whole (short) row
-        dict(at, window=fa.PROBE_LEN // 2, probe_window=fa.PROBE_LEN // 4, ok=True)]  # S: a quarter of the row, as in the run
+        # S: a quarter of the row, as in the run
+        dict(at, window=fa.PROBE_LEN // 2, probe_window=fa.PROBE_LEN // 4, ok=True)]
     assert record["passed_over"][0] == (f"fa4: fa4 failed its probe at head dim 16, 4 heads / 1 kv heads, S window "
                                         f"{fa.PROBE_LEN // 2} of {2 * fa.PROBE_LEN} (RuntimeError: no local-attention kernel for this build)")
     assert json.loads(json.dumps(record)) == record  # config.json takes it as it is
@@ -208,9 +213,11 @@ def test_the_cudnn_probe_runs_cudnn_alone_at_the_runs_shapes(monkeypatch):
     asked.clear()
     shapes_seen.clear()
     monkeypatch.setattr(fa, "sdpa_kernel", lambda backends, set_priority=False: asked.append(backends) or contextlib.nullcontext())
-    assert fa.kernel_unavailable("cudnn", "cpu", torch.bfloat16, shapes=shapes) is None  # cuDNN takes it (the CPU's SDPA stands in)
+    # cuDNN takes it (the CPU's SDPA stands in)
+    assert fa.kernel_unavailable("cudnn", "cpu", torch.bfloat16, shapes=shapes) is None
     assert asked == [fa.SDPBackend.CUDNN_ATTENTION]  # the L window; the S window runs what training runs there
-    assert [s[2] for s in shapes_seen] == [True, True, False, False]  # cuDNN and the fp32 reference, then S: the kernel, the reference
+    # cuDNN and the fp32 reference, then S: the kernel, the reference
+    assert [s[2] for s in shapes_seen] == [True, True, False, False]
 
 
 def test_base_train_probes_the_models_own_shapes(run_base, monkeypatch):
@@ -302,7 +309,8 @@ def test_the_block_mask_skips_exactly_the_blocks_outside_the_window():
     i, j = torch.arange(T)[:, None], torch.arange(T)[None]
     seen = ((i >= j) & (i - j < w)).view(T // block, block, T // block, block).any(3).any(1)
     assert torch.equal(dense, seen)  # every block some query sees, and no other
-    assert not dense[3, 0] and dense[3, 2] and dense[3, 3] and not dense[0, 1]  # the far past and the future are skipped
+    # the far past and the future are skipped
+    assert not dense[3, 0] and dense[3, 2] and dense[3, 3] and not dense[0, 1]
 
 
 def test_flex_window_path_equals_the_dense_mask_reference_compiled_forward(monkeypatch):
@@ -321,7 +329,8 @@ def test_flex_window_path_equals_the_dense_mask_reference_forward_and_backward(m
     monkeypatch.setattr(fx, "_validate_device", lambda *a: None)
     monkeypatch.setattr(fa, "flex", lambda: fx.flex_attention)
     blocks = fa.sliding_block_mask
-    monkeypatch.setattr(fa, "sliding_block_mask", lambda T, w, device, block=128: blocks(T, w, device, 16))  # several blocks
+    # blocks of 16, so a short row spans several
+    monkeypatch.setattr(fa, "sliding_block_mask", lambda T, w, device, block=128: blocks(T, w, device, 16))
     torch.manual_seed(1)
     q, k, v, dy = torch.randn(2, 4, 48, 16), torch.randn(2, 1, 48, 16), torch.randn(2, 1, 48, 16), torch.randn(2, 4, 48, 16)
     xs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -340,7 +349,8 @@ def test_plain_rows_on_cuda_build_no_mask_while_the_cpu_keeps_them():
     with torch.device("meta"):
         model = GPT(GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, window_pattern="SL"))
     assert model.attention == "sdpa"
-    assert model.attention_masks(32, "cuda") == [None, None]  # flex_attention takes the window on CUDA: nothing allocated
+    # flex_attention takes the window on CUDA: nothing allocated
+    assert model.attention_masks(32, "cuda") == [None, None]
     masks = model.attention_masks(32, "meta")  # anywhere else: the dense mask, as before
     assert masks[0].shape == (1, 1, 32, 32) and masks[1] is None
     assert [fa.mask_free(k, d) for k in ("sdpa", "cudnn", "fa3", "fa4") for d in ("cpu", "cuda")] == [

@@ -94,7 +94,8 @@ def test_eval_writes_results_of_either_arch(pair, capsys, arch):
 def test_earlier_step_and_eval_subset(pair, capsys, monkeypatch):
     record = base_eval.main(["--run", pair["runs"]["gpt"], "--step", "3", "--eval", "bpb"] + EVAL)
     assert record["step"] == 3 and record["tokens"] == 3 * 256 and record["val_bpb"] > 0
-    assert record["tasks"] == {} and record["samples"] == [] and record["core_metric"] is None  # another step: nothing kept
+    # another step: nothing kept
+    assert record["tasks"] == {} and record["samples"] == [] and record["core_metric"] is None
     assert open(os.path.join(pair["runs"]["gpt"], "eval", "step_000003_core_tasks.csv")).read() == "task,accuracy,centered,num_examples\n"
 
     # a NAG checkpoint inside the alpha warm-up (768 of 1024 tokens) is evaluated with its warm-up factor
@@ -157,7 +158,8 @@ def test_records_and_per_batch_losses_are_saved(pair):
 
 def test_a_crash_keeps_the_finished_tasks(pair, monkeypatch, tmp_path):
     import shutil
-    run_dir = str(tmp_path / "nag")  # a run not evaluated yet: the cut results go in place (test_eval_history: beside earlier ones)
+    # a run not evaluated yet: the cut results go in place (test_eval_history: beside earlier ones)
+    run_dir = str(tmp_path / "nag")
     shutil.copytree(pair["runs"]["nag"], run_dir, ignore=shutil.ignore_patterns("eval*", "core_*", ".lock"))
     real = core_eval.task_verdicts
     calls = []

@@ -173,7 +173,8 @@ def test_intervals_verdict_and_forest_plot(pair, tmp_path, capsys):
     report = open(compare.main(["gpt", better, "--out", str(tmp_path / "better")])).read()
     g = evs["gpt"]["tasks"]["mc_task"]
     delta = (1 - g["accuracy"]) / 0.75
-    assert g["accuracy"] < 1 and table_row(report, "`mc_task`")[0] == f"{delta:+.4f} \\*"  # marked: the interval excludes 0
+    # marked: the interval excludes 0
+    assert g["accuracy"] < 1 and table_row(report, "`mc_task`")[0] == f"{delta:+.4f} \\*"
     assert table_row(report, "`schema_task`")[:3] == ["+0.0000", "too few items for an interval (20 < 30)", "—"]
     assert "gpt#2 − gpt partial CORE (2/22) = " in report and ": distinguishable from noise at 52 items over 2 tasks" in report
     # the usual CORE table shows the same deltas
@@ -280,8 +281,9 @@ def write_run(root, name, evals, arch="gpt", train_fingerprints=FP, core=None, a
     run_dir = os.path.join(root, name)
     os.makedirs(os.path.join(run_dir, "eval"))
     last = evals[-1]["step"]
-    config = {"run": name, "arch": arch, "world_size": 1, "num_iterations": last, "args": {"arch": arch, **(args or {})},
-              "compute_dtype": "bfloat16", "fp8_layers": 12 if (args or {}).get("fp8") else 0}
+    args = {"arch": arch, **(args or {})}
+    config = {"run": name, "arch": arch, "world_size": 1, "num_iterations": last, "args": args,
+              "compute_dtype": "bfloat16", "fp8_layers": 12 if args.get("fp8") else 0}
     if train_fingerprints:
         config["fingerprints"] = train_fingerprints
     json.dump(config, open(os.path.join(run_dir, "config.json"), "w"))
@@ -365,12 +367,15 @@ def test_run_directories_of_an_earlier_version_are_one_line(hand_base, script_er
             json.dump(rec, open(os.path.join(run_dir, p), "w"))
         return run_dir
 
-    cases = {"eval.json": (write_run(runs, "no-eval-dir", [eval_record(6, 1.20, seed=1)]), "an evaluation of step 6 without "
-                           "its eval/step_000006.json"),
-             "nats": (edit("no-nats", "eval", lambda r: r.pop("val_batches")), "an evaluation of val bpb without its per-batch"),
-             "records": (edit("no-records", "eval", lambda r: r.update(tasks={"t": {"accuracy": 1.0, "centered": 1.0, "num_examples": 1}})),
+    task = {"t": {"accuracy": 1.0, "centered": 1.0, "num_examples": 1}}
+    cases = {"eval.json": (write_run(runs, "no-eval-dir", [eval_record(6, 1.20, seed=1)]),
+                           "an evaluation of step 6 without its eval/step_000006.json"),
+             "nats": (edit("no-nats", "eval", lambda r: r.pop("val_batches")),
+                      "an evaluation of val bpb without its per-batch"),
+             "records": (edit("no-records", "eval", lambda r: r.update(tasks=task)),
                          "an evaluation with CORE scores but no per-example records"),
-             "config": (edit("no-dtype", "config.json", lambda c: c.pop("compute_dtype")), "a run's config without its fp8 layers")}
+             "config": (edit("no-dtype", "config.json", lambda c: c.pop("compute_dtype")),
+                        "a run's config without its fp8 layers")}
     shutil.rmtree(os.path.join(cases["eval.json"][0], "eval"))
     for key, (run_dir, what) in cases.items():
         err = script_error(compare.main, "a", os.path.basename(run_dir))
@@ -479,7 +484,8 @@ def test_groups_report_and_comparison_json(hand_base, capsys):
     b = seed_group(hand_base / "runs", "nag", [1.29, 1.28, 1.285], 0.6)
     path = compare.main(["--a", *a, "--b", *b[::-1]])  # b in another order: paired by seed all the same
     folder = os.path.dirname(path)
-    assert folder == os.path.join(hand_base, "reports", "gpt-s0@6+gpt-s1@6+gpt-s2@6_vs_nag-s0@6+nag-s1@6+nag-s2@6")  # b in a's seed order
+    # b in a's seed order
+    assert folder == os.path.join(hand_base, "reports", "gpt-s0@6+gpt-s1@6+gpt-s2@6_vs_nag-s0@6+nag-s1@6+nag-s2@6")
     out = capsys.readouterr().out
     assert "paired by seed" in out and "nag-s0 +2 − gpt-s0 +2 val bpb = " in out
     data = json.load(open(os.path.join(folder, "comparison.json")))
@@ -493,7 +499,8 @@ def test_groups_report_and_comparison_json(hand_base, capsys):
         assert m["groups"]["a"]["mean"] == pytest.approx(np.mean(va)) and m["groups"]["b"]["sd"] == pytest.approx(np.std(vb, ddof=1))
         assert m["delta"]["value"] == pytest.approx(np.mean(vb) - np.mean(va))
         lo, hi = m["delta"]["ci"]
-        assert lo < m["delta"]["value"] < hi and 0 < m["delta"]["p"] <= 1 and (m["delta"]["df"] or math.inf) >= 2  # k - 1 at least
+        # df is k - 1 at least
+        assert lo < m["delta"]["value"] < hi and 0 < m["delta"]["p"] <= 1 and (m["delta"]["df"] or math.inf) >= 2
         # paired: the seed-to-seed sd is that of the pair differences, and the runs needed follow from it
         assert m["seed_sd"] == pytest.approx(np.std(np.subtract(vb, va), ddof=1))
         assert m["runs_needed"]["published"] == stats.runs_needed(m["seed_sd"], m["published_delta"], paired=True)

@@ -471,7 +471,8 @@ def test_partial_core_is_labelled_and_lists_missing_tasks(tmp_path, write_eval_b
     for label, t in out["tasks"].items():
         recs = [r for r in out["records"] if r["task"] == label]
         assert sum(r["correct"] for r in recs) / len(recs) == t["accuracy"]
-        assert all((r["margin"] > 0) == r["correct"] for r in recs if r["margin"] != 0 and math.isfinite(r["margin"]))  # how far from flipping (nan: no scored tokens)
+        # the margin: how far from flipping (nan: no scored tokens)
+        assert all((r["margin"] > 0) == r["correct"] for r in recs if r["margin"] != 0 and math.isfinite(r["margin"]))
     assert out["settings"]["tasks"]["lam"] == {"task_type": "language_modeling", "num_fewshot": 1, "num_examples": 8,
                                                 "continuation_delimiter": "\nAnswer: ", "random_baseline": 0.0}
     assert out["settings"]["max_per_task"] == 8 and set(out["settings"]["tasks"]) == {"mc", "wino", "lam"}
@@ -509,7 +510,8 @@ def test_an_unfinished_run_is_resumed_task_by_task(tmp_path, monkeypatch, write_
     lines = []
     out = evaluate_core(model, tok, "cpu", root, max_per_task=8, log=lines.append, done=done)
     assert len(scored) == 2 and any(line.startswith("mc") and "kept from the interrupted run  [" in line for line in lines)
-    timeless = lambda tasks: {k: {f: v for f, v in t.items() if f != "seconds"} for k, t in tasks.items()}  # (nan margins: compared as JSON)
+    # records are compared as JSON, for their nan margins
+    timeless = lambda tasks: {k: {f: v for f, v in t.items() if f != "seconds"} for k, t in tasks.items()}
     assert timeless(out["tasks"]) == timeless(full["tasks"]) and json.dumps(out["records"]) == json.dumps(full["records"]) and out["unfinished_tasks"] == []
     # other items (another cut of the task) or other settings: scored again
     scored.clear()

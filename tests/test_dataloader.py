@@ -75,7 +75,8 @@ def test_best_fit_fills_rows_and_crops_only_the_shortest(tmp_path, monkeypatch):
     batches = take(data_loader(CharTokenizer(), 1, 9, "train"), 3)
     rows = [x[0].tolist() + [y[0, -1].item()] for x, y, _ in batches]
     A, B, D = [ord("A")] * 5, [ord("B")] * 3, [ord("D")] * 8
-    assert rows[0] == [0] + D + [0]  # D fits best; nothing fits the last slot, so the shortest (CC) is cropped to its BOS
+    # D fits best; nothing fits the last slot, so the shortest (CC) is cropped to its BOS
+    assert rows[0] == [0] + D + [0]
     assert rows[1] == [0] + D + [0]  # the next epoch's D, and C cropped again
     assert rows[2] == [0] + A + [0] + B  # A, then B fills the remaining 4 exactly (C would leave a gap)
     # the crops are counted: 2 of CC's 3 tokens each time

@@ -221,7 +221,8 @@ def test_results_of_two_seeds(run_base, tmp_path, capsys):
     assert groups["delta"]["value"] == pytest.approx(d2["gap"], abs=1e-12) and groups["delta"]["ci"] == pytest.approx(list(d2["ci"]), abs=1e-12)
     assert d2["gpt_bpb"] == pytest.approx(groups["groups"]["a"]["mean"]) and d2["nag_bpb"] == pytest.approx(groups["groups"]["b"]["mean"])
     assert d2["seeds"] == [1, 2] and d2["runs"]["gpt"] == pytest.approx([groups["runs"][f"sweep-gpt-d2-s{s}"] for s in (1, 2)])
-    assert d2["ci"][0] < 0.10 and d2["ci"][1] > 0.16  # two seeds that disagree: a wide interval (t with 1 degree of freedom)
+    # two seeds that disagree: a wide interval (t with 1 degree of freedom)
+    assert d2["ci"][0] < 0.10 and d2["ci"][1] > 0.16
     # depth 4: one seed left, today's paired val-batch interval; depth 8: nothing
     assert d4["seeds"] == [1] and d4["interval"] == "val batches" and d4["ci"][1] - d4["ci"][0] < 0.02
     assert "gap" not in d8 and d8["seeds"] == []
@@ -264,7 +265,8 @@ def test_a_failed_run_leaves_the_others_to_go_on(run_base, monkeypatch, capsys):
                                    if (a, d, s) != ("gpt", 1, 1))  # every other run trained and was evaluated
     assert "RuntimeError: loss is NaN at step 3" in open(log).read()  # the traceback, in the run's log
     report = open(os.path.join(run_base, "reports", "depth_sweep-cpu", "depth_sweep.md")).read()
-    assert "| 1 | 96 | 96 | 2 | " in report and re.search(r"^\| 2 \| \d+ \| \d+ \| 1,2 \| ", report, re.M)  # what finished
+    # what finished
+    assert "| 1 | 96 | 96 | 2 | " in report and re.search(r"^\| 2 \| \d+ \| \d+ \| 1,2 \| ", report, re.M)
     # the rerun trains only the failed run
     steps["fixed"] = True
     done = set(steps)

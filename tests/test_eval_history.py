@@ -1,6 +1,7 @@
 """base_eval's results per evaluated step (eval/step_NNNNNN.*), and what they record.
 
-Also the numbers that must not depend on how the evaluation ran: the number of processes, a --split-tokens larger than the split, an interruption."""
+Also the numbers that must not depend on how the evaluation ran: the number of processes,
+a --split-tokens larger than the split, an interruption."""
 
 import os
 import sys
@@ -106,7 +107,8 @@ def test_results_of_other_fingerprints_are_replaced_not_merged(run, trained, mon
     monkeypatch.setattr(base_eval, "current_fingerprints", lambda tok: {**real(tok), "data_val": "0123456789abcdef"})
     other = evaluate(run, trained["bundle"], "--eval", "bpb")
     assert other["tasks"] == {} and other["core_records"] is None and other["fingerprints"]["data_val"] == "0123456789abcdef"
-    assert not os.path.exists(os.path.join(run, "core_records.parquet"))  # the top copy follows step 6, which has no CORE now
+    # the top copy follows step 6, which has no CORE now
+    assert not os.path.exists(os.path.join(run, "core_records.parquet"))
     assert "measured with other fingerprints" in capsys.readouterr().out
     # the replaced results are kept, not deleted
     (stamp,) = os.listdir(os.path.join(run, "eval", "replaced"))  # one folder per replacement, named by its time
@@ -133,9 +135,9 @@ def test_an_eval_json_from_before_eval_dir_is_one_line(run, trained, script_erro
     with pytest.raises(UserError) as e:
         run_files.load_run(run)  # what compare reads
     assert err == f"error: {e.value}" == (
-        f"error: {os.path.join(run, 'eval.json')} is an evaluation of step 6 without its eval/step_000006.json, written by an "
-        f"earlier version of this code, which this one does not read; move it aside and rerun `python -m scripts.base_eval "
-        f"--run {run} --step 6`")
+        f"error: {os.path.join(run, 'eval.json')} is an evaluation of step 6 without its eval/step_000006.json, "
+        "written by an earlier version of this code, which this one does not read; move it aside and rerun "
+        f"`python -m scripts.base_eval --run {run} --step 6`")
     assert load(run, "eval.json") == before and not os.path.exists(os.path.join(run, "eval"))
 
 

@@ -98,7 +98,8 @@ def run_in_process(argv, env):
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 gives a process
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)  # imported before: expected here
+            # imported before: expected here
+            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:

@@ -1,8 +1,8 @@
 """The Hugging Face export (scripts/export_hf.py, nag/hf/) against the native model, for every arch.
 
-transformers loads the folder with trust_remote_code and gives the native logits for every arch (GPT, NAG, NAG-MoD with GQA and a sliding window, router-MoD GPT, GPT and
-NAG on nanochat's recipe); greedy
-generate() equals nanochat.engine's, alone and in a left-padded batch; the tokenizer gives tiktoken's ids; the model
+transformers loads the folder with trust_remote_code and gives the native logits for every arch (GPT, NAG,
+NAG-MoD with GQA and a sliding window, router-MoD GPT, GPT and NAG on nanochat's recipe); greedy generate()
+equals nanochat.engine's, alone and in a left-padded batch; the tokenizer gives tiktoken's ids; the model
 card records the run; lm-evaluation-harness scores a local task offline and agrees with the native model's scores."""
 
 import os
@@ -23,6 +23,7 @@ from nag.mod import ModConfig
 from nag.router_mod import RouterMoDGPT
 from nanochat.recipe import RecipeGPT
 from nag.recipe import NAGRecipeGPT
+from nag.rivals import LAYERROPE_INITS, LNSGPT, LayerRoPEGPT, PeriGPT
 from scripts import export_hf
 
 transformers = pytest.importorskip("transformers")
@@ -40,6 +41,10 @@ VARIANTS = {
     # nanochat's recipe, every part on (value embeddings on layer 1, smear, backout, lambdas), GQA
     "gpt-recipe": (RecipeGPT, {"n_head": 4, "n_kv_head": 2}, {}),
     "nag-recipe": (NAGRecipeGPT, {"n_head": 4, "n_kv_head": 2}, {"nag": NAGConfig(alpha_warmup_tokens=1000)}),
+    # the rival depth arms (nag/rivals.py); LayerRoPE at its depth init, whose base b = 1e4 travels as a weight
+    "gpt-lns": (LNSGPT, {}, {}),
+    "gpt-peri": (PeriGPT, GQA_WINDOW, {}),
+    "gpt-layerrope": (LayerRoPEGPT, GQA_WINDOW, {"layerrope": LAYERROPE_INITS["depth"]}),
 }
 STEP, TOKENS = 5, 500
 TEXTS = ["The model data token", "Héllo wörld — naïve café; 東京 данные 🙂 👩‍👩‍👧‍👦", "x = [1, 22, 333]\n\n  y\t\tz\r\n",
@@ -125,7 +130,8 @@ def test_greedy_generate_equals_the_engine(exported, native_tok, name):
     assert enc["input_ids"][0].tolist() == ids  # <|bos|> in front, as scripts.sample encodes a prompt
     room = context_room(model, len(ids))  # up to a full context: past every window
     want = list(generate(model, ids, room, temperature=0))
-    want = want[:want.index(ids[0]) + 1] if ids[0] in want else want  # transformers stops at eos = <|bos|>, as scripts.sample
+    # transformers stops at eos = <|bos|>, as scripts.sample
+    want = want[:want.index(ids[0]) + 1] if ids[0] in want else want
     got = hf.generate(**enc, max_new_tokens=room, do_sample=False)[0, len(ids):].tolist()
     assert got == want and len(got) > 20, (got, want)
     if name == "nag-mod":  # without the cache transformers recomputes the whole row each step: the same tokens
@@ -146,7 +152,8 @@ def test_left_padded_batch_generates_as_each_prompt_alone(exported, native_tok, 
     for p, g in zip(prompts, got):
         want = list(generate(model, native_tok.encode(p, prepend=bos), 12, temperature=0))
         want = want[:want.index(bos) + 1] if bos in want else want
-        assert g[:len(want)] == want and set(g[len(want):]) <= {tok.pad_token_id}, (p, g, want)  # a row that ended is padded
+        # a row that ended is padded
+        assert g[:len(want)] == want and set(g[len(want):]) <= {tok.pad_token_id}, (p, g, want)
     with pytest.raises(ValueError, match="trained on 64 positions"):  # never a position past the context
         hf.generate(**tok("The", return_tensors="pt"), max_new_tokens=70, do_sample=False, eos_token_id=None)
 
@@ -160,7 +167,8 @@ def test_tokenizer_gives_tiktokens_ids(exported, native_tok):
         ids = tok(text)["input_ids"]
         assert ids == [bos] + enc.encode(text, allowed_special="all")  # special tokens in text stay whole
         assert tok.decode(ids[1:]) == text
-        assert tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] == native_tok.encode(text)  # as training saw it
+        # as training saw it
+        assert tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] == native_tok.encode(text)
     assert tok.decode(tok(TEXTS[3])["input_ids"], skip_special_tokens=True) == "onetwo"
 
 
@@ -198,7 +206,8 @@ def test_force_moves_an_edited_file_aside_instead_of_over_it(exported, monkeypat
     assert os.listdir(out / "replaced" / stamp) == ["README.md"] and "my notes" in (out / "replaced" / stamp / "README.md").read_text()
     assert "my notes" not in (out / "README.md").read_text()
     assert f"note: README.md in {out} changed since `python -m scripts.export_hf` wrote it" in capsys.readouterr().out
-    export_hf.main(["--run", "gpt", "--out", str(out), "--no-verify", "--force"])  # nothing changed since: nothing set aside
+    # nothing changed since: nothing set aside
+    export_hf.main(["--run", "gpt", "--out", str(out), "--no-verify", "--force"])
     assert os.listdir(out / "replaced") == [stamp]
 
 
@@ -234,7 +243,8 @@ def test_lm_eval_scores_a_local_task_offline(exported, native_tok, tmp_path, mon
                                   tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False),
                                   batch_size=8, device="cpu", log_samples=True)
     acc = res["results"]["tiny_mc"]["acc,none"]
-    # the native model's log-likelihood of " choice" after <|bos|> + query, the continuation's tokens as lm-eval splits them
+    # the native model's log-likelihood of " choice" after <|bos|> + query,
+    # the continuation's tokens as lm-eval splits them
     bos, hits = native_tok.get_bos_token_id(), 0
     for sample in res["samples"]["tiny_mc"]:
         doc, lls = sample["doc"], [r[0][0] for r in sample["resps"]]

@@ -82,7 +82,8 @@ def test_a_gpu_without_fp8_is_refused(monkeypatch):
     assert fp8.cannot_run("cuda") is None
 
 
-FP8_TINY = TINY_TRAIN + ["--model-dim", "128", "--fp8", "--run", "f8"]  # 128 wide: the size rule admits the block matrices
+# 128 wide: the size rule admits the block matrices
+FP8_TINY = TINY_TRAIN + ["--model-dim", "128", "--fp8", "--run", "f8"]
 
 
 def test_a_tiny_fp8_run_trains_records_and_resumes_exactly(run_base, capsys, script_error):
@@ -218,7 +219,8 @@ def test_padded_tokens_meet_cuda_rules_and_change_no_value(n, cuda_rules):
     y = fp8_linear(x, w)
     y.backward(dy)
     padded = -(-n // 16) * 16
-    assert cuda_rules == [((n, 128), (128, 256)), ((n, 256), (256, 128)), ((256, padded), (padded, 128))]  # dW's K padded
+    # dW's K padded
+    assert cuda_rules == [((n, 128), (128, 256)), ((n, 256), (256, 128)), ((256, padded), (padded, 128))]
     assert (fp8.pad_rows(x) is x) == (n % 16 == 0)  # no copy when N needs no padding
     fp8.FP8Matmul.apply(x, w).mul_(2)  # y is no view of the padded product: in-place ops stay allowed
     # the reference: the same quantised operands without padding (the CPU's kernel takes N as it is)

@@ -281,7 +281,8 @@ def test_fp8_with_mod_is_a_base_train_stage_at_the_published_width(tmp_path):
     assert (args.model_dim, args.head_dim, args.max_seq_len, args.device_batch_size) == tuple(
         int(shape[f]) for f in ("--model-dim", "--head-dim", "--max-seq-len", "--device-batch-size"))
     assert args.arch == "nag" and args.fp8 and args.mod_rate == 0.2 and 2 <= args.num_iterations <= 3 and args.depth == 8
-    assert args.total_batch_size == args.device_batch_size * args.max_seq_len and args.eval_every == -1  # one micro-batch, no eval
+    # one micro-batch, no eval
+    assert args.total_batch_size == args.device_batch_size * args.max_seq_len and args.eval_every == -1
     assert args.compile is None  # base_train's own default: compiled on CUDA
     # its figures and its headline line, from the JSON the stage writes
     d = {"steps": [{"step": 1, "ms": 41000.0, "skip_attn": 0.21, "skip_mlp": 0.2, "mfu": None},
@@ -560,8 +561,8 @@ def test_every_quick_stage_runs_under_the_slot_python(tmp_path, monkeypatch):
     assert list(got) == [s.name for s in plan]
     logs = {n: (work / f"{n}.log").read_text()[-3000:] for n in got}
     assert "rustbpe" not in hidden  # not even tried
-    # kernel_tests: CUDA by nature; on a CPU every CUDA test skips itself and the stage fails as it must (no CUDA test ran),
-    # but pytest collected tests/test_nag_kernels.py and its conftest under the slot's python and none errored
+    # kernel_tests: CUDA by nature; on a CPU every CUDA test skips itself and the stage fails as it must
+    # (no CUDA test ran), but pytest collected tests/test_nag_kernels.py and its conftest under the slot's python and none errored
     ok, _, note = got.pop("kernel_tests")
     kt = json.loads((work / "kernel_tests.json").read_text())
     assert not ok and note.startswith("exit 1: error: kernel tests: pytest exit 0, 0 CUDA test(s) passed"), logs["kernel_tests"]
@@ -591,12 +592,14 @@ def test_per_block_compile_matches_eager(tmp_path):
     for arch, graphs in (("gpt", 1), ("nag", 2)):
         eager, blocks = got[arch, "off"], got[arch, "blocks"]
         assert eager["model_graphs"] == 0 and blocks["model_graphs"] == graphs, (arch, blocks["model_graphs"])
-        assert blocks["model_compile_s"] > eager["model_compile_s"] and blocks["optim_graphs"] == 0  # the CPU's optimizer is eager
+        # the CPU's optimizer is eager
+        assert blocks["model_compile_s"] > eager["model_compile_s"] and blocks["optim_graphs"] == 0
         assert blocks["later_graphs"] == 0 and not blocks["fresh_cache"]
         assert blocks["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-5)
         assert blocks["last_loss"] == pytest.approx(eager["last_loss"], rel=1e-4)
     assert "nag / gpt (compiled per block)" in r.stdout
     assert gpu_checks.step_figures(d).startswith("depth 3 × 64: gpt ")
-    for x in d["results"]:  # the split of a timed step: its two parts are most of it (the rest: zero_grad's return, .item())
+    # the split of a timed step: its two parts are most of it (the rest: zero_grad's return, .item())
+    for x in d["results"]:
         assert x["fwd_bwd_ms"] > 0 and x["optim_ms"] > 0 and 0.5 * x["step_ms"] <= x["fwd_bwd_ms"] + x["optim_ms"] <= x["step_ms"] * 1.01
     assert "optimizer" in gpu_checks.step_figures(d)

@@ -213,3 +213,126 @@ def test_the_baseline_checker_catches_what_it_should(tmp_path):
     got = baseline_problems(tmp_path)
     assert where(got) == sorted(["nanochat/conf.py:1", "nanochat/conf.py:2", "nanochat/conf.py:3", "nanochat/gpt.py:2",
                                  "nanochat/plan.py:1", "nanochat/plan.py:1", "nanochat/plan.py:2", "nanochat/plan.py:3"]), got
+
+
+# ---------------------------------------------------------------------------
+# one owner per fact: file names of a run, arch names, base_train's flags, module openings
+
+SOURCES = ("nanochat", "nag", "scripts", "analysis")
+# a run's and a tokenizer's file names, each spelled only by the module that reads and writes it
+FILE_OWNERS = {"config.json": "nanochat/run_dir.py", "eval.json": "nanochat/run_dir.py",
+               "metrics.jsonl": "nanochat/run_dir.py", "tokenizer.pkl": "nanochat/tokenizer.py",
+               "token_bytes.pt": "nanochat/tokenizer.py"}
+# where an arch's name may be spelled: the registry, the model class naming itself (`arch = "..."`), the presets'
+# data, the exported Hugging Face code (it must run without this repo) and the benchmarks' variants (arch × kernel)
+ARCH_NAME_PLACES = ("nag/archs.py", "nag/presets.py", "nag/hf/", "scripts/bench/")
+MAX_OWN_FLAGS = 35  # base_train's own flags (the archs' come from nag/archs.py); docs/runs.md says why each exists
+MAX_OPENING = 100  # characters in a module's opening line
+
+
+def string_constants(tree):
+    """(line, value) of every str constant, but not the value of a class's `arch = "..."` attribute."""
+    named = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.ClassDef) for n in n.body
+             if isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["arch"]}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in named]
+
+
+def arch_uses(tree, arch_names):
+    """(line, name) of every arch name used as one: compared with an arch (`args.arch == "nag"`), listed with another
+    (`("gpt", "nag")`), or a hyphenated one anywhere. "gpt" and "nag" alone are also roles, keys and op namespaces."""
+    def names_in(node):
+        elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [e for e in elts if isinstance(e, ast.Constant) and e.value in arch_names]
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and "arch" in ast.unparse(node):  # `"nag" in row` is a key, not an arch
+            for operand in [node.left, *node.comparators]:
+                found.update((id(e), e) for e in names_in(operand))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(names_in(node)) >= 2:
+            found.update((id(e), e) for e in names_in(node))
+        elif isinstance(node, ast.Constant) and node.value in arch_names and "-" in str(node.value):
+            found[id(node)] = node
+    return sorted((e.lineno, e.value) for e in found.values())
+
+
+def literal_problems(root, arch_names):
+    """Every file name of FILE_OWNERS spelled outside its owner, and every arch name outside ARCH_NAME_PLACES."""
+    problems = []
+    for folder in SOURCES:
+        for rel, text in py_files(root, folder):
+            tree = ast.parse(text)
+            for line, value in string_constants(tree):
+                if value in FILE_OWNERS and rel != FILE_OWNERS[value]:
+                    problems.append(f"{rel}:{line} spells {value!r}: ask {FILE_OWNERS[value]}")
+            if not rel.startswith(ARCH_NAME_PLACES):
+                constants = set(string_constants(tree))  # a class's own `arch = "..."` is not among them
+                problems += [f"{rel}:{line} names the arch {value!r}: ask nag/archs.py"
+                             for line, value in arch_uses(tree, arch_names) if (line, value) in constants]
+    return problems
+
+
+def opening_problems(root):
+    """Every module whose docstring's first line is missing or longer than MAX_OPENING characters."""
+    problems = []
+    for folder in SOURCES + ("tests",):
+        for rel, text in py_files(root, folder):
+            doc = ast.get_docstring(ast.parse(text), clean=True)
+            first = doc.strip().splitlines()[0] if doc and doc.strip() else ""
+            if not first or len(first) > MAX_OPENING:
+                problems.append(f"{rel}:1 opens with {len(first)} characters: one line of at most {MAX_OPENING} says its job")
+    return problems
+
+
+def own_flags(parser, arch_dests):
+    return [a for a in parser._actions if a.dest != "help" and a.dest not in arch_dests]
+
+
+def test_each_file_name_and_arch_name_has_one_owner():
+    from nag.archs import ARCHS
+    problems = literal_problems(REPO, set(ARCHS))
+    assert not problems, "\n" + "\n".join(problems)
+
+
+def test_every_module_opens_with_one_short_line():
+    problems = opening_problems(REPO)
+    assert not problems, "\n" + "\n".join(problems)
+
+
+def test_base_train_has_few_flags_of_its_own_in_groups():
+    import argparse
+    from nag.archs import add_arch_args
+    from nag.train_flags import build_parser
+    archs = argparse.ArgumentParser()
+    add_arch_args(archs)
+    arch_dests = {a.dest for a in archs._actions}
+    parser = build_parser()
+    own = own_flags(parser, arch_dests)
+    assert len(own) <= MAX_OWN_FLAGS, sorted(a.dest for a in own)
+    groups = {g.title.split(":")[0]: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    assert [t for t in groups if t not in ("positional arguments", "options") and not any(
+        d in arch_dests for d in groups[t])] == ["run", "model", "horizon and batch (of the horizon flags, the first one set wins)",
+                                                   "optimizer", "evaluation during training", "operations"]
+    assert all(any(a.dest in g for g in groups.values() if g) for a in own)  # every one of them in a group
+
+
+def test_the_literal_and_opening_checkers_catch_what_they_should(tmp_path):
+    write(tmp_path, {
+        "nanochat/run_dir.py": '"""Run files."""\nCONFIG = "config.json"\n',  # its owner: fine
+        "nanochat/tokenizer.py": '"""Tokenizer."""\nP = "tokenizer.pkl"\n',  # its owner: fine
+        "nanochat/dataloader.py": '"""Loader."""\nP = "token_bytes.pt"\n',
+        "scripts/speedrun.py": '"""Speedrun."""\nimport os\np = os.path.join("r", "eval.json")\nhelp = "see config.json"\n',
+        "analysis/run.py": '"""' + "x" * 101 + '"""\nmetrics = "metrics.jsonl"\n',
+        "nag/archs.py": '"""Archs."""\nARCHS = {"gpt": 1, "nag": 2}\n',  # the registry: fine
+        "nag/model.py": 'class NAGGPT:\n    arch = "nag"\n',  # a class naming itself: fine, but no docstring
+        "nag/hf/modeling.py": '"""HF."""\nif arch in ("gpt", "nag"): pass\n',  # standalone export: fine
+        "scripts/experiments/sweep.py": '"""Sweep."""\nPAIR = ("gpt", "nag")\nnote = "gpt or nag"\nkw = {"nag": 1}\n'
+                                        'if arch == "nag": pass\nx = "gpt-router"\nrole(args, "gpt")\n'
+                                        'ok = "nag" in row or op.namespace == "nag"\n',
+        "tests/test_x.py": '"""' + "y" * 100 + '"""\nA = "gpt"\n',  # tests: names free, opening of 100 fine
+    })
+    got = literal_problems(tmp_path, {"gpt", "nag", "gpt-router"})
+    assert where(got) == sorted(["nanochat/dataloader.py:2", "scripts/speedrun.py:3", "analysis/run.py:2",
+                                 "scripts/experiments/sweep.py:2", "scripts/experiments/sweep.py:2",
+                                 "scripts/experiments/sweep.py:5", "scripts/experiments/sweep.py:6"]), got
+    assert where(opening_problems(tmp_path)) == ["analysis/run.py:1", "nag/model.py:1"]

@@ -241,23 +241,6 @@ def test_slurm_script_runs_speedrun_on_every_node(tmp_path):
     assert "--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=gpu-a:29500" in out.stderr and "gpt-published-s2" in out.stderr
 
 
-def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
-    def fake(step, world_size=2, complete=True):
-        for r in range(world_size):
-            open(ckpt.optim_path(str(tmp_path), step, r), "w").close()
-        open(ckpt.model_path(str(tmp_path), step), "w").close()
-        if complete:
-            json.dump({"world_size": world_size}, open(ckpt.meta_path(str(tmp_path), step), "w"))
-    for step in (10, 20, 30, 40):
-        fake(step)
-    fake(50, complete=False)  # a save cut short: not a checkpoint, and never counted as one of the newest
-    assert ckpt.prune_checkpoints(str(tmp_path), 2) == [10, 20]
-    assert ckpt.complete_steps(str(tmp_path)) == [30, 40]
-    left = [f"{kind}_{s:06d}{end}" for s in (30, 40, 50) for kind, end in (("model", ".pt"), ("optim", "_rank0.pt"), ("optim", "_rank1.pt"))]
-    assert sorted(os.listdir(tmp_path)) == sorted(left + ["meta_000030.json", "meta_000040.json"])
-    assert ckpt.prune_checkpoints(str(tmp_path), 1) == [30] and ckpt.complete_steps(str(tmp_path)) == [40]
-
-
 RANK0_DECIDES = """
 import torch
 from nanochat.common import UserError, dist_init

@@ -251,10 +251,11 @@ def fake_finished_run(run_dir, step, world_size):
 
 
 def fake_checkpoint(run_dir, step, world_size):
-    with open(os.path.join(run_dir, f"meta_{step:06d}.json"), "w") as f:
-        json.dump({"world_size": world_size}, f)
-    for name in [f"model_{step:06d}.pt"] + [f"optim_{step:06d}_rank{r}.pt" for r in range(world_size)]:
+    names = [f"model_{step:06d}.pt"] + [f"optim_{step:06d}_rank{r}.pt" for r in range(world_size)]
+    for name in names:
         open(os.path.join(run_dir, name), "w").close()
+    with open(os.path.join(run_dir, f"meta_{step:06d}.json"), "w") as f:  # written last, with the files' sizes, as a save does
+        json.dump({"world_size": world_size, "file_sizes": {name: 0 for name in names}}, f)
 
 
 def plan_of(capsys, *argv):

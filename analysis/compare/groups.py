@@ -272,7 +272,8 @@ def compare_groups(args_a, args_b, out_dir=None, force=False, mixed_precision=Fa
             raise UserError(f"`{r['name']}` has no eval.json: a group comparison needs every run evaluated "
                             f"(`python -m scripts.base_eval --run {r['dir']}`)")
     check_precision(runs, mixed_precision)
-    check_settings(groups, ignored={"fp8"})  # what the runs trained in is check_precision's: a --fp8 that admitted no layer changed nothing
+    # what the runs trained in is check_precision's: a --fp8 that admitted no layer changed nothing
+    check_settings(groups, ignored={"fp8"})
     notes = check_measured(runs)
     paired, why = design(groups)
     runs = groups["a"] + groups["b"]  # b in a's seed order when paired: every array below is in this order
@@ -280,7 +281,8 @@ def compare_groups(args_a, args_b, out_dir=None, force=False, mixed_precision=Fa
     if bpb is None and core is None:
         raise UserError("no run has val bpb or CORE in its eval.json: nothing to compare")
     ka = len(groups["a"])
-    inputs = {**report_inputs([r["dir"] for r in runs]), "group_a": ka}  # the same runs split otherwise are other inputs
+    # the same runs split otherwise are other inputs
+    inputs = {**report_inputs([r["dir"] for r in runs]), "group_a": ka}
     if out_dir is None:
         parts = ["+".join(f"{r['name'].replace(os.sep, '_')}@{run_step(r)}" for r in groups[g]) for g in ("a", "b")]
         out_dir = os.path.join(get_base_dir(), "reports", "_vs_".join(parts))

@@ -61,7 +61,8 @@ def check_distinct(runs):
                         f"`{r['name']}` is given twice ({r['dir']}): give each run once")
 
 
-DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "float32"}  # config.json's compute_dtype, as a report says it
+# config.json's compute_dtype, as a report says it
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "float32"}
 
 
 def precision(run):

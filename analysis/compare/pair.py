@@ -142,5 +142,7 @@ def write_report(runs, pairs, beta, tmp, out_dir):
         parts.append(notes)
     report = os.path.join(tmp, "report.md")
     atomic_write_bytes(report, ("\n\n".join(p.rstrip("\n") for p in parts) + "\n").encode())
-    print(parts[2])  # the side-by-side summary (steps, tokens, FLOPs, loss, bpb, CORE), what differs, the verdicts, then where the rest is
+    # the side-by-side summary (steps, tokens, FLOPs, loss, bpb, CORE), what differs, the verdicts,
+    # then where the rest is
+    print(parts[2])
     return report

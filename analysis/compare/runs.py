@@ -113,7 +113,8 @@ def measured_with(run):
         if value is None and key == "tokenizer":
             value = (run["config"].get("fingerprints") or {}).get(key)
         if label == "evaluation processes" and "num_val_batches" in rec:
-            value = "any"  # base_eval's val batches are the same under any process count since it records num_val_batches
+            # base_eval's val batches are the same under any process count since it records num_val_batches
+            value = "any"
         out[label] = value
     return out
 

@@ -19,7 +19,8 @@ class NagChatConfig(PretrainedConfig):
 
     def __init__(self, arch="gpt", vocab_size=32768, sequence_len=2048, n_layer=12, n_head=6, n_kv_head=6, n_embd=768,
                  window_pattern="L", nag=None, alpha_warmup=1.0, mod=None, recipe=None, **kwargs):
-        self.arch = arch  # gpt, nag, gpt-router, gpt-recipe, nag-recipe, gpt-lns, gpt-peri or gpt-layerrope (nag/archs.py)
+        # gpt, nag, gpt-router, gpt-recipe, nag-recipe, gpt-lns, gpt-peri or gpt-layerrope (nag/archs.py)
+        self.arch = arch
         self.vocab_size = vocab_size
         self.sequence_len = sequence_len
         self.n_layer = n_layer

@@ -186,7 +186,8 @@ def run(args):
                   f"{kern} {d['speedup']:.2f}× as fast | {'agree' if d['agree'] else 'DISAGREE'}", flush=True)
         if args.compile and name == compile_at:
             compiled = compile_check(kernel, (q, k, v), dy, window, outs[kernel], args, device)
-            eager = by_kernel[kernel]  # compiled may differ from eager by rounding, not by more than the kernel's own error
+            # compiled may differ from eager by rounding, not by more than the kernel's own error
+            eager = by_kernel[kernel]
             compiled["ok"] = compiled.get("max_diff_vs_eager", float("inf")) <= SLACK * max(eager["err_out"], eager["err_grad"]) + 1e-3
             print(f"compiled {compiled['kernel']}, window {window}: " + (
                 f"fullgraph {compiled['fullgraph']}, compile {compiled['compile_s']:.1f} s, {compiled['fwd_bwd_ms']:.3f} ms, "

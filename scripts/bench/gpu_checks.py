@@ -36,8 +36,10 @@ import importlib.util
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/bench/ is two below the repo root
-OUTPUTS = ("results.json", "summary.md", "logs.tar.gz")  # all that goes in $OUT, at its top: a borrowed slot returns at most 8 files
+# scripts/bench/ is two below the repo root
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# all that goes in $OUT, at its top: a borrowed slot returns at most 8 files
+OUTPUTS = ("results.json", "summary.md", "logs.tar.gz")
 QUICK_BUDGET, FULL_BUDGET = 420, 2400  # seconds; a borrowed slot gives a command 10 minutes, its start-up included
 PLANNED = 0.75  # the quick stages' expected times fit this share of its budget: the rest is room for a slower machine
 CACHE = "compile_cache"  # in the work folder: the Inductor and Triton caches every stage but a cold one shares
@@ -45,11 +47,13 @@ PUBLISHED_SHAPE = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "
 D24 = ["--depth", "24", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
 D20 = ["--depth", "20", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
 TIMED = ["--steps", "10", "--warmup", "3"]
-# base_train itself, NAG-MoD at 20 % skipped with --fp8, at the published width (depth 8, as step): 3 steps of one micro-batch,
-# no evaluation, the one checkpoint at the end; compiled as base_train compiles on CUDA (its default)
+# base_train itself, NAG-MoD at 20 % skipped with --fp8, at the published width (depth 8, as step):
+# 3 steps of one micro-batch, no evaluation, the one checkpoint at the end; compiled as base_train
+# compiles on CUDA (its default)
 FP8_MOD = ["--arch", "nag", "--depth", "8", "--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16",
            "--total-batch-size", str(16 * 2048), "--num-iterations", "3", "--fp8", "--mod-rate", "0.2", "--eval-every", "-1", "--save-every", "0"]
-OFFLINE_DOCS = 200  # the base_train stage's corpus: this many of the standard library's docs (~1,300 documents, ~1 MB of text)
+# the base_train stage's corpus: this many of the standard library's docs (~1,300 documents, ~1 MB of text)
+OFFLINE_DOCS = 200
 ROWS_PER_PROGRAM = "1,2,4,8,16,32"  # the fused backward's sweep (nag.kernels.BACKWARD_ROWS_PER_PROGRAM is the default)
 # A borrowed GPU slot's own python3 (Python 3.12, torch 2.11.0+cu130, Triton 3.6.0), which runs/gpu_checks.sh takes when
 # the tree has no .venv: the distributions it has (with what they require), and what it lacks. It has no network either.
@@ -118,8 +122,9 @@ def stages(quick, eval_bundle=None):
         Stage("mod", "NAG-MoD at 20 / 40 % skipped vs full depth, width 640, depth 8: time saved for FLOPs saved",
               [py, "-m", "scripts.bench.mod", "--depth", "8", *PUBLISHED_SHAPE, "--rates", "0,0.2,0.4", "--blocks", "attn,mlp,both",
                "--steps", "10", "--warmup", "3"], 240, 90, writes_json=False),
-        # base_train itself (not a benchmark's copy of its step): --fp8 with MoD's packed, data-dependent token counts on
-        # CUDA's _scaled_mm, which checks its shapes (the CPU's does not), and under base_train's torch.compile
+        # base_train itself (not a benchmark's copy of its step): --fp8 with MoD's packed, data-dependent token
+        # counts on CUDA's _scaled_mm, which checks its shapes (the CPU's does not), and under base_train's
+        # torch.compile
         Stage("fp8_mod", "base_train --fp8 --mod-rate 0.2 (NAG-MoD, both blocks), 3 steps at the published width (640, 16 × 2048), "
               "depth 8, compiled as base_train compiles, an offline corpus: each step's time, skip rates",
               [py, "-m", "scripts.bench.gpu_checks", "--base-train", "{json}", "--vocab-size", "32768", *FP8_MOD], 300, 150, train_figures),
@@ -146,7 +151,7 @@ def run_stages(stage_list, work, budget, out=None, env=None):
     for st in stage_list:
         left = deadline - time.time()
         if os.path.exists(os.path.join(work, st.name + ".json")):
-            os.remove(os.path.join(work, st.name + ".json"))  # an earlier run's figures must not stand in for this one's
+            os.remove(os.path.join(work, st.name + ".json"))  # an earlier run's figures must not stand in
         print(f"=== {st.name}: {st.what} (limit {min(st.timeout, max(left, 0)):.0f} s, expected {st.expect:.0f} s) ===", flush=True)
         if left < st.expect:
             result, seconds, note = "SKIPPED", 0.0, f"not started: {max(left, 0):.0f} s of the {budget:.0f} s budget left, it expects {st.expect:.0f} s"
@@ -245,7 +250,8 @@ def log_tail(path, n):
 def kernel_tests(json_path):
     """The fused kernel's CUDA tests. Ok only if pytest passed, at least one CUDA test passed and none was
     skipped: without a GPU torch sees, the CUDA tests skip themselves and pytest alone would say "passed"."""
-    if importlib.util.find_spec("pytest") is None:  # a machine's own python3 may lack it, and a borrowed slot has no network
+    # a machine's own python3 may lack pytest, and a borrowed slot has no network
+    if importlib.util.find_spec("pytest") is None:
         sys.exit(f"error: kernel tests: no pytest for {sys.executable}")
     xml = json_path + ".xml"
     rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_nag_kernels.py",
@@ -528,7 +534,8 @@ def parse(argv=None):
                    help=f"seconds for the whole run, positive (default {QUICK_BUDGET} with --quick, else {FULL_BUDGET})")
     p.add_argument("--dry-run", action="store_true", help="print the stages and stop (no GPU needed)")
     p.add_argument("--kernel-tests", type=str, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--base-train", nargs=argparse.REMAINDER, default=None, help=argparse.SUPPRESS)  # JSON, then base_train's flags
+    # JSON, then base_train's flags
+    p.add_argument("--base-train", nargs=argparse.REMAINDER, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

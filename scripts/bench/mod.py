@@ -1,7 +1,8 @@
 """
 Mixture-of-Depths: training step time and FLOPs per token against the skip rate.
 
-It measures each set of skippable blocks, on random tokens, and compares the time saved with the FLOPs saved (docs/mod.md).
+It measures each set of skippable blocks, on random tokens, and compares the time saved
+with the FLOPs saved (docs/mod.md).
 
     OMP_NUM_THREADS=1 python -m scripts.bench.mod                          # the CPU demo model (d4, dim 256, T 256)
     OMP_NUM_THREADS=1 python -m scripts.bench.mod --depth 8 --rates 0,0.2,0.4 --blocks attn,mlp,both

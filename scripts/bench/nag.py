@@ -29,7 +29,8 @@ import argparse
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import nag  # noqa: F401  (first: on a machine without a GPU it selects Triton's interpreter before torch imports Triton)
+# first: on a machine without a GPU it selects Triton's interpreter before torch imports Triton
+import nag  # noqa: F401
 
 SECTIONS = ("steps", "op", "activations", "launches")  # the four parts above
 # launches of the fused update before the gate transforms and the parameter-gradient sums moved into the kernels
@@ -163,7 +164,7 @@ def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from scripts.bench import models
     config = models.train_config(["--depth", str(depth), "--model-dim", str(dim), "--max-seq-len", str(seq_len),
-                                  "--head-dim", str(math.gcd(dim, 128))], vocab_size)  # the published 128 where D allows
+                                  "--head-dim", str(math.gcd(dim, 128))], vocab_size)  # the published 128 if D allows
     model = models.variant(variant, config, device)
     model.set_compute_dtype(torch.bfloat16)
     idx = torch.randint(0, vocab_size, (1, seq_len), device=device)

@@ -158,8 +158,10 @@ def run_variant(args, variant, mode, precision="bf16", reads=1):
               "first_step_s": first_fwd_bwd_s + first_optim_s, "fresh_cache": args.fresh_cache,
               "model_compile_s": max(first_fwd_bwd_s - split["fwd_bwd"] / args.steps, 0.0), "model_graphs": model_graphs,
               "optim_compile_s": max(first_optim_s - split["optim"] / args.steps, 0.0), "optim_graphs": optim_graphs,
-              "optim_compiled": sorted(fn.__name__ for fn in getattr(optim, "COMPILED", {})),  # the update functions behind its graphs
-              "later_graphs": counters["stats"]["unique_graphs"] - model_graphs - optim_graphs,  # recompiles past the first step: 0
+              # the update functions behind its graphs
+              "optim_compiled": sorted(fn.__name__ for fn in getattr(optim, "COMPILED", {})),
+              # recompiles past the first step: 0
+              "later_graphs": counters["stats"]["unique_graphs"] - model_graphs - optim_graphs,
               "first_loss": first_loss, "last_loss": last_loss,
               "params": sum(p.numel() for p in model.parameters()), "flops_per_token": model.estimate_flops(),
               "device": device_type, "depth": args.depth, "dim": model.config.n_embd, "tokens_per_step": B * T}
@@ -262,7 +264,8 @@ def ratios(results):
         whole = next((w for w in base if w["arch"] == r["arch"] and w["compile"] == "on"), None)
         if whole and r["compile"] == "blocks":
             out.append((f"{r['arch']} per block / whole", r, whole))
-    for r in results:  # the same arch and compile mode in bf16 with base_train's one read: fp8's gain, the old read's cost
+    # the same arch and compile mode in bf16 with base_train's one read: fp8's gain, the old read's cost
+    for r in results:
         same = next((b for b in base if b["arch"] == r["arch"] and b["compile"] == r["compile"]), None)
         if same and r is not same:
             what = f"{r['precision']}, {r['host_reads']} host read(s) / bf16, 1"
