@@ -4,12 +4,13 @@
 #   bash speedrun.sh                          the published pair (docs/reproduce.md) on every visible GPU
 #   bash speedrun.sh --dry-run                the plan only: no GPU, no network, nothing written
 #   bash speedrun.sh --preset d20 --arch nag  one nanochat-d20-like run
-#   bash speedrun.sh --preset run6            nanochat's record recipe (Run 6, d24) against NAG on that recipe, FLOP-matched
+#   bash speedrun.sh --preset run6            nanochat's record recipe (Run 6, d24) vs NAG on that recipe, FLOP-matched
 #   bash speedrun.sh --preset demo            the CPU demo's pair (runs/runcpu.sh's model) through the GPU pipeline
 #   bash speedrun.sh --preset tiny            CPU smoke test of the whole pipeline (offline corpus, minutes)
-#   bash speedrun.sh --seeds 1,2,3            the pair once per seed (gpt-published-s1, nag-published-s1, ...), compared as groups
+#   bash speedrun.sh --seeds 1,2,3            the pair once per seed (gpt-published-s1, ...), compared as groups
 #   bash speedrun.sh --arch nag --tag nofloor -- --nag-mod-floor 0    anything after -- goes to base_train
-#   bash speedrun.sh --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT    on each of two nodes (docs/runs.md; SLURM: runs/slurm_pair.sbatch)
+#   bash speedrun.sh --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT    on each of two nodes
+#                                             (docs/runs.md; SLURM: runs/slurm_pair.sbatch)
 #   bash speedrun.sh --help                   the flags
 #
 # Flags: --preset published|run6|d20|demo|tiny, --arch gpt,nag, --flops X, --gpus N, --tag T (default: derived from
@@ -20,8 +21,10 @@
 # --resume latest continues an unfinished one), up-to-date evaluations and report. A run that fails is
 # named at the end (exit status 1) and the other runs go on; the next rerun retries it.
 set -euo pipefail
-export NANOCHAT_CALLER_CWD="${NANOCHAT_CALLER_CWD:-$PWD}"  # relative paths in the flags are the caller's, not the repo's
-unset SLURM_STEP_NUM_TASKS  # one srun task per node (runs/slurm_pair.sbatch) is not a rank: speedrun starts its own processes
+# relative paths in the flags are the caller's, not the repo's
+export NANOCHAT_CALLER_CWD="${NANOCHAT_CALLER_CWD:-$PWD}"
+# one srun task per node (runs/slurm_pair.sbatch) is not a rank: speedrun starts its own processes
+unset SLURM_STEP_NUM_TASKS
 cd "$(dirname "${BASH_SOURCE[0]}")"
 stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
 
@@ -90,7 +93,8 @@ for i in "${!RUNS[@]}"; do
 done
 
 # 7. with both archs: residual geometry, attention sinks, confidence (docs/analysis.md) of the first seed's pair
-#    (RUNS[0], RUNS[1]), then the report of every run (COMPARE_RUNS: the pair, or with several seeds --a GPT's --b NAG's)
+#    (RUNS[0], RUNS[1]), then the report of every run
+#    (COMPARE_RUNS: the pair, or with several seeds --a GPT's --b NAG's)
 evaluated() { for i in "$@"; do if [ "${EVAL_DONE[$i]}" = 0 ]; then return 1; fi; done; }
 if [ "$PAIR" = 1 ]; then
     stage "analyse ${RUNS[0]} vs ${RUNS[1]}"

@@ -132,7 +132,8 @@ class RivalGPT(GPT):
     def kwargs_from_args(cls, args):
         """Constructor arguments from base_train's flags (ArchSpec.init_kwargs): none; no Mixture-of-Depths."""
         if getattr(args, "mod_rate", None) is not None or getattr(args, "mod_blocks", None):
-            raise UserError(f"--arch {cls.arch} has no Mixture-of-Depths: drop the --mod-* flags, or use --arch gpt / nag")
+            raise UserError(f"--arch {cls.arch} has no Mixture-of-Depths: drop the --mod-* flags, "
+                            "or use --arch nag / gpt-router")
         return {}
 
     def block_gains(self):
@@ -154,7 +155,8 @@ class RivalGPT(GPT):
                                weight_decay=0.0))
         return groups
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
+    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None,
+                cache=None):
         # every arm is per position: the KV cache holds all a new position reads of the others (docs/design.md §9)
         T = idx.size(1)
         cos_sin, masks, kvs = self.attention_inputs(T, idx.device, positions, allowed, cache)

@@ -8,11 +8,12 @@
 #   bash runs/failures.sh --scale cpu --dry-run                # the CPU runs and their status; nothing is trained
 #   bash runs/failures.sh --scale published --dry-run          # the four published-scale plans (speedrun.sh)
 #   bash runs/failures.sh --scale published --gpus 8           # further flags go to speedrun.sh
-#   bash runs/failures.sh --help                               # the flags (--base-dir DIR: relative to where you run it)
+#   bash runs/failures.sh --help                               # the flags (--base-dir DIR: relative to your cwd)
 #
 # A rerun reuses finished runs and resumes an interrupted one from its newest checkpoint.
 set -euo pipefail
-export NANOCHAT_CALLER_CWD="${NANOCHAT_CALLER_CWD:-$PWD}"  # setup_env.sh changes to the repo root; relative paths are the caller's
+# setup_env.sh changes to the repo root; relative paths are the caller's
+export NANOCHAT_CALLER_CWD="${NANOCHAT_CALLER_CWD:-$PWD}"
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc 2>/dev/null || echo 2)}"
 python -m scripts.experiments.failures "$@"

@@ -3,7 +3,8 @@
 # and the figures each writes). No network and no data: the benchmarks use random tokens (fp8_mod: an offline corpus).
 #
 #   bash runs/gpu_checks.sh --quick             # at most 7 minutes on one H100/H200, compiles included
-#   bash runs/gpu_checks.sh                     # also cold compiles, per-block compile, full depth, fp8 with MoD; CORE batching with EVAL_BUNDLE=DIR
+#   bash runs/gpu_checks.sh                     # also cold compiles, per-block compile, full depth, fp8 with MoD;
+#                                               # CORE batching with EVAL_BUNDLE=DIR
 #   bash runs/gpu_checks.sh --quick --dry-run   # the plan and the files it writes; needs no GPU
 #
 # Output: $OUT when set (a device runner's folder that comes back), else --out DIR, else gpu_checks/:

@@ -16,7 +16,8 @@ case "${1:-}" in  # --help prints the comment above
     *) echo "error: unknown argument $1 (mod_published.sh takes only --dry-run; see --help)" >&2; exit 1 ;;
 esac
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
-case "$NANOCHAT_BASE_DIR" in /*) ;; *) NANOCHAT_BASE_DIR="$PWD/$NANOCHAT_BASE_DIR" ;; esac  # before the cd: the caller's
+# before the cd: a relative base dir is the caller's
+case "$NANOCHAT_BASE_DIR" in /*) ;; *) NANOCHAT_BASE_DIR="$PWD/$NANOCHAT_BASE_DIR" ;; esac
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source runs/setup_env.sh
 RATE="${RATE:-0.2}"

@@ -10,5 +10,6 @@
 # Extra arguments go to speedrun.sh (e.g. --base-dir DIR); base_train flags after a `--`.
 # Interrupted? Run it again: finished stages are skipped and training resumes from the last checkpoint.
 set -euo pipefail
-case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; echo ;; esac  # then speedrun.sh's flags
+# --help: the comment above, then speedrun.sh's flags
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; echo ;; esac
 exec bash "$(dirname "${BASH_SOURCE[0]}")/../speedrun.sh" --preset published --arch gpt,nag --gpus 8 "$@"

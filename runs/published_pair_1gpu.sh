@@ -9,5 +9,6 @@
 #
 # A run is resumed with the process count it was saved with: keep finishing a 1-GPU run on 1 GPU.
 set -euo pipefail
-case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; echo ;; esac  # then speedrun.sh's flags
+# --help: the comment above, then speedrun.sh's flags
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; echo ;; esac
 exec bash "$(dirname "${BASH_SOURCE[0]}")/../speedrun.sh" --preset published --arch gpt,nag --gpus 1 "$@"

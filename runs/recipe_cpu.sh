@@ -6,7 +6,7 @@
 #
 #   bash runs/recipe_cpu.sh                 # everything under ~/.cache/nanochat (or $NANOCHAT_BASE_DIR)
 #   EVAL_BUNDLE=/path/to/eval_bundle bash runs/recipe_cpu.sh    # a local copy of the CORE bundle (no download)
-#   RECIPE_FLAGS="--no-smear" bash runs/recipe_cpu.sh           # an ablation: both runs without the smear (runs named -no-smear)
+#   RECIPE_FLAGS="--no-smear" bash runs/recipe_cpu.sh           # an ablation: both runs without smear (named -no-smear)
 #
 # No flags (--help prints this); settings are environment variables: NANOCHAT_BASE_DIR, EVAL_BUNDLE (relative paths
 # are taken from the directory you run it in), TARGET_FLOPS, MAX_PER_TASK, RECIPE_FLAGS. It shares the data and the

@@ -7,8 +7,8 @@
 #   SEEDS=1,2,3 bash runs/runcpu.sh     # each arch once per seed (cpu-gpt-s1, cpu-nag-s1, ...), compared as groups
 #
 # No flags (--help prints this); settings are environment variables: NANOCHAT_BASE_DIR, EVAL_BUNDLE (relative
-# paths are taken from the directory you run it in), TARGET_FLOPS, MAX_PER_TASK, SEEDS. With SEEDS, seed s sets
-# both --seed and --data-seed of its runs, so the GPT and NAG runs of one seed share their init seed and data order.
+# paths are taken from the directory you run it in), TARGET_FLOPS, MAX_PER_TASK, SEEDS. With SEEDS, seed s sets the
+# init and the data order of its runs (nanochat.common.seed_flags), so the GPT and NAG runs of one seed share both.
 # Re-running skips what is already done (data, tokenizer, finished runs, evaluations) and
 # continues an interrupted run from its newest complete checkpoint.
 set -euo pipefail
@@ -55,14 +55,19 @@ MODEL=(--preset demo --target-flops "$TARGET_FLOPS")
 # one pair (cpu-gpt, cpu-nag), or with SEEDS one pair per seed, named -s<seed>
 SUFFIXES=("")
 if [ -n "${SEEDS:-}" ]; then SUFFIXES=(); for seed in ${SEEDS//,/ }; do SUFFIXES+=("-s$seed"); done; fi
-seed_args() { if [ -n "$1" ]; then echo "--seed ${1#-s} --data-seed ${1#-s}"; fi; }
+# the base_train flags of a suffix's seed: the experiments' one rule (nanochat.common.seed_flags), none without SEEDS
+seed_args() {
+    if [ -n "$1" ]; then python -c 'import sys; from nanochat.common import seed_flags
+print(*seed_flags(int(sys.argv[1])))' "${1#-s}"; fi
+}
 FAILED=()  # a failed run is reported at the end; the other seeds go on
 
 # --resume latest: a finished run is left alone, an interrupted one continues from its newest checkpoint
 for sfx in "${SUFFIXES[@]}"; do
+    read -r -a SEED <<< "$(seed_args "$sfx")"
     stage "train the GPT baseline cpu-gpt$sfx, then NAG on the same FLOP budget and data order"
     for arch in gpt nag; do
-        python -m scripts.base_train --arch "$arch" --run "cpu-$arch$sfx" "${MODEL[@]}" $(seed_args "$sfx") --resume latest \
+        python -m scripts.base_train --arch "$arch" --run "cpu-$arch$sfx" "${MODEL[@]}" "${SEED[@]}" --resume latest \
             || FAILED+=("cpu-$arch$sfx")
     done
 done

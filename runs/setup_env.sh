@@ -48,7 +48,8 @@ if ! "$VENV/bin/python" -c "import sys, importlib.metadata as m; sys.exit(m.vers
         "$VENV/bin/pip" install -q "$TORCH"
     fi
 fi
-FOUND='import sys, importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))'  # all modules there
+# exits 0 when all the modules named are there
+FOUND='import sys, importlib.util as u; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))'
 if [ "$STALE" = 1 ] || ! "$VENV/bin/python" -c "$FOUND" nanochat tiktoken rustbpe pyarrow matplotlib pytest yaml 2>/dev/null; then
     echo "[setup] installing the project and its dependencies at requirements.lock's versions"
     "$VENV/bin/pip" install -q -c "$LOCK" -e "$REPO_ROOT[test]"

@@ -37,15 +37,17 @@ from nanochat.tokenizer import get_tokenizer_dir, has_tokenizer
 from nanochat.dataset import MAX_SHARD, PACKING_KEPT, SHARD_MB, TOKENS_PER_SHARD, expected_epochs, shards_for
 from nanochat.plan import PLANNED_MFU, PLANNED_PEAK, planned_seconds
 from nanochat.resume import HORIZON
+from nanochat.gpt import GPT
 from nag.archs import ARCHS, NOT_SETTINGS, is_nag_arch, plan_for
+from nag.model import NAGGPT
 from nag.presets import PRESETS, get_preset, pair_arch
 from nag import train_flags
 from analysis.compare.inputs import report_is_current
 
 # --arch's words for the preset's pair, baseline first: each names the run of that role, whose arch the preset's
-# "pair" gives (nag/presets.py pair_arch; without a pair, the arch of that name). User-facing words, not a registry
-# lookup: any other arch --arch names comes from nag/archs.py and trains beside the pair.
-ROLES = ("gpt", "nag")
+# "pair" gives (nag/presets.py pair_arch), and is the name of the arch it trains without one: the plain GPT and NAG.
+# Any other arch --arch names comes from nag/archs.py and trains beside the pair.
+ROLES = (GPT.arch, NAGGPT.arch)
 SEED_FLAGS = seed_flags(0)[::2]  # the base_train flags a seed sets (nanochat.common.seed_flags): --seeds owns them
 TOK_SHARDS = 8
 TOKENIZER_CHARS = {"tiny": 2_000_000}  # default 2B characters

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from nag.archs import plan_for
-from scripts import base_train, compare
+from nag import train_flags
+from scripts import compare
 from scripts.experiments import depth_sweep
 from nanochat.gpt import GPT
 from nanochat.plan import model_config_from_args
@@ -20,7 +21,7 @@ from tests.test_compare import eval_record, write_run
 
 
 def gpt_block_params(scale, depth, dim, vocab):
-    args = base_train.parse_args(depth_sweep.train_argv(scale, "gpt", depth, dim, 1, "x"))
+    args = train_flags.parse_args(depth_sweep.train_argv(scale, "gpt", depth, dim, 1, "x"))
     with torch.device("meta"):
         return depth_sweep.block_params(GPT(model_config_from_args(args, vocab)))
 
@@ -59,7 +60,7 @@ def test_published_plan_ends_at_the_published_pair():
     d16, d64 = plan["depths"]
     assert (d16["dim"], d16["aspect_ratio"]) == (1280, 80)  # the paper's widest ratio at this block size
     for arch in ("gpt", "nag"):
-        args = base_train.parse_args(["--preset", "published", "--arch", arch])
+        args = train_flags.parse_args(["--preset", "published", "--arch", arch])
         assert d64["runs"][arch]["num_iterations"] == plan_for(args, 32768, 8).num_iterations
     text = depth_sweep.plan_table(plan)
     assert "est. hours" in text and "4 runs" in text and "GPUs at 40% MFU" in text
@@ -79,10 +80,11 @@ def test_tiny_sweep_table_report_and_rerun(run_base, monkeypatch, capsys):
     for r in rows:
         evs = {a: json.load(open(os.path.join(runs, f"sweep-{a}-d{r['depth']}", "eval.json"))) for a in ("gpt", "nag")}
         # the table's numbers are each run's own base_eval bpb, and the gap is their difference
-        assert r["gpt_bpb"] == pytest.approx(evs["gpt"]["val_bpb"], abs=1e-9)
-        assert r["nag_bpb"] == pytest.approx(evs["nag"]["val_bpb"], abs=1e-9)
-        assert r["gap"] == pytest.approx(r["nag_bpb"] - r["gpt_bpb"], abs=1e-9)
-        assert r["ci"][0] <= r["gap"] <= r["ci"][1]
+        assert r["bpb"]["gpt"] == pytest.approx(evs["gpt"]["val_bpb"], abs=1e-9)
+        assert r["bpb"]["nag"] == pytest.approx(evs["nag"]["val_bpb"], abs=1e-9)
+        gap = r["gaps"]["nag"]
+        assert gap["gap"] == pytest.approx(r["bpb"]["nag"] - r["bpb"]["gpt"], abs=1e-9)
+        assert gap["ci"][0] <= gap["gap"] <= gap["ci"][1]
         assert evs["nag"]["arch"] == "nag" and evs["gpt"]["arch"] == "gpt"
     configs = {r["depth"]: json.load(open(os.path.join(runs, f"sweep-nag-d{r['depth']}", "config.json")))["model_config"] for r in rows}
     assert configs[1]["n_layer"] == 1 and configs[2]["n_layer"] == 2 and configs[1]["n_embd"] > configs[2]["n_embd"]
@@ -159,7 +161,7 @@ def test_published_sweep_runs_one_speedrun_pair_per_depth(run_base, monkeypatch,
                       "--", "--depth", str(d), "--model-dim", str(w), "--head-dim", "128"] for d, w in ((16, 1280), (64, 640))]
     assert [r["depth"] for r in rows] == [16, 64]
     for r in rows:  # each pair's gap from the shared val batches its eval.json holds
-        assert r["gap"] == pytest.approx((1.0 + 1.0) / (400 * math.log(2)), abs=1e-12)
+        assert r["gaps"]["nag"]["gap"] == pytest.approx((1.0 + 1.0) / (400 * math.log(2)), abs=1e-12)
     assert "| 16 | 1280 | 80 |" in capsys.readouterr().out
     # speedrun.sh failing at a depth: the next depth still runs, and both are named at the end
     calls.clear()
@@ -203,7 +205,7 @@ def test_seeds_plan_names_args_and_total_cost(run_base, capsys, script_error):
 
 
 def test_results_of_two_seeds(run_base, tmp_path, capsys):
-    plan = {"scale": "cpu", "seeds": [1, 2], "depths": [{"depth": d, "dim": w, "aspect_ratio": w / d} for d, w in ((2, 384), (4, 256), (8, 192))]}
+    plan = {"scale": "cpu", "archs": ["gpt", "nag"], "seeds": [1, 2], "depths": [{"depth": d, "dim": w, "aspect_ratio": w / d} for d, w in ((2, 384), (4, 256), (8, 192))]}
     runs = os.path.join(run_base, "runs")
     gap = {1: 0.10, 2: 0.16}  # the seeds disagree on the gap: seed noise the interval must hold
     for d in (2, 4, 8):
@@ -218,19 +220,20 @@ def test_results_of_two_seeds(run_base, tmp_path, capsys):
     # depth 2: the mean over both seeds, and the very interval of `compare --a GPT runs --b NAG runs` (paired by seed)
     compare.main(["--a", "sweep-gpt-d2-s1", "sweep-gpt-d2-s2", "--b", "sweep-nag-d2-s1", "sweep-nag-d2-s2", "--out", str(tmp_path / "g")])
     groups = json.load(open(tmp_path / "g" / "comparison.json"))["metrics"]["val_bpb"]
-    assert groups["delta"]["value"] == pytest.approx(d2["gap"], abs=1e-12) and groups["delta"]["ci"] == pytest.approx(list(d2["ci"]), abs=1e-12)
-    assert d2["gpt_bpb"] == pytest.approx(groups["groups"]["a"]["mean"]) and d2["nag_bpb"] == pytest.approx(groups["groups"]["b"]["mean"])
+    gap = d2["gaps"]["nag"]
+    assert groups["delta"]["value"] == pytest.approx(gap["gap"], abs=1e-12) and groups["delta"]["ci"] == pytest.approx(list(gap["ci"]), abs=1e-12)
+    assert d2["bpb"]["gpt"] == pytest.approx(groups["groups"]["a"]["mean"]) and d2["bpb"]["nag"] == pytest.approx(groups["groups"]["b"]["mean"])
     assert d2["seeds"] == [1, 2] and d2["runs"]["gpt"] == pytest.approx([groups["runs"][f"sweep-gpt-d2-s{s}"] for s in (1, 2)])
     # two seeds that disagree: a wide interval (t with 1 degree of freedom)
-    assert d2["ci"][0] < 0.10 and d2["ci"][1] > 0.16
+    assert gap["ci"][0] < 0.10 and gap["ci"][1] > 0.16
     # depth 4: one seed left, today's paired val-batch interval; depth 8: nothing
-    assert d4["seeds"] == [1] and d4["interval"] == "val batches" and d4["ci"][1] - d4["ci"][0] < 0.02
-    assert "gap" not in d8 and d8["seeds"] == []
-    table = depth_sweep.results_table(rows).splitlines()
+    assert d4["seeds"] == [1] and d4["interval"] == "val batches" and d4["gaps"]["nag"]["ci"][1] - d4["gaps"]["nag"]["ci"][0] < 0.02
+    assert "gaps" not in d8 and "bpb" not in d8 and d8["seeds"] == []
+    table = depth_sweep.results_table(rows, plan["archs"]).splitlines()
     assert table[0] == "| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | NAG - GPT | 95% interval |"
     assert table[2].startswith("| 2 | 384 | 192 | 1,2 | ") and table[3].startswith("| 4 | 256 | 64 | 1 | ")
     assert table[4] == "| 8 | 192 | 24 | - | - | - | - | not evaluated |"
-    depth_sweep.plot(rows, str(tmp_path / "gap.png"))
+    depth_sweep.plot(rows, plan["archs"], str(tmp_path / "gap.png"))
     assert os.path.getsize(tmp_path / "gap.png") > 0
     json.dumps(rows)  # depth_sweep.json takes them as they are
 
@@ -245,9 +248,10 @@ def test_a_failed_run_leaves_the_others_to_go_on(run_base, monkeypatch, capsys):
         run_dir = os.path.join(run_base, "runs", args.run)
         n = plan_for(args, 512, 1).num_iterations
         os.makedirs(run_dir, exist_ok=True)
-        for name in (f"model_{n:06d}.pt", f"optim_{n:06d}_rank0.pt"):
+        names = (f"model_{n:06d}.pt", f"optim_{n:06d}_rank0.pt")
+        for name in names:
             open(os.path.join(run_dir, name), "w").close()
-        json.dump({"world_size": 1}, open(os.path.join(run_dir, f"meta_{n:06d}.json"), "w"))
+        json.dump({"world_size": 1, "file_sizes": {name: 0 for name in names}}, open(os.path.join(run_dir, f"meta_{n:06d}.json"), "w"))
         steps[args.run] = n
 
     def fake_eval(args):
@@ -272,3 +276,71 @@ def test_a_failed_run_leaves_the_others_to_go_on(run_base, monkeypatch, capsys):
     done = set(steps)
     rows = depth_sweep.main(["--scale", "cpu", "--seeds", "1,2"])
     assert set(steps) - done == {"sweep-gpt-d1-s1"} and [r["seeds"] for r in rows] == [[1, 2], [1, 2]]
+
+
+# ---------------------------------------------------------------------------
+# --archs: any registered arms, each against GPT
+
+
+def test_archs_bad_input_is_one_line(run_base, script_error):
+    from nag.archs import ARCHS
+    err = script_error(depth_sweep.main, "--dry-run", "--archs", "gpt,bert")
+    assert "unknown arch 'bert' in --archs gpt,bert (expected some of: " in err and all(a in err for a in ARCHS)
+    for bad in ("nag,nag-recipe", "gpt", "gpt,nag,nag"):
+        assert f"--archs takes gpt (every gap is against it) and at least one other arch, each once; got {bad!r}" in \
+            script_error(depth_sweep.main, "--dry-run", "--archs", bad)
+
+
+def test_third_arm_plan_commands_and_cost(run_base, capsys):
+    two = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--dry-run"])
+    err_two = capsys.readouterr().err
+    three = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--dry-run", "--archs", "nag,gpt-recipe,gpt"])
+    err = capsys.readouterr().err
+    assert three["archs"] == ["gpt", "nag", "gpt-recipe"]  # GPT first: every gap is against it
+    for r2, r3 in zip(two["depths"], three["depths"]):  # the same widths, and the pair's plans unchanged
+        assert (r2["dim"], r2["runs"]) == (r3["dim"], {a: r3["runs"][a] for a in ("gpt", "nag")})
+        assert abs(r3["runs"]["gpt-recipe"]["total_flops"] / 3e19 - 1) < 1e-3  # FLOP-matched too
+    assert re.search(r"^6 runs, 1\.8e\+20 FLOPs in all, about \d+ hours on 8 GPUs", err, re.M)
+    per_arm = re.search(r"^GPU hours per arm \(every depth and seed\): gpt ([\d,]+), nag ([\d,]+), gpt-recipe ([\d,]+); "
+                        r"all arms ([\d,]+)$", err, re.M)
+    assert per_arm, err
+    assert re.search(r"^GPU hours per arm \(every depth and seed\): gpt [\d,]+, nag [\d,]+; all arms", err_two, re.M)
+    # one speedrun.sh per depth names every arm; its runs are <arch>-published-d<depth>
+    lines = [l for l in err.splitlines() if l.startswith("bash speedrun.sh")]
+    assert len(lines) == 2 and all(" --arch gpt,nag,gpt-recipe --tag d" in l for l in lines)
+    assert lines[0].endswith("# runs gpt-published-d16 nag-published-d16 gpt-recipe-published-d16")
+    assert not any(" --arch " in l for l in err_two.splitlines() if l.startswith("bash speedrun.sh"))
+
+
+def test_third_arm_results_table_and_figure(run_base, tmp_path):
+    archs = ["gpt", "nag", "gpt-recipe"]
+    plan = {"scale": "cpu", "archs": archs, "seeds": [1, 2], "depths": [{"depth": d, "dim": w, "aspect_ratio": w / d}
+                                                                          for d, w in ((2, 384), (4, 256))]}
+    runs = os.path.join(run_base, "runs")
+    offset = {"gpt": 0.0, "nag": 0.10, "gpt-recipe": -0.05}
+    for d in (2, 4):
+        for s in (1, 2):
+            for arch in archs:
+                if (d, s, arch) == (4, 2, "gpt-recipe"):
+                    continue  # depth 4: seed 2's third arm unfinished, so that seed is left out for every arm
+                write_run(runs, f"sweep-{arch}-d{d}-s{s}", [eval_record(80, 1.7 + s / 100 + offset[arch], seed=10 * d + s)],
+                          arch=arch, args={"seed": s, "data_seed": s})
+    d2, d4 = depth_sweep.results(plan, run_base)
+    assert d2["seeds"] == [1, 2] and set(d2["gaps"]) == {"nag", "gpt-recipe"} and set(d2["bpb"]) == set(archs)
+    # each arm's gap is the group comparison with GPT alone: the same as the two-arm sweep of that arm
+    for arch in ("nag", "gpt-recipe"):
+        pair = depth_sweep.results({**plan, "archs": ["gpt", arch]}, run_base)[0]
+        got, alone = d2["gaps"][arch], pair["gaps"][arch]
+        assert got["gap"] == alone["gap"] and list(got["ci"]) == list(alone["ci"]) and d2["bpb"][arch] == pair["bpb"][arch]
+        assert d2["gaps"][arch]["gap"] == pytest.approx(d2["bpb"][arch] - d2["bpb"]["gpt"], abs=1e-12)
+    assert d4["seeds"] == [1] and d4["interval"] == "val batches"
+    table = depth_sweep.results_table([d2, d4], archs).splitlines()
+    assert table[0] == ("| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | GPT-RECIPE val bpb | NAG - GPT | "
+                        "95% interval | GPT-RECIPE - GPT | 95% interval |")
+    assert table[2].startswith("| 2 | 384 | 192 | 1,2 | ") and table[3].startswith("| 4 | 256 | 64 | 1 | ")
+    assert all(line.count("|") == table[0].count("|") for line in table)
+    not_run = depth_sweep.results_table([{"depth": 8, "dim": 192, "aspect_ratio": 24, "seeds": []}], archs).splitlines()[2]
+    assert not_run == "| 8 | 192 | 24 | - | - | - | - | - | not evaluated | - | not evaluated |"
+    depth_sweep.plot([d2, d4], archs, str(tmp_path / "gap.png"))
+    assert os.path.getsize(tmp_path / "gap.png") > 0
+    json.dumps([d2, d4])

@@ -562,7 +562,8 @@ def test_every_quick_stage_runs_under_the_slot_python(tmp_path, monkeypatch):
     logs = {n: (work / f"{n}.log").read_text()[-3000:] for n in got}
     assert "rustbpe" not in hidden  # not even tried
     # kernel_tests: CUDA by nature; on a CPU every CUDA test skips itself and the stage fails as it must
-    # (no CUDA test ran), but pytest collected tests/test_nag_kernels.py and its conftest under the slot's python and none errored
+    # (no CUDA test ran), but pytest collected tests/test_nag_kernels.py and its conftest under the slot's python
+    # and none errored
     ok, _, note = got.pop("kernel_tests")
     kt = json.loads((work / "kernel_tests.json").read_text())
     assert not ok and note.startswith("exit 1: error: kernel tests: pytest exit 0, 0 CUDA test(s) passed"), logs["kernel_tests"]

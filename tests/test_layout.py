@@ -22,9 +22,11 @@ ALLOWED = [
     (DRIVERS, "scripts.speedrun", {"main"}),  # failures.py runs speedrun's plan in-process
     (DRIVERS, "scripts.experiments", None),  # the drivers' shared set-up, not a command
     (BENCHMARKS, "scripts.bench.models", None),  # the benchmarks' shared library, not a command
-    (BENCHMARKS, "scripts.check_cuda", {"nvidia_smi"}),  # a GPU's state as check_cuda reads it (gpu_checks now takes it from nanochat.common)
+    # a GPU's state as check_cuda reads it (gpu_checks now takes it from nanochat.common)
+    (BENCHMARKS, "scripts.check_cuda", {"nvidia_smi"}),
     (BENCHMARKS, "scripts.base_train", {"parse_args"}),  # a benchmark shapes its model with base_train's flags
-    (("scripts/bench/nag.py",), "scripts.bench.train", {"benchmark", "parse", "ratios", "print_ratios"}),  # its step timing
+    # its step timing
+    (("scripts/bench/nag.py",), "scripts.bench.train", {"benchmark", "parse", "ratios", "print_ratios"}),
 ]
 LAYERS = ("nanochat", "nag", "analysis")  # below the commands: they import none of scripts/
 
@@ -76,7 +78,8 @@ def imported(tree, rel, root):
             if not module or module.split(".")[0] != "scripts":
                 continue
             for a in node.names:
-                if is_module(root, f"{module}.{a.name}"):  # from scripts(.bench) import X: a module, used through its name
+                # from scripts(.bench) import X: a module, used through its name
+                if is_module(root, f"{module}.{a.name}"):
                     bound[a.asname or a.name] = f"{module}.{a.name}"
                     out.append((node.lineno, f"{module}.{a.name}", None))
                 else:
@@ -130,7 +133,8 @@ def imports_of(node):
     return [a.name for a in node.names] if isinstance(node, ast.Import) else []
 
 
-# NAG by name: the word, nag_ in identifiers, NAGGPT / NAGConfig, --nag- flags; the project's name nag-chat is not the arch
+# NAG by name: the word, nag_ in identifiers, NAGGPT / NAGConfig, --nag- flags;
+# the project's name nag-chat is not the arch
 NAG_WORD = re.compile(r"(?i:\bnag\b(?!-chat\b)|(?<![a-z])nag_)|NAG[A-Z]")
 
 
@@ -175,8 +179,10 @@ def test_the_command_checker_catches_what_it_should(tmp_path):
         "scripts/base_train.py": "def train(args): pass\ndef make_plan(): pass\n",
         "scripts/check_cuda.py": "def nvidia_smi(): pass\ndef probe(): pass\n",
         "scripts/compare.py": "from scripts.base_train import make_plan\n",  # a command's internals
-        "scripts/sample.py": "from scripts import base_train\nbase_train.train(None)\n",  # an entry, but not from a driver
-        "scripts/speedrun.py": "from scripts import base_train\nbase_train.parse_args([])\ndef plan(): pass\n",  # a driver's entry: fine
+        # an entry, but not from a driver
+        "scripts/sample.py": "from scripts import base_train\nbase_train.train(None)\n",
+        # a driver's entry: fine
+        "scripts/speedrun.py": "from scripts import base_train\nbase_train.parse_args([])\ndef plan(): pass\n",
         "scripts/experiments/__init__.py": "from scripts import base_train\nbase_train.main([])\n",  # fine
         "scripts/experiments/sweep.py": "import scripts.base_train\nscripts.base_train.make_plan()\n"
                                         "from scripts.experiments import prepare\nfrom scripts.speedrun import main\n"

@@ -247,7 +247,8 @@ def read_metrics(run_dir):
 
 
 def test_iso_flop_plan_buys_more_steps(capsys):
-    common = ["--preset", "demo", "--arch", "nag", "--dry-run", "1"]  # the demo: 4 × 256, 4,096 tokens per step and vocab, 1e13 FLOPs
+    # the demo: 4 × 256, 4,096 tokens per step and vocab, 1e13 FLOPs
+    common = ["--preset", "demo", "--arch", "nag", "--dry-run", "1"]
     full = base_train.main(common)
     mod = base_train.main(common + ["--mod-rate", "0.2"])
     assert mod["flops_per_token"] < full["flops_per_token"]

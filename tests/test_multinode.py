@@ -156,7 +156,8 @@ def test_killed_worker_restarts_and_ends_bit_identical(base):
     env = clean_env(base, **LAUNCH_ENV)
     job = torchrun(base, launcher[1:-1], "--run", "killed", *common, env=env)
     lock = os.path.join(base, "runs", "killed", ".lock")
-    holder = lambda: (open(lock).read().split() + ["", ""])[1]  # rank 0's worker, named in the run's lock ("" mid-write)
+    # rank 0's worker, named in the run's lock ("" mid-write)
+    holder = lambda: (open(lock).read().split() + ["", ""])[1]
     for kill_after in (8, 18):  # steps: each kill lands past a checkpoint
         wait_for(lambda: logged_steps(base, "killed") >= kill_after, what=f"step {kill_after}")
         killed = holder()
@@ -202,7 +203,8 @@ def test_sigterm_saves_on_every_rank_and_resume_on_other_process_counts(base):
     assert all(rc == 0 for rc, _ in results), results[0][1][-2000:]
     assert same_weights(weights(base, "up", 12), weights(base, "whole", 12))
 
-    with pytest.raises(AssertionError, match="its data was cut into 2 shards"):  # another micro-batch size: no remap exists
+    # another micro-batch size: no remap exists
+    with pytest.raises(AssertionError, match="its data was cut into 2 shards"):
         run_one(base, "--run", "up", *common, "--resume", "6", "--device-batch-size", "2", "--change-settings")
 
 

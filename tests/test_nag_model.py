@@ -118,7 +118,8 @@ def test_telemetry_fields():
         model.gates[0].mlp_branch.m_down.bias.fill_(-30.0)  # u ≈ 9e-14, below the 1e-6 floor
     t = model.gate_telemetry(torch.randint(0, 128, (2, 32)))
     assert t["branches"][2]["u_mean"] == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-5)
-    assert t["branches"][2]["m_mean"] == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-4)  # β = 1 at init
+    # β = 1 at init
+    assert t["branches"][2]["m_mean"] == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-4)
     assert t["branches"][2]["gain_abs_mean"] == pytest.approx(3 ** -0.5 * torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-4)
     assert t["branches"][1]["floor_frac"] == 1.0 and t["branches"][2]["floor_frac"] == 0.0
     # a branch with α = 0 counts as dead

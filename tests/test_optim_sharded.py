@@ -138,7 +138,8 @@ def test_two_gloo_ranks_equal_one_process_and_resume_on_another_count(tmp_path):
         for arch, res in results.items():
             print(rank, arch, res)
             assert res["ranks_identical"], (rank, arch)
-            # each rank holds momentum for its chunk only: 12 square matrices → 6, 3 MLP matrices → 2 (rank 0) / 1 (rank 1)
+            # each rank holds momentum for its chunk only:
+            # 12 square matrices → 6, 3 MLP matrices → 2 (rank 0) / 1 (rank 1)
             assert sorted(res["momentum_rows"].values()) == ([1, 1, 6] if rank else [2, 2, 6]), res["momentum_rows"]
             for key in ("sharded", "resume_2to1", "resume_2to2", "resume_1to2", "resume_legacy_1to2"):
                 assert res[key] <= 1e-6, (rank, arch, key, res[key])
@@ -187,7 +188,8 @@ def test_state_dicts_reload_on_any_number_of_ranks():
                 assert torch.equal(st["momentum_buffer"], sf["momentum_buffer"][a:b])
                 assert torch.equal(st["variance_buffer"], sf["variance_buffer"][a:b])
     saved = [opt.state_dict() for opt in shards]
-    assert all(not any(k in s["state"] for k in range(3)) for s in saved[1:])  # the AdamW state (gates: 0..2) on rank 0 only
+    # the AdamW state (gates: 0..2) on rank 0 only
+    assert all(not any(k in s["state"] for k in range(3)) for s in saved[1:])
     assert [s["shard"]["rows"][1] for s in saved] == [[0, 2], [2, 4], [4, 5]]
     back = MuonAdamW(matrices_and_gates()[1])
     assert back.ranks_to_load(3) == [0, 1, 2]

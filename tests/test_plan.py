@@ -37,7 +37,8 @@ def test_published_scaling_params_as_the_published_code_counts_them(arch, count,
     _, plan = published(arch)
     assert plan.model.num_scaling_params() == count
     assert round(plan.weight_decay, 7) == decay
-    # the FLOPs stay 6 × matmul parameters + attention: the gate vectors do no matmul, and the FLOP-matched horizon holds
+    # the FLOPs stay 6 × matmul parameters + attention: the gate vectors do no matmul,
+    # and the FLOP-matched horizon holds
     assert plan.flops_per_token == {"gpt": 3_019_898_880, "nag": 3_035_627_520}[arch]
 
 

@@ -136,13 +136,15 @@ def test_every_part_off_is_the_base_arch_bit_for_bit(base, recipe_cls, kwargs):
 
 
 def test_quarter_windows():
-    # nanochat's -(-T // 4 // 128) * 128: 512 at 2048 (its comment says 768; the code gives a quarter, rounded up to 128)
+    # nanochat's -(-T // 4 // 128) * 128: 512 at 2048
+    # (its comment says 768; the code gives a quarter, rounded up to 128)
     assert [quarter_window(t) for t in (2048, 1024, 256, 64)] == [512, 256, 128, 64]
     m = RecipeGPT(replace(CFG, sequence_len=512, window_pattern="SSSL"), device="meta")
     assert m.windows == [128, 128, 128, 512] and [b.attn.window for b in m.blocks] == m.windows
 
 
-# ----- the FLOP count and S at nanochat's d24 (scripts/base_train.py build_model_meta; gpt.py estimate_flops, num_scaling_params) -----
+# ----- the FLOP count and S at nanochat's d24 -----
+# (scripts/base_train.py build_model_meta; gpt.py estimate_flops, num_scaling_params)
 
 
 def nanochat_d24(depth=24, aspect=64, head_dim=128, seq=2048, vocab=32768, pattern="SSSL"):
@@ -169,7 +171,8 @@ def test_flops_and_scaling_params_are_nanochats_at_d24():
     assert RecipeGPT(cfg, recipe=OFF, device="meta").estimate_flops() == base.estimate_flops() != flops
     # NAG on the recipe: NAG's gates on top, the smear gate in the FLOPs but not in S, as for the baseline
     n, nag = NAGRecipeGPT(cfg, device="meta"), NAGGPT(cfg, device="meta")
-    assert n.estimate_flops() - flops == nag.estimate_flops() - base.estimate_flops() == 6 * 48 * 1536 * 32  # the m_down matrices
+    # the m_down matrices
+    assert n.estimate_flops() - flops == nag.estimate_flops() - base.estimate_flops() == 6 * 48 * 1536 * 32
     assert n.num_scaling_params() - S == nag.num_scaling_params() - base.num_scaling_params()
 
 
@@ -295,7 +298,8 @@ def plan_record(arch):
 def test_run6_preset_is_nanochats_run():
     gpt, nag = plan_record("gpt-recipe"), plan_record("nag-recipe")
     flops, S = nanochat_d24()
-    # nanochat: tokens = 8·S, batch 2^round(log2(2^19·(S/S_d12)^0.383)) with S_d12 of its 768-wide d12, horizon tokens // batch
+    # nanochat: tokens = 8·S, batch 2^round(log2(2^19·(S/S_d12)^0.383)) with S_d12 of its 768-wide d12,
+    # horizon tokens // batch
     S12 = nanochat_d24(depth=12)[1]
     batch = 2 ** round(math.log2(2 ** 19 * (S / S12) ** 0.383))
     assert gpt["total_batch_size"] == batch == 2 ** 20 and gpt["num_iterations"] == 8 * S // batch == 5568

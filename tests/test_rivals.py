@@ -1,6 +1,8 @@
-"""The rival depth arms (nag/rivals.py, docs/design.md §11): each against a plain-PyTorch restatement of its formula;
-undone, the GPT baseline bit for bit where the math allows; FLOPs and S; checkpoints; KV-cache decoding; the residual
-capture of analysis/capture.py; the Hugging Face export's logits and generation."""
+"""The rival depth arms (nag/rivals.py, docs/design.md §11), from formula to export.
+
+Each arm against a plain-PyTorch restatement of its formula; undone, the GPT baseline bit for bit where the math
+allows; FLOPs and S; checkpoints; KV-cache decoding; the residual capture of analysis/capture.py; the Hugging Face
+export's logits and generation."""
 
 import math
 
@@ -29,7 +31,8 @@ def rms(x):
 
 
 def own_params(model):
-    return {n: p for n, p in model.named_parameters() if n not in dict(GPT.initialised(model.config).named_parameters())}
+    baseline = dict(GPT.initialised(model.config).named_parameters())
+    return {n: p for n, p in model.named_parameters() if n not in baseline}
 
 
 def twins(cls, config=CFG, **kwargs):
@@ -66,7 +69,7 @@ def layerrope_gain(gamma, depth, base, l):
 
 
 def arm_formula(model):
-    """Per layer l (0-based): (read attn, read mlp, write attn, write mlp) as plain functions of the arm's parameters."""
+    """Per layer l (0-based): (read attn, read mlp, write attn, write mlp), plain functions of the arm's parameters."""
     L, same = model.config.n_layer, (lambda y: y)
     if isinstance(model, LNSGPT):
         return [((lambda h, l=l: h / math.sqrt(l + 1)),) * 2 + (same, same) for l in range(L)]
@@ -117,6 +120,11 @@ def test_lns_scales_each_pre_norm_by_one_over_root_l():
         assert torch.allclose(seen[("attn", i)], rms(x) / math.sqrt(l), atol=1e-6)
         assert torch.allclose(seen[("mlp", i)], rms(x + seen[("a", i)]) / math.sqrt(l), atol=1e-6)
     assert not torch.allclose(seen[("attn", L - 1)], rms(seen[("x", L - 1)]), atol=1e-2)  # the last block is scaled
+    # under QK-norm the scale s reaches the values only, and ReLU² is 2-homogeneous: outputs × s and × s² (§11)
+    h, blk, sc = rms(seen[("x", L - 1)]), model.blocks[L - 1], L ** -0.5
+    cos_sin = model.rotary(idx.size(1))
+    assert torch.allclose(blk.attn(h * sc, cos_sin, None), sc * blk.attn(h, cos_sin, None), atol=1e-5)
+    assert torch.allclose(blk.mlp(h * sc), sc ** 2 * blk.mlp(h), atol=1e-6)
     assert torch.allclose(logits, by_hand(model, idx)[1], atol=1e-5)
 
 
@@ -249,7 +257,8 @@ def test_flags_build_each_arm():
     from scripts import base_train
     from conftest import TINY_TRAIN
     for arch, cls in ARMS.items():
-        flags = TINY_TRAIN + ["--arch", arch, "--num-iterations", "2", "--rival-gain-lr", "0.03", "--layerrope-init", "depth"]
+        flags = TINY_TRAIN + ["--arch", arch, "--num-iterations", "2", "--rival-gain-lr", "0.03",
+                              "--layerrope-init", "depth"]
         args = base_train.parse_args(flags)
         plan = archs.plan_for(args, 512, 1)
         assert type(plan.model) is cls
@@ -273,7 +282,8 @@ def test_flags_build_each_arm():
 def test_checkpoint_round_trip(arch, tmp_path):
     kwargs = {"layerrope": LAYERROPE_INITS["depth"]} if arch == "gpt-layerrope" else {}
     model = shake(twins(ARMS[arch], **kwargs)[1])
-    meta = {"arch": model.arch, "model_config": model.config.to_dict(), **model.extra_meta(), "step": 3, "world_size": 1}
+    meta = {"arch": model.arch, "model_config": model.config.to_dict(), **model.extra_meta(), "step": 3,
+            "world_size": 1}
     run_dir = str(tmp_path / "run")
     ckpt.save_checkpoint(run_dir, 3, model, meta, {"optimizer": None})
     loaded, got_meta = archs.load_model(run_dir)
@@ -313,7 +323,8 @@ def test_capture_sees_the_arms_residual_states(arch):
         idx[:, 0] = 0
         data.append((idx[:, :-1], idx[:, 1:]))
     acc = capture(model, iter(data), 2, bos=0, cfg=CaptureConfig(token_sample=1000, state_sample=1000))
-    states = [torch.cat([s.reshape(-1, CFG.n_embd) for s in ss]).double() for ss in zip(*[by_hand(model, i)[0] for i, _ in data])]
+    per_batch = [by_hand(model, i)[0] for i, _ in data]
+    states = [torch.cat([s.reshape(-1, CFG.n_embd) for s in ss]).double() for ss in zip(*per_batch)]
     n = states[0].size(0)
     assert acc.tokens == n == 2 * 2 * CFG.sequence_len
     norms = torch.stack([s.norm(dim=1) for s in states], 1)

@@ -20,7 +20,7 @@ from nag.archs import plan_for
 from nanochat.plan import lr_multiplier
 from scripts import base_train
 from nanochat import checkpoint_manager as ckpt
-from nanochat import run_dir as run_files
+from nanochat.run_dir import resolve_run_dir, run_path
 from nanochat.common import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -315,8 +315,8 @@ def test_a_run_path_is_a_directory_everywhere(run_base, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_dir = main("--run", "mine/r1", "--num-iterations", "1", "--eval-every", "-1")
     assert run_dir == str(tmp_path / "mine" / "r1") and ckpt.complete_steps(run_dir) == [1]
-    assert run_files.resolve_run_dir("mine/r1") == run_dir
-    assert run_files.resolve_run_dir("r1") == os.path.join(run_base, "runs", "r1") == run_files.run_path("r1")
+    assert resolve_run_dir("mine/r1") == run_dir
+    assert resolve_run_dir("r1") == os.path.join(run_base, "runs", "r1") == run_path("r1")
 
 
 def test_a_checkpoint_without_a_tokenizer_fingerprint_is_an_earlier_versions():

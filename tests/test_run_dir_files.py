@@ -49,7 +49,8 @@ def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path, bad):
                  lambda p: run_dir.keep_history(p, 0)):
         with pytest.raises(UserError) as e:
             read(str(path))
-        assert f"{path} line 3" in str(e.value) and "\n" not in str(e.value)  # the file's own line number, blank lines counted
+        # the file's own line number, blank lines counted
+        assert f"{path} line 3" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / f"{run_dir.METRICS}.bak-0").exists()  # refused before moving anything
 
 

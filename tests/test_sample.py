@@ -53,7 +53,8 @@ def test_cached_greedy_equals_uncached_up_to_a_full_context(name):
     cached = list(generate(model, PROMPT, 100, temperature=0))
     assert len(cached) == context_room(model, len(PROMPT)) == 64 - 10 + 1  # stopped at the context, past every window
     assert cached == list(generate(model, PROMPT, 100, temperature=0, use_cache=False))
-    if getattr(model, "thresholds", None) is not None:  # the tokens did skip, in every sub-layer, near the target on average
+    # the tokens did skip, in every sub-layer, near the target on average
+    if getattr(model, "thresholds", None) is not None:
         rates = model.thresholds.pop_rates("eval")
         assert len(rates) == 4 and all(r > 0 for r in rates.values()) and 0.15 < sum(rates.values()) / 4 < 0.45, rates
 
@@ -76,7 +77,8 @@ def test_each_cached_step_gives_the_full_forwards_last_logits(name):
 def test_context_limits():
     model = build("gpt")
     assert list(generate(model, PROMPT, 0, temperature=0)) == []
-    assert len(list(generate(model, tokens(1, 64)[0].tolist(), 5, temperature=0))) == 1  # a full prompt: one token, never fed back
+    # a full prompt: one token, never fed back
+    assert len(list(generate(model, tokens(1, 64)[0].tolist(), 5, temperature=0))) == 1
     assert len(list(generate(model, tokens(1, 62)[0].tolist(), 5, temperature=0))) == 3
     for bad in ([], tokens(1, 65)[0].tolist()):
         with pytest.raises(ValueError):

@@ -95,6 +95,7 @@ def test_bad_input_in_the_shell_is_one_line_error(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["--arch", "gpt,bert"], "unknown arch 'bert'"),
+    (["--preset", "run6", "--arch", "gpt,gpt-recipe"], "--arch gpt,gpt-recipe names one arch twice with --preset run6"),
     (["--gpus", "3"], "not a multiple"),  # 2^20 tokens per step do not split over 3 × 16 × 2048
     (["--flops", "1e12", "--arch", "gpt"], "0 steps"),  # below one step of 2^20 tokens
 ])
@@ -174,7 +175,8 @@ def test_tokenizer_of_another_size_is_refused(tiny_base_dir, tmp_path, monkeypat
     from scripts import speedrun as speedrun_py
     base = tmp_path / "base"
     base.mkdir()
-    os.symlink(os.path.join(tiny_base_dir, "tokenizer"), base / "tokenizer")  # 512 tokens; the published preset wants 32,768
+    # 512 tokens; the published preset wants 32,768
+    os.symlink(os.path.join(tiny_base_dir, "tokenizer"), base / "tokenizer")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     err = script_error(speedrun_py.main, "--dry-run", "--base-dir", str(base))
     assert "512" in err and "32,768" in err and "fresh --base-dir" in err, err
@@ -254,7 +256,8 @@ def fake_checkpoint(run_dir, step, world_size):
     names = [f"model_{step:06d}.pt"] + [f"optim_{step:06d}_rank{r}.pt" for r in range(world_size)]
     for name in names:
         open(os.path.join(run_dir, name), "w").close()
-    with open(os.path.join(run_dir, f"meta_{step:06d}.json"), "w") as f:  # written last, with the files' sizes, as a save does
+    # written last, with the files' sizes, as a save does
+    with open(os.path.join(run_dir, f"meta_{step:06d}.json"), "w") as f:
         json.dump({"world_size": world_size, "file_sizes": {name: 0 for name in names}}, f)
 
 
@@ -365,7 +368,8 @@ def test_group_report_is_found_current(tmp_path, capsys, monkeypatch):
         os.utime(os.path.join(run_dir, "eval.json"))
     err, sh = plan_of(capsys, *common)
     assert sh["EVAL_DONE"] == ["1"] * 4 and sh["REPORT_DONE"] == "0"
-    compare.main([*sh["COMPARE_RUNS"], "--out", sh["REPORT"]])  # what speedrun.sh runs: the groups' report, its inputs.json in compare's order
+    # what speedrun.sh runs: the groups' report, its inputs.json in compare's order
+    compare.main([*sh["COMPARE_RUNS"], "--out", sh["REPORT"]])
     capsys.readouterr()
     err, sh = plan_of(capsys, *common)
     assert sh["REPORT_DONE"] == "1" and re.search(r"^  report +\[done, skip\]", err, re.M)
@@ -476,7 +480,8 @@ def sh_commands(sh, i):
         return text.split("; then")[0].strip()  # the command's own arguments, up to the end of its line(s)
     assign = "\n".join(f"{k}=({' '.join(shlex.quote(v) for v in vs)})" if isinstance(vs, list) else f"{k}={shlex.quote(vs)}"
                        for k, vs in sh.items())
-    seed_line = next(line.strip() for line in lines if "read -r -a SEED" in line)  # the run's seed flags, as speedrun.sh reads them
+    # the run's seed flags, as speedrun.sh reads them
+    seed_line = next(line.strip() for line in lines if "read -r -a SEED" in line)
     out = {}
     for name, marker in (("train", 'scripts.base_train -- '), ("eval", 'scripts.base_eval -- ')):
         script = f"{assign}\ni={i}\n{seed_line}\nprintf '%s\\n' {command(marker)}"
@@ -506,3 +511,20 @@ def test_seed_lists_follow_one_rule():
     for bad in ("1, 2", " 1,2", "1,1", "1,2,1", "1,,2", "", "-1", "1.0", "１"):
         with pytest.raises(UserError, match=r"takes different non-negative integers separated by commas, like 1,2,3; got "):
             parse_seeds(bad)
+
+
+def test_other_archs_train_beside_the_pair(tmp_path, capsys):
+    """--arch may name any arch of nag/archs.py besides the pair's roles (a depth sweep's extra arms): each trains on the
+    same budget, seeds and data order under its own name; the analysis and the report stay the pair's."""
+    from nag.archs import ARCHS
+    common = ["--dry-run", "--gpus", "8", "--base-dir", str(tmp_path / "b"), "--seeds", "1,2"]
+    _, pair = plan_of(capsys, *common)
+    err, sh = plan_of(capsys, *common, "--arch", "gpt-recipe,nag,gpt")
+    assert "gpt-recipe" in ARCHS and sh["RUN_ARCH"] == ["gpt", "nag", "gpt-recipe"] * 2
+    assert sh["RUNS"] == [f"{a}-published-s{s}" for s in (1, 2) for a in ("gpt", "nag", "gpt-recipe")]
+    assert sh["RUN_SEED_ARGS"] == ["--seed 1 --data-seed 1"] * 3 + ["--seed 2 --data-seed 2"] * 3
+    assert (sh["PAIR"], sh["COMPARE_RUNS"], sh["REPORT"]) == (pair["PAIR"], pair["COMPARE_RUNS"], pair["REPORT"])
+    assert sh_commands(sh, 2)["train"][:4] == ["--preset", "published", "--arch", "gpt-recipe"]
+    _, alone = plan_of(capsys, *common, "--arch", "gpt-recipe")
+    assert alone["RUNS"] == ["gpt-recipe-published-s1", "gpt-recipe-published-s2"] and alone["PAIR"] == "0"
+    assert alone["COMPARE_RUNS"] == [] and alone["PREFLIGHT"] == "0" and sh["PREFLIGHT"] == "1"

@@ -113,7 +113,8 @@ def test_bpb_delta_interval_from_per_batch_losses():
     nats_b = nats_a - nbytes * math.log(2) * 0.01  # b is better by exactly 0.01 bpb on every batch
     r = stats.bpb_delta_interval(nats_a, nats_b, nbytes)
     assert r["delta"] == pytest.approx(-0.01) and r["bpb_a"] == pytest.approx(nats_a.sum() / math.log(2) / nbytes.sum())
-    assert r["ci"] == pytest.approx((-0.01, -0.01), abs=1e-9) and r["p"] < 0.001 and r["batches"] == 40  # paired: no noise left
+    # paired: no noise left
+    assert r["ci"] == pytest.approx((-0.01, -0.01), abs=1e-9) and r["p"] < 0.001 and r["batches"] == 40
     noisy = stats.bpb_delta_interval(nats_a, nats_a * (1 + 0.02 * rng.standard_normal(40)), nbytes)
     assert noisy["ci"][0] < noisy["delta"] < noisy["ci"][1] and noisy["ci"][1] - noisy["ci"][0] > 1e-3
 

@@ -14,7 +14,8 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.optim import MuonAdamW
 from nanochat.step_timer import StepTimer, Readback, biggest
 
-DATA_S, OPTIM_S, EVAL_S, SAVE_S = 0.02, 0.01, 0.05, 0.1  # added to every train micro-batch, optimizer step, evaluation, save
+# added to every train micro-batch, optimizer step, evaluation, save
+DATA_S, OPTIM_S, EVAL_S, SAVE_S = 0.02, 0.01, 0.05, 0.1
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -71,7 +72,8 @@ def test_breakdown_adds_up_to_the_step_time(run_base, monkeypatch, capsys):
         assert {"fwd_bwd", "optim", "sync_log"} <= set(t)
         # each step fetches the next one's micro-batch while the device works; the last has none to fetch
         assert ("data" in t) == (r["step"] < 8) and t.get("data", DATA_S) >= DATA_S, t
-        assert ("eval" in t) == ("val_bpb" in r) and ("save" in t) == (r["step"] - 1 in (3, 6))  # a save shows in the next row
+        # a save shows in the next row
+        assert ("eval" in t) == ("val_bpb" in r) and ("save" in t) == (r["step"] - 1 in (3, 6))
         training = sum(v for k, v in t.items() if k not in ("eval", "save"))
         assert abs(training - 256 / r["tok_per_sec"]) < 1e-6, r  # the step time behind tok/s and elapsed
         assert t["optim"] >= OPTIM_S and t.get("eval", EVAL_S) >= EVAL_S and t.get("save", SAVE_S) >= SAVE_S, t

@@ -244,7 +244,8 @@ def test_prefetch_changes_no_batch_and_resumes_exactly(run_base, monkeypatch, on
     fetch_ahead = MicroBatches.fetch_ahead
     monkeypatch.setattr(MicroBatches, "fetch_ahead", lambda self, micro: None)  # each fetched when it is needed
     plain = train(*common, "--run", "plain")
-    assert at_save == {("ahead", 4): 9, ("ahead", 8): 16, ("plain", 4): 8, ("plain", 8): 16}  # one ahead, none past the end
+    # one ahead, none past the end
+    assert at_save == {("ahead", 4): 9, ("ahead", 8): 16, ("plain", 4): 8, ("plain", 8): 16}
     assert [r["train_loss"] for r in read_metrics(ahead)] == [r["train_loss"] for r in read_metrics(plain)]
     assert same_weights(final_weights(ahead, 8), final_weights(plain, 8))
     states = [ckpt.load_train_state(d, 4, 0)["dataloader"] for d in (ahead, plain)]

@@ -22,7 +22,8 @@ LOG_EVERY = 2  # steps 1, 3 log no row; 2, 4 do
 ARCHS = {  # what the four training paths need: (flags, reads per logged step beyond the one of the loss and checks)
     "gpt": ([], 0),
     "nag": (["--arch", "nag", "--nag-gate-log-every", "4"], 0),
-    "nag-mod": (["--arch", "nag", "--mod-blocks", "mlp", "--mod-rate", "0.25", "--nag-gate-log-every", "0"], 1),  # its skip rates
+    # its skip rates
+    "nag-mod": (["--arch", "nag", "--mod-blocks", "mlp", "--mod-rate", "0.25", "--nag-gate-log-every", "0"], 1),
     "router-mod": (["--arch", "gpt-router", "--mod-blocks", "mlp", "--mod-rate", "0.25"], 1),
     # attention skipping packs each layer's queries to the longest row's count: a data-dependent shape, read once per
     # layer and forward (nag/mod.py, attention_executed); counted apart below, the known exception

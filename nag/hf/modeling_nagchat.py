@@ -113,7 +113,8 @@ def times(x, gain):
 
 def depth_gains(gamma, depth, base, n_layer):
     """LayerRoPE's γ_l of every block l (n_layer, d) in fp32: the pairs (γ_2j, γ_2j+1) times exp(r(l) + iθ(l, j)) as
-    complex numbers, r(l) = α + β·log(l+1), θ(l, j) = exp(α_rot + β_rot·log(l+1))·b^(−2j/d); depth = (α, β, α_rot, β_rot)."""
+    complex numbers, r(l) = α + β·log(l+1), θ(l, j) = exp(α_rot + β_rot·log(l+1))·b^(−2j/d);
+    depth = (α, β, α_rot, β_rot)."""
     g = gamma.float()
     d = g.size(0)
     alpha, beta, alpha_rot, beta_rot = depth.float().unbind()
@@ -389,7 +390,8 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
                 x = self.resid_lambdas[layer] * x
             if p.get("x0_lambdas"):
                 x = x + self.x0_lambdas[layer] * x0
-            x = self.gpt_layer(layer, x, cos_sin, mask, cache, self.value_embed(layer, input_ids, x.dtype), gains[layer])
+            ve = self.value_embed(layer, input_ids, x.dtype)
+            x = self.gpt_layer(layer, x, cos_sin, mask, cache, ve, gains[layer])
             if layer == len(masks) // 2:
                 mid = x
         if p.get("backout"):
