@@ -19,7 +19,7 @@ from nag.mod import add_mod_args, mod_config_from_args
 from nag.router_mod import RouterMoDGPT
 from nanochat.recipe import PARTS as RECIPE_PARTS, RecipeGPT, RecipeParts, add_recipe_args, recipe_config_from_args
 from nag.recipe import NAGRecipeGPT
-from nag.rivals import LNSGPT, LayerRoPEGPT, PeriGPT, add_rival_args
+from nag.rivals import RivalGPT, LNSGPT, LayerRoPEGPT, PeriGPT, add_rival_args
 
 
 def no_flags(parser):
@@ -44,6 +44,7 @@ class ArchSpec:
     optimizer_kwargs: callable = no_kwargs  # extra keyword arguments of model.optimizer_groups, from parsed flags
     # (model, step, idx, args) -> (dict for metrics.jsonl or None, line to print or None)
     telemetry: callable = no_telemetry
+    title: str = ""  # what it is, in a few words (the exported model card's heading)
     reads: frozenset = field(default_factory=frozenset)  # flags of other archs it reads too
     not_settings: frozenset = field(default_factory=frozenset)  # its flags that change no number it trains
 
@@ -87,28 +88,28 @@ def router_init_kwargs(args):
 
 
 ARCHS = {
-    "gpt": ArchSpec(GPT),
-    "nag": ArchSpec(NAGGPT, add_args=add_nag_and_mod_args, init_kwargs=nag_init_kwargs,
+    "gpt": ArchSpec(GPT, title="GPT baseline"),
+    "nag": ArchSpec(NAGGPT, title="NAG (Norm-Agnostic residual network)", add_args=add_nag_and_mod_args, init_kwargs=nag_init_kwargs,
                     optimizer_kwargs=lambda args: {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr},
                     telemetry=nag_telemetry, not_settings=frozenset({"nag_gate_log_every", "nag_impl"})),
     # today's nanochat recipe (nanochat/recipe.py, docs/design.md §10): the baseline with nanochat's record-run parts,
     # and NAG with the same parts carried over or adapted (nag/recipe.py); NAG-on-recipe reads the NAG and recipe flags
-    "gpt-recipe": ArchSpec(RecipeGPT, add_args=add_recipe_args, init_kwargs=recipe_init_kwargs,
+    "gpt-recipe": ArchSpec(RecipeGPT, title="GPT on nanochat's recipe", add_args=add_recipe_args, init_kwargs=recipe_init_kwargs,
                            optimizer_kwargs=lambda args: {"scalar_lr": args.scalar_lr}),
-    "nag-recipe": ArchSpec(NAGRecipeGPT, init_kwargs=nag_recipe_init_kwargs,
+    "nag-recipe": ArchSpec(NAGRecipeGPT, title="NAG on nanochat's recipe", init_kwargs=nag_recipe_init_kwargs,
                            optimizer_kwargs=lambda args: {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr,
                                                           "scalar_lr": args.scalar_lr},
                            telemetry=nag_telemetry),
     # the router-MoD baseline (paper eq. 40): the GPT with a learned router per skippable sub-layer; its --mod-*
     # flags are NAG-MoD's (registered once, by the nag spec)
-    "gpt-router": ArchSpec(RouterMoDGPT, add_args=add_router_args, init_kwargs=router_init_kwargs,
+    "gpt-router": ArchSpec(RouterMoDGPT, title="router-MoD GPT", add_args=add_router_args, init_kwargs=router_init_kwargs,
                            optimizer_kwargs=lambda args: {"router_lr": args.router_lr}),
     # the rival depth arms (nag/rivals.py, docs/design.md §11): the baseline with Layer-Norm Scaling, Peri-LN or
     # LayerRoPE; one flag group for the three (--rival-gain-lr: the gains' LR; --layerrope-init)
-    "gpt-lns": ArchSpec(LNSGPT, add_args=add_rival_args, init_kwargs=LNSGPT.kwargs_from_args),
-    "gpt-peri": ArchSpec(PeriGPT, add_args=add_rival_args, init_kwargs=PeriGPT.kwargs_from_args,
+    "gpt-lns": ArchSpec(LNSGPT, title="GPT with Layer-Norm Scaling (arXiv:2502.05795)", add_args=add_rival_args, init_kwargs=LNSGPT.kwargs_from_args),
+    "gpt-peri": ArchSpec(PeriGPT, title="Peri-LN GPT (arXiv:2502.02732)", add_args=add_rival_args, init_kwargs=PeriGPT.kwargs_from_args,
                          optimizer_kwargs=lambda args: {"gain_lr": args.rival_gain_lr}),
-    "gpt-layerrope": ArchSpec(LayerRoPEGPT, add_args=add_rival_args, init_kwargs=LayerRoPEGPT.kwargs_from_args,
+    "gpt-layerrope": ArchSpec(LayerRoPEGPT, title="GPT with LayerRoPE gains (arXiv:2610.09179)", add_args=add_rival_args, init_kwargs=LayerRoPEGPT.kwargs_from_args,
                               optimizer_kwargs=lambda args: {"gain_lr": args.rival_gain_lr}),
 }
 
@@ -158,6 +159,7 @@ FAMILIES = {
     "nag": (lambda k: k.startswith("nag_"), NAGGPT, "a NAG arch"),
     "recipe": (lambda k: k in RECIPE_FLAGS, RecipeParts, "a recipe arch"),
     "router": (lambda k: k.startswith("router_"), RouterMoDGPT, "the router-MoD arch"),
+    "rival": (lambda k: k.startswith(("rival_", "layerrope_")), RivalGPT, "a rival depth arm"),
 }
 
 

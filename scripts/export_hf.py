@@ -39,12 +39,11 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.run_dir import (CONFIG, MANIFEST, read_manifest, changed_files, file_sha256, set_aside, read_record,
                               step_files, resolve_run_dir)
 from nag.hf.tokenizer import PAD
-from nag.archs import load_model
+from nag.archs import ARCHS, load_model  # every registered arch has modeling code in nag/hf/ (tests/test_export_hf.py)
 
 HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nag", "hf")
 CODE_FILES = ("configuration_nagchat.py", "modeling_nagchat.py")
 AUTO_MAP = {"AutoConfig": "configuration_nagchat.NagChatConfig", "AutoModelForCausalLM": "modeling_nagchat.NagChatForCausalLM"}
-ARCHS = ("gpt", "nag", "gpt-router", "gpt-recipe", "nag-recipe", "gpt-lns", "gpt-peri", "gpt-layerrope")
 VERIFY_TOKENS = 256  # tokens of the verification forward (at most the context)
 VERIFY_LIMIT = 1e-4  # largest logit difference accepted; fp32 on a CPU gives ~1e-6
 HF_EXTRA = "pip install -e '.[hf]'"
@@ -198,10 +197,7 @@ def model_card(run_dir, meta, config_record, rec, command, max_diff):
     mc = meta["model_config"]
     fingerprints = {**(config_record or {}).get("fingerprints", {}), **meta.get("fingerprints", {})}
     name = os.path.basename(run_dir.rstrip(os.sep))
-    what = {"gpt": "GPT baseline", "nag": "NAG (Norm-Agnostic residual network)", "gpt-router": "router-MoD GPT",
-            "gpt-recipe": "GPT on nanochat's recipe", "nag-recipe": "NAG on nanochat's recipe",
-            "gpt-lns": "GPT with Layer-Norm Scaling (arXiv:2502.05795)", "gpt-peri": "Peri-LN GPT (arXiv:2502.02732)",
-            "gpt-layerrope": "GPT with LayerRoPE gains (arXiv:2610.09179)"}[arch]
+    what = ARCHS[arch].title
     if meta.get("mod_config"):
         what += f", Mixture-of-Depths {meta['mod_config']['blocks']} at rate {meta['mod_config']['rate']:g}"
     num_params = (config_record or {}).get("num_params")

@@ -273,7 +273,7 @@ def test_leftover_temp_files_are_cleaned_on_the_next_start(run_base):
     (["--head-dim", "-64"], "--head-dim must be positive"),
     (["--device-batch-size", "0"], "--device-batch-size must be positive"),
     (["--max-seq-len", "0"], "--max-seq-len must be positive"),
-    (["--model-dim", "0"], "--model-dim must be positive"),
+    (["--model-dim", "0"], "--model-dim must be a positive number"),
     (["--matrix-lr", "0"], "--matrix-lr must be positive"),
     (["--window-pattern", "X"], "--window-pattern takes the letters L"),
     (["--target-flops", "inf", "--num-iterations", "-1"], "--target-flops must be a positive number, or -1"),
