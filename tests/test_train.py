@@ -196,7 +196,7 @@ def test_a_registered_arch_trains_without_touching_base_train(run_base, monkeypa
 
 
 def test_unknown_arch_is_one_line(run_base, script_error):
-    assert "unknown arch 'bert' (expected one of: gpt, nag, gpt-recipe, nag-recipe)" in script_error(tiny_main, "--arch", "bert", "--run", "a", "--num-iterations", "2")
+    assert f"unknown arch 'bert' (expected one of: {', '.join(archs.ARCHS)})" in script_error(tiny_main, "--arch", "bert", "--run", "a", "--num-iterations", "2")
 
 
 # ---------------------------------------------------------------------------
