@@ -54,8 +54,8 @@ class Reservoir:
         keep = torch.topk(merged, min(self.cap, merged.numel()), largest=False).indices
         kept = torch.zeros(merged.numel(), dtype=torch.bool, device=merged.device)
         kept[keep] = True
-        self.new_idx = torch.nonzero(kept[self.cap:]).flatten()  # batch tokens that enter
-        self.slots = torch.nonzero(~kept[:self.cap]).flatten()[:len(self.new_idx)]  # slots they take
+        self.new_idx = torch.nonzero(kept[self.cap :]).flatten()  # batch tokens that enter
+        self.slots = torch.nonzero(~kept[: self.cap]).flatten()[: len(self.new_idx)]  # slots they take
         self.keys[self.slots] = new_keys[self.new_idx]
         self.seen += n
 
@@ -78,7 +78,7 @@ class Reservoir:
 
     def get(self, name):
         """The sampled values in slot order (a token's fields share a slot), on the CPU."""
-        return self.fields[name][:self.filled()].cpu()
+        return self.fields[name][: self.filled()].cpu()
 
 
 def attention_probs(attn, x, cos_sin, mask, positions):
@@ -114,9 +114,16 @@ class Accumulator:
         P = min(cfg.attn_positions, c.sequence_len)
         z = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)
         self.sums = {
-            "norm": z(K + 1), "norm_nobos": z(K + 1), "rotation": z(K + 1),
-            "dir": z(K + 1, d), "dir_outer": z(K + 1, d, d),
-            "attn": z(L, P, P), "loss": z(1), "top1": z(1), "entropy": z(1), "final_norm": z(1),
+            "norm": z(K + 1),
+            "norm_nobos": z(K + 1),
+            "rotation": z(K + 1),
+            "dir": z(K + 1, d),
+            "dir_outer": z(K + 1, d, d),
+            "attn": z(L, P, P),
+            "loss": z(1),
+            "top1": z(1),
+            "entropy": z(1),
+            "final_norm": z(1),
         }
         if self.is_nag:
             self.sums.update(gain=z(K + 1), m=z(K + 1), pref=z(K + 1, d), pref_weight=z(K + 1), atan_dev_max=z(K + 1))
@@ -126,8 +133,15 @@ class Accumulator:
         gen = torch.Generator().manual_seed(cfg.seed)
         self.token_res = Reservoir(cfg.token_sample, gen, device)
         self.state_res = Reservoir(cfg.state_sample, gen, device)
-        for name, shape in [("norm", (K + 1,)), ("rotation", (K + 1,)), ("final_norm", ()), ("entropy", ()), ("loss", ()),
-                            ("top1", ()), ("bos", ())] + ([("gain", (K + 1,))] if self.is_nag else []):
+        for name, shape in [
+            ("norm", (K + 1,)),
+            ("rotation", (K + 1,)),
+            ("final_norm", ()),
+            ("entropy", ()),
+            ("loss", ()),
+            ("top1", ()),
+            ("bos", ()),
+        ] + ([("gain", (K + 1,))] if self.is_nag else []):
             self.token_res.declare(name, shape, torch.bool if name in ("top1", "bos") else torch.float32)
         self.state_res.declare("state", (K + 1, d), torch.float32)
         self.prev_dir = None
@@ -165,6 +179,7 @@ class Accumulator:
         self.state_res.write("state", unit * (norms / math.sqrt(self.dim))[:, None], k)  # the residual itself
         if k > 0:
             from analysis.measures import rotation_angles
+
             theta = rotation_angles(self.prev_dir, d)
             s["rotation"][k] += theta.sum()
             self.token_res.write("rotation", theta, k)
@@ -216,8 +231,11 @@ def attach(model, acc):
     handles = []
     P = acc.cfg.attn_positions
     for i, block in enumerate(model.blocks):
-        handles.append(block.attn.register_forward_pre_hook(
-            lambda mod, args, i=i: acc.attention(i, attention_probs(mod, args[0], args[1], args[2], P))))
+        handles.append(
+            block.attn.register_forward_pre_hook(
+                lambda mod, args, i=i: acc.attention(i, attention_probs(mod, args[0], args[1], args[2], P))
+            )
+        )
     if isinstance(model, NAGGPT):
         return _attach_nag(model, acc, handles)
     current = {}
@@ -228,17 +246,20 @@ def attach(model, acc):
             if i == 0:
                 acc.state(0, x, x.double().norm(dim=-1))
             current["x"] = x
+
         return hook
 
     def attn_out(i):
         def hook(mod, args, out):
             x = current["x"] + out  # exactly the block's own `x + self.attn(...)`
             acc.state(2 * i + 1, x, x.double().norm(dim=-1))
+
         return hook
 
     def block_out(i):
         def hook(mod, args, out):
             acc.state(2 * i + 2, out, out.double().norm(dim=-1))
+
         return hook
 
     for i, block in enumerate(model.blocks):
@@ -250,6 +271,7 @@ def attach(model, acc):
 
 def _attach_nag(model, acc, handles):
     from nag.functional import modulator
+
     # the method the model's forward makes its updates with, and where the branch sits in its arguments:
     # NAGGPT.sublayer(kind, layer, block, br, ...), nag-recipe's recipe_sublayer(kind, block, br, ...)
     name, at = ("recipe_sublayer", 2) if hasattr(model, "recipe_sublayer") else ("sublayer", 3)
@@ -258,7 +280,7 @@ def _attach_nag(model, acc, handles):
     root_d = math.sqrt(model.config.n_embd)
 
     def sublayer(*args, **kwargs):
-        br, res_dir, log_norm = args[at:at + 3]
+        br, res_dir, log_norm = args[at : at + 3]
         l = index[id(br)]
         if l == 1:
             acc.state(0, res_dir, root_d * log_norm.double().exp())
@@ -274,6 +296,7 @@ def _attach_nag(model, acc, handles):
         delattr(model, name)
         for h in handles:
             h.remove()
+
     return detach
 
 

@@ -47,7 +47,14 @@ def norm_vs_depth(runs, out_dir, made):
     ax.set_yscale("log")
     ax.set_xlabel("residual state k (0 = embedding; 2i+1 after attention i, 2i+2 after MLP i)")
     ax.set_ylabel("residual norm ‖x_k‖ (NAG: √d·e^s)")
-    _save(fig, out_dir, "norm_depth.png", "Residual norm vs depth: mean, mean without BOS (dashed), p10-p90 band (paper Fig. 3a-b)", made, legend_ax=ax)
+    _save(
+        fig,
+        out_dir,
+        "norm_depth.png",
+        "Residual norm vs depth: mean, mean without BOS (dashed), p10-p90 band (paper Fig. 3a-b)",
+        made,
+        legend_ax=ax,
+    )
 
 
 def rotation(runs, out_dir, made):
@@ -57,12 +64,23 @@ def rotation(runs, out_dir, made):
         ax.plot(np.arange(1, len(cum) + 1), cum, color=f"C{i}", marker=".", label=f"{name} ({r['arch']})")
     ax.set_xlabel("residual update k")
     ax.set_ylabel("cumulative rotation Σθ (degrees)")
-    _save(fig, out_dir, "rotation.png", "Cumulative rotation of the residual direction (paper Fig. 3c)", made, legend_ax=ax)
+    _save(
+        fig,
+        out_dir,
+        "rotation.png",
+        "Cumulative rotation of the residual direction (paper Fig. 3c)",
+        made,
+        legend_ax=ax,
+    )
 
 
 def spectrum(runs, out_dir, made):
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, key, label in zip(axes, ("total_variance", "effective_rank", "participation_ratio"), ("total variance", "effective rank", "participation ratio")):
+    for ax, key, label in zip(
+        axes,
+        ("total_variance", "effective_rank", "participation_ratio"),
+        ("total variance", "effective rank", "participation ratio"),
+    ):
         for i, (name, r) in enumerate(runs.items()):
             ax.plot(r["spectrum"][key], color=f"C{i}", marker=".", label=f"{name} ({r['arch']})")
         ax.set_title(label)
@@ -85,7 +103,14 @@ def nag_gates(runs, out_dir, made):
         ax.plot(l, g["gain_mean"], color=f"C{i}", marker=".", label=f"{name}: mean realised gain α·warm-up·m")
     ax.set_xlabel("sub-layer l (odd: attention, even: MLP)")
     ax.set_ylabel("gain (tan of the rotation angle)")
-    _save(fig, out_dir, "nag_gains.png", "NAG: learned α, α·warm-up and mean realised gain per sub-layer (paper Fig. 5)", made, legend_ax=ax)
+    _save(
+        fig,
+        out_dir,
+        "nag_gains.png",
+        "NAG: learned α, α·warm-up and mean realised gain per sub-layer (paper Fig. 5)",
+        made,
+        legend_ax=ax,
+    )
 
 
 def preferred_directions(runs, out_dir, made):
@@ -99,7 +124,13 @@ def preferred_directions(runs, out_dir, made):
         ax.set_title(f"{name}: cosine of preferred directions (locality {r['nag']['locality']:.3f})", fontsize=9)
         ax.set_xlabel("sub-layer")
         ax.set_ylabel("sub-layer")
-        _save(fig, out_dir, f"preferred_{_safe(name)}.png", f"{name}: preferred-direction cosine, sub-layer × sub-layer (paper eq. 32, Fig. 6)", made)
+        _save(
+            fig,
+            out_dir,
+            f"preferred_{_safe(name)}.png",
+            f"{name}: preferred-direction cosine, sub-layer × sub-layer (paper eq. 32, Fig. 6)",
+            made,
+        )
 
 
 def _map(ax, m, title):
@@ -114,7 +145,13 @@ def attention(runs, out_dir, made):
     fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 4.2), squeeze=False)
     for ax, (name, r) in zip(axes[0], runs.items()):
         _map(ax, r["attention"]["map_mean"], f"{name} ({r['arch']}): BOS {100 * r['attention']['bos_share']:.1f}%")
-    _save(fig, out_dir, "attention_mean.png", "Layer-averaged attention over the first positions, each map / its max; key 0 = BOS at the left (paper Fig. 7)", made)
+    _save(
+        fig,
+        out_dir,
+        "attention_mean.png",
+        "Layer-averaged attention over the first positions, each map / its max; key 0 = BOS at the left (paper Fig. 7)",
+        made,
+    )
     for name, r in runs.items():
         maps = r["attention"]["maps"]
         cols = min(8, len(maps))
@@ -125,10 +162,21 @@ def attention(runs, out_dir, made):
                 _map(ax, maps[i], f"layer {i}")
             else:
                 ax.axis("off")
-        _save(fig, out_dir, f"attention_layers_{_safe(name)}.png", f"{name}: attention map per layer, each / its max (paper Fig. 12)", made)
+        _save(
+            fig,
+            out_dir,
+            f"attention_layers_{_safe(name)}.png",
+            f"{name}: attention map per layer, each / its max (paper Fig. 12)",
+            made,
+        )
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (name, r) in enumerate(runs.items()):
-        ax.plot(100 * np.array(r["attention"]["bos_share_by_layer"]), color=f"C{i}", marker=".", label=f"{name} ({r['arch']})")
+        ax.plot(
+            100 * np.array(r["attention"]["bos_share_by_layer"]),
+            color=f"C{i}",
+            marker=".",
+            label=f"{name} ({r['arch']})",
+        )
     ax.axhline(50, color="gray", lw=0.8)
     ax.set_xlabel("layer")
     ax.set_ylabel("attention on BOS (%)")
@@ -141,15 +189,33 @@ def confidence(runs, out_dir, made):
     for i, (name, r) in enumerate(runs.items()):
         c = r["confidence"]
         for ax, key in zip(axes, ("entropy", "loss", "top1")):
-            ax.plot(deciles, c["deciles_by_norm"][key], color=f"C{i}", marker=".", label=f"{name}: by final norm (AUROC {c['auroc_norm']:.3f})")
+            ax.plot(
+                deciles,
+                c["deciles_by_norm"][key],
+                color=f"C{i}",
+                marker=".",
+                label=f"{name}: by final norm (AUROC {c['auroc_norm']:.3f})",
+            )
             if key != "entropy":
-                ax.plot(deciles, c["deciles_by_neg_entropy"][key], color=f"C{i}", ls="--", label=f"{name}: by −entropy (AUROC {c['auroc_neg_entropy']:.3f})")
+                ax.plot(
+                    deciles,
+                    c["deciles_by_neg_entropy"][key],
+                    color=f"C{i}",
+                    ls="--",
+                    label=f"{name}: by −entropy (AUROC {c['auroc_neg_entropy']:.3f})",
+                )
     for ax, label in zip(axes, ("output entropy (nats)", "next-token loss (nats)", "top-1 accuracy")):
         ax.set_xlabel("confidence decile (1 = lowest)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[2].legend(fontsize=7)
-    _save(fig, out_dir, "confidence.png", "Confidence: tokens ranked by final norm (solid) or by −entropy (dashed), in deciles; AUROC for top-1 correctness", made)
+    _save(
+        fig,
+        out_dir,
+        "confidence.png",
+        "Confidence: tokens ranked by final norm (solid) or by −entropy (dashed), in deciles; AUROC for top-1 correctness",
+        made,
+    )
 
 
 def make_figures(runs, out_dir):

@@ -29,7 +29,11 @@ def covariance_stats(cov):
         return {"total_variance": 0.0, "effective_rank": float("nan"), "participation_ratio": float("nan")}
     p = lam / tv
     entropy = -(p[p > 0] * p[p > 0].log()).sum()
-    return {"total_variance": tv.item(), "effective_rank": entropy.exp().item(), "participation_ratio": (1.0 / p.square().sum()).item()}
+    return {
+        "total_variance": tv.item(),
+        "effective_rank": entropy.exp().item(),
+        "participation_ratio": (1.0 / p.square().sum()).item(),
+    }
 
 
 def covariance_from_sums(total, outer, n):
@@ -62,7 +66,7 @@ def sink_stats(attn):
     bos_by_layer = a[:, :, 0].mean(dim=1)
     return {
         "bos_share": bos_by_layer.mean().item(),
-        "first4_share": a[:, :, :min(4, T)].sum(dim=2).mean().item(),
+        "first4_share": a[:, :, : min(4, T)].sum(dim=2).mean().item(),
         "diagonal_share": torch.diagonal(a, dim1=1, dim2=2).mean().item(),
         "layers_over_half_bos": int((bos_by_layer > 0.5).sum().item()),
         "bos_share_by_quartile": [bos_by_layer[g].mean().item() for g in quartile_groups(L)],

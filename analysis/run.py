@@ -23,8 +23,18 @@ import argparse
 
 import torch
 
-from nanochat.common import (UserError, exit_on_user_error, get_base_dir, autodetect_device_type, compute_dtype_for, atomic_write_bytes,
-                             ensure_writable_dir, parse_checked, positive_int, STEP)
+from nanochat.common import (
+    UserError,
+    exit_on_user_error,
+    get_base_dir,
+    autodetect_device_type,
+    compute_dtype_for,
+    atomic_write_bytes,
+    ensure_writable_dir,
+    parse_checked,
+    positive_int,
+    STEP,
+)
 from nanochat.run_dir import folder_name, claim_folder, staging, publish, existing_run_dir
 from nanochat import checkpoint_manager as ckpt
 from nanochat.loss_eval import held_batches
@@ -40,19 +50,47 @@ SETTINGS = ("tokens", "clusters", "state_sample", "token_sample", "device_batch_
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m analysis", description="Residual geometry, attention sinks and confidence of checkpoints: analysis.json + figures + analysis.md.")
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
+    p = argparse.ArgumentParser(
+        prog="python -m analysis",
+        description="Residual geometry, attention sinks and confidence of checkpoints: analysis.json + figures + analysis.md.",
+    )
+    p.add_argument(
+        "runs", nargs="+", metavar="RUN", help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory"
+    )
     p.add_argument("--step", type=STEP, default=-1, help="checkpoint step of every run (-1: each run's latest)")
-    p.add_argument("--tokens", type=positive_int, default=65536, help="validation tokens per run (rounded down to whole batches)")
-    p.add_argument("--clusters", type=positive_int, default=32, help="spherical k-means clusters for the norm spread (paper Table III)")
-    p.add_argument("--state-sample", type=positive_int, default=1024, help="tokens whose residual vectors are kept for clustering")
-    p.add_argument("--token-sample", type=positive_int, default=65536, help="tokens whose per-token scalars are kept (percentiles, deciles, AUROC)")
+    p.add_argument(
+        "--tokens", type=positive_int, default=65536, help="validation tokens per run (rounded down to whole batches)"
+    )
+    p.add_argument(
+        "--clusters",
+        type=positive_int,
+        default=32,
+        help="spherical k-means clusters for the norm spread (paper Table III)",
+    )
+    p.add_argument(
+        "--state-sample", type=positive_int, default=1024, help="tokens whose residual vectors are kept for clustering"
+    )
+    p.add_argument(
+        "--token-sample",
+        type=positive_int,
+        default=65536,
+        help="tokens whose per-token scalars are kept (percentiles, deciles, AUROC)",
+    )
     p.add_argument("--device-batch-size", type=positive_int, default=8, help="sequences per forward pass")
     p.add_argument("--seed", type=int, default=0, help="seed of the token samples and of k-means")
-    p.add_argument("--out", type=str, default=None, help="output directory (default: $NANOCHAT_BASE_DIR/reports/"
-                   "analysis_<run1>@<step>_vs_<run2>@<step>); an earlier analysis of other inputs there moves to its replaced/")
-    p.add_argument("--force", action="store_true", help="write into a folder that holds files the analysis did not write "
-                   "(its files of the names written are replaced)")
+    p.add_argument(
+        "--out",
+        type=str,
+        default=None,
+        help="output directory (default: $NANOCHAT_BASE_DIR/reports/"
+        "analysis_<run1>@<step>_vs_<run2>@<step>); an earlier analysis of other inputs there moves to its replaced/",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a folder that holds files the analysis did not write "
+        "(its files of the names written are replaced)",
+    )
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     return parse_checked(p, argv)
 
@@ -67,8 +105,13 @@ class Progress:
         dt = time.time() - self.t0
         eta = dt / done * (total - done)
         end = "\n" if done == total else ""
-        print(f"\r{self.name}: batch {done}/{total} | {done * self.tpb / max(dt, 1e-9):,.0f} tok/s | "
-              f"{dt:.1f}s elapsed, ETA {eta:.1f}s   ", end=end, file=sys.stderr, flush=True)
+        print(
+            f"\r{self.name}: batch {done}/{total} | {done * self.tpb / max(dt, 1e-9):,.0f} tok/s | "
+            f"{dt:.1f}s elapsed, ETA {eta:.1f}s   ",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def check_runs(args, tokenizer):
@@ -82,18 +125,24 @@ def check_runs(args, tokenizer):
         T = meta["model_config"]["sequence_len"]
         per_batch = args.device_batch_size * T
         if args.tokens < per_batch:
-            raise UserError(f"--tokens {args.tokens} is smaller than one batch of {run} "
-                            f"({args.device_batch_size} × {T} = {per_batch} tokens); raise --tokens or lower --device-batch-size")
+            raise UserError(
+                f"--tokens {args.tokens} is smaller than one batch of {run} "
+                f"({args.device_batch_size} × {T} = {per_batch} tokens); raise --tokens or lower --device-batch-size"
+            )
         batches = args.tokens // per_batch
         held = held_batches(tokenizer, args.device_batch_size, T, "val", batches)
         if held < batches:  # a small split would be cycled over: analyse what it holds, once
-            notes.append(f"note: the val split holds about {max(1, held) * per_batch:,} tokens for {run}, fewer than "
-                         f"--tokens {args.tokens:,}; analysing those")
+            notes.append(
+                f"note: the val split holds about {max(1, held) * per_batch:,} tokens for {run}, fewer than "
+                f"--tokens {args.tokens:,}; analysing those"
+            )
             batches = max(1, held)
         sampled = min(args.state_sample, batches * per_batch)
         if args.clusters > sampled:
-            raise UserError(f"--clusters {args.clusters} is larger than the {sampled} sampled states of {run}; "
-                            "lower --clusters or raise --state-sample / --tokens")
+            raise UserError(
+                f"--clusters {args.clusters} is larger than the {sampled} sampled states of {run}; "
+                "lower --clusters or raise --state-sample / --tokens"
+            )
         name = os.path.basename(os.path.normpath(run_dir))
         if name in names:
             raise UserError(f"two runs are named {name}; analyse runs with different names")
@@ -106,6 +155,7 @@ def check_runs(args, tokenizer):
 
 def analyse_run(plan, args, tokenizer, device):
     from nanochat.dataloader import data_loader
+
     model, meta = load_model(plan["dir"], plan["step"], device)
     model.set_compute_dtype(compute_dtype_for(device.type))
     if "tokens" in meta:
@@ -134,7 +184,10 @@ def _finite(obj):
 
 def inputs_of(plans, args):
     """What an analysis is made of, for its manifest: each run's directory and step, and the settings."""
-    return {"runs": [{"dir": os.path.realpath(p["dir"]), "step": p["step"]} for p in plans], **{k: getattr(args, k) for k in SETTINGS}}
+    return {
+        "runs": [{"dir": os.path.realpath(p["dir"]), "step": p["step"]} for p in plans],
+        **{k: getattr(args, k) for k in SETTINGS},
+    }
 
 
 def default_out_dir(plans):
@@ -162,6 +215,7 @@ def check_writable(out_dir):
 
 def analyse(args, cmdline):
     from nanochat.tokenizer import get_tokenizer
+
     tokenizer = get_tokenizer()
     plans = check_runs(args, tokenizer)
     out_dir = args.out or default_out_dir(plans)

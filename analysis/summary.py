@@ -34,8 +34,14 @@ def summarise(acc, model, clusters, seed):
 def _summarise(acc, model, clusters, seed):
     s = {k: v.cpu() for k, v in acc.sums.items()}
     n, K = acc.tokens, acc.num_updates
-    out = {"arch": model.arch, "tokens": n, "tokens_without_bos": acc.tokens_nobos, "num_updates": K,
-           "n_layer": model.config.n_layer, "n_embd": model.config.n_embd}
+    out = {
+        "arch": model.arch,
+        "tokens": n,
+        "tokens_without_bos": acc.tokens_nobos,
+        "num_updates": K,
+        "n_layer": model.config.n_layer,
+        "n_embd": model.config.n_embd,
+    }
 
     # norm vs depth (paper Fig. 3a-b); percentiles from the token sample
     norms, bos = acc.token_res.get("norm"), acc.token_res.get("bos")
@@ -51,26 +57,40 @@ def _summarise(acc, model, clusters, seed):
     # rotation (paper Fig. 3c): mean angle of each update, cumulative sum
     rot = (s["rotation"][1:] / n).tolist()
     cum = torch.tensor(rot).cumsum(0).tolist() if rot else []
-    out["rotation"] = {"mean_deg": M.degrees(rot), "cumulative_deg": M.degrees(cum),
-                       "total_deg": M.degrees(cum[-1:])[0] if cum else 0.0}
+    out["rotation"] = {
+        "mean_deg": M.degrees(rot),
+        "cumulative_deg": M.degrees(cum),
+        "total_deg": M.degrees(cum[-1:])[0] if cum else 0.0,
+    }
 
     # spectrum of the unit-RMS states (paper Fig. 4, eqs. 25-31)
     spec = [M.covariance_stats(M.covariance_from_sums(s["dir"][k], s["dir_outer"][k], n)) for k in range(K + 1)]
-    out["spectrum"] = {key: [x[key] for x in spec] for key in ("total_variance", "effective_rank", "participation_ratio")}
+    out["spectrum"] = {
+        key: [x[key] for x in spec] for key in ("total_variance", "effective_rank", "participation_ratio")
+    }
 
     # attention sinks (paper Figs. 7, 12)
     attn = s["attn"] / max(1, acc.attn_rows)
-    out["attention"] = {**M.sink_stats(attn), "bos_share_by_layer": _list(attn[:, :, 0].mean(dim=1)),
-                        "positions": attn.size(1), "map_mean": attn.mean(dim=0).tolist(), "maps": attn.tolist()}
+    out["attention"] = {
+        **M.sink_stats(attn),
+        "bos_share_by_layer": _list(attn[:, :, 0].mean(dim=1)),
+        "positions": attn.size(1),
+        "map_mean": attn.mean(dim=0).tolist(),
+        "maps": attn.tolist(),
+    }
 
     # confidence (walkthrough): final norm vs entropy / loss / top-1
     fn, ent, loss, top1 = (acc.token_res.get(k) for k in ("final_norm", "entropy", "loss", "top1"))
     values = {"entropy": ent, "loss": loss, "top1": top1.double()}
     out["confidence"] = {
-        "loss": (s["loss"] / n).item(), "entropy": (s["entropy"] / n).item(), "top1_accuracy": (s["top1"] / n).item(),
+        "loss": (s["loss"] / n).item(),
+        "entropy": (s["entropy"] / n).item(),
+        "top1_accuracy": (s["top1"] / n).item(),
         "final_norm": (s["final_norm"] / n).item(),
-        "auroc_norm": M.auroc(fn, top1), "auroc_neg_entropy": M.auroc(-ent, top1),
-        "deciles_by_norm": M.decile_means(fn, values), "deciles_by_neg_entropy": M.decile_means(-ent, values),
+        "auroc_norm": M.auroc(fn, top1),
+        "auroc_neg_entropy": M.auroc(-ent, top1),
+        "deciles_by_norm": M.decile_means(fn, values),
+        "deciles_by_neg_entropy": M.decile_means(-ent, values),
         "decile_norm_means": M.decile_means(fn, {"final_norm": fn})["final_norm"],
         "sampled_tokens": len(fn),
     }
@@ -82,8 +102,14 @@ def _summarise(acc, model, clusters, seed):
     spread = [M.cluster_norm_spread(states[:, k], clusters, seed + k) for k in range(K + 1)]
     p10 = [x["p10"] for x in spread]
     p90 = [x["p90"] for x in spread]
-    out["cluster_norm_spread"] = {"clusters": clusters, "sampled_states": len(states), "p10_by_state": p10, "p90_by_state": p90,
-                                  "p10": _nanmean(p10), "p90": _nanmean(p90)}
+    out["cluster_norm_spread"] = {
+        "clusters": clusters,
+        "sampled_states": len(states),
+        "p10_by_state": p10,
+        "p90_by_state": p90,
+        "p10": _nanmean(p10),
+        "p90": _nanmean(p90),
+    }
 
     out["weights"] = weight_summary(model)
     if acc.is_nag:
@@ -120,11 +146,17 @@ def nag_summary(s, n, model):
     pref = s["pref"][1:] / s["pref_weight"][1:, None].clamp_min(1e-300)
     cos = M.cosine_matrix(pref)
     return {
-        "alpha": alpha, "alpha_warmup": warm, "alpha_effective": [a * warm for a in alpha],
-        "gain_mean": gain, "m_mean": m,
-        "dead_walkthrough": sum(g < WALKTHROUGH_DEAD_GAIN for g in gain), "dead_walkthrough_threshold": WALKTHROUGH_DEAD_GAIN,
-        "dead_relative": sum(x < DEAD_MODULATOR for x in m), "dead_relative_threshold": DEAD_MODULATOR,
-        "preferred_cosine": cos.tolist(), **M.locality(cos),
+        "alpha": alpha,
+        "alpha_warmup": warm,
+        "alpha_effective": [a * warm for a in alpha],
+        "gain_mean": gain,
+        "m_mean": m,
+        "dead_walkthrough": sum(g < WALKTHROUGH_DEAD_GAIN for g in gain),
+        "dead_walkthrough_threshold": WALKTHROUGH_DEAD_GAIN,
+        "dead_relative": sum(x < DEAD_MODULATOR for x in m),
+        "dead_relative_threshold": DEAD_MODULATOR,
+        "preferred_cosine": cos.tolist(),
+        **M.locality(cos),
         "atan_check_max_abs_dev": s["atan_dev_max"][1:].max().item(),
         "atan_check_by_update": _list(s["atan_dev_max"][1:]),
     }

@@ -37,6 +37,7 @@ def no_telemetry(model, step, idx, args):
 @dataclass(frozen=True)
 class ArchSpec:
     """What an arch brings to base_train beyond its model class (torchtitan's ModelSpec is the model)."""
+
     model_class: type
     add_args: callable = no_flags  # its own flags (an arch sharing another's flags leaves this out)
     # constructor arguments beyond the GPTConfig, from parsed flags (may raise UserError)
@@ -76,8 +77,12 @@ def nag_recipe_init_kwargs(args):
 
 def add_router_args(parser):
     g = parser.add_argument_group("router-MoD (used with --arch gpt-router, with the --mod-* flags)")
-    g.add_argument("--router-lr", type=positive_float, default=GATE_LR,
-                   help="AdamW LR of the routers (× batch LR scale); default: NAG's gate LR, as its NAG twin's gates")
+    g.add_argument(
+        "--router-lr",
+        type=positive_float,
+        default=GATE_LR,
+        help="AdamW LR of the routers (× batch LR scale); default: NAG's gate LR, as its NAG twin's gates",
+    )
 
 
 def router_init_kwargs(args):
@@ -89,28 +94,66 @@ def router_init_kwargs(args):
 
 ARCHS = {
     "gpt": ArchSpec(GPT, title="GPT baseline"),
-    "nag": ArchSpec(NAGGPT, title="NAG (Norm-Agnostic residual network)", add_args=add_nag_and_mod_args, init_kwargs=nag_init_kwargs,
-                    optimizer_kwargs=lambda args: {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr},
-                    telemetry=nag_telemetry, not_settings=frozenset({"nag_gate_log_every", "nag_impl"})),
+    "nag": ArchSpec(
+        NAGGPT,
+        title="NAG (Norm-Agnostic residual network)",
+        add_args=add_nag_and_mod_args,
+        init_kwargs=nag_init_kwargs,
+        optimizer_kwargs=lambda args: {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr},
+        telemetry=nag_telemetry,
+        not_settings=frozenset({"nag_gate_log_every", "nag_impl"}),
+    ),
     # today's nanochat recipe (nanochat/recipe.py, docs/design.md §10): the baseline with nanochat's record-run parts,
     # and NAG with the same parts carried over or adapted (nag/recipe.py); NAG-on-recipe reads the NAG and recipe flags
-    "gpt-recipe": ArchSpec(RecipeGPT, title="GPT on nanochat's recipe", add_args=add_recipe_args, init_kwargs=recipe_init_kwargs,
-                           optimizer_kwargs=lambda args: {"scalar_lr": args.scalar_lr}),
-    "nag-recipe": ArchSpec(NAGRecipeGPT, title="NAG on nanochat's recipe", init_kwargs=nag_recipe_init_kwargs,
-                           optimizer_kwargs=lambda args: {"gate_lr": args.nag_gate_lr, "temp_gain_lr": args.nag_temp_gain_lr,
-                                                          "scalar_lr": args.scalar_lr},
-                           telemetry=nag_telemetry),
+    "gpt-recipe": ArchSpec(
+        RecipeGPT,
+        title="GPT on nanochat's recipe",
+        add_args=add_recipe_args,
+        init_kwargs=recipe_init_kwargs,
+        optimizer_kwargs=lambda args: {"scalar_lr": args.scalar_lr},
+    ),
+    "nag-recipe": ArchSpec(
+        NAGRecipeGPT,
+        title="NAG on nanochat's recipe",
+        init_kwargs=nag_recipe_init_kwargs,
+        optimizer_kwargs=lambda args: {
+            "gate_lr": args.nag_gate_lr,
+            "temp_gain_lr": args.nag_temp_gain_lr,
+            "scalar_lr": args.scalar_lr,
+        },
+        telemetry=nag_telemetry,
+    ),
     # the router-MoD baseline (paper eq. 40): the GPT with a learned router per skippable sub-layer; its --mod-*
     # flags are NAG-MoD's (registered once, by the nag spec)
-    "gpt-router": ArchSpec(RouterMoDGPT, title="router-MoD GPT", add_args=add_router_args, init_kwargs=router_init_kwargs,
-                           optimizer_kwargs=lambda args: {"router_lr": args.router_lr}),
+    "gpt-router": ArchSpec(
+        RouterMoDGPT,
+        title="router-MoD GPT",
+        add_args=add_router_args,
+        init_kwargs=router_init_kwargs,
+        optimizer_kwargs=lambda args: {"router_lr": args.router_lr},
+    ),
     # the rival depth arms (nag/rivals.py, docs/design.md §11): the baseline with Layer-Norm Scaling, Peri-LN or
     # LayerRoPE; one flag group for the three (--rival-gain-lr: the gains' LR; --layerrope-init)
-    "gpt-lns": ArchSpec(LNSGPT, title="GPT with Layer-Norm Scaling (arXiv:2502.05795)", add_args=add_rival_args, init_kwargs=LNSGPT.kwargs_from_args),
-    "gpt-peri": ArchSpec(PeriGPT, title="Peri-LN GPT (arXiv:2502.02732)", add_args=add_rival_args, init_kwargs=PeriGPT.kwargs_from_args,
-                         optimizer_kwargs=lambda args: {"gain_lr": args.rival_gain_lr}),
-    "gpt-layerrope": ArchSpec(LayerRoPEGPT, title="GPT with LayerRoPE gains (arXiv:2610.09179)", add_args=add_rival_args, init_kwargs=LayerRoPEGPT.kwargs_from_args,
-                              optimizer_kwargs=lambda args: {"gain_lr": args.rival_gain_lr}),
+    "gpt-lns": ArchSpec(
+        LNSGPT,
+        title="GPT with Layer-Norm Scaling (arXiv:2502.05795)",
+        add_args=add_rival_args,
+        init_kwargs=LNSGPT.kwargs_from_args,
+    ),
+    "gpt-peri": ArchSpec(
+        PeriGPT,
+        title="Peri-LN GPT (arXiv:2502.02732)",
+        add_args=add_rival_args,
+        init_kwargs=PeriGPT.kwargs_from_args,
+        optimizer_kwargs=lambda args: {"gain_lr": args.rival_gain_lr},
+    ),
+    "gpt-layerrope": ArchSpec(
+        LayerRoPEGPT,
+        title="GPT with LayerRoPE gains (arXiv:2610.09179)",
+        add_args=add_rival_args,
+        init_kwargs=LayerRoPEGPT.kwargs_from_args,
+        optimizer_kwargs=lambda args: {"gain_lr": args.rival_gain_lr},
+    ),
 }
 
 # every flag of every arch that changes no number a run trains (nanochat/resume.py says what that list is for)
@@ -146,8 +189,10 @@ def arch_for_args(args):
     """(arch name, ArchSpec) that the flags ask for; the --mod-* flags only where the arch skips tokens."""
     spec = arch_spec(args.arch)
     if mod_asked(args) and not issubclass(spec.model_class, (NAGGPT, RouterMoDGPT)):
-        raise UserError(f"--arch {args.arch} has no Mixture-of-Depths: drop the --mod-* flags, or use --arch nag "
-                        "(skips by its rotation score) or --arch gpt-router (the router-MoD baseline)")
+        raise UserError(
+            f"--arch {args.arch} has no Mixture-of-Depths: drop the --mod-* flags, or use --arch nag "
+            "(skips by its rotation score) or --arch gpt-router (the router-MoD baseline)"
+        )
     if issubclass(spec.model_class, NAGRecipeGPT) and mod_asked(args):
         raise UserError(f"--arch {args.arch} has no Mixture-of-Depths: drop the --mod-* flags, or use --arch nag")
     return args.arch, spec
@@ -190,8 +235,10 @@ def ignored_flags(args, defaults):
     notes = []
     for family, flags in given.items():
         readers = [a for a, s in ARCHS.items() if issubclass(s.model_class, FAMILIES[family][1])]
-        notes.append(f"note: {', '.join(flags)} apply only with {FAMILIES[family][2]} ({', '.join(readers)}); "
-                     f"this {args.arch} run ignores them")
+        notes.append(
+            f"note: {', '.join(flags)} apply only with {FAMILIES[family][2]} ({', '.join(readers)}); "
+            f"this {args.arch} run ignores them"
+        )
     return notes
 
 
@@ -204,7 +251,9 @@ def check_args(args):
 def plan_for(args, vocab_size, nproc):
     """The Plan (nanochat/plan.py) of a run's flags: its arch's model built on the meta device, batch, horizon, LRs."""
     arch, spec = check_args(args)
-    return run_plan.make_plan(args, vocab_size, nproc, arch, spec.model_class, spec.init_kwargs(args), spec.optimizer_kwargs(args))
+    return run_plan.make_plan(
+        args, vocab_size, nproc, arch, spec.model_class, spec.init_kwargs(args), spec.optimizer_kwargs(args)
+    )
 
 
 def load_model(run_dir, step=None, device="cpu"):

@@ -83,8 +83,9 @@ def residual_update(res_dir, log_norm, branch_out, gain, renorm="measured"):
     return new_dir.to(res_dir.dtype), new_log_norm
 
 
-def nag_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm="measured",
-               alpha_scale=None):
+def nag_branch(
+    res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm="measured", alpha_scale=None
+):
     """One full NAG update: gain = alpha · alpha_scale · modulator(...), then residual_update."""
     if alpha_scale is not None:
         alpha = alpha * alpha_scale.detach()

@@ -41,5 +41,12 @@ def collapse_verdict(metrics_path, share=COLLAPSE_SHARE):
         verdict = "recovered"
     else:
         verdict = "healthy"
-    return {"verdict": verdict, "share": kept, "mid_step": mid["step"], "end_step": end["step"],
-            "shut_mid": len(shut_mid), "shut_end": len(shut_end), "num_branches": n}
+    return {
+        "verdict": verdict,
+        "share": kept,
+        "mid_step": mid["step"],
+        "end_step": end["step"],
+        "shut_mid": len(shut_mid),
+        "shut_end": len(shut_end),
+        "num_branches": n,
+    }

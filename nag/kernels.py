@@ -42,8 +42,10 @@ from nag.functional import ORTHO_EPS, RMS_EPS, check_renorm  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.sum, triton.runtime.jit.JITFunction):
     # triton.language was imported (e.g. by torch._functorch or torch._inductor) before nag set the flag:
     # its library functions (tl.sum, tl.sigmoid) are then compiled-only, and the interpreter cannot run them
-    raise ImportError("Triton was imported before nag on a machine without a GPU, so its interpreter cannot run "
-                      "the fused kernels: import nag before torch._functorch, torch._inductor or triton")
+    raise ImportError(
+        "Triton was imported before nag on a machine without a GPU, so its interpreter cannot run "
+        "the fused kernels: import nag before torch._functorch, torch._inductor or triton"
+    )
 
 # -----------------------------------------------------------------------------
 # Gate and row math shared by the kernels
@@ -104,11 +106,26 @@ def _n_out(res, x, mask, D, sqrt_d, ORTHO_EPS: tl.constexpr):
 
 @triton.jit
 def _nag_forward_kernel(
-    res_ptr, log_norm_ptr, branch_ptr, logits_ptr, coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr,
-    new_res_ptr, new_log_norm_ptr,
-    floor, D, C, sqrt_d,
-    BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PREDICTED: tl.constexpr, HAS_SCALE: tl.constexpr,
-    ORTHO_EPS: tl.constexpr, RMS_EPS: tl.constexpr,
+    res_ptr,
+    log_norm_ptr,
+    branch_ptr,
+    logits_ptr,
+    coef_ptr,
+    beta_raw_ptr,
+    alpha_ptr,
+    scale_ptr,
+    new_res_ptr,
+    new_log_norm_ptr,
+    floor,
+    D,
+    C,
+    sqrt_d,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PREDICTED: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ORTHO_EPS: tl.constexpr,
+    RMS_EPS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -131,14 +148,32 @@ def _nag_forward_kernel(
 
 @triton.jit
 def _nag_backward_kernel(
-    res_ptr, branch_ptr, logits_ptr, coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr,
-    grad_new_res_ptr, grad_new_log_norm_ptr,
-    grad_res_ptr, grad_branch_ptr, grad_logits_ptr,
-    part_weights_ptr, part_scalars_ptr,
-    floor, n_rows, D, C, sqrt_d,
+    res_ptr,
+    branch_ptr,
+    logits_ptr,
+    coef_ptr,
+    beta_raw_ptr,
+    alpha_ptr,
+    scale_ptr,
+    grad_new_res_ptr,
+    grad_new_log_norm_ptr,
+    grad_res_ptr,
+    grad_branch_ptr,
+    grad_logits_ptr,
+    part_weights_ptr,
+    part_scalars_ptr,
+    floor,
+    n_rows,
+    D,
+    C,
+    sqrt_d,
     ROWS_PER_PROGRAM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, PREDICTED: tl.constexpr, HAS_SCALE: tl.constexpr,
-    ORTHO_EPS: tl.constexpr, RMS_EPS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PREDICTED: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ORTHO_EPS: tl.constexpr,
+    RMS_EPS: tl.constexpr,
 ):
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -199,8 +234,11 @@ def _nag_backward_kernel(
         # clamp passes the gradient where u ≥ floor, like torch.clamp
         grad_u = tl.where(u >= floor, grad_m * beta * power, 0.0)
         grad_z = grad_u * weights * sig * (1.0 - sig)
-        tl.store(grad_logits_ptr + row * C + c_cols, grad_z.to(grad_logits_ptr.dtype.element_ty),
-                 mask=c_cols < tl.where(valid, C, 0))
+        tl.store(
+            grad_logits_ptr + row * C + c_cols,
+            grad_z.to(grad_logits_ptr.dtype.element_ty),
+            mask=c_cols < tl.where(valid, C, 0),
+        )
         # tl.where, not a product: a non-finite gradient (failure 1) must reach the sums, and a redone row must not
         acc_weights += tl.where(valid, grad_u * sig, 0.0)
         acc_scalars += tl.where(valid, tl.where(tl.arange(0, 2) == 0, grad_beta, grad_alpha), 0.0)
@@ -210,10 +248,20 @@ def _nag_backward_kernel(
 
 @triton.jit
 def _nag_gate_grad_kernel(
-    part_weights_ptr, part_scalars_ptr, coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr,
-    grad_coef_ptr, grad_beta_raw_ptr, grad_alpha_ptr,
-    n_parts, C,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SCALE: tl.constexpr,
+    part_weights_ptr,
+    part_scalars_ptr,
+    coef_ptr,
+    beta_raw_ptr,
+    alpha_ptr,
+    scale_ptr,
+    grad_coef_ptr,
+    grad_beta_raw_ptr,
+    grad_alpha_ptr,
+    n_parts,
+    C,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     """One program: sums the backward's partials, then chains through softmax(coef), softplus(beta_raw)
     and the α scale."""
@@ -225,7 +273,9 @@ def _nag_gate_grad_kernel(
     for start in range(0, n_parts, BLOCK_P):
         parts = start + tl.arange(0, BLOCK_P)
         p_mask = parts < n_parts
-        w = tl.load(part_weights_ptr + parts[:, None] * C + c_cols[None, :], mask=p_mask[:, None] & c_mask[None, :], other=0.0)
+        w = tl.load(
+            part_weights_ptr + parts[:, None] * C + c_cols[None, :], mask=p_mask[:, None] & c_mask[None, :], other=0.0
+        )
         grad_weights += tl.sum(w, axis=0)
         sc = tl.load(part_scalars_ptr + parts[:, None] * 2 + s_cols[None, :], mask=p_mask[:, None], other=0.0)
         grad_scalars += tl.sum(sc, axis=0)
@@ -274,9 +324,16 @@ def _rows_per_program(rows):
 
 @torch.library.custom_op("nag::fused_branch", mutates_args=())
 def _fused_branch(
-    res_dir: torch.Tensor, log_norm: torch.Tensor, branch_out: torch.Tensor, mod_logits: torch.Tensor,
-    coef: torch.Tensor, beta_raw: torch.Tensor, alpha: torch.Tensor, alpha_scale: torch.Tensor | None,
-    floor: float, renorm: str,
+    res_dir: torch.Tensor,
+    log_norm: torch.Tensor,
+    branch_out: torch.Tensor,
+    mod_logits: torch.Tensor,
+    coef: torch.Tensor,
+    beta_raw: torch.Tensor,
+    alpha: torch.Tensor,
+    alpha_scale: torch.Tensor | None,
+    floor: float,
+    renorm: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_renorm(renorm)
     dim, channels = res_dir.size(-1), mod_logits.size(-1)
@@ -290,12 +347,27 @@ def _fused_branch(
     block_d, block_c, num_warps = _launch_config(dim, channels)
     if rows > 0:
         _nag_forward_kernel[(rows,)](
-            res, log_norm_rows, branch, logits, coef.contiguous(), beta_raw, alpha,
+            res,
+            log_norm_rows,
+            branch,
+            logits,
+            coef.contiguous(),
+            beta_raw,
+            alpha,
             alpha if alpha_scale is None else alpha_scale,  # not read without a scale
-            new_res, new_log_norm,
-            float(floor), dim, channels, math.sqrt(dim),
-            BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted", HAS_SCALE=alpha_scale is not None,
-            ORTHO_EPS=ORTHO_EPS, RMS_EPS=RMS_EPS, num_warps=num_warps,
+            new_res,
+            new_log_norm,
+            float(floor),
+            dim,
+            channels,
+            math.sqrt(dim),
+            BLOCK_D=block_d,
+            BLOCK_C=block_c,
+            PREDICTED=renorm == "predicted",
+            HAS_SCALE=alpha_scale is not None,
+            ORTHO_EPS=ORTHO_EPS,
+            RMS_EPS=RMS_EPS,
+            num_warps=num_warps,
         )
     return new_res.view(res_dir.shape), new_log_norm.view(log_norm.shape)
 
@@ -313,10 +385,18 @@ def _(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, alpha_sc
 
 @torch.library.custom_op("nag::fused_branch_backward", mutates_args=())
 def _fused_branch_backward(
-    grad_new_dir: torch.Tensor, grad_new_log_norm: torch.Tensor,
-    res_dir: torch.Tensor, branch_out: torch.Tensor, mod_logits: torch.Tensor,
-    coef: torch.Tensor, beta_raw: torch.Tensor, alpha: torch.Tensor, alpha_scale: torch.Tensor | None,
-    floor: float, renorm: str, rows_per_program: int = 0,
+    grad_new_dir: torch.Tensor,
+    grad_new_log_norm: torch.Tensor,
+    res_dir: torch.Tensor,
+    branch_out: torch.Tensor,
+    mod_logits: torch.Tensor,
+    coef: torch.Tensor,
+    beta_raw: torch.Tensor,
+    alpha: torch.Tensor,
+    alpha_scale: torch.Tensor | None,
+    floor: float,
+    renorm: str,
+    rows_per_program: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the gradients of (res_dir, branch_out, mod_logits, coef, beta_raw, alpha). rows_per_program: the
     rows each backward program takes (a compile each), 0 for _rows_per_program's choice; the gradients do not depend
@@ -343,33 +423,77 @@ def _fused_branch_backward(
     block_d, block_c, num_warps = _launch_config(dim, channels)
     if rows > 0:
         _nag_backward_kernel[(programs,)](
-            res, branch, logits, coef_, beta_raw, alpha, scale,
-            grad_new_res, grad_new_log_norm,
-            grad_res, grad_branch, grad_logits,
-            part_weights, part_scalars,
-            float(floor), rows, dim, channels, math.sqrt(dim),
-            ROWS_PER_PROGRAM=per_program, BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted",
+            res,
+            branch,
+            logits,
+            coef_,
+            beta_raw,
+            alpha,
+            scale,
+            grad_new_res,
+            grad_new_log_norm,
+            grad_res,
+            grad_branch,
+            grad_logits,
+            part_weights,
+            part_scalars,
+            float(floor),
+            rows,
+            dim,
+            channels,
+            math.sqrt(dim),
+            ROWS_PER_PROGRAM=per_program,
+            BLOCK_D=block_d,
+            BLOCK_C=block_c,
+            PREDICTED=renorm == "predicted",
             HAS_SCALE=alpha_scale is not None,
-            ORTHO_EPS=ORTHO_EPS, RMS_EPS=RMS_EPS, num_warps=num_warps,
+            ORTHO_EPS=ORTHO_EPS,
+            RMS_EPS=RMS_EPS,
+            num_warps=num_warps,
         )
     # with no rows it still runs: the parameter gradients are then 0
     _nag_gate_grad_kernel[(1,)](
-        part_weights, part_scalars, coef_, beta_raw, alpha, scale,
-        grad_coef, grad_beta_raw, grad_alpha,
-        programs, channels,
-        BLOCK_P=max(16, 2048 // block_c), BLOCK_C=block_c, HAS_SCALE=alpha_scale is not None, num_warps=4,
+        part_weights,
+        part_scalars,
+        coef_,
+        beta_raw,
+        alpha,
+        scale,
+        grad_coef,
+        grad_beta_raw,
+        grad_alpha,
+        programs,
+        channels,
+        BLOCK_P=max(16, 2048 // block_c),
+        BLOCK_C=block_c,
+        HAS_SCALE=alpha_scale is not None,
+        num_warps=4,
     )
     return (
         grad_res.view(res_dir.shape),
         grad_branch.view(branch_out.shape),
         grad_logits.view(mod_logits.shape),
-        grad_coef, grad_beta_raw, grad_alpha,
+        grad_coef,
+        grad_beta_raw,
+        grad_alpha,
     )
 
 
 @_fused_branch_backward.register_fake
-def _(grad_new_dir, grad_new_log_norm, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale, floor, renorm,
-      rows_per_program=0):
+def _(
+    grad_new_dir,
+    grad_new_log_norm,
+    res_dir,
+    branch_out,
+    mod_logits,
+    coef,
+    beta_raw,
+    alpha,
+    alpha_scale,
+    floor,
+    renorm,
+    rows_per_program=0,
+):
     # each gradient in its input's dtype and shape (the parameter ones are reduced in fp32, then cast)
     return _fresh(res_dir), _fresh(branch_out), _fresh(mod_logits), _fresh(coef), _fresh(beta_raw), _fresh(alpha)
 
@@ -384,20 +508,42 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_new_dir, grad_new_log_norm):
     res_dir, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale = ctx.saved_tensors
     grad_res, grad_branch, grad_logits, grad_coef, grad_beta_raw, grad_alpha = _fused_branch_backward(
-        grad_new_dir, grad_new_log_norm, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale,
-        ctx.floor, ctx.renorm)
+        grad_new_dir,
+        grad_new_log_norm,
+        res_dir,
+        branch_out,
+        mod_logits,
+        coef,
+        beta_raw,
+        alpha,
+        alpha_scale,
+        ctx.floor,
+        ctx.renorm,
+    )
     # new_log_norm = log_norm + f(g), so log_norm's gradient passes straight through; alpha_scale is a
     # constant (the warm-up factor): no gradient
-    return (grad_res, grad_new_log_norm, grad_branch, grad_logits, grad_coef, grad_beta_raw, grad_alpha,
-            None, None, None)
+    return (
+        grad_res,
+        grad_new_log_norm,
+        grad_branch,
+        grad_logits,
+        grad_coef,
+        grad_beta_raw,
+        grad_alpha,
+        None,
+        None,
+        None,
+    )
 
 
 _fused_branch.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fused_nag_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm="measured",
-                     alpha_scale=None):
+def fused_nag_branch(
+    res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, floor, renorm="measured", alpha_scale=None
+):
     """Fused nag.functional.nag_branch: returns (new_dir, new_log_norm), log_norm shaped (..., 1)."""
     check_renorm(renorm)  # raise here, not deep inside a compiled graph
-    return _fused_branch(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale,
-                         float(floor), renorm)
+    return _fused_branch(
+        res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha, alpha_scale, float(floor), renorm
+    )

@@ -49,11 +49,14 @@ def add_mod_args(parser):
     """The MoD flags, read by both MoD models (registered once, by the nag spec in nag/archs.py)."""
     g = parser.add_argument_group("Mixture-of-Depths (--arch nag: rotation score; --arch gpt-router: router baseline)")
     g.add_argument("--mod-rate", type=float, default=None, help="target share of skipped token-sublayers, in [0, 0.95)")
-    g.add_argument("--mod-blocks", type=str, default=None, choices=BLOCKS, help="sub-layers tokens may skip (default: both)")
+    g.add_argument(
+        "--mod-blocks", type=str, default=None, choices=BLOCKS, help="sub-layers tokens may skip (default: both)"
+    )
 
 
 def check_rate(rate, flag="--mod-rate"):
     from nanochat.common import UserError
+
     if not (math.isfinite(rate) and 0 <= rate < MAX_RATE):
         raise UserError(f"{flag} must be in [0, {MAX_RATE}) (got {rate:g})")
 
@@ -61,6 +64,7 @@ def check_rate(rate, flag="--mod-rate"):
 def mod_config_from_args(args):
     """ModConfig from the flags, or None when MoD is off."""
     from nanochat.common import UserError
+
     if args.mod_rate is None:
         if args.mod_blocks:
             raise UserError("--mod-blocks needs --mod-rate (the target share of skipped token-sublayers)")
@@ -119,7 +123,9 @@ class Thresholds(nn.Module):
 
     def calibrated(self):
         """Every threshold that evaluation will use has been estimated at least once."""
-        slots = ([0] if self.config.skips("attn") else []) + ([1 + i for i in range(len(self.values) - 1)] if self.config.skips("mlp") else [])
+        slots = ([0] if self.config.skips("attn") else []) + (
+            [1 + i for i in range(len(self.values) - 1)] if self.config.skips("mlp") else []
+        )
         return all(self.counts[s].item() > 0 for s in slots)
 
     @torch.no_grad()
@@ -179,7 +185,9 @@ class Thresholds(nn.Module):
     def pop_rates(self, mode):
         """{(kind, layer): mean skipped fraction} over the forwards of this mode since the last call."""
         keys = [key for key in self.sums if key[0] == mode]
-        values = step_timer.read_values(torch.stack([self.sums[key][0] / self.sums[key][1] for key in keys])) if keys else []
+        values = (
+            step_timer.read_values(torch.stack([self.sums[key][0] / self.sums[key][1] for key in keys])) if keys else []
+        )
         out = {(k, l): v for (_, k, l), v in zip(keys, values)}  # one host read for all of them
         self.sums = {key: v for key, v in self.sums.items() if key[0] != mode}
         return out

@@ -21,7 +21,15 @@ from nanochat import step_timer
 from nanochat.gpt import GPT, Linear
 from nanochat.common import positive_int, positive_float, non_negative
 from nag.functional import nag_branch, modulator
-from nag.mod import ModConfig, Thresholds, mod_config_from_args, rotation_score, run_executed, flops_with_skips, skip_summary
+from nag.mod import (
+    ModConfig,
+    Thresholds,
+    mod_config_from_args,
+    rotation_score,
+    run_executed,
+    flops_with_skips,
+    skip_summary,
+)
 
 BETA_RAW_INIT = 0.5413  # softplus⁻¹(1): the modulator starts linear in u
 DEAD_GAIN = 1e-3  # a branch whose mean |g| falls below this counts as dead in telemetry
@@ -48,23 +56,52 @@ def add_nag_args(parser):
     g = parser.add_argument_group("NAG (used with --arch nag)")
     # an LR of 0 would freeze the gates, a negative one climb the loss:
     # positive, as --matrix-lr (nanochat/common.py's rule)
-    g.add_argument("--nag-gate-lr", type=positive_float, default=GATE_LR, help="AdamW LR of α, β, coef, m_down (× batch LR scale)")
-    g.add_argument("--nag-temp-gain-lr", type=positive_float, default=TEMP_GAIN_LR, help="AdamW LR of log G_encode (× batch LR scale)")
-    g.add_argument("--nag-alpha-warmup-tokens", type=non_negative(int, "no α warm-up"), default=NAGConfig.alpha_warmup_tokens,
-                   help="0 disables the α warm-up")
-    g.add_argument("--nag-mod-floor", type=non_negative(float, "no floor, failure 1"), default=NAGConfig.mod_floor,
-                   help="floor of u before the power; 0 reproduces failure 1")
+    g.add_argument(
+        "--nag-gate-lr", type=positive_float, default=GATE_LR, help="AdamW LR of α, β, coef, m_down (× batch LR scale)"
+    )
+    g.add_argument(
+        "--nag-temp-gain-lr",
+        type=positive_float,
+        default=TEMP_GAIN_LR,
+        help="AdamW LR of log G_encode (× batch LR scale)",
+    )
+    g.add_argument(
+        "--nag-alpha-warmup-tokens",
+        type=non_negative(int, "no α warm-up"),
+        default=NAGConfig.alpha_warmup_tokens,
+        help="0 disables the α warm-up",
+    )
+    g.add_argument(
+        "--nag-mod-floor",
+        type=non_negative(float, "no floor, failure 1"),
+        default=NAGConfig.mod_floor,
+        help="floor of u before the power; 0 reproduces failure 1",
+    )
     g.add_argument("--nag-renorm", type=str, default=NAGConfig.renorm, choices=["measured", "predicted"])
     g.add_argument("--nag-directions", type=positive_int, default=NAGConfig.directions)
-    g.add_argument("--nag-gate-log-every", type=non_negative(int, "never"), default=100, help="gate telemetry every N steps (0 = never)")
-    g.add_argument("--nag-impl", type=str, default="", choices=["", "reference", "compiled", "fused"],
-                   help="branch implementation (default: fused on cuda, reference elsewhere)")
+    g.add_argument(
+        "--nag-gate-log-every",
+        type=non_negative(int, "never"),
+        default=100,
+        help="gate telemetry every N steps (0 = never)",
+    )
+    g.add_argument(
+        "--nag-impl",
+        type=str,
+        default="",
+        choices=["", "reference", "compiled", "fused"],
+        help="branch implementation (default: fused on cuda, reference elsewhere)",
+    )
 
 
 def nag_config_from_args(args):
     """NAGConfig of the parsed flags (their values were checked as they were parsed: add_nag_args)."""
-    return NAGConfig(directions=args.nag_directions, mod_floor=args.nag_mod_floor,
-                     renorm=args.nag_renorm, alpha_warmup_tokens=args.nag_alpha_warmup_tokens)
+    return NAGConfig(
+        directions=args.nag_directions,
+        mod_floor=args.nag_mod_floor,
+        renorm=args.nag_renorm,
+        alpha_warmup_tokens=args.nag_alpha_warmup_tokens,
+    )
 
 
 def pow_backward(u, beta):
@@ -81,6 +118,7 @@ def branch_function(impl):
         return torch.compile(nag_branch, dynamic=False)
     if impl == "fused":
         from nag.kernels import fused_nag_branch
+
         return fused_nag_branch
     raise ValueError(f"unknown NAG impl {impl!r} (reference, compiled, fused)")
 
@@ -113,7 +151,9 @@ class NAGGPT(GPT):
     def __init__(self, config, nag=None, impl=None, mod=None, device=None):
         super().__init__(config, device=device)
         self.nag = nag or NAGConfig()
-        self.gates = nn.ModuleList([NAGBlockGates(config.n_embd, self.nag.directions, device) for _ in range(config.n_layer)])
+        self.gates = nn.ModuleList(
+            [NAGBlockGates(config.n_embd, self.nag.directions, device) for _ in range(config.n_layer)]
+        )
         self.log_gain_encode = nn.Parameter(torch.empty(1, device=device))  # log G_encode
         self.register_buffer("alpha_warmup", torch.ones(1, device=device), persistent=False)
         self.impl = impl
@@ -181,13 +221,13 @@ class NAGGPT(GPT):
     def init_weights(self):
         super().init_weights()
         d = self.config.n_embd
-        bound = math.sqrt(3) * d ** -0.5
+        bound = math.sqrt(3) * d**-0.5
         for l, br in self.branches():
             nn.init.uniform_(br.m_down.weight, -bound, bound)
             nn.init.zeros_(br.m_down.bias)
             nn.init.zeros_(br.coef)
             br.beta_raw.fill_(BETA_RAW_INIT)
-            br.alpha.fill_(l ** -self.nag.alpha_init_power)
+            br.alpha.fill_(l**-self.nag.alpha_init_power)
         self.log_gain_encode.zero_()
         self.alpha_warmup.fill_(1.0)
         if self.mod is not None:
@@ -209,15 +249,34 @@ class NAGGPT(GPT):
         warm = self.nag.alpha_warmup_tokens
         self.alpha_warmup.fill_(1.0 if warm <= 0 else min(1.0, tokens / warm))
 
-    def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr=GATE_LR, temp_gain_lr=TEMP_GAIN_LR):
+    def optimizer_groups(
+        self,
+        embedding_lr,
+        unembedding_lr,
+        matrix_lr,
+        weight_decay,
+        lr_scale,
+        gate_lr=GATE_LR,
+        temp_gain_lr=TEMP_GAIN_LR,
+    ):
         groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale)
         # X_l trains with the gates
         gates = list(self.gates.parameters()) + (list(self.mod_base.parameters()) if self.mod_base is not None else [])
         groups.append(dict(kind="adamw", name="nag_gates", params=gates, lr=gate_lr * lr_scale, betas=(0.8, 0.95)))
-        groups.append(dict(kind="adamw", name="nag_temp_gain", params=[self.log_gain_encode], lr=temp_gain_lr * lr_scale, betas=(0.8, 0.95)))
+        groups.append(
+            dict(
+                kind="adamw",
+                name="nag_temp_gain",
+                params=[self.log_gain_encode],
+                lr=temp_gain_lr * lr_scale,
+                betas=(0.8, 0.95),
+            )
+        )
         return groups
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
+    def forward(
+        self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None
+    ):
         # with a KV cache (decoding) only attention reads other positions, through their cached keys and values: the
         # rest of a NAG update (R̄, s, the modulator, N_out) is per position (docs/design.md §9)
         T = idx.size(1)
@@ -259,8 +318,18 @@ class NAGGPT(GPT):
         """R̄ and s after the sub-layer output out: the gain, the rotation and the log-norm step
         (scripts/bench/nag.py counts the kernel launches of this part)."""
         # the warm-up factor goes in as alpha_scale: the fused op applies it in its kernels, no extra launch
-        return self.branch_fn(res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, br.alpha,
-                              self.nag.mod_floor, self.nag.renorm, self.alpha_warmup)
+        return self.branch_fn(
+            res_dir,
+            log_norm,
+            out,
+            mod_logits,
+            br.coef,
+            br.beta_raw,
+            br.alpha,
+            self.nag.mod_floor,
+            self.nag.renorm,
+            self.alpha_warmup,
+        )
 
     def nonfinite_origin(self, idx):
         """Where a non-finite step started (failure 1), from a no-grad forward over idx (the last micro-batch; the
@@ -270,8 +339,11 @@ class NAGGPT(GPT):
         runs from the loss, so a NaN born in a branch spreads to every earlier one."""
         t = self.gate_telemetry(idx)
         branches = t["branches"]
-        bad_grad = [i for i, (_, br) in enumerate(self.branches())
-                    if any(p.grad is not None and not torch.isfinite(p.grad).all() for p in br.parameters())]
+        bad_grad = [
+            i
+            for i, (_, br) in enumerate(self.branches())
+            if any(p.grad is not None and not torch.isfinite(p.grad).all() for p in br.parameters())
+        ]
         overflow = [i for i, b in enumerate(branches) if not math.isfinite(pow_backward(b["u_min"], b["beta"]))]
         if overflow:
             i, why = overflow[0], "β·u^(β−1) overflows"
@@ -291,8 +363,19 @@ class NAGGPT(GPT):
         u = (torch.sigmoid(mod_logits.float()) * w).sum(dim=-1)
         m = u.clamp(min=floor) ** F.softplus(br.beta_raw.float())
         gain = (alpha.float() * m).abs()
-        self.telemetry_rows.append(torch.stack([u.mean(), m.mean(), (u <= floor).float().mean(), gain.mean(), alpha.float().squeeze(),
-                                                u.min(), F.softplus(br.beta_raw.float()).squeeze()]))
+        self.telemetry_rows.append(
+            torch.stack(
+                [
+                    u.mean(),
+                    m.mean(),
+                    (u <= floor).float().mean(),
+                    gain.mean(),
+                    alpha.float().squeeze(),
+                    u.min(),
+                    F.softplus(br.beta_raw.float()).squeeze(),
+                ]
+            )
+        )
 
     @torch.no_grad()
     def gate_telemetry(self, idx):
@@ -318,12 +401,25 @@ class NAGGPT(GPT):
         gains = [r[3] for r in rows]
         alphas = [r[4] for r in rows]
         n = len(rows)
-        quartiles = [sum(gains[q * n // 4:(q + 1) * n // 4]) / max(1, len(gains[q * n // 4:(q + 1) * n // 4])) for q in range(4)]
+        quartiles = [
+            sum(gains[q * n // 4 : (q + 1) * n // 4]) / max(1, len(gains[q * n // 4 : (q + 1) * n // 4]))
+            for q in range(4)
+        ]
         return {
             # u: the mixed sigmoid; m = max(u, floor)^β: the modulator; g = α·warmup·m: the realised gain
-            "branches": [{"name": nm, "u_mean": r[0], "m_mean": r[1], "floor_frac": r[2], "gain_abs_mean": r[3], "alpha": r[4],
-                          "u_min": r[5], "beta": r[6]}
-                         for nm, r in zip(names, rows)],
+            "branches": [
+                {
+                    "name": nm,
+                    "u_mean": r[0],
+                    "m_mean": r[1],
+                    "floor_frac": r[2],
+                    "gain_abs_mean": r[3],
+                    "alpha": r[4],
+                    "u_min": r[5],
+                    "beta": r[6],
+                }
+                for nm, r in zip(names, rows)
+            ],
             "dead_branches": sum(g < DEAD_GAIN for g in gains),
             "dead_threshold": DEAD_GAIN,
             "dead_walkthrough": sum(g < WALKTHROUGH_DEAD_GAIN for g in gains),
@@ -340,6 +436,8 @@ class NAGGPT(GPT):
     @staticmethod
     def format_telemetry(t):
         q = " ".join(f"{v:.3f}" for v in t["gain_by_depth_quartile"])
-        return (f"  gates | dead {t['dead_relative']}/{t['num_branches']} (mean m < {t['dead_relative_threshold']:g}), "
-                f"{t['dead_walkthrough']} (mean |g| < {t['dead_walkthrough_threshold']:g}) | "
-                f"|g| by depth quartile {q} | α {t['alpha_min']:.3f}..{t['alpha_max']:.3f} | at floor {100 * t['floor_frac_mean']:.2f}%")
+        return (
+            f"  gates | dead {t['dead_relative']}/{t['num_branches']} (mean m < {t['dead_relative_threshold']:g}), "
+            f"{t['dead_walkthrough']} (mean |g| < {t['dead_walkthrough_threshold']:g}) | "
+            f"|g| by depth quartile {q} | α {t['alpha_min']:.3f}..{t['alpha_max']:.3f} | at floor {100 * t['floor_frac_mean']:.2f}%"
+        )

@@ -51,12 +51,25 @@ class NAGRecipeGPT(RecipeParts, NAGGPT):
         """NAG's S (nag/model.py) with the ve gates, which live in the blocks; the smear gate stays out, as in nanochat."""
         return super().num_scaling_params() - (self.smear_gate.weight.numel() if self.recipe.smear else 0)
 
-    def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr=GATE_LR, temp_gain_lr=TEMP_GAIN_LR,
-                         scalar_lr=0.5):
-        groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr, temp_gain_lr)
+    def optimizer_groups(
+        self,
+        embedding_lr,
+        unembedding_lr,
+        matrix_lr,
+        weight_decay,
+        lr_scale,
+        gate_lr=GATE_LR,
+        temp_gain_lr=TEMP_GAIN_LR,
+        scalar_lr=0.5,
+    ):
+        groups = super().optimizer_groups(
+            embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, gate_lr, temp_gain_lr
+        )
         return groups + self.recipe_groups(embedding_lr, scalar_lr, lr_scale)
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
+    def forward(
+        self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None
+    ):
         r = self.recipe
         T = idx.size(1)
         cos_sin, masks, kvs = self.attention_inputs(T, idx.device, positions, allowed, cache)

@@ -34,6 +34,7 @@ NO_GAINS = (None, None, None, None)  # a block's (attn read, mlp read, attn writ
 @dataclass
 class LayerRoPEConfig:
     """LayerRoPE's initial scalars (every site alike) and its base b, a constant."""
+
     alpha: float = 0.0
     beta: float = -0.5
     alpha_rot: float = 0.0
@@ -47,10 +48,18 @@ LAYERROPE_INITS = {"ladder": LayerRoPEConfig(), "depth": LayerRoPEConfig(beta=0.
 
 def add_rival_args(parser):
     g = parser.add_argument_group("rival depth arms (--arch gpt-lns, gpt-peri, gpt-layerrope; docs/design.md §11)")
-    g.add_argument("--rival-gain-lr", type=positive_float, default=GAIN_LR,
-                   help="AdamW LR (no weight decay, × batch LR scale) of Peri-LN's and LayerRoPE's gains and scalars")
-    g.add_argument("--layerrope-init", choices=list(LAYERROPE_INITS), default="ladder",
-                   help="LayerRoPE's init: ladder (β = β_rot = -0.5, b = 100) or depth (β = β_rot = 0, b = 1e4)")
+    g.add_argument(
+        "--rival-gain-lr",
+        type=positive_float,
+        default=GAIN_LR,
+        help="AdamW LR (no weight decay, × batch LR scale) of Peri-LN's and LayerRoPE's gains and scalars",
+    )
+    g.add_argument(
+        "--layerrope-init",
+        choices=list(LAYERROPE_INITS),
+        default="ladder",
+        help="LayerRoPE's init: ladder (β = β_rot = -0.5, b = 100) or depth (β = β_rot = 0, b = 1e4)",
+    )
 
 
 def times(x, gain):
@@ -118,6 +127,7 @@ class RivalBlock(Block):
 
 class RivalGPT(GPT):
     """The baseline with RivalBlocks: an arm says what each block reads and writes (block_gains, out_norm)."""
+
     out_norm = False
 
     def __init__(self, config, device=None):
@@ -132,8 +142,9 @@ class RivalGPT(GPT):
     def kwargs_from_args(cls, args):
         """Constructor arguments from base_train's flags (ArchSpec.init_kwargs): none; no Mixture-of-Depths."""
         if getattr(args, "mod_rate", None) is not None or getattr(args, "mod_blocks", None):
-            raise UserError(f"--arch {cls.arch} has no Mixture-of-Depths: drop the --mod-* flags, "
-                            "or use --arch nag / gpt-router")
+            raise UserError(
+                f"--arch {cls.arch} has no Mixture-of-Depths: drop the --mod-* flags, or use --arch nag / gpt-router"
+            )
         return {}
 
     def block_gains(self):
@@ -151,12 +162,21 @@ class RivalGPT(GPT):
         groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale)
         gains = self.gain_params()
         if gains:  # norm gains and depth scalars: AdamW without decay, as LayerRoPE's OLMo port trains them
-            groups.append(dict(kind="adamw", name="rival_gains", params=gains, lr=gain_lr * lr_scale, betas=(0.8, 0.95),
-                               weight_decay=0.0))
+            groups.append(
+                dict(
+                    kind="adamw",
+                    name="rival_gains",
+                    params=gains,
+                    lr=gain_lr * lr_scale,
+                    betas=(0.8, 0.95),
+                    weight_decay=0.0,
+                )
+            )
         return groups
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None,
-                cache=None):
+    def forward(
+        self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None
+    ):
         # every arm is per position: the KV cache holds all a new position reads of the others (docs/design.md §9)
         T = idx.size(1)
         cos_sin, masks, kvs = self.attention_inputs(T, idx.device, positions, allowed, cache)
@@ -168,6 +188,7 @@ class RivalGPT(GPT):
 
 class LNSGPT(RivalGPT):
     """Layer-Norm Scaling (arXiv:2502.05795): both pre-norms of block l (1-based) scaled by 1/√l."""
+
     arch = "gpt-lns"
 
     def __init__(self, config, device=None):
@@ -181,6 +202,7 @@ class LNSGPT(RivalGPT):
 
 class PeriGPT(RivalGPT):
     """Peri-LN (arXiv:2502.02732): each branch's output rms-normed with a learned gain before the residual add."""
+
     arch = "gpt-peri"
     out_norm = True
 
@@ -216,6 +238,7 @@ class LayerRoPE(nn.Module):
 
 class LayerRoPEGPT(RivalGPT):
     """LayerRoPE (arXiv:2610.09179) on the pre-norm baseline: shared read and write gains, turned by depth."""
+
     arch = "gpt-layerrope"
 
     def __init__(self, config, layerrope=None, device=None):

@@ -27,8 +27,14 @@ class RouterMoDGPT(GPT):
     def __init__(self, config, mod=None, device=None):
         super().__init__(config, device=device)
         self.mod = mod or ModConfig()
-        self.routers = nn.ModuleDict({f"{kind}_{i}": Linear(config.n_embd, 1, bias=True, device=device)
-                                      for i in range(config.n_layer) for kind in KINDS if self.mod.covers(kind)})
+        self.routers = nn.ModuleDict(
+            {
+                f"{kind}_{i}": Linear(config.n_embd, 1, bias=True, device=device)
+                for i in range(config.n_layer)
+                for kind in KINDS
+                if self.mod.covers(kind)
+            }
+        )
         self.thresholds = Thresholds(config.n_layer, self.mod, device)
 
     # ----- hooks (see GPT; the command-line side, --mod-* and --nag-gate-lr for the routers, is nag/archs.py) -----
@@ -48,17 +54,21 @@ class RouterMoDGPT(GPT):
         """Another rate (base_eval's trade-off curve): only over the sub-layers whose routers were trained."""
         untrained = [k for k in KINDS if mod.covers(k) and not self.mod.covers(k)]
         if untrained:
-            raise UserError(f"this router-MoD model was trained with --mod-blocks {self.mod.blocks}: it has no trained "
-                            f"router for {', '.join(untrained)}")
+            raise UserError(
+                f"this router-MoD model was trained with --mod-blocks {self.mod.blocks}: it has no trained "
+                f"router for {', '.join(untrained)}"
+            )
         self.mod = ModConfig(blocks=mod.blocks, rate=mod.rate, momentum=mod.momentum)
-        self.thresholds = Thresholds(self.config.n_layer, self.mod, device if device is not None else self.wte.weight.device)
+        self.thresholds = Thresholds(
+            self.config.n_layer, self.mod, device if device is not None else self.wte.weight.device
+        )
 
     # ----- init, optimizer, FLOPs -----
 
     @torch.no_grad()
     def init_weights(self):
         super().init_weights()
-        bound = math.sqrt(3) * self.config.n_embd ** -0.5  # like NAG's m_down: scores differ between tokens from step 0
+        bound = math.sqrt(3) * self.config.n_embd**-0.5  # like NAG's m_down: scores differ between tokens from step 0
         for r in self.routers.values():
             nn.init.uniform_(r.weight, -bound, bound)
             nn.init.zeros_(r.bias)
@@ -67,8 +77,15 @@ class RouterMoDGPT(GPT):
     def optimizer_groups(self, embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale, router_lr=1e-3):
         # the routers train like NAG's gates (AdamW at --nag-gate-lr): the two MoDs differ in the score only
         groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale)
-        groups.append(dict(kind="adamw", name="mod_routers", params=list(self.routers.parameters()), lr=router_lr * lr_scale,
-                           betas=(0.8, 0.95)))
+        groups.append(
+            dict(
+                kind="adamw",
+                name="mod_routers",
+                params=list(self.routers.parameters()),
+                lr=router_lr * lr_scale,
+                betas=(0.8, 0.95),
+            )
+        )
         return groups
 
     def estimate_flops(self, skip=None):
@@ -76,7 +93,9 @@ class RouterMoDGPT(GPT):
 
     # ----- forward -----
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
+    def forward(
+        self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None
+    ):
         T = idx.size(1)
         cos_sin, masks, kvs = self.attention_inputs(T, idx.device, positions, allowed, cache)
         x = norm(self.wte(idx).to(self.compute_dtype))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from nanochat.common import UserError, atomic_torch_save, atomic_write_json
 from nanochat.gpt import GPTConfig
+
 # the old place, for scripts/base_train.py until it imports run_dir
 from nanochat.run_dir import resolve_run_dir  # noqa: F401
 
@@ -81,11 +82,17 @@ def damage(run_dir, step):
         return "a save was cut short"
     except ValueError:  # written atomically, so never half of one: damaged since (a copy, a disk, an edit)
         return f"{name} is not valid JSON: the file is damaged"
-    if not (isinstance(meta, dict) and isinstance(meta.get("world_size", 1), int) and isinstance(meta.get("file_sizes", {}), dict)):
+    if not (
+        isinstance(meta, dict)
+        and isinstance(meta.get("world_size", 1), int)
+        and isinstance(meta.get("file_sizes", {}), dict)
+    ):
         return f"{name} is not a checkpoint's meta (an object with its number of ranks and file sizes): the file is damaged"
     if "file_sizes" not in meta and "arch" in meta:  # without its arch too it is damaged, which load_meta says
-        return f"{name} records no file sizes: a checkpoint of an earlier version of this code, which this one " \
-               "does not read"
+        return (
+            f"{name} records no file sizes: a checkpoint of an earlier version of this code, which this one "
+            "does not read"
+        )
     sizes = meta.get("file_sizes", {})
     for path in [model_path(run_dir, step)] + [optim_path(run_dir, step, r) for r in range(meta.get("world_size", 1))]:
         name = os.path.basename(path)
@@ -110,12 +117,19 @@ def latest_step(run_dir, skip_damaged=False):
     (skip_damaged: it trains that step again), a reader refuses, since the newest step is what it was asked for."""
     steps = complete_steps(run_dir)
     if not steps:
-        raise UserError(f"no complete checkpoint in {run_dir}; train one with `python -m scripts.base_train --run {os.path.basename(run_dir)}`")
+        raise UserError(
+            f"no complete checkpoint in {run_dir}; train one with `python -m scripts.base_train --run {os.path.basename(run_dir)}`"
+        )
     for s in (s for s in saved_steps(run_dir) if s > steps[-1]):
         if os.path.exists(meta_path(run_dir, s)) and not skip_damaged:
-            raise UserError(f"the newest checkpoint of {run_dir}, step {s}, is damaged ({damage(run_dir, s)}); the previous complete "
-                            f"step is {steps[-1]}: pass --step {steps[-1]}, or train step {s} again with base_train --resume latest")
-        print(f"note: skipping the incomplete checkpoint of step {s} in {run_dir} ({damage(run_dir, s)}); using step {steps[-1]}", flush=True)
+            raise UserError(
+                f"the newest checkpoint of {run_dir}, step {s}, is damaged ({damage(run_dir, s)}); the previous complete "
+                f"step is {steps[-1]}: pass --step {steps[-1]}, or train step {s} again with base_train --resume latest"
+            )
+        print(
+            f"note: skipping the incomplete checkpoint of step {s} in {run_dir} ({damage(run_dir, s)}); using step {steps[-1]}",
+            flush=True,
+        )
     return steps[-1]
 
 
@@ -137,19 +151,26 @@ def save_checkpoint(run_dir, step, model, meta, train_state, rank=0):
         if rank == 0:
             missing = [r for r in range(world_size) if not os.path.exists(optim_path(run_dir, step, r))]
             if missing:  # written on another disk: no complete checkpoint would exist anywhere
-                raise UserError(f"rank(s) {', '.join(map(str, missing))} saved their part of step {step} where rank 0 cannot see it "
-                                f"({run_dir}): the base dir must be one directory on a filesystem shared by every node")
+                raise UserError(
+                    f"rank(s) {', '.join(map(str, missing))} saved their part of step {step} where rank 0 cannot see it "
+                    f"({run_dir}): the base dir must be one directory on a filesystem shared by every node"
+                )
             atomic_torch_save({"model": model.state_dict(), "meta": meta}, model_path(run_dir, step))
             # the sizes of every file as written: a later truncation or a copy cut short marks the checkpoint incomplete
             files = [model_path(run_dir, step)] + [optim_path(run_dir, step, r) for r in range(world_size)]
-            atomic_write_json(meta_path(run_dir, step), {**meta, "file_sizes": {os.path.basename(p): os.path.getsize(p) for p in files}})
+            atomic_write_json(
+                meta_path(run_dir, step),
+                {**meta, "file_sizes": {os.path.basename(p): os.path.getsize(p) for p in files}},
+            )
     except OSError as e:  # a full disk, typically: leave no part of this checkpoint behind to fill it further
         for path in glob.glob(os.path.join(run_dir, f"optim_{step:06d}_rank*.pt")) + [model_path(run_dir, step)]:
             with contextlib.suppress(OSError):
                 os.remove(path)
         earlier = [s for s in complete_steps(run_dir) if s < step]
-        raise UserError(f"cannot save the checkpoint of step {step} in {run_dir} ({e.strerror or e}); the newest complete one is "
-                        f"{f'step {earlier[-1]}' if earlier else 'none'}: free space, then continue with --resume latest") from None
+        raise UserError(
+            f"cannot save the checkpoint of step {step} in {run_dir} ({e.strerror or e}); the newest complete one is "
+            f"{f'step {earlier[-1]}' if earlier else 'none'}: free space, then continue with --resume latest"
+        ) from None
 
 
 def missing_step_error(run_dir, step):
@@ -186,15 +207,19 @@ def load_meta(run_dir, step):
     if not (isinstance(meta.get("arch"), str) and isinstance(meta.get("model_config"), dict)):
         earlier = [s for s in complete_steps(run_dir) if s < step]
         hint = f"the previous complete step is {earlier[-1]}" if earlier else "no earlier complete step exists"
-        raise UserError(f"{meta_path(run_dir, step)} lacks the checkpoint's arch or model config: the file is damaged; {hint}")
+        raise UserError(
+            f"{meta_path(run_dir, step)} lacks the checkpoint's arch or model config: the file is damaged; {hint}"
+        )
     return meta
 
 
 def load_train_state(run_dir, step, rank=0, device="cpu"):
     path = optim_path(run_dir, step, rank)
     if not os.path.exists(path):
-        raise UserError(f"checkpoint step {step} in {run_dir} has no optimizer state for rank {rank} ({os.path.basename(path)}); "
-                        "resume with the same number of processes it was saved with")
+        raise UserError(
+            f"checkpoint step {step} in {run_dir} has no optimizer state for rank {rank} ({os.path.basename(path)}); "
+            "resume with the same number of processes it was saved with"
+        )
     return torch_load(path, device, run_dir, step)
 
 
@@ -209,7 +234,9 @@ def load_weights(model, ckpt):
     """Load a checkpoint's weights, refusing a checkpoint of the other arch."""
     arch = ckpt["meta"]["arch"]
     if arch != model.arch:
-        raise UserError(f"checkpoint holds a {arch!r} model but a {model.arch!r} model ({type(model).__name__}) was asked to load it")
+        raise UserError(
+            f"checkpoint holds a {arch!r} model but a {model.arch!r} model ({type(model).__name__}) was asked to load it"
+        )
     model.load_state_dict(ckpt["model"], strict=True)
 
 
@@ -229,6 +256,7 @@ def fingerprints(tokenizer, splits=("train", "val")):
     """What a number depends on besides the weights: the tokenizer and the data (nanochat/tokenizer.py and
     nanochat/dataset.py say what is hashed). Recorded in config.json, every checkpoint's meta and eval.json."""
     from nanochat.dataset import data_fingerprint
+
     return {"tokenizer": tokenizer.fingerprint(), **{f"data_{s}": data_fingerprint(s) for s in splits}}
 
 
@@ -236,12 +264,18 @@ def check_vocab(meta, tokenizer):
     """The tokenizer must be the one the checkpoint was trained with: same size, and same merges (its fingerprint)."""
     v_model, v_tok = meta["model_config"]["vocab_size"], tokenizer.get_vocab_size()
     if v_model != v_tok:
-        raise UserError(f"checkpoint vocab {v_model} does not match the tokenizer's {v_tok}; "
-                        "use the tokenizer the model was trained with (NANOCHAT_BASE_DIR)")
+        raise UserError(
+            f"checkpoint vocab {v_model} does not match the tokenizer's {v_tok}; "
+            "use the tokenizer the model was trained with (NANOCHAT_BASE_DIR)"
+        )
     trained = (meta.get("fingerprints") or {}).get("tokenizer")
     if not trained:
-        raise UserError(f"the checkpoint of step {meta.get('step')} records no tokenizer fingerprint: a checkpoint of "
-                        "an earlier version of this code, which this one does not read")
+        raise UserError(
+            f"the checkpoint of step {meta.get('step')} records no tokenizer fingerprint: a checkpoint of "
+            "an earlier version of this code, which this one does not read"
+        )
     if trained != tokenizer.fingerprint():
-        raise UserError(f"the tokenizer in the base dir (fingerprint {tokenizer.fingerprint()}) is not the one this checkpoint was "
-                        f"trained with ({trained}), though both have {v_tok:,} tokens; use the base dir the model was trained in")
+        raise UserError(
+            f"the tokenizer in the base dir (fingerprint {tokenizer.fingerprint()}) is not the one this checkpoint was "
+            f"trained with ({trained}), though both have {v_tok:,} tokens; use the base dir the model was trained in"
+        )

@@ -39,7 +39,9 @@ def get_base_dir():
     try:
         os.makedirs(base, exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot create the base dir {base} ({e.strerror}); set NANOCHAT_BASE_DIR to a writable directory") from None
+        raise UserError(
+            f"cannot create the base dir {base} ({e.strerror}); set NANOCHAT_BASE_DIR to a writable directory"
+        ) from None
     return base
 
 
@@ -49,7 +51,12 @@ def get_dist_info():
     if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return True, int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_LOCALID", "0")), int(os.environ["SLURM_STEP_NUM_TASKS"])
+        return (
+            True,
+            int(os.environ["SLURM_PROCID"]),
+            int(os.environ.get("SLURM_LOCALID", "0")),
+            int(os.environ["SLURM_STEP_NUM_TASKS"]),
+        )
     return False, 0, 0, 1
 
 
@@ -105,7 +112,9 @@ def ensure_writable_dir(path):
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise UserError(f"cannot write to {path} ({e.strerror or e}); choose a writable location (NANOCHAT_BASE_DIR)") from None
+        raise UserError(
+            f"cannot write to {path} ({e.strerror or e}); choose a writable location (NANOCHAT_BASE_DIR)"
+        ) from None
 
 
 def _umask():
@@ -171,11 +180,16 @@ def dist_init(device_type, timeout=START_TIMEOUT):
     if is_ddp and not dist.is_initialized():
         if "RANK" not in os.environ:  # srun: the env:// rendezvous reads torchrun's names
             if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-                raise UserError(f"srun started {world_size} tasks but MASTER_ADDR / MASTER_PORT are not set: export them "
-                                "before srun (runs/slurm_pair.sbatch shows how), or launch with torchrun")
+                raise UserError(
+                    f"srun started {world_size} tasks but MASTER_ADDR / MASTER_PORT are not set: export them "
+                    "before srun (runs/slurm_pair.sbatch shows how), or launch with torchrun"
+                )
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout),
-                                device_id=device if device_type == "cuda" else None)
+        dist.init_process_group(
+            backend="nccl" if device_type == "cuda" else "gloo",
+            timeout=timedelta(seconds=timeout),
+            device_id=device if device_type == "cuda" else None,
+        )
     return is_ddp, rank, local_rank, world_size, device
 
 
@@ -183,9 +197,13 @@ def dist_init(device_type, timeout=START_TIMEOUT):
 # Keyed by the words of torch.cuda.get_device_name() that tell the variants apart, most specific first: an SXM part
 # names no form factor ("NVIDIA H100 80GB HBM3"), a PCIe or NVL part says so.
 PEAK_FLOPS_BY_NAME = (
-    (("h100", "nvl"), 835e12), (("h100", "pcie"), 756e12), (("h100",), 989e12),
-    (("h200", "nvl"), 836e12), (("h200",), 989e12),
-    (("h800", "pcie"), 756e12), (("h800",), 989e12),
+    (("h100", "nvl"), 835e12),
+    (("h100", "pcie"), 756e12),
+    (("h100",), 989e12),
+    (("h200", "nvl"), 836e12),
+    (("h200",), 989e12),
+    (("h800", "pcie"), 756e12),
+    (("h800",), 989e12),
     (("a100",), 312e12),
     (("b200",), 2250e12),
 )
@@ -206,8 +224,16 @@ def git_commit():
     """The repo's HEAD commit, with -dirty when tracked files differ from it; "unknown" outside a git checkout."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return (sha + ("-dirty" if dirty else "")) or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -220,6 +246,7 @@ RECORDED_PACKAGES = ("torch", "triton", "numpy", "pyarrow", "tiktoken", "rustbpe
 def package_versions():
     """{package: installed version, or None where it is not installed}: config.json's `versions`."""
     from importlib import metadata
+
     versions = {}
     for name in RECORDED_PACKAGES:
         try:
@@ -236,8 +263,10 @@ def check_run_name(run):
         raise UserError(f"{run!r} is not a run name: it holds a control character; give a name like gpt-d20")
     name = os.path.basename(os.path.normpath(run)) if run.strip() else ""
     if not name[:1].isalnum():
-        raise UserError(f"{run!r} is not a run name: a run's name starts with a letter or digit; give a name like gpt-d20, "
-                        "or leave --run out for <arch>-d<depth>")
+        raise UserError(
+            f"{run!r} is not a run name: a run's name starts with a letter or digit; give a name like gpt-d20, "
+            "or leave --run out for <arch>-d<depth>"
+        )
 
 
 def parse_seeds(text, flag="--seeds"):
@@ -298,15 +327,20 @@ def non_negative(kind, zero):
 
 def non_negative_or_unset(kind, unset, zero=None):
     """>= 0 (0 meaning `zero`, when given), or -1 meaning `unset`."""
-    return Number(kind, lambda v: v >= 0 or v == -1, "must be >= 0" + (f" (0: {zero})" if zero else "") + f", or -1 ({unset})")
+    return Number(
+        kind, lambda v: v >= 0 or v == -1, "must be >= 0" + (f" (0: {zero})" if zero else "") + f", or -1 ({unset})"
+    )
 
 
 def fraction(top_open=False, unset=None):
     """In [0, 1] ([0, 1) with top_open), or -1 meaning `unset` when given."""
     inside = (lambda v: 0 <= v < 1) if top_open else (lambda v: 0 <= v <= 1)
     span = f"[0, 1{')' if top_open else ']'}"
-    return Number(float, (lambda v: inside(v) or v == -1) if unset else inside,
-                  f"must be in {span}" + (f", or -1 ({unset})" if unset else ""))
+    return Number(
+        float,
+        (lambda v: inside(v) or v == -1) if unset else inside,
+        f"must be in {span}" + (f", or -1 ({unset})" if unset else ""),
+    )
 
 
 positive_int, positive_float = positive(int), positive(float)
@@ -342,7 +376,9 @@ class Progress:
             return
         self.last = now
         elapsed = now - self.start
-        self.log(f"{self.what}: {done}/{self.total} {self.unit} | {fmt_time(elapsed)}, eta {fmt_time(elapsed * (self.total - done) / done)}")
+        self.log(
+            f"{self.what}: {done}/{self.total} {self.unit} | {fmt_time(elapsed)}, eta {fmt_time(elapsed * (self.total - done) / done)}"
+        )
 
 
 def fmt_time(s):
@@ -371,9 +407,16 @@ def cuda_problem(need=None):
     seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if seen >= need:
         return None
-    build = f"torch {torch.__version__} (" + (f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build, no CUDA") + ")"
-    smi = (f"nvidia-smi lists {listed} GPU(s), driver {driver or '?'} (CUDA {driver_cuda or '?'})" if listed
-           else "nvidia-smi lists no GPU")
+    build = (
+        f"torch {torch.__version__} ("
+        + (f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build, no CUDA")
+        + ")"
+    )
+    smi = (
+        f"nvidia-smi lists {listed} GPU(s), driver {driver or '?'} (CUDA {driver_cuda or '?'})"
+        if listed
+        else "nvidia-smi lists no GPU"
+    )
     if not torch.version.cuda:
         fix = "remove .venv and run `source runs/setup_env.sh` on this node to install the CUDA build"
     elif listed:

@@ -119,12 +119,18 @@ def _download(url, out):
                 done += len(chunk)
                 if time.time() - shown > 0.5 or done == total:
                     shown = time.time()
-                    size = f"{done / 2**20:.1f}/{total / 2**20:.1f} MB ({100 * done / total:.0f}%)" if total else f"{done / 2**20:.1f} MB"
+                    size = (
+                        f"{done / 2**20:.1f}/{total / 2**20:.1f} MB ({100 * done / total:.0f}%)"
+                        if total
+                        else f"{done / 2**20:.1f} MB"
+                    )
                     print(f"\rdownloading eval bundle: {size}", end="", file=sys.stderr, flush=True)
             print(file=sys.stderr, flush=True)
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = " ".join(str(getattr(e, "reason", e)).split())
-        raise UserError(f"cannot download the CORE eval bundle from {url} ({reason}); pass --eval-bundle DIR with a local copy") from None
+        raise UserError(
+            f"cannot download the CORE eval bundle from {url} ({reason}); pass --eval-bundle DIR with a local copy"
+        ) from None
 
 
 def load_core_tasks(bundle_dir):
@@ -155,7 +161,9 @@ def load_core_tasks(bundle_dir):
         if missing:
             raise UserError(f"{yaml_path}: task {label or len(tasks)} lacks {', '.join(missing)}")
         if t["icl_task_type"] not in TASK_FIELDS:
-            raise UserError(f"{yaml_path}: task {label} has unknown task type {t['icl_task_type']!r} (known: {', '.join(TASK_FIELDS)})")
+            raise UserError(
+                f"{yaml_path}: task {label} has unknown task type {t['icl_task_type']!r} (known: {', '.join(TASK_FIELDS)})"
+            )
         if label not in baselines:
             raise UserError(f"{meta_path} has no random baseline for task {label}")
         shots = t["num_fewshot"]
@@ -163,14 +171,16 @@ def load_core_tasks(bundle_dir):
         shots = shots[0] if isinstance(shots, list) and shots else shots
         if not isinstance(shots, int) or shots < 0:
             raise UserError(f"{yaml_path}: task {label} has an invalid num_fewshot {t['num_fewshot']!r}")
-        tasks.append({
-            "label": label,
-            "dataset_uri": t["dataset_uri"],
-            "task_type": t["icl_task_type"],
-            "num_fewshot": shots,
-            "continuation_delimiter": t.get("continuation_delimiter", " "),
-            "random_baseline": baselines[label],
-        })
+        tasks.append(
+            {
+                "label": label,
+                "dataset_uri": t["dataset_uri"],
+                "task_type": t["icl_task_type"],
+                "num_fewshot": shots,
+                "continuation_delimiter": t.get("continuation_delimiter", " "),
+                "random_baseline": baselines[label],
+            }
+        )
     return tasks
 
 
@@ -181,7 +191,9 @@ def _item_problem(item, task_type):
     if missing:
         return f"missing field {', '.join(missing)} for a {task_type} item"
     options = item.get("choices", item.get("context_options"))
-    if options is not None and (not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options)):
+    if options is not None and (
+        not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options)
+    ):
         return "choices/context_options must be a non-empty list of strings"
     if "gold" in TASK_FIELDS[task_type]:
         gold = item["gold"]
@@ -213,6 +225,7 @@ def load_task_data(path, task_type):
                 raise UserError(f"{path} line {lineno}: {problem}")
             items.append(item)
     return items
+
 
 # -----------------------------------------------------------------------------
 # Prompts: few-shot blocks end with a blank line; the item follows; BOS is prepended at tokenization
@@ -268,7 +281,7 @@ def crop_to_context(seq, start, end, max_len):
     cut = len(seq) - max_len
     if start - cut < 1:  # position start - 1 predicts the first scored token, so it must stay
         cut = start - 1
-        return seq[cut:cut + max_len], 1, min(end - cut, max_len)
+        return seq[cut : cut + max_len], 1, min(end - cut, max_len)
     return seq[cut:], start - cut, end - cut
 
 
@@ -294,7 +307,7 @@ def prepare_examples(indices, data, tokenizer, task_meta, max_len=None):
     tokens = tokenizer(prompts, prepend=tokenizer.get_bos_token_id()) if prompts else []  # one call: batched encode
     examples, at = [], 0
     for idx, k in zip(indices, counts):
-        seqs, at = [list(t) for t in tokens[at:at + k]], at + k
+        seqs, at = [list(t) for t in tokens[at : at + k]], at + k
         if task_type == "multiple_choice":  # shared context: score where the choices start to differ
             start = common_length(seqs, "left")
             spans = [(start, len(s)) for s in seqs]
@@ -303,18 +316,21 @@ def prepare_examples(indices, data, tokenizer, task_meta, max_len=None):
             spans = [(len(s) - n, len(s)) for s in seqs]
         else:
             without, seqs = seqs[0], seqs[1:]
-            if not (len(without) < len(seqs[0]) and seqs[0][:len(without)] == without):
+            if not (len(without) < len(seqs[0]) and seqs[0][: len(without)] == without):
                 raise UserError(f"item {idx}: the context's tokens are not a prefix of context + continuation")
             spans = [(len(without), len(seqs[0]))]
         spans = [(max(s, 1), e) for s, e in spans]  # BOS is never scored
         cropped = [crop_to_context(seq, s, e, max_len) for seq, (s, e) in zip(seqs, spans)]
-        examples.append({
-            "idx": idx,
-            "gold": data[idx].get("gold"),
-            "seqs": [c[0] for c in cropped],
-            "spans": [(c[1], c[2]) for c in cropped],
-        })
+        examples.append(
+            {
+                "idx": idx,
+                "gold": data[idx].get("gold"),
+                "seqs": [c[0] for c in cropped],
+                "spans": [(c[1], c[2]) for c in cropped],
+            }
+        )
     return examples
+
 
 # -----------------------------------------------------------------------------
 # Scoring
@@ -338,7 +354,7 @@ def split_by_span(scores, spans):
     loss, gap, match = scores
     out, at = [], 0
     for s, e in spans:
-        out.append((loss[at:at + e - s], gap[at:at + e - s], match[at:at + e - s]))
+        out.append((loss[at : at + e - s], gap[at : at + e - s], match[at : at + e - s]))
         at += e - s
     return out
 
@@ -351,7 +367,7 @@ def forward_scores(model, seqs, spans, pad_id, device):
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     rows, cols = [], []
     for i, (seq, (s, e)) in enumerate(zip(seqs, spans)):
-        ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         rows += [i] * (e - s)
         cols += range(s - 1, e - 1)  # logits at t predict token t + 1
     ids = ids.to(device)
@@ -398,15 +414,18 @@ def packed_scores(model, rows, pad_id, device, packed):
     branch = torch.full((len(rows), T), -1, dtype=torch.long)  # padding: a branch of its own
     at_rows, at_cols, targets = [], [], []
     for i, (tokens, pos, br, needs) in enumerate(rows):
-        ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        positions[i, :len(pos)] = torch.tensor(pos, dtype=torch.long)
-        branch[i, :len(br)] = torch.tensor(br, dtype=torch.long)
+        ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        positions[i, : len(pos)] = torch.tensor(pos, dtype=torch.long)
+        branch[i, : len(br)] = torch.tensor(br, dtype=torch.long)
         for cols, tgt in needs:
             at_rows += [i] * len(cols)
             at_cols += cols
             targets += tgt
     ids, positions, branch = ids.to(device), positions.to(device), branch.to(device)
-    at = (torch.tensor(at_rows, dtype=torch.long, device=device), torch.tensor(at_cols, dtype=torch.long, device=device))
+    at = (
+        torch.tensor(at_rows, dtype=torch.long, device=device),
+        torch.tensor(at_cols, dtype=torch.long, device=device),
+    )
     if packed and branch.max() > 0:
         q, k = branch[:, :, None], branch[:, None, :]
         causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
@@ -420,7 +439,7 @@ def packed_scores(model, rows, pad_id, device, packed):
     out, start = [], 0
     for _, _, _, needs in rows:
         n = sum(len(c) for c, _ in needs)
-        out.append(split_by_span(tuple(x[start:start + n] for x in scores), [(0, len(c)) for c, _ in needs]))
+        out.append(split_by_span(tuple(x[start : start + n] for x in scores), [(0, len(c)) for c, _ in needs]))
         start += n
     return out
 
@@ -471,8 +490,9 @@ def evaluate_example(idx, model, tokenizer, data, device, task_meta):
     return {"idx": idx, "correct": correct, "pred": pred, "margin": decisive, "rescored": False}
 
 
-def score_examples(model, tokenizer, data, device, task_meta, indices=None, batched=True,
-                   batch_size=32, max_tokens=None, margin=None):
+def score_examples(
+    model, tokenizer, data, device, task_meta, indices=None, batched=True, batch_size=32, max_tokens=None, margin=None
+):
     """Verdicts {"idx", "correct", "pred", "margin", "rescored"} for data[indices] (default: all); margin:
     how far the verdict is from flipping (see decide).
     Batched: each example packed into one row (its shared prefix once: see packed_row), rows sorted by
@@ -490,7 +510,9 @@ def score_examples(model, tokenizer, data, device, task_meta, indices=None, batc
     # rows: (example k, its sequences js, the row): one packed row per example where that pays, else a row per sequence
     rows = []
     for k, ex in enumerate(examples):
-        groups = [range(len(ex["seqs"]))] if packed and worth_packing(ex["seqs"]) else [[j] for j in range(len(ex["seqs"]))]
+        groups = (
+            [range(len(ex["seqs"]))] if packed and worth_packing(ex["seqs"]) else [[j] for j in range(len(ex["seqs"]))]
+        )
         rows += [(k, js, packed_row([ex["seqs"][j] for j in js], [ex["spans"][j] for j in js])) for js in groups]
     # rows holding several sequences need a mask, so they go to forwards of their own; longest first,
     # so that running out of memory shows at once
@@ -498,7 +520,7 @@ def score_examples(model, tokenizer, data, device, task_meta, indices=None, batc
     scores = [[None] * len(ex["seqs"]) for ex in examples]
     at = 0
     while at < len(rows):
-        group = rows[at:at + max(1, min(batch_size, max_tokens // len(rows[at][2][0])))]
+        group = rows[at : at + max(1, min(batch_size, max_tokens // len(rows[at][2][0])))]
         group = [r for r in group if (len(r[1]) > 1) == (len(group[0][1]) > 1)]
         at += len(group)
         for (k, js, _), row_scores in zip(group, packed_scores(model, [r[2] for r in group], pad_id, device, packed)):
@@ -509,7 +531,9 @@ def score_examples(model, tokenizer, data, device, task_meta, indices=None, batc
         correct, pred, robust, decisive = decide(task_type, ex["gold"], sc, margin)
         if not robust:
             correct, pred, _, decisive = _score_alone(model, ex, task_type, pad_id, device)
-        verdicts.append({"idx": ex["idx"], "correct": correct, "pred": pred, "margin": decisive, "rescored": not robust})
+        verdicts.append(
+            {"idx": ex["idx"], "correct": correct, "pred": pred, "margin": decisive, "rescored": not robust}
+        )
     return verdicts
 
 
@@ -520,8 +544,18 @@ def task_verdicts(model, tokenizer, data, device, task_meta, batched=True, batch
         raise UserError("no examples to evaluate")
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    verdicts = score_examples(model, tokenizer, data, device, task_meta, range(rank, len(data), world),
-                              batched=batched, batch_size=batch_size, max_tokens=max_tokens, margin=margin)
+    verdicts = score_examples(
+        model,
+        tokenizer,
+        data,
+        device,
+        task_meta,
+        range(rank, len(data), world),
+        batched=batched,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        margin=margin,
+    )
     if world > 1:
         shards = [None] * world
         dist.all_gather_object(shards, verdicts)
@@ -531,9 +565,19 @@ def task_verdicts(model, tokenizer, data, device, task_meta, batched=True, batch
 
 def evaluate_task(model, tokenizer, data, device, task_meta, batched=True, batch_size=32, max_tokens=None, margin=None):
     """Accuracy on data (see task_verdicts)."""
-    verdicts = task_verdicts(model, tokenizer, data, device, task_meta, batched=batched, batch_size=batch_size,
-                             max_tokens=max_tokens, margin=margin)
+    verdicts = task_verdicts(
+        model,
+        tokenizer,
+        data,
+        device,
+        task_meta,
+        batched=batched,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        margin=margin,
+    )
     return sum(v["correct"] for v in verdicts) / len(data)
+
 
 # -----------------------------------------------------------------------------
 # The CORE metric
@@ -550,13 +594,15 @@ RECORD_COLUMNS = ("task", "idx", "correct", "margin", "item")
 def save_records(path, records, settings, write_bytes):
     """Per-example records as parquet, the eval settings (and anything else in settings) as JSON in the
     file's metadata. write_bytes(path, data) does the writing (atomic in base_eval)."""
-    table = pa.table({
-        "task": pa.array([r["task"] for r in records], pa.string()),
-        "idx": pa.array([r["idx"] for r in records], pa.int32()),
-        "correct": pa.array([r["correct"] for r in records], pa.bool_()),
-        "margin": pa.array([r["margin"] for r in records], pa.float64()),
-        "item": pa.array([r["item"] for r in records], pa.string()),
-    }).replace_schema_metadata({"nanochat_core": json.dumps(settings, sort_keys=True)})
+    table = pa.table(
+        {
+            "task": pa.array([r["task"] for r in records], pa.string()),
+            "idx": pa.array([r["idx"] for r in records], pa.int32()),
+            "correct": pa.array([r["correct"] for r in records], pa.bool_()),
+            "margin": pa.array([r["margin"] for r in records], pa.float64()),
+            "item": pa.array([r["item"] for r in records], pa.string()),
+        }
+    ).replace_schema_metadata({"nanochat_core": json.dumps(settings, sort_keys=True)})
     buf = io.BytesIO()
     pq.write_table(table, buf)
     write_bytes(path, buf.getvalue())
@@ -572,7 +618,9 @@ def load_records(path):
         columns = {name: table.column(name).to_pylist() for name in RECORD_COLUMNS}
     except Exception as e:  # pyarrow raises several types for a damaged file; any of them means the same here
         reason = " ".join(str(e).split())[:120]
-        raise UserError(f"{path} is not a readable CORE records file ({type(e).__name__}: {reason}); rerun scripts.base_eval") from None
+        raise UserError(
+            f"{path} is not a readable CORE records file ({type(e).__name__}: {reason}); rerun scripts.base_eval"
+        ) from None
     return columns, settings
 
 
@@ -621,8 +669,20 @@ def reusable(done, label, task_settings, data):
     return recs
 
 
-def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_size=32, log=print,
-                  batched=True, max_tokens=None, margin=None, on_task=None, done=None):
+def evaluate_core(
+    model,
+    tokenizer,
+    device,
+    bundle_dir,
+    max_per_task=-1,
+    batch_size=32,
+    log=print,
+    batched=True,
+    max_tokens=None,
+    margin=None,
+    on_task=None,
+    done=None,
+):
     """Every task of core.yaml; missing task files are skipped and listed. Fewer than 22 tasks scored
     gives core_metric None and a partial CORE under its own label.
     Besides the scores, the result holds `records` (one per scored example: task, idx after the shuffle,
@@ -656,38 +716,73 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, batch_s
         shots = min(task["num_fewshot"], len(data) - 1)  # the few-shot examples are drawn from the other items
         if shots < task["num_fewshot"]:
             fewer.append(f"{label} {task['num_fewshot']}->{shots}")
-        task_meta = {"task_type": task["task_type"], "num_fewshot": shots, "continuation_delimiter": task["continuation_delimiter"]}
-        task_settings = {"task_type": task["task_type"], "num_fewshot": shots, "num_examples": len(data),
-                         "continuation_delimiter": task["continuation_delimiter"], "random_baseline": task["random_baseline"]}
+        task_meta = {
+            "task_type": task["task_type"],
+            "num_fewshot": shots,
+            "continuation_delimiter": task["continuation_delimiter"],
+        }
+        task_settings = {
+            "task_type": task["task_type"],
+            "num_fewshot": shots,
+            "num_examples": len(data),
+            "continuation_delimiter": task["continuation_delimiter"],
+            "random_baseline": task["random_baseline"],
+        }
         earlier = reusable(done, label, task_settings, data)
         if earlier is not None:
             results[label], task_records = done["tasks"][label], earlier
             kept.append(label)
         else:
-            verdicts = task_verdicts(model, tokenizer, data, device, task_meta, batched=batched,
-                                     batch_size=batch_size, max_tokens=max_tokens, margin=margin)
+            verdicts = task_verdicts(
+                model,
+                tokenizer,
+                data,
+                device,
+                task_meta,
+                batched=batched,
+                batch_size=batch_size,
+                max_tokens=max_tokens,
+                margin=margin,
+            )
             accuracy = sum(v["correct"] for v in verdicts) / len(data)
-            results[label] = {"accuracy": accuracy, "centered": centered_accuracy(accuracy, task["random_baseline"]),
-                              "num_examples": len(data), "num_fewshot": shots, "seconds": time.time() - t0}
-            task_records = [{"task": label, "idx": v["idx"], "correct": bool(v["correct"]), "margin": float(v["margin"]),
-                             "item": item_key(data[v["idx"]])} for v in verdicts]
+            results[label] = {
+                "accuracy": accuracy,
+                "centered": centered_accuracy(accuracy, task["random_baseline"]),
+                "num_examples": len(data),
+                "num_fewshot": shots,
+                "seconds": time.time() - t0,
+            }
+            task_records = [
+                {
+                    "task": label,
+                    "idx": v["idx"],
+                    "correct": bool(v["correct"]),
+                    "margin": float(v["margin"]),
+                    "item": item_key(data[v["idx"]]),
+                }
+                for v in verdicts
+            ]
         settings["tasks"][label] = task_settings
         records += task_records
         unfinished.remove(label)
         r = results[label]
         scored += earlier is None
         eta = f", eta {fmt_time((time.time() - started) / scored * len(unfinished))}" if scored and unfinished else ""
-        log(f"{label:<34} {shots:>2}-shot {task['task_type']:<17} n={len(data):<6} "
+        log(
+            f"{label:<34} {shots:>2}-shot {task['task_type']:<17} n={len(data):<6} "
             f"accuracy {r['accuracy']:.4f}  centered {r['centered']:+.4f}  "
             + ("kept from the interrupted run" if earlier is not None else f"{r['seconds']:6.1f}s")
-            + f"  [{len(results)}/{len(results) + len(unfinished)}{eta}]")
+            + f"  [{len(results)}/{len(results) + len(unfinished)}{eta}]"
+        )
         if on_task is not None:
             on_task(core_summary(results, missing, settings, records, unfinished))
     if kept:
         log(f"resumed: {len(kept)} task(s) kept from the interrupted run with the same settings ({', '.join(kept)})")
     if fewer:
-        log(f"note: fewer few-shot examples than the protocol's, as the tasks hold too few items "
-            f"(max_per_task {max_per_task}): {', '.join(fewer)}")
+        log(
+            f"note: fewer few-shot examples than the protocol's, as the tasks hold too few items "
+            f"(max_per_task {max_per_task}): {', '.join(fewer)}"
+        )
     out = core_summary(results, missing, settings, records)
     if out["core_metric"] is not None:
         log(f"CORE metric: {out['core_metric']:.4f}")

@@ -29,8 +29,19 @@ from nanochat.dataset import list_row_groups, read_row_group, row_group_sizes
 STATE_VERSION = 1
 
 
-def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resume_state=None, buffer_size=1000, tokenizer_threads=4,
-                data_seed=None):
+def data_loader(
+    tokenizer,
+    B,
+    T,
+    split,
+    device="cpu",
+    rank=0,
+    world_size=1,
+    resume_state=None,
+    buffer_size=1000,
+    tokenizer_threads=4,
+    data_seed=None,
+):
     """Yield (inputs, targets, state) forever: int64 (B, T) tensors on device, targets shifted by one; state resumes the stream.
     data_seed (an int) shuffles the order of the row groups, per epoch; None keeps the file order."""
     if B < 1 or T < 1:
@@ -39,7 +50,9 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
         raise UserError(f"rank {rank} is not in 0..{world_size - 1}")
     all_row_groups = list_row_groups(split)
     if len(all_row_groups) < world_size:  # checked on every rank, so all of them stop, not just the idle ones
-        raise UserError(f"the {split} split has {len(all_row_groups)} row groups, fewer than the {world_size} ranks; use fewer GPUs or more data")
+        raise UserError(
+            f"the {split} split has {len(all_row_groups)} row groups, fewer than the {world_size} ranks; use fewer GPUs or more data"
+        )
     row_groups = _epoch_row_groups(all_row_groups, rank, world_size, data_seed)
     num_row_groups = len(row_groups(0))  # the same every epoch: only their order changes
     # with a data seed it varies a little by epoch; epoch 0's is kept
@@ -49,8 +62,22 @@ def data_loader(tokenizer, B, T, split, device="cpu", rank=0, world_size=1, resu
     if resume_state is not None:
         _check_state(resume_state, split, rank, world_size, num_row_groups, data_seed)
     # the checks above run now, at the call; the batches come from a generator, read on demand
-    return _packed_batches(tokenizer, B, T, split, torch.device(device), row_groups, num_row_groups, docs_per_epoch, rank, world_size,
-                           resume_state, buffer_size, tokenizer_threads, data_seed)
+    return _packed_batches(
+        tokenizer,
+        B,
+        T,
+        split,
+        torch.device(device),
+        row_groups,
+        num_row_groups,
+        docs_per_epoch,
+        rank,
+        world_size,
+        resume_state,
+        buffer_size,
+        tokenizer_threads,
+        data_seed,
+    )
 
 
 def _epoch_row_groups(all_row_groups, rank, world_size, data_seed):
@@ -66,11 +93,26 @@ def _epoch_row_groups(all_row_groups, rank, world_size, data_seed):
         order = list(all_row_groups)
         random.Random(f"{data_seed}/{epoch}").shuffle(order)  # a str seed is hashed the same in every process and run
         return order[rank::world_size]
+
     return shuffled
 
 
-def _packed_batches(tokenizer, B, T, split, device, row_groups, num_row_groups, docs_per_epoch, rank, world_size, resume_state,
-                    buffer_size, tokenizer_threads, data_seed):
+def _packed_batches(
+    tokenizer,
+    B,
+    T,
+    split,
+    device,
+    row_groups,
+    num_row_groups,
+    docs_per_epoch,
+    rank,
+    world_size,
+    resume_state,
+    buffer_size,
+    tokenizer_threads,
+    data_seed,
+):
     # a small split is buffered once, not many times over
     buffer_target = max(1, min(buffer_size, docs_per_epoch))
     bos = tokenizer.get_bos_token_id()
@@ -102,7 +144,9 @@ def _packed_batches(tokenizer, B, T, split, device, row_groups, num_row_groups, 
             try:
                 add_docs(doc_epoch, pos, sorted(doc_indices))
             except IndexError:
-                raise UserError(f"the data changed since this loader state was saved (row group {row_groups(doc_epoch)[pos]} lacks a document); resume with the same data") from None
+                raise UserError(
+                    f"the data changed since this loader state was saved (row group {row_groups(doc_epoch)[pos]} lacks a document); resume with the same data"
+                ) from None
 
     while True:
         rows = []
@@ -115,7 +159,10 @@ def _packed_batches(tokenizer, B, T, split, device, row_groups, num_row_groups, 
                     next_pos += 1
                     if next_pos == num_row_groups:
                         if rank == 0:
-                            print(f"dataloader: finished reading epoch {epoch} of the {split} split, starting epoch {epoch + 1}", flush=True)
+                            print(
+                                f"dataloader: finished reading epoch {epoch} of the {split} split, starting epoch {epoch + 1}",
+                                flush=True,
+                            )
                         epoch, next_pos = epoch + 1, 0
                 remaining = row_len - len(row)
                 i = bisect_left(keys, (remaining + 1,)) - 1  # largest document with at most `remaining` tokens
@@ -132,9 +179,16 @@ def _packed_batches(tokenizer, B, T, split, device, row_groups, num_row_groups, 
         else:
             batch = batch.to(device)
         state = {
-            "version": STATE_VERSION, "split": split, "rank": rank, "world_size": world_size,
-            "num_row_groups": num_row_groups, "data_seed": data_seed, "epoch": epoch, "next_pos": next_pos,
-            "buffer": [k[1:] for k in keys], "dropped_tokens": dropped,
+            "version": STATE_VERSION,
+            "split": split,
+            "rank": rank,
+            "world_size": world_size,
+            "num_row_groups": num_row_groups,
+            "data_seed": data_seed,
+            "epoch": epoch,
+            "next_pos": next_pos,
+            "buffer": [k[1:] for k in keys],
+            "dropped_tokens": dropped,
         }
         yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), state
 
@@ -170,15 +224,23 @@ def _check_state(state, split, rank, world_size, num_row_groups, data_seed):
     if not ok:
         raise UserError(f"dataloader resume state version {state['version']} is not {STATE_VERSION}; start without it")
     if saved != (split, rank, world_size):
-        raise UserError(f"dataloader resume state is for split/rank/world_size {saved}, not {(split, rank, world_size)}; resume with the same setup")
+        raise UserError(
+            f"dataloader resume state is for split/rank/world_size {saved}, not {(split, rank, world_size)}; resume with the same setup"
+        )
     if state["num_row_groups"] != num_row_groups:
-        raise UserError(f"the {split} data changed since the checkpoint ({state['num_row_groups']} row groups for this rank then, {num_row_groups} now); resume with the same shards")
+        raise UserError(
+            f"the {split} data changed since the checkpoint ({state['num_row_groups']} row groups for this rank then, {num_row_groups} now); resume with the same shards"
+        )
     if "data_seed" not in state:
-        raise UserError("the dataloader resume state records no data seed: a state of an earlier version of this code, "
-                        "which this one does not resume; start without it")
+        raise UserError(
+            "the dataloader resume state records no data seed: a state of an earlier version of this code, "
+            "which this one does not resume; start without it"
+        )
     if state["data_seed"] != data_seed:
-        raise UserError(f"dataloader resume state is for data seed {state['data_seed']}, not {data_seed}; "
-                        "resume with the same --data-seed")
+        raise UserError(
+            f"dataloader resume state is for data seed {state['data_seed']}, not {data_seed}; "
+            "resume with the same --data-seed"
+        )
 
 
 class MicroBatches:

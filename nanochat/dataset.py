@@ -33,12 +33,22 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanochat.common import UserError, exit_on_user_error, ensure_writable_dir, atomic_write_bytes, atomic_write_json, get_base_dir, print0
+from nanochat.common import (
+    UserError,
+    exit_on_user_error,
+    ensure_writable_dir,
+    atomic_write_bytes,
+    atomic_write_json,
+    get_base_dir,
+    print0,
+)
 
 BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
 MAX_SHARD = 6542  # index of the last upstream shard (6543 shards in total); it is the validation shard
 OFFLINE_MARKER = "offline_corpus.json"  # written next to shards built by build_offline_corpus
-MAKE_DATA_HINT = "run `python -m nanochat.dataset -n 8` (download) or `python -m nanochat.dataset --offline` (no network)"
+MAKE_DATA_HINT = (
+    "run `python -m nanochat.dataset -n 8` (download) or `python -m nanochat.dataset --offline` (no network)"
+)
 
 
 # Estimates, not measurements: a ClimbMix shard holds ~250M characters ≈ 55M tokens of a 32K-vocab
@@ -74,6 +84,7 @@ def get_data_dir():
 # -----------------------------------------------------------------------------
 # Reading
 
+
 def list_parquet_files(data_dir=None):
     """Sorted full paths of the parquet shards in data_dir (temp files of unfinished writes excluded)."""
     data_dir = data_dir or get_data_dir()
@@ -92,7 +103,9 @@ def split_files(split, data_dir=None):
     if not files:
         raise UserError(f"no parquet shards in {data_dir}; {MAKE_DATA_HINT}")
     if len(files) < 2:
-        raise UserError(f"only one shard in {data_dir}, need at least 2 (the last one is the validation split); {MAKE_DATA_HINT}")
+        raise UserError(
+            f"only one shard in {data_dir}, need at least 2 (the last one is the validation split); {MAKE_DATA_HINT}"
+        )
     return files[:-1] if split == "train" else files[-1:]
 
 
@@ -109,7 +122,9 @@ def _open_parquet(path):
     try:
         return pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for corrupt or truncated files
-        raise UserError(f"cannot read parquet shard {path} ({type(e).__name__}: {e}); delete it and re-create the data") from None
+        raise UserError(
+            f"cannot read parquet shard {path} ({type(e).__name__}: {e}); delete it and re-create the data"
+        ) from None
 
 
 def list_row_groups(split, start=0, step=1, data_dir=None):
@@ -139,7 +154,9 @@ def read_row_group(path, row_group):
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"cannot read row group {row_group} of parquet shard {path} ({type(e).__name__}: {e}); delete it and re-create the data") from None
+        raise UserError(
+            f"cannot read row group {row_group} of parquet shard {path} ({type(e).__name__}: {e}); delete it and re-create the data"
+        ) from None
     return [t if t is not None else "" for t in table.column("text").to_pylist()]
 
 
@@ -157,6 +174,7 @@ def parquets_iter_batched(split, start=0, step=1, data_dir=None):
 
 # -----------------------------------------------------------------------------
 # Downloading ClimbMix
+
 
 def _open_url(url, timeout):
     # the one place that touches the network, so tests can replace it
@@ -178,7 +196,9 @@ def _is_connection_error(e):
 
 def _offline_error(url):
     host = urllib.parse.urlparse(url).hostname or url
-    return UserError(f"cannot reach {host} to download {url}; build the offline corpus with `python -m nanochat.dataset --offline`")
+    return UserError(
+        f"cannot reach {host} to download {url}; build the offline corpus with `python -m nanochat.dataset --offline`"
+    )
 
 
 class _Progress:
@@ -205,7 +225,12 @@ class _Progress:
             return
         self.last_print = now
         end = "\n" if self.done == self.total else ""
-        print(f"\rdownloaded {self.done}/{self.total} shards, {self.bytes / 1e6:.1f} MB", end=end, file=sys.stderr, flush=True)
+        print(
+            f"\rdownloaded {self.done}/{self.total} shards, {self.bytes / 1e6:.1f} MB",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def download_one(index, data_dir, base_url=BASE_URL, attempts=5, retry_delay=2.0, timeout=60, progress=None):
@@ -241,14 +266,19 @@ def download_one(index, data_dir, base_url=BASE_URL, attempts=5, retry_delay=2.0
             last_error = e
             if e.code in (401, 403, 404):  # retrying will not help
                 _remove_quietly(tmp)
-                raise UserError(f"download of {url} failed with HTTP {e.code}; check the shard index (0..{MAX_SHARD})") from None
+                raise UserError(
+                    f"download of {url} failed with HTTP {e.code}; check the shard index (0..{MAX_SHARD})"
+                ) from None
         except BaseException as e:
             last_error = e
             if not isinstance(e, Exception):  # KeyboardInterrupt and friends: stop now, temp file gone
                 raise
         finally:
             _remove_quietly(tmp)
-        print(f"\nshard {index}: attempt {attempt + 1}/{attempts} failed: {type(last_error).__name__}: {last_error}", file=sys.stderr)
+        print(
+            f"\nshard {index}: attempt {attempt + 1}/{attempts} failed: {type(last_error).__name__}: {last_error}",
+            file=sys.stderr,
+        )
     if _is_connection_error(last_error):
         raise _offline_error(url)
     raise UserError(f"download of {url} failed after {attempts} attempts ({type(last_error).__name__}: {last_error})")
@@ -267,7 +297,9 @@ def _check_reachable(url):
     if parts.scheme not in ("http", "https"):
         return
     try:  # DNS lookup and a TCP connect, with a short timeout for firewalls that drop packets silently
-        socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=15).close()
+        socket.create_connection(
+            (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=15
+        ).close()
     except OSError:
         raise _offline_error(url) from None
 
@@ -277,12 +309,16 @@ def download_shards(indices, data_dir=None, workers=4, base_url=BASE_URL, attemp
     data_dir = data_dir or get_data_dir()
     os.makedirs(data_dir, exist_ok=True)
     if os.path.exists(os.path.join(data_dir, OFFLINE_MARKER)):
-        raise UserError(f"{data_dir} holds the offline corpus; delete its shards and {OFFLINE_MARKER} (or use another NANOCHAT_BASE_DIR) before downloading")
+        raise UserError(
+            f"{data_dir} holds the offline corpus; delete its shards and {OFFLINE_MARKER} (or use another NANOCHAT_BASE_DIR) before downloading"
+        )
     bad = [i for i in indices if not 0 <= i <= MAX_SHARD]
     if bad:
         raise UserError(f"shard index {bad[0]} out of range; ClimbMix shards are 0..{MAX_SHARD}")
     todo = sorted(i for i in set(indices) if not os.path.exists(os.path.join(data_dir, shard_name(i))))
-    print0(f"{len(set(indices)) - len(todo)} of {len(set(indices))} shards already in {data_dir}; downloading {len(todo)} with {workers} workers")
+    print0(
+        f"{len(set(indices)) - len(todo)} of {len(set(indices))} shards already in {data_dir}; downloading {len(todo)} with {workers} workers"
+    )
     if not todo:
         return
     _check_reachable(base_url)
@@ -386,7 +422,9 @@ def txt_documents(txt_dir):
         dirnames.sort()
         paths.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".txt"))
     if not paths:
-        raise UserError(f"no .txt files under {txt_dir}; put some plain-text files there or drop --txt-dir to use the stdlib docs")
+        raise UserError(
+            f"no .txt files under {txt_dir}; put some plain-text files there or drop --txt-dir to use the stdlib docs"
+        )
     for path in paths:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -423,7 +461,9 @@ def _parquet_bytes(texts, docs_per_row_group):
     return sink.getvalue().to_pybytes()
 
 
-def build_offline_corpus(data_dir=None, txt_dir=None, num_train_shards=8, docs_per_row_group=32, max_doc_chars=1_000, max_docs=None, seed=42):
+def build_offline_corpus(
+    data_dir=None, txt_dir=None, num_train_shards=8, docs_per_row_group=32, max_doc_chars=1_000, max_docs=None, seed=42
+):
     """Write an offline corpus as parquet shards: num_train_shards train shards plus one validation shard (the last index).
 
     Source: the standard library's docstrings and docs by default, or every .txt file under txt_dir.
@@ -435,7 +475,9 @@ def build_offline_corpus(data_dir=None, txt_dir=None, num_train_shards=8, docs_p
     existing = list_parquet_files(data_dir)
     marker = os.path.join(data_dir, OFFLINE_MARKER)
     if existing and not os.path.exists(marker):
-        raise UserError(f"{data_dir} already holds {len(existing)} downloaded shards; use another NANOCHAT_BASE_DIR or delete them first")
+        raise UserError(
+            f"{data_dir} already holds {len(existing)} downloaded shards; use another NANOCHAT_BASE_DIR or delete them first"
+        )
 
     source = txt_documents(txt_dir) if txt_dir else stdlib_documents()
     docs = []
@@ -445,34 +487,53 @@ def build_offline_corpus(data_dir=None, txt_dir=None, num_train_shards=8, docs_p
         docs.extend(split_long_text(text, max_doc_chars))
     num_shards = num_train_shards + 1
     if len(docs) < num_shards:
-        raise UserError(f"only {len(docs)} documents found, need at least {num_shards} for {num_train_shards} train shards + 1 validation shard; add text or lower --offline-train-shards")
+        raise UserError(
+            f"only {len(docs)} documents found, need at least {num_shards} for {num_train_shards} train shards + 1 validation shard; add text or lower --offline-train-shards"
+        )
     random.Random(seed).shuffle(docs)
 
     for path in existing:  # replace the previous offline build
         os.remove(path)
     paths = []
     for s in range(num_shards):
-        shard_docs = docs[s * len(docs) // num_shards:(s + 1) * len(docs) // num_shards]
+        shard_docs = docs[s * len(docs) // num_shards : (s + 1) * len(docs) // num_shards]
         path = os.path.join(data_dir, shard_name(s))
         atomic_write_bytes(path, _parquet_bytes(shard_docs, docs_per_row_group))
         paths.append(path)
-    atomic_write_json(marker, {
-        "source": "txt_dir" if txt_dir else "python stdlib docs",
-        "num_docs": len(docs), "num_chars": sum(len(d) for d in docs),
-        "num_train_shards": num_train_shards, "docs_per_row_group": docs_per_row_group,
-        "max_doc_chars": max_doc_chars, "seed": seed,
-    })
+    atomic_write_json(
+        marker,
+        {
+            "source": "txt_dir" if txt_dir else "python stdlib docs",
+            "num_docs": len(docs),
+            "num_chars": sum(len(d) for d in docs),
+            "num_train_shards": num_train_shards,
+            "docs_per_row_group": docs_per_row_group,
+            "max_doc_chars": max_doc_chars,
+            "seed": seed,
+        },
+    )
     return paths
 
 
 # -----------------------------------------------------------------------------
 
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Download ClimbMix shards, or build an offline corpus.")
-    parser.add_argument("-n", "--num-train-shards", type=int, default=None, help="ClimbMix train shards to download (-1 = all); the validation shard is always added")
+    parser.add_argument(
+        "-n",
+        "--num-train-shards",
+        type=int,
+        default=None,
+        help="ClimbMix train shards to download (-1 = all); the validation shard is always added",
+    )
     parser.add_argument("-w", "--workers", type=int, default=4, help="parallel downloads")
     parser.add_argument("--offline", action="store_true", help="build a corpus from local text instead of downloading")
-    parser.add_argument("--txt-dir", default=None, help="with --offline: use every .txt file under this directory instead of the stdlib docs")
+    parser.add_argument(
+        "--txt-dir",
+        default=None,
+        help="with --offline: use every .txt file under this directory instead of the stdlib docs",
+    )
     parser.add_argument("--offline-train-shards", type=int, default=8, help="with --offline: number of train shards")
     args = parser.parse_args(argv)
     with exit_on_user_error():
@@ -482,11 +543,15 @@ def main(argv=None):
             paths = build_offline_corpus(txt_dir=args.txt_dir, num_train_shards=args.offline_train_shards)
             with open(os.path.join(os.path.dirname(paths[0]), OFFLINE_MARKER)) as f:
                 info = json.load(f)
-            print(f"offline corpus: {info['num_docs']:,} docs, {info['num_chars'] / 1e6:.1f}M chars, {len(paths) - 1} train shards + 1 val shard in {os.path.dirname(paths[0])} ({time.time() - t0:.1f}s)")
+            print(
+                f"offline corpus: {info['num_docs']:,} docs, {info['num_chars'] / 1e6:.1f}M chars, {len(paths) - 1} train shards + 1 val shard in {os.path.dirname(paths[0])} ({time.time() - t0:.1f}s)"
+            )
         elif args.num_train_shards is not None:
             download_shards(climbmix_indices(args.num_train_shards), workers=args.workers)
         else:
-            raise UserError("give -n NUM_TRAIN_SHARDS to download ClimbMix, or --offline to build a corpus without network")
+            raise UserError(
+                "give -n NUM_TRAIN_SHARDS to download ClimbMix, or --offline to build a corpus without network"
+            )
 
 
 if __name__ == "__main__":

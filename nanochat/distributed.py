@@ -74,8 +74,10 @@ def check_shared_dir(path, is_ddp):
         os.remove(token_file)
     blind = [f"{r} ({host})" for r, (ok, host) in enumerate(views) if not ok]
     if blind:
-        raise UserError(f"rank(s) {', '.join(blind)} do not see {path} as rank 0 ({views[0][1]}) wrote it: the base dir "
-                        "(NANOCHAT_BASE_DIR) must be one directory on a filesystem shared by every node (docs/runs.md, several nodes)")
+        raise UserError(
+            f"rank(s) {', '.join(blind)} do not see {path} as rank 0 ({views[0][1]}) wrote it: the base dir "
+            "(NANOCHAT_BASE_DIR) must be one directory on a filesystem shared by every node (docs/runs.md, several nodes)"
+        )
 
 
 class Watchdog:
@@ -115,15 +117,27 @@ class Watchdog:
         here = f"rank {self.rank} ({socket.gethostname()}, pid {os.getpid()})"
         silent = self._silent_ranks(f"nanochat/hung/{step}/{phase}", grace=min(10.0, max(2.0, timeout / 4)))
         if silent is None:
-            print(f"error: {here}: no progress for {timeout:.0f} s in {phase} (step {step}); the rendezvous store did not "
-                  "answer either (it lives in rank 0 or in torchrun's agent: that one is the likely cause)", file=sys.stderr, flush=True)
+            print(
+                f"error: {here}: no progress for {timeout:.0f} s in {phase} (step {step}); the rendezvous store did not "
+                "answer either (it lives in rank 0 or in torchrun's agent: that one is the likely cause)",
+                file=sys.stderr,
+                flush=True,
+            )
         elif silent and min(set(range(self.world_size)) - set(silent)) == self.rank:
-            print(f"error: rank(s) {', '.join(map(str, silent))} stopped, hung or died in {phase} (step {step}): the other "
-                  f"ranks waited {timeout:.0f} s for them ({here} reports; a restart resumes from the newest complete "
-                  "checkpoint)", file=sys.stderr, flush=True)
+            print(
+                f"error: rank(s) {', '.join(map(str, silent))} stopped, hung or died in {phase} (step {step}): the other "
+                f"ranks waited {timeout:.0f} s for them ({here} reports; a restart resumes from the newest complete "
+                "checkpoint)",
+                file=sys.stderr,
+                flush=True,
+            )
         elif not silent and self.rank == 0:
-            print(f"error: every rank waited {timeout:.0f} s in {phase} (step {step}): no rank is stuck alone (a collective "
-                  "or the filesystem is); a restart resumes from the newest complete checkpoint", file=sys.stderr, flush=True)
+            print(
+                f"error: every rank waited {timeout:.0f} s in {phase} (step {step}): no rank is stuck alone (a collective "
+                "or the filesystem is); a restart resumes from the newest complete checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _silent_ranks(self, key, grace):
         """Ranks that did not check in under `key` within `grace` seconds; None if the store cannot be reached."""

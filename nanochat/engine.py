@@ -53,8 +53,15 @@ class KVCache:
     @classmethod
     def for_model(cls, model, batch_size=1):
         cfg = model.config
-        return cls(cfg.n_layer, batch_size, cfg.n_kv_head, cfg.sequence_len, cfg.n_embd // cfg.n_head, model.compute_dtype,
-                   model.cos.device)
+        return cls(
+            cfg.n_layer,
+            batch_size,
+            cfg.n_kv_head,
+            cfg.sequence_len,
+            cfg.n_embd // cfg.n_head,
+            model.compute_dtype,
+            model.cos.device,
+        )
 
     def advance(self, T):
         self.pos += T

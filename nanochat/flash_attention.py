@@ -43,7 +43,11 @@ FA3_REPO = "varunneal/flash-attention-3"  # the hub repo nanochat loads: FA3 pre
 FA4_PACKAGE = "flash-attn-4"  # PyPI; imported as flash_attn.cute
 MAJORS = {"fa3": (9,), "fa4": (9, 10), "cudnn": (8, 9, 10, 11, 12)}  # compute capabilities each has code for
 LOADED = {"fa4": f"{FA4_PACKAGE} loaded", "cudnn": "cuDNN attention runs", "fa3": f"{FA3_REPO} loaded from the hub"}
-WHEN = {"fa4": f"if {FA4_PACKAGE} loads", "cudnn": "if cuDNN attention runs", "fa3": f"if {FA3_REPO} loads (the hub or its cache)"}
+WHEN = {
+    "fa4": f"if {FA4_PACKAGE} loads",
+    "cudnn": "if cuDNN attention runs",
+    "fa3": f"if {FA3_REPO} loads (the hub or its cache)",
+}
 CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]  # flash only where cuDNN declines a call
 PROBE_TOL = 0.05  # a probe's largest error against fp32, relative to the reference's largest value: bf16 is ~0.01
 PROBE_LEN = 512  # the probe's longest row (tokens): a longer run's row is probed this short, its S windows scaled along
@@ -106,6 +110,7 @@ def load_kernel(kernel):
 class AttentionShapes:
     """The attention a run trains, as a kernel sees it: head dim, query heads and kv heads (GQA when fewer), the row
     length, and each distinct window in tokens (the row length: an L layer, plain causal; shorter: an S layer)."""
+
     head_dim: int
     n_head: int
     n_kv_head: int
@@ -117,8 +122,18 @@ class AttentionShapes:
         at most PROBE_LEN tokens; an S window keeps its share of the row (1024 of 2048 → 256 of 512), so it still
         cuts the row and the kernel's windowed code runs (FA3/FA4 build it apart); an L window covers the row."""
         T = min(self.seq_len, PROBE_LEN)
-        return [dict(head_dim=self.head_dim, n_head=self.n_head, n_kv_head=self.n_kv_head, seq_len=self.seq_len, window=w,
-                     probe_len=T, probe_window=T if w >= self.seq_len else max(1, w * T // self.seq_len)) for w in self.windows]
+        return [
+            dict(
+                head_dim=self.head_dim,
+                n_head=self.n_head,
+                n_kv_head=self.n_kv_head,
+                seq_len=self.seq_len,
+                window=w,
+                probe_len=T,
+                probe_window=T if w >= self.seq_len else max(1, w * T // self.seq_len),
+            )
+            for w in self.windows
+        ]
 
 
 # used when no run's shapes are given
@@ -128,14 +143,17 @@ GENERIC_SHAPES = AttentionShapes(head_dim=64, n_head=2, n_kv_head=2, seq_len=128
 def attention_shapes(model):
     """AttentionShapes of a model (built on any device, meta included): its first block's attention, its windows."""
     attn, T = model.blocks[0].attn, model.config.sequence_len
-    return AttentionShapes(attn.head_dim, attn.n_head, attn.n_kv_head, T, tuple(sorted({min(w, T) for w in model.windows}, reverse=True)))
+    return AttentionShapes(
+        attn.head_dim, attn.n_head, attn.n_kv_head, T, tuple(sorted({min(w, T) for w in model.windows}, reverse=True))
+    )
 
 
 def describe(case):
     """A probe case in words: 'head dim 128, 12 heads / 4 kv heads, S window 1024 of 2048'."""
     w, T = case["window"], case["seq_len"]
-    return (f"head dim {case['head_dim']}, {case['n_head']} heads / {case['n_kv_head']} kv heads, "
-            + (f"L window {w}" if w >= T else f"S window {w} of {T}"))
+    return f"head dim {case['head_dim']}, {case['n_head']} heads / {case['n_kv_head']} kv heads, " + (
+        f"L window {w}" if w >= T else f"S window {w} of {T}"
+    )
 
 
 def probe(kernel, device, shapes=None):
@@ -150,8 +168,10 @@ def probe(kernel, device, shapes=None):
             at = "" if shapes is None else f" at {describe(case)}"
             T, w = case["probe_len"], case["probe_window"]
             g = torch.Generator().manual_seed(0)
-            q, k, v, dy = (torch.randn(1, T, h, case["head_dim"], generator=g)
-                           for h in (case["n_head"], case["n_kv_head"], case["n_kv_head"], case["n_head"]))
+            q, k, v, dy = (
+                torch.randn(1, T, h, case["head_dim"], generator=g)
+                for h in (case["n_head"], case["n_kv_head"], case["n_kv_head"], case["n_head"])
+            )
             # cudnn: its L layers run SDPA with cuDNN first; the probe runs cuDNN alone. Its S layers, like every other
             # kernel's call, run what training runs (on CUDA, flex_attention)
             call = cudnn_only if kernel == "cudnn" and w >= T else (lambda *x: causal_attention(*x, w, kernel))
@@ -262,8 +282,10 @@ def resolve_attention(requested, device, dtype=None, shapes=None):
 def fallback_warning(requested, kernel, reason, hopper):
     """The warning of `--attn auto` that ends on plain SDPA on a Hopper GPU (none otherwise)."""
     if requested == "auto" and kernel == "sdpa" and hopper:
-        return (f"--attn auto fell back to SDPA on a Hopper GPU ({reason}); attention runs slower than it could: "
-                f"pip install {FA4_PACKAGE} (runs/setup_env.sh does on GPU nodes), or pass --attn sdpa to mean it")
+        return (
+            f"--attn auto fell back to SDPA on a Hopper GPU ({reason}); attention runs slower than it could: "
+            f"pip install {FA4_PACKAGE} (runs/setup_env.sh does on GPU nodes), or pass --attn sdpa to mean it"
+        )
     return None
 
 
@@ -271,8 +293,10 @@ def check_preset_attention(requested, kernel, hopper, gpu_preset, reason=""):
     """A GPU preset (one marked "gpu" by its caller) on a Hopper GPU trains with a fast kernel, or with SDPA only when
     --attn sdpa says so: its published time and cost assume the fast one."""
     if gpu_preset and hopper and kernel == "sdpa" and requested != "sdpa":
-        raise UserError(f"--preset {gpu_preset} on a Hopper GPU needs a fast attention kernel, but --attn {requested} found "
-                        f"none ({reason}); pip install {FA4_PACKAGE}, or pass --attn sdpa to train with SDPA anyway")
+        raise UserError(
+            f"--preset {gpu_preset} on a Hopper GPU needs a fast attention kernel, but --attn {requested} found "
+            f"none ({reason}); pip install {FA4_PACKAGE}, or pass --attn sdpa to train with SDPA anyway"
+        )
 
 
 def agree_attention(requested, device, dtype, is_ddp, gpu_preset="", shapes=None):
@@ -282,6 +306,7 @@ def agree_attention(requested, device, dtype, is_ddp, gpu_preset="", shapes=None
     kernel than the one recorded. gpu_preset: the name of a GPU preset (--preset), else "". shapes: the run's
     AttentionShapes (attention_shapes(model)); None probes a generic shape. passed_over: what auto tried before the
     kernel, and why not; probed: the chosen fast kernel's probe cases (AttentionShapes.cases), each passed."""
+
     def decide():
         kernel, reason, passed_over = choose_kernel(requested, device, dtype, shapes)
         hopper = is_hopper(device)
@@ -303,8 +328,10 @@ def agree_attention(requested, device, dtype, is_ddp, gpu_preset="", shapes=None
         dist.all_gather_object(views, (why, socket.gethostname()))
         failed = [f"{r} ({host}: {w})" for r, (w, host) in enumerate(views) if w is not None]
         if failed:
-            raise UserError(f"attention: rank 0 chose {record['kernel']} ({record['reason']}), but rank(s) {'; '.join(failed)} "
-                            f"cannot run it; install it on every node, or pass --attn sdpa")
+            raise UserError(
+                f"attention: rank 0 chose {record['kernel']} ({record['reason']}), but rank(s) {'; '.join(failed)} "
+                f"cannot run it; install it on every node, or pass --attn sdpa"
+            )
     if "warning" in record:
         print0(f"warning: {record['warning']}")
     return record
@@ -316,10 +343,16 @@ def expected_attention(requested, gpu_preset=""):
         order, text = ["sdpa"], "--attn sdpa → sdpa everywhere"
     elif requested == "auto":
         order = list(AUTO_ORDER) + ["sdpa"]
-        text = ("--attn auto → on a Hopper GPU (bf16) " + ", else ".join(f"{k} {WHEN[k]}" for k in AUTO_ORDER)
-                + ", else sdpa with a warning; sdpa elsewhere (CPU, other GPUs)")
+        text = (
+            "--attn auto → on a Hopper GPU (bf16) "
+            + ", else ".join(f"{k} {WHEN[k]}" for k in AUTO_ORDER)
+            + ", else sdpa with a warning; sdpa elsewhere (CPU, other GPUs)"
+        )
     else:
-        order, text = [requested], f"--attn {requested} → {requested} {WHEN[requested]}, else the run stops with one line"
+        order, text = (
+            [requested],
+            f"--attn {requested} → {requested} {WHEN[requested]}, else the run stops with one line",
+        )
     if gpu_preset and requested == "auto":
         text += f"; --preset {gpu_preset} refuses sdpa on Hopper unless --attn sdpa"
     return {"requested": requested, "order": order, "expects": text}
@@ -367,6 +400,7 @@ def flex():
     global _flex_compiled
     if _flex_compiled is None:
         from torch.nn.attention.flex_attention import flex_attention
+
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     return _flex_compiled
 
@@ -377,6 +411,7 @@ def sliding_block_mask(T, window, device, block=128):
 
     def within(b, h, i, j):
         return (i >= j) & (i - j < window)
+
     return create_block_mask(within, None, None, T, T, device=device, BLOCK_SIZE=block)
 
 

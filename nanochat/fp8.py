@@ -82,9 +82,17 @@ class FP8Matmul(torch.autograd.Function):
         n = dy.size(0)
         dyq, dy_inv = quantise(pad_rows(dy), E5M2)
         # exact accumulation in the backward: the gradients feed the optimizer's statistics
-        dx = torch._scaled_mm(dyq[:n], column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=dy.dtype, use_fast_accum=False)
-        dw = torch._scaled_mm(dyq.t().contiguous(), column_major(xq), scale_a=dy_inv, scale_b=x_inv, out_dtype=dy.dtype,
-                              use_fast_accum=False)
+        dx = torch._scaled_mm(
+            dyq[:n], column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=dy.dtype, use_fast_accum=False
+        )
+        dw = torch._scaled_mm(
+            dyq.t().contiguous(),
+            column_major(xq),
+            scale_a=dy_inv,
+            scale_b=x_inv,
+            out_dtype=dy.dtype,
+            use_fast_accum=False,
+        )
         return dx, dw.to(ctx.weight_dtype)
 
 
@@ -92,6 +100,7 @@ def opaque_to_compile():
     """FP8Matmul as one opaque node for torch.compile: it fuses around it, not into it. GPT.set_fp8(True) calls this,
     before any compile; not done at import, since registering imports torch._dynamo (over a second at every start)."""
     import torch._dynamo
+
     torch._dynamo.allow_in_graph(FP8Matmul)
 
 

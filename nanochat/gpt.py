@@ -144,6 +144,7 @@ class Block(nn.Module):
 # base_train's optimizer flags default to these, and so does setup_optimizer: one place for both
 OPTIMIZER_DEFAULTS = dict(embedding_lr=0.3, unembedding_lr=0.004, matrix_lr=0.02, weight_decay=0.28)
 
+
 class GPT(nn.Module):
     arch = "gpt"
 
@@ -199,7 +200,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self):
         d = self.config.n_embd
-        bound = math.sqrt(3) * d ** -0.5
+        bound = math.sqrt(3) * d**-0.5
         nn.init.normal_(self.wte.weight, std=0.8)
         nn.init.normal_(self.lm_head.weight, std=0.001)
         for block in self.blocks:
@@ -225,7 +226,11 @@ class GPT(nn.Module):
 
     def set_fp8(self, enabled):
         """fp8 matmuls in training for every Linear the size rule admits (nanochat/fp8.py); returns their names."""
-        chosen = [name for name, m in self.named_modules() if isinstance(m, Linear) and fp8_admits(m.in_features, m.out_features)]
+        chosen = [
+            name
+            for name, m in self.named_modules()
+            if isinstance(m, Linear) and fp8_admits(m.in_features, m.out_features)
+        ]
         if enabled:
             opaque_to_compile()
         for name, m in self.named_modules():
@@ -267,16 +272,31 @@ class GPT(nn.Module):
         dim_scale = (self.config.n_embd / 768) ** -0.5
         block_matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
         return [
-            dict(kind="adamw", name="wte", params=[self.wte.weight], lr=embedding_lr * dim_scale * lr_scale, betas=(0.8, 0.995),
-                 weight_decay=0.001),
-            dict(kind="adamw", name="lm_head", params=[self.lm_head.weight], lr=unembedding_lr * dim_scale * lr_scale, betas=(0.8, 0.96),
-                 weight_decay=0.01),
-            dict(kind="muon", name="matrices", params=block_matrices, lr=matrix_lr * lr_scale, weight_decay=weight_decay),
+            dict(
+                kind="adamw",
+                name="wte",
+                params=[self.wte.weight],
+                lr=embedding_lr * dim_scale * lr_scale,
+                betas=(0.8, 0.995),
+                weight_decay=0.001,
+            ),
+            dict(
+                kind="adamw",
+                name="lm_head",
+                params=[self.lm_head.weight],
+                lr=unembedding_lr * dim_scale * lr_scale,
+                betas=(0.8, 0.96),
+                weight_decay=0.01,
+            ),
+            dict(
+                kind="muon", name="matrices", params=block_matrices, lr=matrix_lr * lr_scale, weight_decay=weight_decay
+            ),
         ]
 
     def setup_optimizer(self, lr_scale=1.0, **settings):
         """MuonAdamW over every parameter: OPTIMIZER_DEFAULTS, overridden by `settings` (and an arch's own LRs)."""
         from nanochat.optim import MuonAdamW
+
         groups = self.optimizer_groups(lr_scale=lr_scale, **{**OPTIMIZER_DEFAULTS, **settings})
         # every parameter in exactly one group
         seen = [id(p) for g in groups for p in g["params"]]
@@ -336,7 +356,11 @@ class GPT(nn.Module):
         """(cos_sin, per-layer masks, per-layer KV caches) of a forward over T positions: the first T of a row, the
         packed rows of evaluation, or, with a cache, the T positions after those it holds."""
         if cache is None:
-            return self.rotary(T, positions), self.attention_masks(T, device, positions, allowed), [None] * len(self.blocks)
+            return (
+                self.rotary(T, positions),
+                self.attention_masks(T, device, positions, allowed),
+                [None] * len(self.blocks),
+            )
         assert positions is None and allowed is None, "a KV cache decodes plain rows"
         start = cache.pos
         assert start + T <= cache.max_len, f"{start + T} positions do not fit the KV cache ({cache.max_len})"
@@ -356,9 +380,13 @@ class GPT(nn.Module):
         logits = self.logits_from_hidden(hidden, logits_at)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction)
+        return F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1, reduction=loss_reduction
+        )
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
+    def forward(
+        self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None
+    ):
         """Logits (B, T, V), or the loss against targets. Evaluation may pack rows (positions, allowed: see
         attention_masks) and ask for the logits at some (rows, cols) only: (N, V). Decoding passes a KV cache
         (nanochat/engine.py): idx then holds the positions after the cached ones, and the cache takes theirs."""
@@ -373,4 +401,5 @@ class GPT(nn.Module):
         """Yield up to max_tokens sampled ids after the prompt `tokens` (list of ids), with a KV cache; temperature
         0 = greedy. Stops early when the context (sequence_len positions) is full (nanochat/engine.py)."""
         from nanochat.engine import generate
+
         return generate(self, tokens, max_tokens, temperature=temperature, top_k=top_k, seed=seed, use_cache=use_cache)

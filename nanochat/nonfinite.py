@@ -32,8 +32,10 @@ def graded_names(model):
 
 def nonfinite_message(step, loss, bad):
     shown = ", ".join(bad[:12]) + (f" (+{len(bad) - 12} more)" if len(bad) > 12 else "")
-    return (f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at step {step} (loss {loss:.4g}); "
-            f"non-finite gradients in: {shown or 'none'}")
+    return (
+        f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at step {step} (loss {loss:.4g}); "
+        f"non-finite gradients in: {shown or 'none'}"
+    )
 
 
 def check_finite(values, names, step, origin=None):
@@ -47,7 +49,9 @@ def check_finite(values, names, step, origin=None):
     bad = [n for n, ok in zip(names, flags[1:]) if not ok]
     where = origin() if origin else None
     # the origin last: the failure experiments read it from there (scripts/experiments/failures.py)
-    raise NonFiniteError(nonfinite_message(step, loss, bad) + "; its update was not applied" + (f"; origin: {where}" if where else ""))
+    raise NonFiniteError(
+        nonfinite_message(step, loss, bad) + "; its update was not applied" + (f"; origin: {where}" if where else "")
+    )
 
 
 def check_finite_late(values, step, names, log_every):
@@ -57,6 +61,8 @@ def check_finite_late(values, step, names, log_every):
     if all(flags):
         return
     bad = [n for n, ok in zip(names, flags[1:]) if not ok]
-    raise NonFiniteError(nonfinite_message(step, loss, bad) + f"; its update was not applied; seen during step {step + 1} (with "
-                         f"--log-every {log_every} a step that logs no row is checked during the next); --log-every 1 from the "
-                         "last checkpoint names its origin")
+    raise NonFiniteError(
+        nonfinite_message(step, loss, bad) + f"; its update was not applied; seen during step {step + 1} (with "
+        f"--log-every {log_every} a step that logs no row is checked during the next); --log-every 1 from the "
+        "last checkpoint names its origin"
+    )

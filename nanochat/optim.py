@@ -62,8 +62,18 @@ def commit(gate, targets, values):
 
 
 @torch.no_grad()
-def muon_update(params, grads, momentum_buf, variance_buf, lr, momentum, weight_decay, beta2=NORMUON_BETA2, ortho_dtype=torch.float32,
-                gate=None):
+def muon_update(
+    params,
+    grads,
+    momentum_buf,
+    variance_buf,
+    lr,
+    momentum,
+    weight_decay,
+    beta2=NORMUON_BETA2,
+    ortho_dtype=torch.float32,
+    gate=None,
+):
     """One Muon step on a stack of same-shape matrices, in place. params/grads/momentum_buf: (n, r, c).
     lr, momentum, weight_decay: numbers, or 0-d tensors when compiled (then one graph serves every value).
     gate: None, or a 0-d bool tensor: False leaves the weights and both buffers as they were (commit)."""
@@ -149,8 +159,9 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, groups, rank=0, world_size=1, process_group=None, compile=None):
         assert 0 <= rank < world_size, (rank, world_size)
         if world_size > 1 and dist.is_initialized():
-            assert (dist.get_rank(process_group), dist.get_world_size(process_group)) == (rank, world_size), \
+            assert (dist.get_rank(process_group), dist.get_world_size(process_group)) == (rank, world_size), (
                 "rank and world_size must be this process's place in process_group"
+            )
         flat = []
         for g in groups:
             g = dict(g)
@@ -215,17 +226,40 @@ class MuonAdamW(torch.optim.Optimizer):
             state["step"] += 1
             by_step.setdefault(state["step"], []).append(p)
         for step, ps in by_step.items():
-            bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+            bias1, bias2 = 1 - beta1**step, 1 - beta2**step
             fuse = [self.compiles(p) and p.numel() >= FUSE_MIN_NUMEL for p in ps]
             for p in (p for p, f in zip(ps, fuse) if f):  # one compiled kernel per large tensor (wte, lm_head)
                 lr, wd, b1, b2 = scalars(p.device, group["lr"], group["weight_decay"], bias1, bias2)
-                compiled(adamw_update)([p], [p.grad.float()], [self.state[p]["exp_avg"]], [self.state[p]["exp_avg_sq"]],
-                                       lr, wd, b1, b2, beta1, beta2, group["eps"], gate)
+                compiled(adamw_update)(
+                    [p],
+                    [p.grad.float()],
+                    [self.state[p]["exp_avg"]],
+                    [self.state[p]["exp_avg_sq"]],
+                    lr,
+                    wd,
+                    b1,
+                    b2,
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    gate,
+                )
             ps = [p for p, f in zip(ps, fuse) if not f]
             if ps:
-                adamw_update(ps, [p.grad.float() for p in ps], [self.state[p]["exp_avg"] for p in ps],
-                             [self.state[p]["exp_avg_sq"] for p in ps], group["lr"], group["weight_decay"], bias1, bias2,
-                             beta1, beta2, group["eps"], gate)
+                adamw_update(
+                    ps,
+                    [p.grad.float() for p in ps],
+                    [self.state[p]["exp_avg"] for p in ps],
+                    [self.state[p]["exp_avg_sq"] for p in ps],
+                    group["lr"],
+                    group["weight_decay"],
+                    bias1,
+                    bias2,
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    gate,
+                )
 
     def step_muon(self, group, gate=None):
         """Update this rank's matrices of the group; on several ranks, start the all-gather of every rank's and return
@@ -244,7 +278,9 @@ class MuonAdamW(torch.optim.Optimizer):
         if not state:
             r, c = group["params"][0].shape
             var_shape = (len(params), r, 1) if r >= c else (len(params), 1, c)
-            state["momentum_buffer"] = torch.zeros((len(params), r, c), dtype=torch.float32, device=group["params"][0].device)
+            state["momentum_buffer"] = torch.zeros(
+                (len(params), r, c), dtype=torch.float32, device=group["params"][0].device
+            )
             state["variance_buffer"] = torch.zeros(var_shape, dtype=torch.float32, device=group["params"][0].device)
         live = [i for i, p in enumerate(params) if p.grad is not None]
         if not live:
@@ -265,7 +301,16 @@ class MuonAdamW(torch.optim.Optimizer):
         # a skipped matrix (rare) would need a graph for another stack size
         if self.compiles(stacked_p) and not partial:
             update, hyper = compiled(muon_update), scalars(stacked_p.device, *hyper)
-        update(stacked_p, stacked_g, momentum_buf, variance_buf, *hyper, beta2=group["beta2"], ortho_dtype=ortho_dtype, gate=gate)
+        update(
+            stacked_p,
+            stacked_g,
+            momentum_buf,
+            variance_buf,
+            *hyper,
+            beta2=group["beta2"],
+            ortho_dtype=ortho_dtype,
+            gate=gate,
+        )
         torch._foreach_copy_(params, list(stacked_p.unbind(0)))
         if partial:  # the rows were gathered copies: write the updated ones back
             state["momentum_buffer"].index_copy_(0, rows, momentum_buf)
@@ -277,7 +322,7 @@ class MuonAdamW(torch.optim.Optimizer):
         chunk, p0 = -(-len(params) // self.world_size), params[0]
         send = torch.empty((chunk, *p0.shape), dtype=p0.dtype, device=p0.device)  # rows past `stop`: padding, dropped
         if stop > start:
-            torch.stack(params[start:stop], out=send[:stop - start])
+            torch.stack(params[start:stop], out=send[: stop - start])
         recv = torch.empty((chunk * self.world_size, *p0.shape), dtype=p0.dtype, device=p0.device)
         work = self.all_gather(recv, send)
 
@@ -286,6 +331,7 @@ class MuonAdamW(torch.optim.Optimizer):
             others = [i for i in range(len(params)) if not start <= i < stop]
             if others:
                 torch._foreach_copy_([params[i] for i in others], [recv[i] for i in others])
+
         return finish
 
     def all_gather(self, out, inp):
@@ -303,8 +349,11 @@ class MuonAdamW(torch.optim.Optimizer):
                 if g["kind"] == "adamw":
                     for i in g["params"]:
                         sd["state"].pop(i, None)
-        sd["shard"] = {"rank": self.rank, "world_size": self.world_size,
-                       "rows": [list(self.rows(g)) if g["kind"] == "muon" else None for g in self.param_groups]}
+        sd["shard"] = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "rows": [list(self.rows(g)) if g["kind"] == "muon" else None for g in self.param_groups],
+        }
         return sd
 
     def load_state_dict(self, state_dict):
@@ -334,8 +383,12 @@ class MuonAdamW(torch.optim.Optimizer):
         if not full:
             raise ValueError("load_state_dicts needs the state dict of saved rank 0 (it holds the AdamW state)")
         saved_groups = full[0]["param_groups"]
-        if [(g["kind"], len(g["params"])) for g in saved_groups] != [(g["kind"], len(g["params"])) for g in self.param_groups]:
-            raise ValueError("the saved optimizer state has other parameter groups than this optimizer (another model?)")
+        if [(g["kind"], len(g["params"])) for g in saved_groups] != [
+            (g["kind"], len(g["params"])) for g in self.param_groups
+        ]:
+            raise ValueError(
+                "the saved optimizer state has other parameter groups than this optimizer (another model?)"
+            )
         state = {}
         for k, (group, saved_group) in enumerate(zip(self.param_groups, saved_groups)):
             # The group's settings (lr, initial_lr, weight decay, betas, eps, momentum, beta2) stay those this optimizer
@@ -346,7 +399,10 @@ class MuonAdamW(torch.optim.Optimizer):
             if group["kind"] == "adamw":
                 for p, i in zip(group["params"], ids):
                     if i in full[0]["state"]:
-                        state[p] = {key: v.to(p.device, copy=True) if torch.is_tensor(v) else v for key, v in full[0]["state"][i].items()}
+                        state[p] = {
+                            key: v.to(p.device, copy=True) if torch.is_tensor(v) else v
+                            for key, v in full[0]["state"][i].items()
+                        }
             elif rows := self.load_rows(k, group, ids[0], saved):
                 state[group["params"][0]] = rows
         self.state.clear()
@@ -374,9 +430,11 @@ class MuonAdamW(torch.optim.Optimizer):
             lo, hi = max(a, start), min(b, stop)
             if lo < hi:
                 for name, buf in rows.items():
-                    buf[lo - start:hi - start] = st[name][lo - a:hi - a]
+                    buf[lo - start : hi - start] = st[name][lo - a : hi - a]
                 covered.update(range(lo, hi))
         if len(covered) < stop - start:
-            raise ValueError(f"the saved state dicts lack matrices {sorted(set(range(start, stop)) - covered)} of "
-                             f"{group['name']}: pass those of every saved rank in ranks_to_load")
+            raise ValueError(
+                f"the saved state dicts lack matrices {sorted(set(range(start, stop)) - covered)} of "
+                f"{group['name']}: pass those of every saved rank in ranks_to_load"
+            )
         return rows

@@ -19,7 +19,7 @@ from nanochat.gpt import GPTConfig
 from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import tracking
 
-REFERENCE_BATCH = 2 ** 19  # tokens; the d12 reference of the muP-style batch rules
+REFERENCE_BATCH = 2**19  # tokens; the d12 reference of the muP-style batch rules
 REFERENCE_DEPTH = 12
 BATCH_EXPONENT = 0.383
 MAX_DECAY_PER_STEP = 0.01
@@ -41,7 +41,9 @@ def check_args(args):
     tracking.parse_log_to(args.log_to)  # an unknown tracker or a missing package, before anything starts
     # the numbers (sizes, LRs, decays, horizons, intervals) were checked as they were parsed: nanochat/common.py's rule
     if not set(args.window_pattern) <= {"L", "S"} or not args.window_pattern:
-        raise UserError(f"--window-pattern takes the letters L (full context) and S (half), got {args.window_pattern!r}")
+        raise UserError(
+            f"--window-pattern takes the letters L (full context) and S (half), got {args.window_pattern!r}"
+        )
     if args.resume not in ("", "latest") and not args.resume.isdigit():
         raise UserError(f"--resume takes 'latest' or a step number, got {args.resume!r}")
     if args.change_settings and not args.resume:
@@ -51,7 +53,9 @@ def check_args(args):
     if args.run is not None:
         check_run_name(args.run)
     if args.device_type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
-        raise UserError("--device-type cuda, but torch sees no CUDA device here (use --device-type cpu, or a CUDA build of torch)")
+        raise UserError(
+            "--device-type cuda, but torch sees no CUDA device here (use --device-type cpu, or a CUDA build of torch)"
+        )
 
 
 def model_config_from_args(args, vocab_size, depth=None):
@@ -69,8 +73,15 @@ def model_config_from_args(args, vocab_size, depth=None):
         raise UserError(f"--n-kv-head {n_kv} must divide the number of heads {n_head}")
     if (dim // n_head) % 2:
         raise UserError(f"head dim {dim // n_head} must be even (rotary embeddings rotate pairs)")
-    return GPTConfig(sequence_len=args.max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                     n_kv_head=n_kv, n_embd=dim, window_pattern=args.window_pattern)
+    return GPTConfig(
+        sequence_len=args.max_seq_len,
+        vocab_size=vocab_size,
+        n_layer=depth,
+        n_head=n_head,
+        n_kv_head=n_kv,
+        n_embd=dim,
+        window_pattern=args.window_pattern,
+    )
 
 
 @dataclass
@@ -93,44 +104,81 @@ class Plan:
     flops_per_token: int
 
     def optimizer_groups(self, args):
-        return self.model.optimizer_groups(args.embedding_lr, args.unembedding_lr, args.matrix_lr, self.weight_decay,
-                                           self.lr_scale, **self.optimizer_kwargs)
+        return self.model.optimizer_groups(
+            args.embedding_lr,
+            args.unembedding_lr,
+            args.matrix_lr,
+            self.weight_decay,
+            self.lr_scale,
+            **self.optimizer_kwargs,
+        )
 
     def optimizer_record(self, args):
         """Every optimizer group's settings at step 0 and the schedules applied to them."""
         lrm0 = lr_multiplier(0, self)
         groups = []
         for g in MuonAdamW(self.optimizer_groups(args)).param_groups:
-            row = {"name": g["name"], "kind": g["kind"], "num_params": sum(p.numel() for p in g["params"]), "lr": g["lr"],
-                   "lr_at_step0": g["lr"] * lrm0, "weight_decay": g["weight_decay"]}
+            row = {
+                "name": g["name"],
+                "kind": g["kind"],
+                "num_params": sum(p.numel() for p in g["params"]),
+                "lr": g["lr"],
+                "lr_at_step0": g["lr"] * lrm0,
+                "weight_decay": g["weight_decay"],
+            }
             if g["kind"] == "adamw":
                 row.update(betas=list(g["betas"]), eps=g["eps"])
             else:
                 row.update(momentum_at_step0=momentum_at(0, self), normuon_beta2=g["beta2"])
             groups.append(row)
-        momentum = dict(MOMENTUM, end_step=self.num_iterations, warmdown_start_step=self.num_iterations - self.warmdown_steps)
-        return {"groups": groups, "muon_momentum": momentum,
-                "muon_weight_decay": {"value": self.weight_decay, "rule": "weight_decay × √(B/2^19) × S_ref/S (capped at lr × wd ≤ 0.01)",
-                                      "schedule": "cosine from value to 0 over the run"},
-                "adamw_weight_decay": "constant", "polar_norm_factor": POLAR_NORM_FACTOR, "normuon_beta2": NORMUON_BETA2,
-                "lr_schedule": {"warmup_steps": self.warmup_steps, "warmdown_steps": self.warmdown_steps,
-                                "final_lr_frac": args.final_lr_frac}}
+        momentum = dict(
+            MOMENTUM, end_step=self.num_iterations, warmdown_start_step=self.num_iterations - self.warmdown_steps
+        )
+        return {
+            "groups": groups,
+            "muon_momentum": momentum,
+            "muon_weight_decay": {
+                "value": self.weight_decay,
+                "rule": "weight_decay × √(B/2^19) × S_ref/S (capped at lr × wd ≤ 0.01)",
+                "schedule": "cosine from value to 0 over the run",
+            },
+            "adamw_weight_decay": "constant",
+            "polar_norm_factor": POLAR_NORM_FACTOR,
+            "normuon_beta2": NORMUON_BETA2,
+            "lr_schedule": {
+                "warmup_steps": self.warmup_steps,
+                "warmdown_steps": self.warmdown_steps,
+                "final_lr_frac": args.final_lr_frac,
+            },
+        }
 
     def record(self, args):
         """The plan as plain JSON: the PLAN line of --dry-run and the body of config.json."""
         params = sum(p.numel() for p in self.model.parameters())
-        return {"run": self.run, "arch": self.arch, "model_config": self.config.to_dict(), **self.model.extra_meta(),
-                "num_params": params, "num_scaling_params": self.model.num_scaling_params(),
-                "flops_per_token": self.flops_per_token, "num_iterations": self.num_iterations,
-                "total_batch_size": self.total_batch, "grad_accum_steps": self.grad_accum, "world_size": self.nproc,
-                "total_tokens": self.num_iterations * self.total_batch,
-                "total_flops": self.flops_per_token * self.num_iterations * self.total_batch,
-                "lr_scale": self.lr_scale, "weight_decay_effective": self.weight_decay, "save_every": self.save_every,
-                "seed": args.seed, "data_seed": args.data_seed,  # null: the train data in file order
-                "optimizer": self.optimizer_record(args),
-                # fp32 weights + optimizer state (AdamW: 2 fp32 moments; Muon: 1 momentum + small variance)
-                # ≈ 12-16 bytes/param
-                "checkpoint_gib": params * 16 / 2 ** 30}
+        return {
+            "run": self.run,
+            "arch": self.arch,
+            "model_config": self.config.to_dict(),
+            **self.model.extra_meta(),
+            "num_params": params,
+            "num_scaling_params": self.model.num_scaling_params(),
+            "flops_per_token": self.flops_per_token,
+            "num_iterations": self.num_iterations,
+            "total_batch_size": self.total_batch,
+            "grad_accum_steps": self.grad_accum,
+            "world_size": self.nproc,
+            "total_tokens": self.num_iterations * self.total_batch,
+            "total_flops": self.flops_per_token * self.num_iterations * self.total_batch,
+            "lr_scale": self.lr_scale,
+            "weight_decay_effective": self.weight_decay,
+            "save_every": self.save_every,
+            "seed": args.seed,
+            "data_seed": args.data_seed,  # null: the train data in file order
+            "optimizer": self.optimizer_record(args),
+            # fp32 weights + optimizer state (AdamW: 2 fp32 moments; Muon: 1 momentum + small variance)
+            # ≈ 12-16 bytes/param
+            "checkpoint_gib": params * 16 / 2**30,
+        }
 
 
 def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer_kwargs):
@@ -146,10 +194,12 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
     world_tokens = args.device_batch_size * args.max_seq_len * nproc
     batch = args.total_batch_size
     if batch <= 0:
-        batch = 2 ** round(math.log2(REFERENCE_BATCH * size_ratio ** BATCH_EXPONENT))
+        batch = 2 ** round(math.log2(REFERENCE_BATCH * size_ratio**BATCH_EXPONENT))
         batch = max(1, round(batch / world_tokens)) * world_tokens  # whole micro-batches on every process
     if batch % world_tokens:
-        raise UserError(f"--total-batch-size {batch} is not a multiple of device batch × seq len × processes = {world_tokens}")
+        raise UserError(
+            f"--total-batch-size {batch} is not a multiple of device batch × seq len × processes = {world_tokens}"
+        )
     if args.num_iterations > 0:
         steps = args.num_iterations
     elif args.target_flops > 0:
@@ -159,24 +209,42 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
     else:
         raise UserError("set one of --num-iterations, --target-flops, --target-param-data-ratio")
     if steps < 1:
-        raise UserError(f"the budget gives {steps} steps at {batch} tokens per step; raise the budget or lower the batch")
+        raise UserError(
+            f"the budget gives {steps} steps at {batch} tokens per step; raise the budget or lower the batch"
+        )
     lr_scale = math.sqrt(batch / REFERENCE_BATCH)
     weight_decay = args.weight_decay * lr_scale / size_ratio
     # far below the reference size the rule explodes (S_ref/S ~ 1e3 on a CPU demo): never shrink
     # the matrices by more than MAX_DECAY_PER_STEP in one step
     max_wd = MAX_DECAY_PER_STEP / (args.matrix_lr * lr_scale)
     if weight_decay > max_wd:
-        print0(f"note: the weight-decay rule gives {weight_decay:.3g} for this small model; capped to {max_wd:.3g} "
-               f"(lr × wd ≤ {MAX_DECAY_PER_STEP} per step)")
+        print0(
+            f"note: the weight-decay rule gives {weight_decay:.3g} for this small model; capped to {max_wd:.3g} "
+            f"(lr × wd ≤ {MAX_DECAY_PER_STEP} per step)"
+        )
         weight_decay = max_wd
     # warm-up and warm-down never overlap: the warm-up is cut to the steps before the warm-down
     warmdown = round(args.warmdown_ratio * steps)
     warmup = min(args.warmup_steps, steps - warmdown)
     save_every = args.save_every if args.save_every >= 0 else math.ceil(steps / SAVES_PER_RUN)
-    return Plan(run=args.run or f"{arch}-d{args.depth}", arch=arch, config=config, model=model, optimizer_kwargs=optimizer_kwargs,
-                nproc=nproc, total_batch=batch, grad_accum=batch // world_tokens, num_iterations=steps, lr_scale=lr_scale,
-                weight_decay=weight_decay, warmup_steps=warmup, warmdown_steps=warmdown, final_lr_frac=args.final_lr_frac,
-                save_every=save_every, flops_per_token=flops_per_token)
+    return Plan(
+        run=args.run or f"{arch}-d{args.depth}",
+        arch=arch,
+        config=config,
+        model=model,
+        optimizer_kwargs=optimizer_kwargs,
+        nproc=nproc,
+        total_batch=batch,
+        grad_accum=batch // world_tokens,
+        num_iterations=steps,
+        lr_scale=lr_scale,
+        weight_decay=weight_decay,
+        warmup_steps=warmup,
+        warmdown_steps=warmdown,
+        final_lr_frac=args.final_lr_frac,
+        save_every=save_every,
+        flops_per_token=flops_per_token,
+    )
 
 
 def lr_multiplier(step, plan):

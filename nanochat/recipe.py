@@ -44,19 +44,26 @@ SMEAR_LR = 0.2
 WINDOW_TILE = 128  # nanochat rounds the short window up to FA3's tile
 
 
-HELP = {"value_embeds": "no value embeddings (gated per-token vectors added to the attention values)",
-        "smear": "no smear (the previous token's embedding mixed into each token)",
-        "backout": "no backout (the mid-depth residual subtracted before the head)",
-        "resid_lambdas": "no per-layer residual scales (an arch without an additive stream has none anyway)",
-        "x0_lambdas": "no per-layer mix of the embedding into the stream",
-        "quarter_windows": "S windows of half the context, as the baseline's, not nanochat's quarter"}
+HELP = {
+    "value_embeds": "no value embeddings (gated per-token vectors added to the attention values)",
+    "smear": "no smear (the previous token's embedding mixed into each token)",
+    "backout": "no backout (the mid-depth residual subtracted before the head)",
+    "resid_lambdas": "no per-layer residual scales (an arch without an additive stream has none anyway)",
+    "x0_lambdas": "no per-layer mix of the embedding into the stream",
+    "quarter_windows": "S windows of half the context, as the baseline's, not nanochat's quarter",
+}
 
 
 def add_recipe_args(parser):
     g = parser.add_argument_group("nanochat recipe (--arch gpt-recipe and the archs built on it; docs/design.md §10)")
     for part in PARTS:
         g.add_argument(f"--no-{part.replace('_', '-')}", action="store_true", help=HELP[part])
-    g.add_argument("--scalar-lr", type=positive_float, default=0.5, help="AdamW LR of the x0 lambdas (× batch LR scale); resid lambdas take 1%% of it")
+    g.add_argument(
+        "--scalar-lr",
+        type=positive_float,
+        default=0.5,
+        help="AdamW LR of the x0 lambdas (× batch LR scale); resid lambdas take 1%% of it",
+    )
 
 
 def recipe_config_from_args(args):
@@ -118,7 +125,9 @@ class RecipeParts:
         if r.value_embeds:
             kv_dim = cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
             layers = [i for i in range(L) if has_value_embed(i, L)]
-            self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(cfg.vocab_size, kv_dim, device=device) for i in layers})
+            self.value_embeds = nn.ModuleDict(
+                {str(i): nn.Embedding(cfg.vocab_size, kv_dim, device=device) for i in layers}
+            )
             for i in layers:
                 self.blocks[i].attn.ve_gate = Linear(VE_GATE_CHANNELS, cfg.n_kv_head, device=device)
 
@@ -138,7 +147,7 @@ class RecipeParts:
         if r.backout:
             self.backout_lambda.fill_(0.2)
         if r.value_embeds:
-            bound = math.sqrt(3) * self.config.n_embd ** -0.5
+            bound = math.sqrt(3) * self.config.n_embd**-0.5
             for ve in self.value_embeds.values():
                 nn.init.uniform_(ve.weight, -bound, bound)
             for block in self.blocks:
@@ -151,28 +160,66 @@ class RecipeParts:
         dim_scale = (self.config.n_embd / 768) ** -0.5
         groups = []
         if r.value_embeds:
-            groups.append(dict(kind="adamw", name="value_embeds", params=list(self.value_embeds.parameters()),
-                               lr=0.5 * embedding_lr * dim_scale * lr_scale, betas=(0.8, 0.995), weight_decay=0.01))
+            groups.append(
+                dict(
+                    kind="adamw",
+                    name="value_embeds",
+                    params=list(self.value_embeds.parameters()),
+                    lr=0.5 * embedding_lr * dim_scale * lr_scale,
+                    betas=(0.8, 0.995),
+                    weight_decay=0.01,
+                )
+            )
         if r.resid_lambdas:
-            groups.append(dict(kind="adamw", name="resid_lambdas", params=[self.resid_lambdas], lr=0.01 * scalar_lr * lr_scale,
-                               betas=(0.8, 0.95), weight_decay=0.05))
+            groups.append(
+                dict(
+                    kind="adamw",
+                    name="resid_lambdas",
+                    params=[self.resid_lambdas],
+                    lr=0.01 * scalar_lr * lr_scale,
+                    betas=(0.8, 0.95),
+                    weight_decay=0.05,
+                )
+            )
         if r.x0_lambdas:
-            groups.append(dict(kind="adamw", name="x0_lambdas", params=[self.x0_lambdas], lr=scalar_lr * lr_scale,
-                               betas=(0.96, 0.95), weight_decay=0.0))
-        scalars = ([self.smear_gate.weight, self.smear_lambda] if r.smear else []) + ([self.backout_lambda] if r.backout else [])
+            groups.append(
+                dict(
+                    kind="adamw",
+                    name="x0_lambdas",
+                    params=[self.x0_lambdas],
+                    lr=scalar_lr * lr_scale,
+                    betas=(0.96, 0.95),
+                    weight_decay=0.0,
+                )
+            )
+        scalars = ([self.smear_gate.weight, self.smear_lambda] if r.smear else []) + (
+            [self.backout_lambda] if r.backout else []
+        )
         if scalars:
-            groups.append(dict(kind="adamw", name="smear_backout", params=scalars, lr=SMEAR_LR, betas=(0.8, 0.95), weight_decay=0.0))
+            groups.append(
+                dict(
+                    kind="adamw", name="smear_backout", params=scalars, lr=SMEAR_LR, betas=(0.8, 0.95), weight_decay=0.0
+                )
+            )
         return groups
 
     def matmul_params(self):
         """The baseline's, less the value embeddings (lookups). The gates count: nanochat counts every Linear."""
-        return [p for n, p in self.named_parameters() if p.ndim == 2 and n != "wte.weight" and not n.startswith("value_embeds.")]
+        return [
+            p
+            for n, p in self.named_parameters()
+            if p.ndim == 2 and n != "wte.weight" and not n.startswith("value_embeds.")
+        ]
 
     def recipe_extra_params(self):
         """Parameters outside the size rules' S, as nanochat's num_scaling_params (transformer matrices + lm_head) leaves
         them out: value embeddings, the lambdas, the smear gate. The ve gates are in the blocks, hence in S."""
-        return sum(p.numel() for n, p in self.named_parameters() if n.split(".")[0] in
-                   ("value_embeds", "resid_lambdas", "x0_lambdas", "smear_gate", "smear_lambda", "backout_lambda"))
+        return sum(
+            p.numel()
+            for n, p in self.named_parameters()
+            if n.split(".")[0]
+            in ("value_embeds", "resid_lambdas", "x0_lambdas", "smear_gate", "smear_lambda", "backout_lambda")
+        )
 
     def value_embed(self, layer, idx, dtype):
         if not self.recipe.value_embeds or str(layer) not in self.value_embeds:
@@ -235,7 +282,9 @@ class RecipeGPT(RecipeParts, GPT):
         groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale)
         return groups + self.recipe_groups(embedding_lr, scalar_lr, lr_scale)
 
-    def forward(self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None):
+    def forward(
+        self, idx, targets=None, loss_reduction="mean", positions=None, allowed=None, logits_at=None, cache=None
+    ):
         r = self.recipe
         T = idx.size(1)
         cos_sin, masks, kvs = self.attention_inputs(T, idx.device, positions, allowed, cache)

@@ -28,19 +28,52 @@ HORIZON = frozenset({"num_iterations", "target_flops", "target_param_data_ratio"
 # saved LRs or decays, and the schedules scale the new values as on a fresh run.
 FREE, OPTIMIZER, TRAINING, REFUSED_KIND = "free", "optimizer", "training", "refused"
 RESUME_TABLE = (
-    (FREE, ("run", "resume", "dry_run", "change_settings", "preset", "device_type", "attn", "eval_every",
-            "eval_tokens", "save_every", "log_every", "log_to", "step_timeout"),
-     "changes no number the run trains: may differ on any resume"),
-    (OPTIMIZER, ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"),
-     "with --change-settings: the optimizer groups step with the new value from the resumed step on"),
-    (TRAINING, tuple(sorted(HORIZON)), "with --change-settings: the new horizon (planned step count) stretches or cuts the schedules"),
-    (TRAINING, ("warmup_steps", "warmdown_ratio", "final_lr_frac"), "with --change-settings: the LR schedule from the resumed step on"),
+    (
+        FREE,
+        (
+            "run",
+            "resume",
+            "dry_run",
+            "change_settings",
+            "preset",
+            "device_type",
+            "attn",
+            "eval_every",
+            "eval_tokens",
+            "save_every",
+            "log_every",
+            "log_to",
+            "step_timeout",
+        ),
+        "changes no number the run trains: may differ on any resume",
+    ),
+    (
+        OPTIMIZER,
+        ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"),
+        "with --change-settings: the optimizer groups step with the new value from the resumed step on",
+    ),
+    (
+        TRAINING,
+        tuple(sorted(HORIZON)),
+        "with --change-settings: the new horizon (planned step count) stretches or cuts the schedules",
+    ),
+    (
+        TRAINING,
+        ("warmup_steps", "warmdown_ratio", "final_lr_frac"),
+        "with --change-settings: the LR schedule from the resumed step on",
+    ),
     (TRAINING, ("data_seed",), "with --change-settings: the order of the train documents from the resumed step on"),
     (TRAINING, ("fp8",), "with --change-settings: fp8 or full-precision matmuls from the resumed step on"),
-    (REFUSED_KIND, ("arch", "depth", "model_dim", "head_dim", "n_kv_head", "max_seq_len", "window_pattern"),
-     "it builds another model than the checkpoint holds"),
-    (REFUSED_KIND, ("total_batch_size", "device_batch_size"),
-     "the train data is cut into total batch ÷ device batch shards, each with its own saved reading position"),
+    (
+        REFUSED_KIND,
+        ("arch", "depth", "model_dim", "head_dim", "n_kv_head", "max_seq_len", "window_pattern"),
+        "it builds another model than the checkpoint holds",
+    ),
+    (
+        REFUSED_KIND,
+        ("total_batch_size", "device_batch_size"),
+        "the train data is cut into total batch ÷ device batch shards, each with its own saved reading position",
+    ),
     (REFUSED_KIND, ("seed",), "it seeds the initialisation, which the checkpoint's weights and RNG state replace"),
 )
 # flags that change no number a run trains: where and how often it reports and saves, how it is launched
@@ -63,20 +96,32 @@ def settings_changes(old_cfg, record, defaults, not_settings):
 
 def settings_segments(old_cfg, record, start, defaults, not_settings):
     """config.json's history of settings: one segment per start with other settings, oldest first, never rewritten."""
-    segments = list(old_cfg.get("segments", [])) or [{"start_step": 0, "command": old_cfg.get("command", record["command"]),
-                                                        "git_commit": old_cfg.get("git_commit", record["git_commit"])}]
-    changes = {k: {"then": a, "now": b} for k, (a, b) in (settings_changes(old_cfg, record, defaults, not_settings) if old_cfg else {}).items()}
+    segments = list(old_cfg.get("segments", [])) or [
+        {
+            "start_step": 0,
+            "command": old_cfg.get("command", record["command"]),
+            "git_commit": old_cfg.get("git_commit", record["git_commit"]),
+        }
+    ]
+    changes = {
+        k: {"then": a, "now": b}
+        for k, (a, b) in (settings_changes(old_cfg, record, defaults, not_settings) if old_cfg else {}).items()
+    }
     # the horizon (--change-settings), the process count (the same numbers: docs/runs.md)
     for key in ("num_iterations", "world_size"):
         if old_cfg.get(key, record[key]) != record[key]:
             changes[key] = {"then": old_cfg[key], "now": record[key]}
     if start > 0 and (changes or old_cfg.get("git_commit") != record["git_commit"]):
-        segments.append({"start_step": start, "command": record["command"], "git_commit": record["git_commit"], "changes": changes})
+        segments.append(
+            {"start_step": start, "command": record["command"], "git_commit": record["git_commit"], "changes": changes}
+        )
     return segments
 
 
-CONFIG_FIX = ("restore it from a copy, or move it away to resume without comparing the settings (the model is still checked "
-              "against the checkpoint; a new config.json is written)")
+CONFIG_FIX = (
+    "restore it from a copy, or move it away to resume without comparing the settings (the model is still checked "
+    "against the checkpoint; a new config.json is written)"
+)
 
 
 def read_config(run_dir):
@@ -97,9 +142,11 @@ def refused_changes(old_cfg, record, defaults, refused=REFUSED):
 def parameter_changes(saved, planned):
     """How the model a command builds differs from a checkpoint's ({name: shape} of their parameters and buffers,
     what a strict load needs to match); '' where it does not."""
+
     def names(keys):
         keys = sorted(keys)
         return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
     parts = []
     if lacks := saved.keys() - planned.keys():
         parts.append(f"lacks {names(lacks)}")
@@ -118,8 +165,10 @@ def start_step(run_dir, args, record, tokenizer, defaults, not_settings, planned
     complete = ckpt.complete_steps(run_dir) if os.path.isdir(run_dir) else []
     if not args.resume:
         if complete:
-            raise UserError(f"{run_dir} already holds a run with checkpoints up to step {complete[-1]}; "
-                            "continue it with --resume latest, or pick another --run")
+            raise UserError(
+                f"{run_dir} already holds a run with checkpoints up to step {complete[-1]}; "
+                "continue it with --resume latest, or pick another --run"
+            )
         return 0
     if args.resume == "latest":
         if not complete:
@@ -137,41 +186,65 @@ def start_step(run_dir, args, record, tokenizer, defaults, not_settings, planned
     refused = refused_changes(old_cfg, record, defaults)
     if refused and not (set(refused) == {"--device-batch-size"} and "grad_accum_steps" in old_cfg):
         listed = ", ".join(f"{k} {a} → {b} ({why})" for k, (a, b, why) in refused.items())
-        raise UserError(f"cannot resume {run_dir} with {listed}: a run keeps {'it' if len(refused) == 1 else 'them'} "
-                        "from start to end; pick another --run")
+        raise UserError(
+            f"cannot resume {run_dir} with {listed}: a run keeps {'it' if len(refused) == 1 else 'them'} "
+            "from start to end; pick another --run"
+        )
     for key in RESUME_KEYS:
         if key in old_cfg and old_cfg[key] != record.get(key):
-            raise UserError(f"cannot resume {run_dir}: its {key} was {old_cfg[key]} but this command gives {record.get(key)}")
+            raise UserError(
+                f"cannot resume {run_dir}: its {key} was {old_cfg[key]} but this command gives {record.get(key)}"
+            )
     for key, old in old_cfg.get("fingerprints", {}).items():
         if record["fingerprints"].get(key) != old:
             what = "tokenizer" if key == "tokenizer" else f"{key[5:]} data"
-            raise UserError(f"cannot resume {run_dir}: its {what} changed (fingerprint {old} then, {record['fingerprints'].get(key)} now); "
-                            "resume with the base dir it was trained in")
+            raise UserError(
+                f"cannot resume {run_dir}: its {what} changed (fingerprint {old} then, {record['fingerprints'].get(key)} now); "
+                "resume with the base dir it was trained in"
+            )
     shards = lambda cfg: cfg["world_size"] * cfg["grad_accum_steps"]
     if "grad_accum_steps" in old_cfg and shards(old_cfg) != shards(record):
-        raise UserError(f"cannot resume {run_dir} on {record['world_size']} process(es) × {record['grad_accum_steps']} micro-step(s): its "
-                        f"data was cut into {shards(old_cfg)} shards ({old_cfg['world_size']} × {old_cfg['grad_accum_steps']}), this "
-                        f"command's --device-batch-size gives {shards(record)}; keep --device-batch-size {old_cfg.get('args', {}).get('device_batch_size', 'it had')}")
+        raise UserError(
+            f"cannot resume {run_dir} on {record['world_size']} process(es) × {record['grad_accum_steps']} micro-step(s): its "
+            f"data was cut into {shards(old_cfg)} shards ({old_cfg['world_size']} × {old_cfg['grad_accum_steps']}), this "
+            f"command's --device-batch-size gives {shards(record)}; keep --device-batch-size {old_cfg.get('args', {}).get('device_batch_size', 'it had')}"
+        )
     changed = settings_changes(old_cfg, record, defaults, not_settings)
-    if planned_shapes is not None and saved_shapes is not None and (diff := parameter_changes(saved_shapes(meta), planned_shapes)):
+    if (
+        planned_shapes is not None
+        and saved_shapes is not None
+        and (diff := parameter_changes(saved_shapes(meta), planned_shapes))
+    ):
         # an arch's flag that adds or removes parameters (a recipe part, say): the table above names the baseline's only
         tabled = {flag(f) for _, flags, _ in RESUME_TABLE for f in flags}
         culprits = {k: v for k, v in changed.items() if k not in tabled} or changed
         listed = ", ".join(f"{k} {a} → {b}" for k, (a, b) in culprits.items())
-        raise UserError(f"cannot resume {run_dir}" + (f" with {listed}" if listed else "") + f": the model this command builds "
-                        f"{diff} against the checkpoint of step {step}, and a run keeps its parameters from start to end; "
-                        + ("pick another --run" if listed else "no flag changed it: was it saved by other code?"))
+        raise UserError(
+            f"cannot resume {run_dir}" + (f" with {listed}" if listed else "") + f": the model this command builds "
+            f"{diff} against the checkpoint of step {step}, and a run keeps its parameters from start to end; "
+            + ("pick another --run" if listed else "no flag changed it: was it saved by other code?")
+        )
     if changed and not args.change_settings:
         listed = "; ".join(f"{k} {a} → {b}" for k, (a, b) in changed.items())
         finished = step == old_cfg.get("num_iterations") and args.resume == "latest"
-        raise UserError(f"cannot {'reuse the finished run' if finished else 'resume'} {run_dir} with other settings ({listed}): "
-                        + ("pick another --run" if finished else "drop them, pick another --run, or add --change-settings to record the change from this step on"))
+        raise UserError(
+            f"cannot {'reuse the finished run' if finished else 'resume'} {run_dir} with other settings ({listed}): "
+            + (
+                "pick another --run"
+                if finished
+                else "drop them, pick another --run, or add --change-settings to record the change from this step on"
+            )
+        )
     planned = old_cfg.get("num_iterations", record["num_iterations"])
     if planned != record["num_iterations"] and not args.change_settings:
-        raise UserError(f"cannot resume {run_dir}: it was planned for {planned} steps but this command gives {record['num_iterations']} "
-                        "(the LR schedule would change mid-run); add --change-settings if that is what you want")
+        raise UserError(
+            f"cannot resume {run_dir}: it was planned for {planned} steps but this command gives {record['num_iterations']} "
+            "(the LR schedule would change mid-run); add --change-settings if that is what you want"
+        )
     if step > record["num_iterations"]:
-        raise UserError(f"cannot resume {run_dir} from step {step}: the new horizon ends at step {record['num_iterations']}")
+        raise UserError(
+            f"cannot resume {run_dir} from step {step}: the new horizon ends at step {record['num_iterations']}"
+        )
     if step == record["num_iterations"] and args.resume == "latest":
         return None
     return step
@@ -190,5 +263,8 @@ def load_resume_state(run_dir, step, rank, world_size, grad_accum, optimizer):
     owners = sorted({s // saved_accum for s in mine} | {0} | set(optim_ranks))
     states = {r: ckpt.load_train_state(run_dir, step, r) for r in owners}  # on the CPU: RNG states must stay there
     optimizer.load_state_dicts({r: states[r]["optimizer"] for r in optim_ranks})  # moved to the params' device
-    return {"elapsed": states[0].get("elapsed", 0.0), "rng": states[mine[0] // saved_accum]["rng"],
-            "dataloader": [states[s // saved_accum]["dataloader"][s % saved_accum] for s in mine]}
+    return {
+        "elapsed": states[0].get("elapsed", 0.0),
+        "rng": states[mine[0] // saved_accum]["rng"],
+        "dataloader": [states[s // saved_accum]["dataloader"][s % saved_accum] for s in mine],
+    }

@@ -81,8 +81,10 @@ def read_metrics(path):
             continue
         if rows and row["step"] <= rows[-1]["step"]:
             kind = "repeats" if any(r["step"] == row["step"] for r in rows) else "goes back to"
-            raise UserError(f"{path} line {lineno} {kind} step {row['step']} (after step {rows[-1]['step']}): "
-                            "the log mixes two writers or an undone resume; restore it before comparing")
+            raise UserError(
+                f"{path} line {lineno} {kind} step {row['step']} (after step {rows[-1]['step']}): "
+                "the log mixes two writers or an undone resume; restore it before comparing"
+            )
         rows.append(row)
     if not rows:
         raise UserError(f"{path} has no rows; the run logged no step")
@@ -118,7 +120,9 @@ def keep_history(metrics_path, step):
     with open(bak, "a") as f:
         f.writelines(drop)
     atomic_write_bytes(metrics_path, "".join(keep).encode())
-    print0(f"note: {len(drop)} earlier row(s) of metrics.jsonl {'past step ' + str(step) if step else ''} kept in {os.path.basename(bak)}")
+    print0(
+        f"note: {len(drop)} earlier row(s) of metrics.jsonl {'past step ' + str(step) if step else ''} kept in {os.path.basename(bak)}"
+    )
 
 
 def append_row(metrics_path, row):
@@ -148,7 +152,9 @@ def resolve_run_dir(run):
 def existing_run_dir(run):
     path = resolve_run_dir(run)
     if not os.path.isdir(path):
-        raise UserError(f"no run directory {path}; give a run name under {os.path.join(get_base_dir(), 'runs')} or a path")
+        raise UserError(
+            f"no run directory {path}; give a run name under {os.path.join(get_base_dir(), 'runs')} or a path"
+        )
     return os.path.normpath(path)
 
 
@@ -206,8 +212,9 @@ def read_eval(run_dir):
 
 def earlier_version(path, what, fix):
     """The one line for a file of a format this version never writes: what it is, and that it is not read."""
-    return UserError(f"{path} is {what}, written by an earlier version of this code, which this one does not read; "
-                     f"{fix}")
+    return UserError(
+        f"{path} is {what}, written by an earlier version of this code, which this one does not read; {fix}"
+    )
 
 
 def headline(run):
@@ -215,7 +222,9 @@ def headline(run):
     compares bit for bit between runs of the same seed (runs/runcpu.sh ends with one per run)."""
     run_dir = existing_run_dir(run)
     ev = read_eval(run_dir) or {}
-    core = ("CORE", ev["core_metric"]) if ev.get("core_metric") is not None else ("partial CORE", ev.get("partial_core"))
+    core = (
+        ("CORE", ev["core_metric"]) if ev.get("core_metric") is not None else ("partial CORE", ev.get("partial_core"))
+    )
     tasks = f" ({ev['num_tasks_scored']} tasks)" if ev.get("num_tasks_scored") else ""
     return f"{os.path.basename(run_dir)}: val bpb {ev.get('val_bpb')!r}, {core[0]} {core[1]!r}{tasks}"
 
@@ -227,14 +236,21 @@ def load_core_records(run_dir, ev):
         return None
     path = os.path.join(run_dir, RECORDS)
     if not ev.get("core_records"):
-        raise earlier_version(os.path.join(run_dir, EVAL_JSON), "an evaluation with CORE scores but no per-example "
-                              "records", f"rerun `python -m scripts.base_eval --run {run_dir} --eval core`")
+        raise earlier_version(
+            os.path.join(run_dir, EVAL_JSON),
+            "an evaluation with CORE scores but no per-example records",
+            f"rerun `python -m scripts.base_eval --run {run_dir} --eval core`",
+        )
     if not os.path.exists(path):
-        raise UserError(f"{run_dir} has CORE scores but no per-example records ({os.path.basename(path)}), so no interval can be "
-                        f"computed; rerun `python -m scripts.base_eval --run {run_dir} --eval core`")
+        raise UserError(
+            f"{run_dir} has CORE scores but no per-example records ({os.path.basename(path)}), so no interval can be "
+            f"computed; rerun `python -m scripts.base_eval --run {run_dir} --eval core`"
+        )
     cols, settings = load_records(path)
     if settings.get("step") != ev.get("step") or set(settings.get("tasks", {})) != set(ev["tasks"]):
-        raise UserError(f"{path} does not belong to eval.json next to it (other step or tasks); rerun scripts.base_eval")
+        raise UserError(
+            f"{path} does not belong to eval.json next to it (other step or tasks); rerun scripts.base_eval"
+        )
     return cols, settings
 
 
@@ -254,9 +270,11 @@ def check_layout(run_dir, ev):
     per run, before eval/ kept each step's results."""
     step = ev.get("step") if ev else None
     if isinstance(step, int) and not os.path.exists(os.path.join(run_dir, step_files(step)["json"])):
-        raise earlier_version(os.path.join(run_dir, EVAL_JSON), f"an evaluation of step {step} without its "
-                              f"{step_files(step)['json']}", "move it aside and rerun "
-                              f"`python -m scripts.base_eval --run {run_dir} --step {step}`")
+        raise earlier_version(
+            os.path.join(run_dir, EVAL_JSON),
+            f"an evaluation of step {step} without its {step_files(step)['json']}",
+            f"move it aside and rerun `python -m scripts.base_eval --run {run_dir} --step {step}`",
+        )
 
 
 def eval_history(run_dir, ev):
@@ -267,7 +285,9 @@ def eval_history(run_dir, ev):
         rec = read_json(path)
         if not isinstance(rec, dict):
             raise UserError(f"{path} is not an evaluation record (a JSON object); rerun scripts.base_eval at that step")
-        step = rec.get("step") if isinstance(rec.get("step"), int) else int(STEP_FILE.fullmatch(os.path.basename(path))[1])
+        step = (
+            rec.get("step") if isinstance(rec.get("step"), int) else int(STEP_FILE.fullmatch(os.path.basename(path))[1])
+        )
         by_step[step] = rec
     return sorted(by_step.items())
 
@@ -287,8 +307,11 @@ def load_run(arg):
     ev = read_eval(run_dir)
     vb = (ev or {}).get("val_batches")
     if (ev or {}).get("val_bpb") is not None and not (isinstance(vb, dict) and vb.get("nats")):
-        raise earlier_version(os.path.join(run_dir, EVAL_JSON), "an evaluation of val bpb without its per-batch val "
-                              "losses", f"rerun `python -m scripts.base_eval --run {run_dir} --eval bpb`")
+        raise earlier_version(
+            os.path.join(run_dir, EVAL_JSON),
+            "an evaluation of val bpb without its per-batch val losses",
+            f"rerun `python -m scripts.base_eval --run {run_dir} --eval bpb`",
+        )
     return {
         "dir": run_dir,
         "name": config.get("run") or os.path.basename(run_dir),
@@ -338,8 +361,10 @@ def previous_results(run_dir, step, fingerprints):
     if mergeable(old.get("fingerprints"), fingerprints):
         return old
     dest = set_aside(os.path.join(run_dir, EVAL_DIR), step_names(run_dir, step))
-    print0(f"note: the results of step {step} were measured with other fingerprints ({old.get('fingerprints')}, now "
-           f"{fingerprints}): they are replaced, not merged, and kept in {os.path.relpath(dest, run_dir)}/")
+    print0(
+        f"note: the results of step {step} were measured with other fingerprints ({old.get('fingerprints')}, now "
+        f"{fingerprints}): they are replaced, not merged, and kept in {os.path.relpath(dest, run_dir)}/"
+    )
     return {}
 
 
@@ -389,8 +414,10 @@ def commit_pending(run_dir, record, with_records, replaced_why=None):
         for name in kept:
             if os.path.exists(os.path.join(eval_dir, name)):
                 shutil.copy2(os.path.join(eval_dir, name), os.path.join(dest, name))
-        print0(f"note: the earlier results of step {step} were measured with other settings ({replaced_why}); "
-               f"they are kept in {os.path.relpath(dest, run_dir)}/")
+        print0(
+            f"note: the earlier results of step {step} were measured with other settings ({replaced_why}); "
+            f"they are kept in {os.path.relpath(dest, run_dir)}/"
+        )
     names = step_files(step)
     if not with_records and record["core_records"] is None and os.path.exists(os.path.join(run_dir, names["records"])):
         os.remove(os.path.join(run_dir, names["records"]))  # as write_results does: no json describes them now
@@ -486,8 +513,11 @@ def input_changes(old, new):
     """What differs between two tools' inputs, in words."""
     old = old if isinstance(old, dict) else {}
     keys = sorted(set(old) | set(new), key=lambda k: (k != "runs", k))
-    return "; ".join("other runs or evaluations" if k == "runs" else f"{k} {json.dumps(old.get(k))} → {json.dumps(new.get(k))}"
-                     for k in keys if old.get(k) != new.get(k))
+    return "; ".join(
+        "other runs or evaluations" if k == "runs" else f"{k} {json.dumps(old.get(k))} → {json.dumps(new.get(k))}"
+        for k in keys
+        if old.get(k) != new.get(k)
+    )
 
 
 def claim_folder(folder, tool, inputs, force=False):
@@ -502,8 +532,10 @@ def claim_folder(folder, tool, inputs, force=False):
     foreign = [n for n in entries if n not in ours]
     if foreign and not force:
         listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise UserError(f"{folder} holds files that `python -m {tool}` did not write ({listed}); choose another --out, or add "
-                        "--force to write there (its files of the names written are replaced)")
+        raise UserError(
+            f"{folder} holds files that `python -m {tool}` did not write ({listed}); choose another --out, or add "
+            "--force to write there (its files of the names written are replaced)"
+        )
     m = read_manifest(folder)
     if not ours or m["inputs"] != inputs:
         return ours
@@ -521,17 +553,25 @@ def publish(tmp, folder, tool, inputs, aside):
         other_inputs = old.get("inputs") != inputs
         dest = set_aside(folder, aside)
         if other_inputs:
-            print(f"note: {folder} held results of other inputs ({input_changes(old.get('inputs'), inputs)}); they are kept in {dest}/")
+            print(
+                f"note: {folder} held results of other inputs ({input_changes(old.get('inputs'), inputs)}); they are kept in {dest}/"
+            )
         else:
-            print(f"note: {', '.join(aside)} in {folder} changed since `python -m {tool}` wrote {'it' if len(aside) == 1 else 'them'} "
-                  f"(an edit is never overwritten); kept in {dest}/")
+            print(
+                f"note: {', '.join(aside)} in {folder} changed since `python -m {tool}` wrote {'it' if len(aside) == 1 else 'them'} "
+                f"(an edit is never overwritten); kept in {dest}/"
+            )
     new = sorted(os.listdir(tmp))
     kept = [n for n in own_files(folder, tool) if n != MANIFEST]
     recorded = old.get("sha256") if isinstance(old.get("sha256"), dict) else {}
-    hashes = {**{n: recorded.get(n) or file_sha256(os.path.join(folder, n)) for n in kept},
-              **{n: file_sha256(os.path.join(tmp, n)) for n in new}}
-    atomic_write_json(os.path.join(folder, MANIFEST), {"tool": tool, "inputs": inputs, "files": sorted(set(new) | set(kept)),
-                                                       "sha256": hashes})
+    hashes = {
+        **{n: recorded.get(n) or file_sha256(os.path.join(folder, n)) for n in kept},
+        **{n: file_sha256(os.path.join(tmp, n)) for n in new},
+    }
+    atomic_write_json(
+        os.path.join(folder, MANIFEST),
+        {"tool": tool, "inputs": inputs, "files": sorted(set(new) | set(kept)), "sha256": hashes},
+    )
     for name in new:
         os.replace(os.path.join(tmp, name), os.path.join(folder, name))
 
@@ -548,8 +588,10 @@ def staging(folder):
         tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(folder))}-tmp-")
         yield tmp
     except OSError as e:
-        raise UserError(f"cannot write the results to {folder} ({e.strerror or e}): nothing of them was kept; free space "
-                        "and run the command again") from None
+        raise UserError(
+            f"cannot write the results to {folder} ({e.strerror or e}): nothing of them was kept; free space "
+            "and run the command again"
+        ) from None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

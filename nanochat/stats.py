@@ -117,8 +117,14 @@ def core_delta_interval(records_a, records_b, meta, n_resamples=10000, seed=0):
         acc_a, acc_b = _resample_accuracies(a, b, n_resamples, rng)
         d = centered_accuracy(acc_b, base) - centered_accuracy(acc_a, base)
         boot += d
-        per_task[label] = {**_summary(cb - ca, d), "n": int(a.size), "centered_a": ca, "centered_b": cb,
-                           "se_a": centered_se(a.mean(), a.size, base), "se_b": centered_se(b.mean(), b.size, base)}
+        per_task[label] = {
+            **_summary(cb - ca, d),
+            "n": int(a.size),
+            "centered_a": ca,
+            "centered_b": cb,
+            "se_a": centered_se(a.mean(), a.size, base),
+            "se_b": centered_se(b.mean(), b.size, base),
+        }
     T = len(tasks)
     core_a, core_b = sum(core_a) / T, sum(core_b) / T
     return {**_summary(core_b - core_a, boot / T), "core_a": core_a, "core_b": core_b, "tasks": per_task}
@@ -135,7 +141,7 @@ def bpb_delta_interval(nats_a, nats_b, nbytes, n_resamples=10000, seed=0):
     for start in range(0, n_resamples, 1000):  # chunks: a (resamples x batches) index matrix stays small
         idx = rng.integers(0, na.size, size=(min(1000, n_resamples - start), na.size))
         total = nbytes[idx].sum(1) * math.log(2)
-        boot[start:start + len(idx)] = (nb[idx].sum(1) - na[idx].sum(1)) / total
+        boot[start : start + len(idx)] = (nb[idx].sum(1) - na[idx].sum(1)) / total
     bpb_a, bpb_b = na.sum() / (math.log(2) * nbytes.sum()), nb.sum() / (math.log(2) * nbytes.sum())
     return {**_summary(bpb_b - bpb_a, boot), "bpb_a": float(bpb_a), "bpb_b": float(bpb_b), "batches": int(na.size)}
 
@@ -183,7 +189,7 @@ def bpb_replicates(nats, nbytes, n_resamples=10000, seed=0):
     reps = np.empty((n_resamples, nats.shape[0]))
     for start in range(0, n_resamples, 1000):
         w = _resample_counts(nbytes.size, min(1000, n_resamples - start), rng)
-        reps[start:start + len(w)] = (w @ nats.T) / (math.log(2) * (w @ nbytes))[:, None]
+        reps[start : start + len(w)] = (w @ nats.T) / (math.log(2) * (w @ nbytes))[:, None]
     return nats.sum(1) / (math.log(2) * nbytes.sum()), reps
 
 
@@ -212,7 +218,7 @@ def core_replicates(records, meta, n_resamples=10000, seed=0):
         chunk = max(1, min(1000, 2_000_000 // n))  # a resample matrix of at most ~16 MB
         for start in range(0, n_resamples, chunk):
             w = _resample_counts(n, min(chunk, n_resamples - start), rng)
-            reps[start:start + len(w)] += centered_accuracy((w @ correct.T) / n, base)
+            reps[start : start + len(w)] += centered_accuracy((w @ correct.T) / n, base)
     return values / len(tasks), reps / len(tasks)
 
 
@@ -272,21 +278,24 @@ def group_delta(values_a, values_b, reps_a, reps_b, paired, alpha=0.05):
         raise ValueError(f"paired groups need as many runs in each: {ka} vs {kb}")
     delta = vb.mean() - va.mean()
     var_eval = float((rb.mean(1) - ra.mean(1)).var(ddof=1))
-    sd = {"a": float(va.std(ddof=1)) if ka > 1 else None, "b": float(vb.std(ddof=1)) if kb > 1 else None,
-          "d": float((vb - va).std(ddof=1)) if paired and ka > 1 else None}
+    sd = {
+        "a": float(va.std(ddof=1)) if ka > 1 else None,
+        "b": float(vb.std(ddof=1)) if kb > 1 else None,
+        "d": float((vb - va).std(ddof=1)) if paired and ka > 1 else None,
+    }
     if paired and ka > 1:
         var_seed, df = sd["d"] ** 2 / ka, ka - 1
-        own = own_variance(rb - ra) / ka ** 2
+        own = own_variance(rb - ra) / ka**2
     elif not paired and ka > 1 and kb > 1:
         sa2, sb2 = sd["a"] ** 2 / ka, sd["b"] ** 2 / kb
         var_seed = sa2 + sb2
-        df = var_seed ** 2 / (sa2 ** 2 / (ka - 1) + sb2 ** 2 / (kb - 1)) if var_seed > 0 else float(ka + kb - 2)
-        own = own_variance(ra) / ka ** 2 + own_variance(rb) / kb ** 2
+        df = var_seed**2 / (sa2**2 / (ka - 1) + sb2**2 / (kb - 1)) if var_seed > 0 else float(ka + kb - 2)
+        own = own_variance(ra) / ka**2 + own_variance(rb) / kb**2
     else:  # a group of one: no seed-to-seed variance to measure
         var_seed, df, own = None, math.inf, 0.0
     var = var_eval if var_seed is None else max(var_seed + var_eval - own, var_eval)
     if var_seed is not None and df >= 2:  # Satterthwaite: only the seed term rests on few runs, the rest on many units
-        df = max(df, var ** 2 / (var_seed ** 2 / df)) if var_seed > 0 else math.inf  # never fewer than the seeds give
+        df = max(df, var**2 / (var_seed**2 / df)) if var_seed > 0 else math.inf  # never fewer than the seeds give
     # (with 1 degree of freedom a variance is too unstable for that rule: 2 seeds keep t(1), conservative)
     se = math.sqrt(var)
     if se == 0:
@@ -295,8 +304,17 @@ def group_delta(values_a, values_b, reps_a, reps_b, paired, alpha=0.05):
         q = t_quantile(1 - alpha / 2, df)
         ci = (float(delta - q * se), float(delta + q * se))
         p = 2 * (1 - t_cdf(abs(delta) / se, df))
-    return {"delta": float(delta), "ci": ci, "p": float(min(1.0, max(p, 0.0))), "se": se, "df": float(df),
-            "se_eval": math.sqrt(var_eval), "seed_sd": sd, "paired": bool(paired), "eval_only": var_seed is None}
+    return {
+        "delta": float(delta),
+        "ci": ci,
+        "p": float(min(1.0, max(p, 0.0))),
+        "se": se,
+        "df": float(df),
+        "se_eval": math.sqrt(var_eval),
+        "seed_sd": sd,
+        "paired": bool(paired),
+        "eval_only": var_seed is None,
+    }
 
 
 def runs_needed(sd, delta, paired, alpha=0.05, power=0.8):
@@ -307,4 +325,4 @@ def runs_needed(sd, delta, paired, alpha=0.05, power=0.8):
     if sd is None or not delta:
         return None
     z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
-    return max(2, math.ceil((1 if paired else 2) * z ** 2 * sd ** 2 / delta ** 2))
+    return max(2, math.ceil((1 if paired else 2) * z**2 * sd**2 / delta**2))

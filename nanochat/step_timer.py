@@ -22,7 +22,14 @@ import torch
 
 # the parts of a step, in the order they are shown; `save` is the checkpoint written after the previous row
 PHASES = ("data", "fwd_bwd", "optim", "sync_log", "eval", "save")
-LABELS = {"data": "data", "fwd_bwd": "fwd+bwd", "optim": "optim", "sync_log": "sync+log", "eval": "eval", "save": "save"}
+LABELS = {
+    "data": "data",
+    "fwd_bwd": "fwd+bwd",
+    "optim": "optim",
+    "sync_log": "sync+log",
+    "eval": "eval",
+    "save": "save",
+}
 
 
 class StepTimer:

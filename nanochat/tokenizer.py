@@ -17,14 +17,20 @@ from nanochat.common import UserError, atomic_torch_save, atomic_write_bytes, ge
 
 # GPT-4's split pattern with numbers split into runs of at most 2 digits (nanochat's variant; GPT-4 uses {1,3}),
 # which spends fewer vocabulary entries on numbers in a small vocab.
-SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # begins every document
-    "<|user_start|>", "<|user_end|>",
-    "<|assistant_start|>", "<|assistant_end|>",
-    "<|python_start|>", "<|python_end|>",
-    "<|output_start|>", "<|output_end|>",
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+    "<|python_start|>",
+    "<|python_end|>",
+    "<|output_start|>",
+    "<|output_end|>",
 ]
 
 
@@ -52,14 +58,19 @@ class Tokenizer:
     def train_from_iterator(cls, text_iterator, vocab_size):
         import rustbpe
         import tiktoken
+
         num_merged = vocab_size - len(SPECIAL_TOKENS)
         if num_merged < 256:
-            raise UserError(f"vocab size {vocab_size} is too small: need at least {256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+            raise UserError(
+                f"vocab size {vocab_size} is too small: need at least {256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+            )
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(text_iterator, num_merged, pattern=SPLIT_PATTERN)
         ranks = {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
         specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
-        enc = tiktoken.Encoding(name="rustbpe", pat_str=trainer.get_pattern(), mergeable_ranks=ranks, special_tokens=specials)
+        enc = tiktoken.Encoding(
+            name="rustbpe", pat_str=trainer.get_pattern(), mergeable_ranks=ranks, special_tokens=specials
+        )
         return cls(enc)
 
     @classmethod
@@ -71,10 +82,15 @@ class Tokenizer:
             with open(path, "rb") as f:
                 enc = pickle.load(f)
         except Exception as e:
-            raise UserError(f"cannot load tokenizer {path} ({type(e).__name__}: {e}); re-run `python -m scripts.tok_train`") from None
+            raise UserError(
+                f"cannot load tokenizer {path} ({type(e).__name__}: {e}); re-run `python -m scripts.tok_train`"
+            ) from None
         import tiktoken
+
         if not isinstance(enc, tiktoken.Encoding):
-            raise UserError(f"{path} is not a tokenizer (it holds a {type(enc).__name__}); re-run `python -m scripts.tok_train`")
+            raise UserError(
+                f"{path} is not a tokenizer (it holds a {type(enc).__name__}); re-run `python -m scripts.tok_train`"
+            )
         return cls(enc)
 
     def save(self, directory):
@@ -86,7 +102,9 @@ class Tokenizer:
     def token_bytes(self):
         """int32 tensor (vocab,): UTF-8 byte length of each token; 0 for special tokens, which stand for no text."""
         special_ids = {self.enc.encode_single_token(t) for t in self.enc.special_tokens_set}
-        lengths = [0 if i in special_ids else len(self.enc.decode_single_token_bytes(i)) for i in range(self.enc.n_vocab)]
+        lengths = [
+            0 if i in special_ids else len(self.enc.decode_single_token_bytes(i)) for i in range(self.enc.n_vocab)
+        ]
         return torch.tensor(lengths, dtype=torch.int32)
 
     def get_vocab_size(self):

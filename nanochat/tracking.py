@@ -39,7 +39,9 @@ def parse_log_to(text):
     kinds = [k.strip() for k in (text or "").split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
-        raise UserError(f"--log-to takes a comma-separated subset of {', '.join(KINDS)}, got {', '.join(map(repr, unknown))}")
+        raise UserError(
+            f"--log-to takes a comma-separated subset of {', '.join(KINDS)}, got {', '.join(map(repr, unknown))}"
+        )
     for kind in kinds:
         try:
             __import__(PACKAGES[kind])
@@ -58,8 +60,10 @@ def flatten(row, prefix=""):
             out.update(flatten(value, name + "/"))
         elif isinstance(value, (list, tuple)):
             named = all(isinstance(v, dict) and "name" in v for v in value)
-            items = {(v["name"] if named else str(i)): ({k: x for k, x in v.items() if k != "name"} if named else v)
-                     for i, v in enumerate(value)}
+            items = {
+                (v["name"] if named else str(i)): ({k: x for k, x in v.items() if k != "name"} if named else v)
+                for i, v in enumerate(value)
+            }
             out.update(flatten(items, name + "/"))
         elif isinstance(value, bool):
             out[name] = int(value)
@@ -79,9 +83,12 @@ def scalars(row):
 class TensorBoard:
     def __init__(self, project, run_name, run_dir, config):
         from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
         # TensorBoard's text is markdown: indented four spaces, the JSON shows as code
-        text = "\n".join("    " + line for line in json.dumps(config, indent=2, sort_keys=True, default=str).splitlines())
+        text = "\n".join(
+            "    " + line for line in json.dumps(config, indent=2, sort_keys=True, default=str).splitlines()
+        )
         self.writer.add_text("config", f"run {run_name}\n\n{text}", 0)
 
     def log(self, step, values):
@@ -106,6 +113,7 @@ def wandb_has_key():
 class WandB:
     def __init__(self, project, run_name, run_dir, config):
         import wandb
+
         # offline never prompts for a key
         mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_key() else "offline")
         # its service writes debug logs to $WANDB_CACHE_DIR/wandb/logs (default ~/.cache):
@@ -114,7 +122,9 @@ class WandB:
         if ours:
             os.environ["WANDB_CACHE_DIR"] = run_dir
         try:
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_name, dir=run_dir, config=config, mode=mode)
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", project), name=run_name, dir=run_dir, config=config, mode=mode
+            )
         finally:
             if ours:
                 os.environ.pop("WANDB_CACHE_DIR", None)
@@ -129,6 +139,7 @@ class WandB:
 class Trackio:
     def __init__(self, project, run_name, run_dir, config):
         import trackio
+
         self.run = trackio.init(project=project, name=run_name, config=json.loads(json.dumps(config, default=str)))
 
     def log(self, step, values):
@@ -169,7 +180,9 @@ def open_trackers(kinds, run_name, run_dir, config, project):
             trackers.backends.append(BACKENDS[kind](project, run_name, run_dir, config))
         except Exception as e:  # e.g. wandb online without a route to its server: one line, not a traceback
             trackers.close()
-            raise UserError(f"--log-to {kind}: cannot start the tracker ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+            raise UserError(
+                f"--log-to {kind}: cannot start the tracker ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
+            ) from None
     if trackers.backends:
         atexit.register(trackers.close)
     return trackers

@@ -41,8 +41,20 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from nanochat.common import (UserError, exit_on_user_error, script_argv, print0, dist_init, autodetect_device_type, compute_dtype_for, Progress,
-                             parse_checked, positive_int, positive_or_unset, STEP)
+from nanochat.common import (
+    UserError,
+    exit_on_user_error,
+    script_argv,
+    print0,
+    dist_init,
+    autodetect_device_type,
+    compute_dtype_for,
+    Progress,
+    parse_checked,
+    positive_int,
+    positive_or_unset,
+    STEP,
+)
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import held_batches, shared_batches, evaluate_bpb_shared
@@ -50,8 +62,20 @@ from nanochat.stats import bpb_delta_interval, core_delta_interval
 from nanochat.core_eval import ensure_eval_bundle, evaluate_core, load_records, records_by_task
 from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
 from nanochat import checkpoint_manager as ckpt
-from nanochat.run_dir import (EVAL_DIR, PENDING, TOP, step_files, evaluated_steps, check_layout, previous_results,
-                              read_pending, write_results, commit_pending, read_record, resolve_run_dir)
+from nanochat.run_dir import (
+    EVAL_DIR,
+    PENDING,
+    TOP,
+    step_files,
+    evaluated_steps,
+    check_layout,
+    previous_results,
+    read_pending,
+    write_results,
+    commit_pending,
+    read_record,
+    resolve_run_dir,
+)
 from nag.archs import load_model
 from nag.mod import ModConfig, BLOCKS, check_rate, calibrate, skip_summary
 
@@ -69,36 +93,87 @@ SAMPLE_SEED = 42
 # every field of a step's results, grouped by the --eval section that fills it (besides run, step, arch, tokens,
 # fingerprints, checkpoint_fingerprints, world_size and measured_with, which every evaluation sets)
 SECTION_FIELDS = {
-    "bpb": {"val_bpb": None, "train_bpb": None, "split_tokens": None, "train_split_tokens": None, "num_val_batches": None,
-            "bpb_batch_shape": None, "val_batches": None},
-    "core": {"tasks": {}, "core_metric": None, "partial_core": None, "partial_label": None, "num_tasks_scored": 0,
-             "missing_tasks": None, "max_per_task": None, "eval_bundle": None, "core_error": None,
-             "core_records": None, "core_finished": None, "interrupted": None, "interrupted_tasks": None},
+    "bpb": {
+        "val_bpb": None,
+        "train_bpb": None,
+        "split_tokens": None,
+        "train_split_tokens": None,
+        "num_val_batches": None,
+        "bpb_batch_shape": None,
+        "val_batches": None,
+    },
+    "core": {
+        "tasks": {},
+        "core_metric": None,
+        "partial_core": None,
+        "partial_label": None,
+        "num_tasks_scored": 0,
+        "missing_tasks": None,
+        "max_per_task": None,
+        "eval_bundle": None,
+        "core_error": None,
+        "core_records": None,
+        "core_finished": None,
+        "interrupted": None,
+        "interrupted_tasks": None,
+    },
     "sample": {"samples": [], "sample_tokens": None, "sample_temperature": None, "sample_seed": None},
     "mod": {"mod_curve": None},
 }
 # whether an earlier record holds results of a section
-HAS_RESULTS = {"bpb": lambda r: r.get("val_bpb") is not None, "core": lambda r: bool(r.get("tasks")) or r.get("core_finished") is not None,
-               "sample": lambda r: bool(r.get("samples")), "mod": lambda r: r.get("mod_curve") is not None}
+HAS_RESULTS = {
+    "bpb": lambda r: r.get("val_bpb") is not None,
+    "core": lambda r: bool(r.get("tasks")) or r.get("core_finished") is not None,
+    "sample": lambda r: bool(r.get("samples")),
+    "mod": lambda r: r.get("mod_curve") is not None,
+}
 
 
 def build_parser():
     p = argparse.ArgumentParser(description="Evaluate a base model checkpoint: bpb, CORE, samples.")
-    p.add_argument("--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
+    p.add_argument(
+        "--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory"
+    )
     p.add_argument("--step", type=STEP, default=-1, help="checkpoint step (-1: the latest)")
     p.add_argument("--eval", type=str, default="core,bpb,sample", help="comma-separated subset of core,bpb,sample")
-    p.add_argument("--max-per-task", type=positive_or_unset(int, "all items"), default=-1,
-                   help="CORE examples per task after the fixed shuffle, a positive number; -1 (the default): all of them")
-    p.add_argument("--split-tokens", type=positive_int, default=20 * 2 ** 19, help="tokens of each split (val, train) for bpb")
+    p.add_argument(
+        "--max-per-task",
+        type=positive_or_unset(int, "all items"),
+        default=-1,
+        help="CORE examples per task after the fixed shuffle, a positive number; -1 (the default): all of them",
+    )
+    p.add_argument(
+        "--split-tokens", type=positive_int, default=20 * 2**19, help="tokens of each split (val, train) for bpb"
+    )
     p.add_argument("--device-batch-size", type=positive_int, default=32, help="rows per forward (bpb and CORE)")
-    p.add_argument("--eval-bundle", type=str, default="", help="CORE eval bundle dir (default: <base_dir>/eval_bundle, downloaded once)")
+    p.add_argument(
+        "--eval-bundle",
+        type=str,
+        default="",
+        help="CORE eval bundle dir (default: <base_dir>/eval_bundle, downloaded once)",
+    )
     p.add_argument("--sample-tokens", type=positive_int, default=16, help="tokens generated per sample")
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
-    p.add_argument("--attn", type=str, default="auto", choices=list(ATTN_CHOICES),
-                   help="attention kernel of bpb (auto: on Hopper the first of fa4, cudnn, fa3 that loads, else SDPA; CORE's packed rows use masks)")
-    p.add_argument("--mod-rate", type=str, default="", help="MoD trade-off curve: comma-separated target skip rates, e.g. 0.05,0.1,0.2")
+    p.add_argument(
+        "--attn",
+        type=str,
+        default="auto",
+        choices=list(ATTN_CHOICES),
+        help="attention kernel of bpb (auto: on Hopper the first of fa4, cudnn, fa3 that loads, else SDPA; CORE's packed rows use masks)",
+    )
+    p.add_argument(
+        "--mod-rate",
+        type=str,
+        default="",
+        help="MoD trade-off curve: comma-separated target skip rates, e.g. 0.05,0.1,0.2",
+    )
     p.add_argument("--mod-blocks", type=str, default="both", choices=BLOCKS, help="sub-layers skipped along the curve")
-    p.add_argument("--mod-calib-tokens", type=positive_int, default=2 ** 20, help="train-split tokens that calibrate each rate's thresholds")
+    p.add_argument(
+        "--mod-calib-tokens",
+        type=positive_int,
+        default=2**20,
+        help="train-split tokens that calibrate each rate's thresholds",
+    )
     return p
 
 
@@ -121,7 +196,6 @@ def parse_evals(text):
     return set(evals)
 
 
-
 # ---------------------------------------------------------------------------
 # the three evaluations
 
@@ -134,8 +208,10 @@ def split_batches(tokenizer, B, T, split, args, device, rank, world_size, note=T
     if n == 0:
         raise UserError(f"the {split} split holds less than one batch of {B}×{T} tokens; lower --device-batch-size")
     if n < wanted and note:
-        print0(f"note: the {split} split holds about {n * B * T:,} tokens ({n} batches of {B}×{T}), fewer than "
-               f"--split-tokens {args.split_tokens:,}; its bpb uses those")
+        print0(
+            f"note: the {split} split holds about {n * B * T:,} tokens ({n} batches of {B}×{T}), fewer than "
+            f"--split-tokens {args.split_tokens:,}; its bpb uses those"
+        )
     # every rank reads the whole stream on the CPU; only its own batches go to the device
     return n, shared_batches(data_loader(tokenizer, B, T, split), n, rank, world_size, device)
 
@@ -146,7 +222,9 @@ def eval_bpb(model, tokenizer, token_bytes, args, device, rank, world_size):
     for split in ("val", "train"):
         per_batch = {}
         n, batches = split_batches(tokenizer, B, T, split, args, device, rank, world_size)
-        bpb = evaluate_bpb_shared(model, batches, token_bytes, per_batch, progress=Progress(f"{split} bpb", n, "batches"))
+        bpb = evaluate_bpb_shared(
+            model, batches, token_bytes, per_batch, progress=Progress(f"{split} bpb", n, "batches")
+        )
         out[f"{split}_bpb"] = bpb
         if split == "val":  # per-batch losses too, on batches every run shares, for compare's paired interval
             out.update(split_tokens=n * B * T, num_val_batches=n, val_batches=per_batch)
@@ -173,7 +251,12 @@ def eval_samples(model, tokenizer, max_tokens):
         sampled = complete(model, tokenizer, prompt, max_tokens, SAMPLE_TEMPERATURE, SAMPLE_SEED)
         samples.append({"prompt": prompt, "greedy": greedy, "sampled": sampled})
         print0(f"{prompt!r}\n  greedy : {greedy!r}\n  sampled: {sampled!r}")
-    return {"samples": samples, "sample_tokens": max_tokens, "sample_temperature": SAMPLE_TEMPERATURE, "sample_seed": SAMPLE_SEED}
+    return {
+        "samples": samples,
+        "sample_tokens": max_tokens,
+        "sample_temperature": SAMPLE_TEMPERATURE,
+        "sample_seed": SAMPLE_SEED,
+    }
 
 
 def find_bundle(eval_bundle):
@@ -192,14 +275,31 @@ def eval_core(model, tokenizer, device, bundle, args, save, records_name, done=N
     Until the last task is done the saved fields say "interrupted": true, with the tasks not reached yet, so
     that a run stopped any way (Ctrl-C, SIGTERM, a crash, a kill) is never read as a finished one.
     done: the unfinished run to resume (unfinished_core)."""
+
     def fields(core, finished):
         keys = ("tasks", "core_metric", "partial_core", "partial_label", "num_tasks_scored", "missing_tasks")
-        return {**{k: core[k] for k in keys}, "max_per_task": args.max_per_task, "eval_bundle": bundle,
-                "core_error": None, "core_records": records_name, "core_finished": finished,
-                "interrupted": not finished, "interrupted_tasks": [] if finished else core["unfinished_tasks"]}
+        return {
+            **{k: core[k] for k in keys},
+            "max_per_task": args.max_per_task,
+            "eval_bundle": bundle,
+            "core_error": None,
+            "core_records": records_name,
+            "core_finished": finished,
+            "interrupted": not finished,
+            "interrupted_tasks": [] if finished else core["unfinished_tasks"],
+        }
 
-    core = evaluate_core(model, tokenizer, device, bundle, max_per_task=args.max_per_task, batch_size=args.device_batch_size,
-                         log=print0, on_task=lambda c: save(fields(c, False), c["records"], c["settings"]), done=done)
+    core = evaluate_core(
+        model,
+        tokenizer,
+        device,
+        bundle,
+        max_per_task=args.max_per_task,
+        batch_size=args.device_batch_size,
+        log=print0,
+        on_task=lambda c: save(fields(c, False), c["records"], c["settings"]),
+        done=done,
+    )
     out = fields(core, True)
     save(out, core["records"], core["settings"])
     return out
@@ -214,7 +314,11 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
     for rate in parse_rates(args.mod_rate):  # 0 first: every other point is paired with it
         model.configure_mod(ModConfig(blocks=args.mod_blocks, rate=rate))
         if rate > 0:
-            calibrate(model, data_loader(tokenizer, B, T, "train", device=device, rank=rank, world_size=world_size), calib_steps)
+            calibrate(
+                model,
+                data_loader(tokenizer, B, T, "train", device=device, rank=rank, world_size=world_size),
+                calib_steps,
+            )
             if dist.is_initialized():  # every rank calibrated on its own shard: one set of thresholds for all
                 dist.all_reduce(model.thresholds.values)
                 model.thresholds.values /= world_size
@@ -226,8 +330,14 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
             bpb = evaluate_bpb_shared(model, val, token_bytes, per_batch=batches)
         rates = model.thresholds.pop_rates("eval") if model.thresholds is not None else {}
         flops = model.estimate_flops(rates) // 3  # forward only: a third of the training convention
-        point = {"rate": rate, "blocks": args.mod_blocks, "val_bpb": bpb, **skip_summary(rates),
-                 "forward_flops_per_token": flops, "calib_tokens": calib_steps * B * T * world_size if rate > 0 else 0}
+        point = {
+            "rate": rate,
+            "blocks": args.mod_blocks,
+            "val_bpb": bpb,
+            **skip_summary(rates),
+            "forward_flops_per_token": flops,
+            "calib_tokens": calib_steps * B * T * world_size if rate > 0 else 0,
+        }
         # the same val batches and CORE items at every rate: each point's cost against full depth, paired
         if rate == 0:
             full_depth["bpb"] = batches
@@ -235,8 +345,15 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
             r = bpb_delta_interval(full_depth["bpb"]["nats"], batches["nats"], batches["bytes"])
             point["val_bpb_delta"], point["val_bpb_delta_ci"] = r["delta"], r["ci"]
         if bundle is not None:
-            core = evaluate_core(model, tokenizer, device, bundle, max_per_task=args.max_per_task, batch_size=args.device_batch_size,
-                                 log=lambda *a: None)
+            core = evaluate_core(
+                model,
+                tokenizer,
+                device,
+                bundle,
+                max_per_task=args.max_per_task,
+                batch_size=args.device_batch_size,
+                log=lambda *a: None,
+            )
             point["core"] = core["core_metric"] if core["core_metric"] is not None else core["partial_core"]
             point["core_label"] = "CORE" if core["core_metric"] is not None else core["partial_label"]
             records = {k: [rec[k] for rec in core["records"]] for k in ("task", "idx", "correct")}
@@ -256,9 +373,13 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
 
     for p in points:
         p["flops_frac"] = p["forward_flops_per_token"] / full
-        print0(f"MoD {p['blocks']} rate {p['rate']:.2f}: val bpb {p['val_bpb']:.4f} | skipped attn {100 * p.get('skip_attn', 0):.1f}% "
-               f"mlp {100 * p.get('skip_mlp', 0):.1f}% | forward FLOPs {100 * p['flops_frac']:.1f}% of full depth"
-               + delta(p, "val_bpb") + (f" | {p['core_label']} {p['core']:.4f}" if "core" in p else "") + delta(p, "core"))
+        print0(
+            f"MoD {p['blocks']} rate {p['rate']:.2f}: val bpb {p['val_bpb']:.4f} | skipped attn {100 * p.get('skip_attn', 0):.1f}% "
+            f"mlp {100 * p.get('skip_mlp', 0):.1f}% | forward FLOPs {100 * p['flops_frac']:.1f}% of full depth"
+            + delta(p, "val_bpb")
+            + (f" | {p['core_label']} {p['core']:.4f}" if "core" in p else "")
+            + delta(p, "core")
+        )
     return {"mod_curve": {"blocks": args.mod_blocks, "split_tokens": steps * B * T, "points": points}}
 
 
@@ -280,8 +401,12 @@ def measured_with(args, bundle, world_size):
     of a section measured otherwise are replaced, not merged, and kept in eval/replaced/."""
     bpb = {"split_tokens": args.split_tokens, "device_batch_size": args.device_batch_size}
     core = {"max_per_task": args.max_per_task, "eval_bundle": bundle}
-    mod = {"mod_rate": parse_rates(args.mod_rate) if args.mod_rate else None, "mod_blocks": args.mod_blocks,
-           "mod_calib_tokens": args.mod_calib_tokens, "world_size": world_size}  # each rank calibrates on its own shard
+    mod = {
+        "mod_rate": parse_rates(args.mod_rate) if args.mod_rate else None,
+        "mod_blocks": args.mod_blocks,
+        "mod_calib_tokens": args.mod_calib_tokens,
+        "world_size": world_size,
+    }  # each rank calibrates on its own shard
     return {"bpb": bpb, "core": core, "sample": {"sample_tokens": args.sample_tokens}, "mod": {**bpb, **core, **mod}}
 
 
@@ -290,7 +415,11 @@ def changed_settings(old, now, sections):
     was, changes = old.get("measured_with") or {}, []
     for s in sections:
         if HAS_RESULTS[s](old) and was.get(s) != now[s]:
-            diff = [f"{k} {was[s].get(k)} → {v}" for k, v in now[s].items() if was[s].get(k) != v] if was.get(s) else ["not recorded"]
+            diff = (
+                [f"{k} {was[s].get(k)} → {v}" for k, v in now[s].items() if was[s].get(k) != v]
+                if was.get(s)
+                else ["not recorded"]
+            )
             changes.append(f"{s}: {', '.join(diff)}")
     return "; ".join(changes)
 
@@ -302,8 +431,10 @@ def unfinished_core(run_dir, old, args, bundle, folder=EVAL_DIR):
     if old.get("core_finished") is not False or not old.get("tasks"):
         return None
     if old.get("max_per_task") != args.max_per_task or old.get("eval_bundle") != bundle:
-        print0(f"note: the interrupted CORE evaluation of step {old['step']} used --max-per-task {old.get('max_per_task')} "
-               f"and the bundle {old.get('eval_bundle')}; this one starts over")
+        print0(
+            f"note: the interrupted CORE evaluation of step {old['step']} used --max-per-task {old.get('max_per_task')} "
+            f"and the bundle {old.get('eval_bundle')}; this one starts over"
+        )
         return None
     try:
         cols, settings = load_records(os.path.join(run_dir, folder, os.path.basename(old.get("core_records") or "")))
@@ -311,7 +442,9 @@ def unfinished_core(run_dir, old, args, bundle, folder=EVAL_DIR):
         return None
     if settings.get("max_per_task") != args.max_per_task:
         return None
-    print0(f"resuming the interrupted CORE evaluation of step {old['step']}: {len(old['tasks'])} task(s) already scored")
+    print0(
+        f"resuming the interrupted CORE evaluation of step {old['step']}: {len(old['tasks'])} task(s) already scored"
+    )
     return {"tasks": old["tasks"], "records": records_by_task(cols), "settings": settings}
 
 
@@ -328,8 +461,10 @@ def print_table(record):
         if record["core_metric"] is not None:
             lines.append(f"{'CORE':<34} {'':>9} {record['core_metric']:>9.4f}")
         else:  # fewer than 22 tasks: never call it CORE
-            lines.append(f"{record['partial_label']:<34} {'':>9} {record['partial_core']:>9.4f}"
-                         + ("  (interrupted: rerun to finish)" if record["interrupted"] else ""))
+            lines.append(
+                f"{record['partial_label']:<34} {'':>9} {record['partial_core']:>9.4f}"
+                + ("  (interrupted: rerun to finish)" if record["interrupted"] else "")
+            )
     elif record["core_error"]:
         lines.append(f"CORE not evaluated: {record['core_error']}")
     for key in ("val_bpb", "train_bpb"):
@@ -363,8 +498,10 @@ def disk_errors(run_dir, step):
     try:
         yield
     except OSError as e:
-        raise UserError(f"cannot write the results of step {step} into {run_dir} ({e.strerror or e}): every file there is whole, "
-                        "the results saved so far kept; free space and run the command again") from None
+        raise UserError(
+            f"cannot write the results of step {step} into {run_dir} ({e.strerror or e}): every file there is whole, "
+            "the results saved so far kept; free space and run the command again"
+        ) from None
 
 
 def broadcast(obj):
@@ -401,15 +538,19 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     model, meta = load_model(run_dir, None if args.step < 0 else args.step, device)
     ckpt.check_vocab(meta, tokenizer)
     if args.mod_rate and not hasattr(model, "configure_mod"):
-        raise UserError(f"--mod-rate: {run_dir} holds a {meta['arch']!r} checkpoint, which has no router to score tokens by "
-                        "(train the router-MoD baseline with --arch gpt-router, or use a NAG checkpoint)")
+        raise UserError(
+            f"--mod-rate: {run_dir} holds a {meta['arch']!r} checkpoint, which has no router to score tokens by "
+            "(train the router-MoD baseline with --arch gpt-router, or use a NAG checkpoint)"
+        )
     model.set_compute_dtype(compute_dtype_for(device_type))
     attn_kernel, attn_reason = resolve_attention(args.attn, device, compute_dtype_for(device_type))
     model.set_attention(attn_kernel)
     if "tokens" in meta:  # NAG's alpha warm-up is a function of tokens seen: evaluate the model as it was trained
         model.set_tokens_seen(meta["tokens"])
     step = meta["step"]
-    print0(f"evaluating {run_dir} step {step} ({meta['arch']}) on {device_type} × {world_size}: {', '.join(e for e in EVALS if e in evals)}")
+    print0(
+        f"evaluating {run_dir} step {step} ({meta['arch']}) on {device_type} × {world_size}: {', '.join(e for e in EVALS if e in evals)}"
+    )
 
     bundle, core_error = find_bundle(args.eval_bundle) if "core" in evals else (None, None)
     if core_error:
@@ -417,13 +558,21 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
 
     fingerprints = current_fingerprints(tokenizer)
     trained = meta.get("fingerprints") or {}
-    other_data = [k[5:] for k in ("data_train", "data_val") if trained.get(k) and fingerprints[k] and trained[k] != fingerprints[k]]
+    other_data = [
+        k[5:]
+        for k in ("data_train", "data_val")
+        if trained.get(k) and fingerprints[k] and trained[k] != fingerprints[k]
+    ]
     if other_data:  # allowed (evaluating on other data is a choice), never silent
-        print0(f"note: the {' and '.join(other_data)} data in the base dir differ from those this checkpoint was trained with; "
-               "the results record both fingerprints")
+        print0(
+            f"note: the {' and '.join(other_data)} data in the base dir differ from those this checkpoint was trained with; "
+            "the results record both fingerprints"
+        )
     check_writable(run_dir, step)  # on every rank, so that all of them stop
     measured = measured_with(args, bundle, world_size)
-    sections = [s for s in ("bpb", "core", "sample") if s in evals and (s != "core" or bundle is not None)] + ["mod"] * bool(args.mod_rate)
+    sections = [s for s in ("bpb", "core", "sample") if s in evals and (s != "core" or bundle is not None)] + [
+        "mod"
+    ] * bool(args.mod_rate)
     old, done, staged, changed = {}, None, False, ""
     if rank == 0:
         # an eval.json of an earlier version (no eval/ file of its step) is one line, never overwritten
@@ -438,11 +587,19 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
         # unless this continues an interrupted CORE run in place with the same settings
         staged = bool(old) and not (done is not None and old.get("core_finished") is False and not changed)
     old, done = broadcast((old, done))  # every rank resumes CORE at the same task
-    record = {"run": os.path.basename(os.path.normpath(run_dir)), "step": step, "arch": meta["arch"], "tokens": meta.get("tokens"),
-              "fingerprints": {k: v if v is not None else (old.get("fingerprints") or {}).get(k) for k, v in fingerprints.items()},
-              "checkpoint_fingerprints": meta.get("fingerprints"), "world_size": world_size,
-              "attention": {"requested": args.attn, "kernel": attn_kernel, "reason": attn_reason},
-              "measured_with": dict(old.get("measured_with") or {})}
+    record = {
+        "run": os.path.basename(os.path.normpath(run_dir)),
+        "step": step,
+        "arch": meta["arch"],
+        "tokens": meta.get("tokens"),
+        "fingerprints": {
+            k: v if v is not None else (old.get("fingerprints") or {}).get(k) for k, v in fingerprints.items()
+        },
+        "checkpoint_fingerprints": meta.get("fingerprints"),
+        "world_size": world_size,
+        "attention": {"requested": args.attn, "kernel": attn_kernel, "reason": attn_reason},
+        "measured_with": dict(old.get("measured_with") or {}),
+    }
     for fields in SECTION_FIELDS.values():
         record.update({k: old.get(k, default) for k, default in fields.items()})
 
@@ -458,13 +615,25 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     if "bpb" in evals:
         save(eval_bpb(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size), section="bpb")
     if bundle is not None:
-        eval_core(model, tokenizer, device, bundle, args, lambda *a: save(*a, section="core"), step_files(step)["records"], done)
+        eval_core(
+            model,
+            tokenizer,
+            device,
+            bundle,
+            args,
+            lambda *a: save(*a, section="core"),
+            step_files(step)["records"],
+            done,
+        )
     elif core_error:
         save({"core_error": core_error})
     if "sample" in evals:
         save(eval_samples(model, tokenizer, args.sample_tokens) if rank == 0 else {}, section="sample")
     if args.mod_rate:  # last: it reconfigures the model's MoD
-        save(eval_mod_curve(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size, bundle), section="mod")
+        save(
+            eval_mod_curve(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size, bundle),
+            section="mod",
+        )
     if rank == 0 and staged:  # finished: now it may replace the earlier results
         with disk_errors(run_dir, step):
             commit_pending(run_dir, record, with_records=bundle is not None, replaced_why=changed)
@@ -479,6 +648,7 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
 def sigterm_as_interrupt():
     """SIGTERM (torchrun stopping its workers, a job scheduler, `kill`) ends base_eval like Ctrl-C: one line, exit
     status 130, the CORE tasks finished so far kept for a rerun to resume from."""
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
@@ -495,9 +665,14 @@ def sigterm_as_interrupt():
 
 def main(argv=None):
     args = parse_checked(build_parser(), script_argv(argv))
-    with exit_on_user_error(interrupted="interrupted: the results saved so far are kept (CORE after every task, marked "
-                            "interrupted; in eval/pending/ where the step has earlier results, which stay as they were); "
-                            "the same command resumes CORE at the first unfinished task"), sigterm_as_interrupt():
+    with (
+        exit_on_user_error(
+            interrupted="interrupted: the results saved so far are kept (CORE after every task, marked "
+            "interrupted; in eval/pending/ where the step has earlier results, which stay as they were); "
+            "the same command resumes CORE at the first unfinished task"
+        ),
+        sigterm_as_interrupt(),
+    ):
         return evaluate(args)
 
 

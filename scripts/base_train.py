@@ -33,8 +33,20 @@ if __name__ == "__main__" and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "P
 import torch
 import torch.distributed as dist
 
-from nanochat.common import (UserError, exit_on_user_error, print0, dist_init, autodetect_device_type, compute_dtype_for,
-                             atomic_write_json, ensure_writable_dir, git_commit, package_versions, peak_flops, fmt_time)
+from nanochat.common import (
+    UserError,
+    exit_on_user_error,
+    print0,
+    dist_init,
+    autodetect_device_type,
+    compute_dtype_for,
+    atomic_write_json,
+    ensure_writable_dir,
+    git_commit,
+    package_versions,
+    peak_flops,
+    fmt_time,
+)
 from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
 from nanochat.flash_attention import agree_attention, attention_shapes, expected_attention
 from nanochat import step_timer
@@ -54,6 +66,7 @@ from nanochat import tracking
 from nag.archs import NOT_SETTINGS, arch_spec, check_args, ignored_flags, unread_flags, plan_for
 from nag.presets import PRESETS
 from nag.train_flags import DRY_RUN_VOCAB, build_parser, parse_args, start_timeout
+
 TRACKER_PROJECT = "nag-chat"  # the project --log-to's trackers log under (wandb: $WANDB_PROJECT wins)
 
 
@@ -64,11 +77,13 @@ def dry_run(args):
     record["attention"] = expected_attention(args.attn, args.preset if PRESETS.get(args.preset, {}).get("gpu") else "")
     print(f"PLAN {json.dumps(record)}")
     c = plan.config
-    print(f"{plan.run}: {plan.arch} d{c.n_layer} dim {c.n_embd} | {record['num_params']:,} params | {plan.flops_per_token:,} FLOPs/token | "
-          f"{plan.num_iterations:,} steps × {plan.total_batch:,} tokens = {record['total_tokens']:,} tokens | {record['total_flops']:.4g} FLOPs | "
-          f"grad accum {plan.grad_accum} on {plan.nproc} process(es) | warm-up {plan.warmup_steps}, warm-down {plan.warmdown_steps} steps | "
-          f"checkpoint every {plan.save_every or plan.num_iterations} steps | seed {args.seed}, "
-          f"data seed {'none (file order)' if args.data_seed is None else args.data_seed}")
+    print(
+        f"{plan.run}: {plan.arch} d{c.n_layer} dim {c.n_embd} | {record['num_params']:,} params | {plan.flops_per_token:,} FLOPs/token | "
+        f"{plan.num_iterations:,} steps × {plan.total_batch:,} tokens = {record['total_tokens']:,} tokens | {record['total_flops']:.4g} FLOPs | "
+        f"grad accum {plan.grad_accum} on {plan.nproc} process(es) | warm-up {plan.warmup_steps}, warm-down {plan.warmdown_steps} steps | "
+        f"checkpoint every {plan.save_every or plan.num_iterations} steps | seed {args.seed}, "
+        f"data seed {'none (file order)' if args.data_seed is None else args.data_seed}"
+    )
     print(f"attention: {record['attention']['expects']}")
     return record
 
@@ -81,8 +96,10 @@ def eval_batches(tokenizer, args):
     wanted = max(1, args.eval_tokens // batch_tokens)
     steps = max(1, held_batches(tokenizer, args.device_batch_size, args.max_seq_len, "val", wanted))
     if steps < wanted:
-        print0(f"note: the val split holds about {steps * batch_tokens:,} tokens, fewer than --eval-tokens "
-               f"{args.eval_tokens:,}; each evaluation uses those")
+        print0(
+            f"note: the val split holds about {steps * batch_tokens:,} tokens, fewer than --eval-tokens "
+            f"{args.eval_tokens:,}; each evaluation uses those"
+        )
     return steps
 
 
@@ -97,6 +114,7 @@ def freeze_heap():
 @dataclass
 class Run:
     """What the training loop works with, once set up."""
+
     args: argparse.Namespace
     plan: object  # nanochat.plan.Plan
     record: dict  # config.json
@@ -134,7 +152,12 @@ class Run:
     def writes_row(self, step):
         """Whether `step` writes a row: every --log-every-th, and every one that evaluates, saves or ends the run. The
         same on every rank, so they all read (and stop) at the same steps."""
-        return (step % self.args.log_every == 0 or step == self.plan.num_iterations or self.evaluates(step) or self.saves(step))
+        return (
+            step % self.args.log_every == 0
+            or step == self.plan.num_iterations
+            or self.evaluates(step)
+            or self.saves(step)
+        )
 
     def evaluates(self, step):
         return self.eval_steps > 0 and (step % self.args.eval_every == 0 or step == self.plan.num_iterations)
@@ -153,8 +176,10 @@ def train(args):
         print0(note)
     preset = PRESETS.get(args.preset, {})
     if preset.get("gpu") and not args.device_type and not torch.cuda.is_available():
-        raise UserError(f"--preset {args.preset} is a GPU configuration and torch {torch.__version__} sees no CUDA device here; "
-                        f"see its plan with --dry-run N, or pass --device-type cpu to train it on the CPU anyway")
+        raise UserError(
+            f"--preset {args.preset} is a GPU configuration and torch {torch.__version__} sees no CUDA device here; "
+            f"see its plan with --dry-run N, or pass --device-type cpu to train it on the CPU anyway"
+        )
     device_type = args.device_type or autodetect_device_type()
     procs = dist_init(device_type, timeout=start_timeout(args))
     is_ddp, rank, local_rank, world_size, device = procs
@@ -169,22 +194,39 @@ def train(args):
     tokenizer = get_tokenizer()
     # the preset's plan and published numbers assume that vocab
     if preset.get("gpu") and tokenizer.get_vocab_size() != preset["vocab"]:
-        raise UserError(f"--preset {args.preset} trains with a {preset['vocab']:,}-token tokenizer, but the one in the base dir has "
-                        f"{tokenizer.get_vocab_size():,}; use a fresh NANOCHAT_BASE_DIR, or retrain it with scripts.tok_train --vocab-size {preset['vocab']}")
+        raise UserError(
+            f"--preset {args.preset} trains with a {preset['vocab']:,}-token tokenizer, but the one in the base dir has "
+            f"{tokenizer.get_vocab_size():,}; use a fresh NANOCHAT_BASE_DIR, or retrain it with scripts.tok_train --vocab-size {preset['vocab']}"
+        )
     plan = plan_for(args, tokenizer.get_vocab_size(), world_size)
     # rank 0's choice, probed at the model's shapes, on every rank
-    attention = agree_attention(args.attn, device, compute_dtype, is_ddp, args.preset if preset.get("gpu") else "",
-                                shapes=attention_shapes(plan.model))
+    attention = agree_attention(
+        args.attn,
+        device,
+        compute_dtype,
+        is_ddp,
+        args.preset if preset.get("gpu") else "",
+        shapes=attention_shapes(plan.model),
+    )
     record = plan.record(args)
-    record.update(args=vars(args), device_type=device_type, compute_dtype=str(compute_dtype).replace("torch.", ""),
-                  git_commit=git_commit(), versions=package_versions(), command=" ".join(sys.argv),
-                  fingerprints=ckpt.fingerprints(tokenizer), attention=attention)
+    record.update(
+        args=vars(args),
+        device_type=device_type,
+        compute_dtype=str(compute_dtype).replace("torch.", ""),
+        git_commit=git_commit(),
+        versions=package_versions(),
+        command=" ".join(sys.argv),
+        fingerprints=ckpt.fingerprints(tokenizer),
+        attention=attention,
+    )
     run_dir = ckpt.resolve_run_dir(plan.run)
     with contextlib.ExitStack() as stack:
+
         def open_run_dir():  # rank 0 only; a refusal reaches every rank
             ensure_writable_dir(run_dir)
             stack.enter_context(ckpt.run_lock(run_dir))
             ckpt.remove_temp_files(run_dir)
+
         rank0_decides(open_run_dir, is_ddp)
         check_shared_dir(run_dir, is_ddp)
         stop = StopRequest()  # SIGTERM from here on: a checkpoint at the end of the current step, then EXIT_PREEMPTED
@@ -192,8 +234,19 @@ def train(args):
         # the heap frozen after the first step, back in the collector's sight however training ends
         stack.callback(gc.unfreeze)
         # one start step for all ranks: rank 0's view of the run directory decides
-        start = rank0_decides(lambda: resume.start_step(run_dir, args, record, tokenizer, vars(defaults), not_settings(args),
-                                                        model_shapes(plan.model), saved_model_shapes), is_ddp)
+        start = rank0_decides(
+            lambda: resume.start_step(
+                run_dir,
+                args,
+                record,
+                tokenizer,
+                vars(defaults),
+                not_settings(args),
+                model_shapes(plan.model),
+                saved_model_shapes,
+            ),
+            is_ddp,
+        )
         if start is None:
             print0(f"{run_dir} already finished its {plan.num_iterations} steps; nothing to do")
             if is_ddp:
@@ -255,10 +308,22 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     # The train data is cut into world_size × grad_accum shards and micro-step m of rank r reads shard
     # r·grad_accum + m: every split of the same total batch over processes sees the same data per step.
     num_shards = world_size * plan.grad_accum
-    batches = MicroBatches([data_loader(tokenizer, args.device_batch_size, args.max_seq_len, "train", device=device,
-                                        rank=rank * plan.grad_accum + m, world_size=num_shards,
-                                        resume_state=loader_states[m] if loader_states else None, data_seed=args.data_seed)
-                            for m in range(plan.grad_accum)])
+    batches = MicroBatches(
+        [
+            data_loader(
+                tokenizer,
+                args.device_batch_size,
+                args.max_seq_len,
+                "train",
+                device=device,
+                rank=rank * plan.grad_accum + m,
+                world_size=num_shards,
+                resume_state=loader_states[m] if loader_states else None,
+                data_seed=args.data_seed,
+            )
+            for m in range(plan.grad_accum)
+        ]
+    )
 
     # every check has passed: only now does the run directory change
     trackers = tracking.Trackers()  # rank 0 opens them below: one tracked run per run
@@ -271,9 +336,13 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
             run_files.keep_history(os.path.join(run_dir, run_files.METRICS), start)
             atomic_write_json(os.path.join(run_dir, run_files.CONFIG), record)
         except OSError as e:
-            raise UserError(f"cannot write metrics.jsonl or config.json in {run_dir} ({e.strerror or e}); free space and run the "
-                            "command again") from None
-        trackers = tracking.open_trackers(tracking.parse_log_to(args.log_to), os.path.basename(run_dir), run_dir, record, TRACKER_PROJECT)
+            raise UserError(
+                f"cannot write metrics.jsonl or config.json in {run_dir} ({e.strerror or e}); free space and run the "
+                "command again"
+            ) from None
+        trackers = tracking.open_trackers(
+            tracking.parse_log_to(args.log_to), os.path.basename(run_dir), run_dir, record, TRACKER_PROJECT
+        )
     if start > 0:
         print0(f"resumed from step {start} of {run_dir}")
     if is_ddp:
@@ -282,6 +351,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     ddp = None
     if is_ddp:  # gradients averaged across ranks, bucketed and overlapped with the backward
         from torch.nn.parallel import DistributedDataParallel
+
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None)
     # compile outside DDP, so the compiled graph is split at DDP's bucket boundaries and the all-reduce overlaps
     forward = torch.compile(ddp or model, dynamic=False) if use_compile else (ddp or model)
@@ -289,20 +359,47 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
 
     c = plan.config
     print0(f"run {plan.run} → {run_dir}")
-    print0(f"arch {plan.arch} | {record['num_params']:,} params (S = {record['num_scaling_params']:,} for the size rules) | "
-           f"d{c.n_layer} dim {c.n_embd} heads {c.n_head} | device {device_type} × {world_size} | {record['compute_dtype']}")
+    print0(
+        f"arch {plan.arch} | {record['num_params']:,} params (S = {record['num_scaling_params']:,} for the size rules) | "
+        f"d{c.n_layer} dim {c.n_embd} heads {c.n_head} | device {device_type} × {world_size} | {record['compute_dtype']}"
+    )
     print0(f"attention: {record['attention']['kernel']} ({record['attention']['reason']})")
     if args.fp8:
-        print0(f"fp8: {len(fp8_layers)} linear layers in training (both dims >= {fp8.MIN_DIM}, multiples of {fp8.MULTIPLE}); "
-               f"the others, evaluation and sampling in {record['compute_dtype']}")
-    print0(f"horizon: {plan.num_iterations:,} steps × {plan.total_batch:,} tokens = {record['total_tokens']:,} tokens | "
-           f"{plan.flops_per_token:,} FLOPs/token | {record['total_flops']:.3e} FLOPs | grad accum {plan.grad_accum} | "
-           f"checkpoint every {plan.save_every or plan.num_iterations} steps")
-    return Run(args=args, plan=plan, record=record, run_dir=run_dir, device=device, device_type=device_type, rank=rank,
-               world_size=world_size, is_ddp=is_ddp, model=model, optimizer=optimizer, forward=forward, eval_forward=eval_forward,
-               ddp=ddp, batches=batches, start=start, elapsed=elapsed, tokenizer=tokenizer, token_bytes=get_token_bytes(device=device),
-               trackers=trackers, stop=stop, watchdog=Watchdog(rank, world_size) if is_ddp else None, peak_flops=peak_flops(device_type),
-               eval_steps=eval_batches(tokenizer, args) if args.eval_every > 0 else 0)
+        print0(
+            f"fp8: {len(fp8_layers)} linear layers in training (both dims >= {fp8.MIN_DIM}, multiples of {fp8.MULTIPLE}); "
+            f"the others, evaluation and sampling in {record['compute_dtype']}"
+        )
+    print0(
+        f"horizon: {plan.num_iterations:,} steps × {plan.total_batch:,} tokens = {record['total_tokens']:,} tokens | "
+        f"{plan.flops_per_token:,} FLOPs/token | {record['total_flops']:.3e} FLOPs | grad accum {plan.grad_accum} | "
+        f"checkpoint every {plan.save_every or plan.num_iterations} steps"
+    )
+    return Run(
+        args=args,
+        plan=plan,
+        record=record,
+        run_dir=run_dir,
+        device=device,
+        device_type=device_type,
+        rank=rank,
+        world_size=world_size,
+        is_ddp=is_ddp,
+        model=model,
+        optimizer=optimizer,
+        forward=forward,
+        eval_forward=eval_forward,
+        ddp=ddp,
+        batches=batches,
+        start=start,
+        elapsed=elapsed,
+        tokenizer=tokenizer,
+        token_bytes=get_token_bytes(device=device),
+        trackers=trackers,
+        stop=stop,
+        watchdog=Watchdog(rank, world_size) if is_ddp else None,
+        peak_flops=peak_flops(device_type),
+        eval_steps=eval_batches(tokenizer, args) if args.eval_every > 0 else 0,
+    )
 
 
 def run_eval(run, step):
@@ -325,19 +422,35 @@ def write_row(run, row):
             run_files.append_row(run.metrics_path, row)
         except OSError as e:  # a full disk: one line; the next start moves a torn row aside (run_dir.keep_history)
             done = ckpt.complete_steps(run.run_dir)
-            raise UserError(f"cannot append the row of step {row['step']} to {run.metrics_path} ({e.strerror or e}); the newest "
-                            f"complete checkpoint is {f'step {done[-1]}' if done else 'none'}: free space, then continue with "
-                            "--resume latest") from None
+            raise UserError(
+                f"cannot append the row of step {row['step']} to {run.metrics_path} ({e.strerror or e}); the newest "
+                f"complete checkpoint is {f'step {done[-1]}' if done else 'none'}: free space, then continue with "
+                "--resume latest"
+            ) from None
         run.trackers.log(row)
 
 
 def save(run, step):
     args = run.args
     run.progress("checkpoint save", step, start_timeout(args))
-    train_state = {"optimizer": run.optimizer.state_dict(), "dataloader": run.batches.states, "elapsed": run.elapsed,
-                   "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if run.device_type == "cuda" else None}}
-    meta = {"arch": run.plan.arch, "model_config": run.plan.config.to_dict(), **run.model.extra_meta(),
-            "step": step, "tokens": step * run.plan.total_batch, "world_size": run.world_size, "fingerprints": run.record["fingerprints"]}
+    train_state = {
+        "optimizer": run.optimizer.state_dict(),
+        "dataloader": run.batches.states,
+        "elapsed": run.elapsed,
+        "rng": {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if run.device_type == "cuda" else None,
+        },
+    }
+    meta = {
+        "arch": run.plan.arch,
+        "model_config": run.plan.config.to_dict(),
+        **run.model.extra_meta(),
+        "step": step,
+        "tokens": step * run.plan.total_batch,
+        "world_size": run.world_size,
+        "fingerprints": run.record["fingerprints"],
+    }
     ckpt.save_checkpoint(run.run_dir, step, run.model, meta, train_state, run.rank)
     print0(f"saved checkpoint at step {step} in {run.run_dir}")
 
@@ -352,7 +465,7 @@ def forward_backward(run, step, timer):
         if not fetched_ahead:  # the first micro-batch of this process, or one not fetched ahead: read now
             timer.mark("data")
         sync = micro == plan.grad_accum - 1 or not run.is_ddp
-        with (contextlib.nullcontext() if sync else run.ddp.no_sync()):
+        with contextlib.nullcontext() if sync else run.ddp.no_sync():
             loss = run.forward(x, y)
             loss_sum += loss.detach()
             (loss / plan.grad_accum).backward()
@@ -384,6 +497,7 @@ def optimizer_step(run, step, gate=None):
 class Step:
     """What train_step hands back: the loss as a number (None: a step that logs no row reads nothing), whether a
     SIGTERM asks the run to stop, the LR multiplier, and the last micro-batch (telemetry)."""
+
     loss: float
     stopping: bool
     lrm: float
@@ -428,8 +542,13 @@ def train_step(run, step, unlogged, stop_flag, timer):
 def step_row(run, step, train_loss, lrm, x):
     """A logged step's metrics row, before its evaluation and timings: loss, LR, data, the arch's own measures."""
     plan, args = run.plan, run.args
-    row = {"step": step, "tokens": step * plan.total_batch, "flops": step * plan.total_batch * plan.flops_per_token,
-           "train_loss": train_loss, "lr_mult": lrm}
+    row = {
+        "step": step,
+        "tokens": step * plan.total_batch,
+        "flops": step * plan.total_batch * plan.flops_per_token,
+        "train_loss": train_loss,
+        "lr_mult": lrm,
+    }
     # the packing's kept fraction on this rank's shards (the data budget assumes one: docs/reproduce.md), and the epoch
     states = run.batches.states
     read_into_rows = step * plan.grad_accum * args.device_batch_size * (args.max_seq_len + 1)
@@ -461,9 +580,12 @@ def log_row(run, row, steps, timer, intervals, stats_line):
     if run.peak_flops:
         mfu = plan.flops_per_token * tok_per_sec / (run.peak_flops * run.world_size)
         row["mfu"] = mfu
-    print0(f"step {step:05d}/{plan.num_iterations:05d} ({100 * step / plan.num_iterations:5.1f}%) | loss {row['train_loss']:.4f} | "
-           f"lrm {row['lr_mult']:.3f} | {tok_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") +
-           f" | {1000 * train_seconds / steps:.0f} ms | {biggest(parts)} | elapsed {fmt_time(run.elapsed)} | eta {fmt_time(eta)}")
+    print0(
+        f"step {step:05d}/{plan.num_iterations:05d} ({100 * step / plan.num_iterations:5.1f}%) | loss {row['train_loss']:.4f} | "
+        f"lrm {row['lr_mult']:.3f} | {tok_per_sec:,.0f} tok/s"
+        + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
+        + f" | {1000 * train_seconds / steps:.0f} ms | {biggest(parts)} | elapsed {fmt_time(run.elapsed)} | eta {fmt_time(eta)}"
+    )
     if stats_line:
         print0(stats_line)
     if "val_bpb" in row:
@@ -477,7 +599,14 @@ def train_loop(run):
     args, plan, model = run.args, run.plan, run.model
     num_iterations = plan.num_iterations
     if run.start == 0:
-        row = {"step": 0, "tokens": 0, "flops": 0, "train_loss": None, "lr_mult": lr_multiplier(0, plan), "tok_per_sec": None}
+        row = {
+            "step": 0,
+            "tokens": 0,
+            "flops": 0,
+            "train_loss": None,
+            "lr_mult": lr_multiplier(0, plan),
+            "tok_per_sec": None,
+        }
         if run.evaluates(0):
             row["val_bpb"] = run_eval(run, 0)
             print0(f"step 0 | val bpb {row['val_bpb']:.4f}")
@@ -497,8 +626,11 @@ def train_loop(run):
     unlogged = Readback(run.device)
     last_row = run.start
     while step < num_iterations:
-        run.progress("the first step" if step == run.start else "a training step", step + 1,
-                     start_timeout(args) if slow_step else args.step_timeout)
+        run.progress(
+            "the first step" if step == run.start else "a training step",
+            step + 1,
+            start_timeout(args) if slow_step else args.step_timeout,
+        )
         done = train_step(run, step, unlogged, stop_flag, timer)
         step += 1
         slow_step = False
@@ -524,8 +656,10 @@ def train_loop(run):
             timer.mark("save")
             slow_step = True
         if stopping and step < num_iterations:
-            print0(f"stopped by SIGTERM after step {step}: its checkpoint is complete; continue with --resume latest "
-                   f"(exit status {EXIT_PREEMPTED})")
+            print0(
+                f"stopped by SIGTERM after step {step}: its checkpoint is complete; continue with --resume latest "
+                f"(exit status {EXIT_PREEMPTED})"
+            )
             finish(run, preempted=True)
 
 
@@ -547,8 +681,11 @@ def finish(run, preempted=False):
 
 
 def main(argv=None):
-    with exit_on_user_error(NonFiniteError, interrupted="interrupted: every checkpoint written so far is complete; "
-                            "continue from the newest with --resume latest"):
+    with exit_on_user_error(
+        NonFiniteError,
+        interrupted="interrupted: every checkpoint written so far is complete; "
+        "continue from the newest with --resume latest",
+    ):
         return train(parse_args(argv))
 
 

@@ -24,6 +24,7 @@ def main(argv=None):
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(1)
     import torch
+
     print(f"CUDA ok: torch {torch.__version__} sees {torch.cuda.device_count()} × {torch.cuda.get_device_name()}")
 
 

@@ -32,21 +32,51 @@ from analysis.compare.pair import compare
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Compare training runs (e.g. a FLOP-matched GPT / NAG pair): report.md + figures.")
-    p.add_argument("runs", nargs="*", metavar="RUN", help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
-    p.add_argument("--a", nargs="+", metavar="RUN", default=None, help="group a: runs of one model that differ only in their seeds")
-    p.add_argument("--b", nargs="+", metavar="RUN", default=None, help="group b, compared with group a (analysis/compare/groups.py)")
-    p.add_argument("--out", type=str, default=None, help="output directory; an earlier report of other inputs there moves to its replaced/ "
-                   "(default: $NANOCHAT_BASE_DIR/reports/<run1>@<step>_vs_<run2>@<step>, never replacing a report of other inputs)")
-    p.add_argument("--force", action="store_true", help="write into a folder that holds files compare did not write "
-                   "(its files of the names written are replaced)")
-    p.add_argument("--ema", type=fraction(top_open=True), default=0.95, help="EMA factor that smooths the train loss curve, in [0, 1) (0: unsmoothed)")
-    p.add_argument("--mixed-precision", action="store_true", help="compare an fp8 run (base_train --fp8) with a bf16 one (refused otherwise)")
+    p = argparse.ArgumentParser(
+        description="Compare training runs (e.g. a FLOP-matched GPT / NAG pair): report.md + figures."
+    )
+    p.add_argument(
+        "runs", nargs="*", metavar="RUN", help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory"
+    )
+    p.add_argument(
+        "--a", nargs="+", metavar="RUN", default=None, help="group a: runs of one model that differ only in their seeds"
+    )
+    p.add_argument(
+        "--b",
+        nargs="+",
+        metavar="RUN",
+        default=None,
+        help="group b, compared with group a (analysis/compare/groups.py)",
+    )
+    p.add_argument(
+        "--out",
+        type=str,
+        default=None,
+        help="output directory; an earlier report of other inputs there moves to its replaced/ "
+        "(default: $NANOCHAT_BASE_DIR/reports/<run1>@<step>_vs_<run2>@<step>, never replacing a report of other inputs)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a folder that holds files compare did not write (its files of the names written are replaced)",
+    )
+    p.add_argument(
+        "--ema",
+        type=fraction(top_open=True),
+        default=0.95,
+        help="EMA factor that smooths the train loss curve, in [0, 1) (0: unsmoothed)",
+    )
+    p.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="compare an fp8 run (base_train --fp8) with a bf16 one (refused otherwise)",
+    )
     args = parse_checked(p, argv)
     if args.a is not None or args.b is not None:  # two groups of seeds: their own report
         if args.a is None or args.b is None or args.runs:
             p.error("give both --a RUN... and --b RUN..., and no positional runs")
         from analysis.compare.groups import compare_groups  # imports nag's settings list only when asked for
+
         with exit_on_user_error():
             return compare_groups(args.a, args.b, args.out, args.force, args.mixed_precision)
     if not args.runs:

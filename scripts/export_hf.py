@@ -33,17 +33,38 @@ import argparse
 
 import torch
 
-from nanochat.common import UserError, exit_on_user_error, script_argv, FILE_MODE, parse_checked, STEP, atomic_write_bytes, atomic_write_json
+from nanochat.common import (
+    UserError,
+    exit_on_user_error,
+    script_argv,
+    FILE_MODE,
+    parse_checked,
+    STEP,
+    atomic_write_bytes,
+    atomic_write_json,
+)
 from nanochat.tokenizer import get_tokenizer
 from nanochat import checkpoint_manager as ckpt
-from nanochat.run_dir import (CONFIG, MANIFEST, read_manifest, changed_files, file_sha256, set_aside, read_record,
-                              step_files, resolve_run_dir)
+from nanochat.run_dir import (
+    CONFIG,
+    MANIFEST,
+    read_manifest,
+    changed_files,
+    file_sha256,
+    set_aside,
+    read_record,
+    step_files,
+    resolve_run_dir,
+)
 from nag.hf.tokenizer import PAD
 from nag.archs import ARCHS, load_model  # every registered arch has modeling code in nag/hf/ (tests/test_export_hf.py)
 
 HF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nag", "hf")
 CODE_FILES = ("configuration_nagchat.py", "modeling_nagchat.py")
-AUTO_MAP = {"AutoConfig": "configuration_nagchat.NagChatConfig", "AutoModelForCausalLM": "modeling_nagchat.NagChatForCausalLM"}
+AUTO_MAP = {
+    "AutoConfig": "configuration_nagchat.NagChatConfig",
+    "AutoModelForCausalLM": "modeling_nagchat.NagChatForCausalLM",
+}
 VERIFY_TOKENS = 256  # tokens of the verification forward (at most the context)
 VERIFY_LIMIT = 1e-4  # largest logit difference accepted; fp32 on a CPU gives ~1e-6
 HF_EXTRA = "pip install -e '.[hf]'"
@@ -54,11 +75,21 @@ CARD = "README.md"  # written last, once the export is verified
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
+    p.add_argument(
+        "--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory"
+    )
     p.add_argument("--step", type=STEP, default=-1, help="checkpoint step (-1: the latest)")
     p.add_argument("--out", type=str, required=True, help="the export folder (created; must be empty unless --force)")
-    p.add_argument("--force", action="store_true", help="write into a folder that is not empty (its files of the same names are replaced)")
-    p.add_argument("--no-verify", action="store_true", help="skip loading the export back and comparing its logits with the native model's")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a folder that is not empty (its files of the same names are replaced)",
+    )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip loading the export back and comparing its logits with the native model's",
+    )
     return p
 
 
@@ -96,15 +127,21 @@ def alpha_warmup(meta):
 
 def hf_config(meta, bos, pad):
     from nag.hf.configuration_nagchat import NagChatConfig
+
     arch = meta["arch"]
     nag = meta.get("nag_config")
     mod = meta.get("mod_config")
-    cfg = NagChatConfig(arch=arch, **meta["model_config"],
-                        nag={k: nag[k] for k in ("directions", "mod_floor", "renorm")} if nag else None,
-                        alpha_warmup=alpha_warmup(meta) if nag else 1.0,
-                        mod={k: mod[k] for k in ("blocks", "rate")} if mod else None,
-                        recipe=meta.get("recipe_config"),
-                        bos_token_id=bos, eos_token_id=bos, pad_token_id=pad)
+    cfg = NagChatConfig(
+        arch=arch,
+        **meta["model_config"],
+        nag={k: nag[k] for k in ("directions", "mod_floor", "renorm")} if nag else None,
+        alpha_warmup=alpha_warmup(meta) if nag else 1.0,
+        mod={k: mod[k] for k in ("blocks", "rate")} if mod else None,
+        recipe=meta.get("recipe_config"),
+        bos_token_id=bos,
+        eos_token_id=bos,
+        pad_token_id=pad,
+    )
     cfg.architectures = ["NagChatForCausalLM"]
     cfg.auto_map = dict(AUTO_MAP)
     return cfg
@@ -113,6 +150,7 @@ def hf_config(meta, bos, pad):
 def write_model(out, model, meta, bos, pad):
     from safetensors.torch import save_file
     from transformers import GenerationConfig
+
     path = os.path.join(out, "model.safetensors")
     save_file(hf_state_dict(model), path, metadata={"format": "pt"})
     os.chmod(path, FILE_MODE)  # safetensors writes 0600; the other files get the umask's mode
@@ -124,12 +162,15 @@ def write_model(out, model, meta, bos, pad):
 
 def write_tokenizer(out, tokenizer, sequence_len):
     from nag.hf.tokenizer import hf_tokenizer, id_mismatches  # these import tokenizers and transformers
+
     tok = hf_tokenizer(tokenizer.enc, sequence_len)
     bad = id_mismatches(tokenizer.enc, tok)
     if bad:
         text, want, got = bad[0]
-        raise UserError(f"the converted tokenizer gives other ids than tiktoken on {text[:40]!r} ({want[:8]}... vs {got[:8]}...); "
-                        "nothing usable was exported")
+        raise UserError(
+            f"the converted tokenizer gives other ids than tiktoken on {text[:40]!r} ({want[:8]}... vs {got[:8]}...); "
+            "nothing usable was exported"
+        )
     tok.save_pretrained(out)
 
 
@@ -142,6 +183,7 @@ def verify(out, model, tokenizer):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
     from nag.hf.tokenizer import CHECK_TEXTS
+
     logging.disable_progress_bar()
     hf, info = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, output_loading_info=True)
     wrong = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
@@ -182,9 +224,13 @@ def eval_lines(rec):
         if rec.get(key) is not None:
             lines.append(f"- {key.replace('_', ' ')}: {rec[key]:.4f}")
     if rec.get("core_metric") is not None:
-        lines.append(f"- CORE: {rec['core_metric']:.4f} ({rec.get('num_tasks_scored')} tasks, max per task {rec.get('max_per_task')})")
+        lines.append(
+            f"- CORE: {rec['core_metric']:.4f} ({rec.get('num_tasks_scored')} tasks, max per task {rec.get('max_per_task')})"
+        )
     elif rec.get("partial_core") is not None:
-        lines.append(f"- {rec.get('partial_label') or 'partial CORE'}: {rec['partial_core']:.4f} (not CORE: fewer than 22 tasks)")
+        lines.append(
+            f"- {rec.get('partial_label') or 'partial CORE'}: {rec['partial_core']:.4f} (not CORE: fewer than 22 tasks)"
+        )
     tasks = rec.get("tasks") or {}
     if tasks:
         lines += ["", "| task | accuracy | centred |", "|---|---:|---:|"]
@@ -201,20 +247,39 @@ def model_card(run_dir, meta, config_record, rec, command, max_diff):
     if meta.get("mod_config"):
         what += f", Mixture-of-Depths {meta['mod_config']['blocks']} at rate {meta['mod_config']['rate']:g}"
     num_params = (config_record or {}).get("num_params")
-    lines = ["---", "library_name: transformers", f"tags: [nag-chat, {arch}, custom_code]", "---", "",
-             f"# {name}, step {meta['step']}: {what}", "",
-             f"Exported from the nag-chat run `{name}` at step {meta['step']} ({fmt(meta.get('tokens', 0))} tokens) by:", "",
-             "```bash", command, "```", "",
-             "## Use", "", "```python",
-             "from transformers import AutoModelForCausalLM, AutoTokenizer",
-             "tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)  # adds <|bos|> in front, as in training",
-             "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)",
-             "out = model.generate(**tok(\"The capital of France is\", return_tensors=\"pt\"), max_new_tokens=16, do_sample=False)",
-             "print(tok.decode(out[0], skip_special_tokens=True))", "```", "",
-             "lm-evaluation-harness: `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,add_bos_token=True "
-             "--tasks TASKS`.", "",
-             "## Model", "", "| setting | value |", "|---|---|",
-             f"| arch | {arch} |"]
+    lines = [
+        "---",
+        "library_name: transformers",
+        f"tags: [nag-chat, {arch}, custom_code]",
+        "---",
+        "",
+        f"# {name}, step {meta['step']}: {what}",
+        "",
+        f"Exported from the nag-chat run `{name}` at step {meta['step']} ({fmt(meta.get('tokens', 0))} tokens) by:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)  # adds <|bos|> in front, as in training",
+        "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)",
+        "out = model.generate(**tok(\"The capital of France is\", return_tensors=\"pt\"), max_new_tokens=16, do_sample=False)",
+        "print(tok.decode(out[0], skip_special_tokens=True))",
+        "```",
+        "",
+        "lm-evaluation-harness: `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,add_bos_token=True "
+        "--tasks TASKS`.",
+        "",
+        "## Model",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        f"| arch | {arch} |",
+    ]
     lines += [f"| {k} | {fmt(v)} |" for k, v in mc.items()]
     if num_params:
         lines.append(f"| parameters | {fmt(num_params)} |")
@@ -225,26 +290,54 @@ def model_card(run_dir, meta, config_record, rec, command, max_diff):
         lines.append(f"| α warm-up factor at this step | {alpha_warmup(meta):.6g} |")
     lines += ["", "## Training", ""]
     if config_record:
-        for key in ("command", "git_commit", "num_iterations", "total_batch_size", "total_tokens", "device_type", "compute_dtype"):
+        for key in (
+            "command",
+            "git_commit",
+            "num_iterations",
+            "total_batch_size",
+            "total_tokens",
+            "device_type",
+            "compute_dtype",
+        ):
             if config_record.get(key) is not None:
                 v = config_record[key]
-                lines.append(f"- {key.replace('_', ' ')}: " + (f"`{v}`" if key in ("command", "git_commit") else fmt(v)))
+                lines.append(
+                    f"- {key.replace('_', ' ')}: " + (f"`{v}`" if key in ("command", "git_commit") else fmt(v))
+                )
         args = config_record.get("args")
         if args:
-            lines += ["", "<details><summary>every training argument</summary>", "", "```json", json.dumps(args, indent=1, sort_keys=True),
-                      "```", "", "</details>"]
+            lines += [
+                "",
+                "<details><summary>every training argument</summary>",
+                "",
+                "```json",
+                json.dumps(args, indent=1, sort_keys=True),
+                "```",
+                "",
+                "</details>",
+            ]
     else:
         lines.append("The run directory has no config.json.")
-    lines += ["", "## Fingerprints", "", "What the numbers depend on besides the weights (nanochat/tokenizer.py, nanochat/dataset.py):", ""]
+    lines += [
+        "",
+        "## Fingerprints",
+        "",
+        "What the numbers depend on besides the weights (nanochat/tokenizer.py, nanochat/dataset.py):",
+        "",
+    ]
     lines += [f"- {k}: `{v}`" for k, v in sorted(fingerprints.items())]
     lines += ["", "## Evaluation (scripts.base_eval, this step)", ""] + eval_lines(rec)
-    lines += ["", "## Export", "",
-              "- weights: model.safetensors, fp32, the native parameter names; MoD thresholds as `mod_thresholds` (fixed, evaluation rule)",
-              "- tokenizer: tokenizer.json, a byte-level BPE built from the tiktoken ranks, with the same ids (checked on sample "
-              "strings at export); `<|bos|>` is bos and eos (added in front of every text), `<|output_end|>` pads",
-              "- code: configuration_nagchat.py, modeling_nagchat.py (trust_remote_code); generate() uses a KV cache",
-              f"- largest |logit difference| against the native model at export: {fmt(max_diff) if max_diff is not None else 'not checked (--no-verify)'}",
-              ""]
+    lines += [
+        "",
+        "## Export",
+        "",
+        "- weights: model.safetensors, fp32, the native parameter names; MoD thresholds as `mod_thresholds` (fixed, evaluation rule)",
+        "- tokenizer: tokenizer.json, a byte-level BPE built from the tiktoken ranks, with the same ids (checked on sample "
+        "strings at export); `<|bos|>` is bos and eos (added in front of every text), `<|output_end|>` pads",
+        "- code: configuration_nagchat.py, modeling_nagchat.py (trust_remote_code); generate() uses a KV cache",
+        f"- largest |logit difference| against the native model at export: {fmt(max_diff) if max_diff is not None else 'not checked (--no-verify)'}",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -284,8 +377,10 @@ def write_export(out, staging, write):
         os.makedirs(out, exist_ok=True)
         if edited := edited_files(out, sorted(os.listdir(staging)) + [CARD]):
             dest = set_aside(out, edited)
-            print(f"note: {', '.join(edited)} in {out} changed since `python -m {TOOL}` wrote {'it' if len(edited) == 1 else 'them'} "
-                  f"(an edit is never overwritten); kept in {dest}/")
+            print(
+                f"note: {', '.join(edited)} in {out} changed since `python -m {TOOL}` wrote {'it' if len(edited) == 1 else 'them'} "
+                f"(an edit is never overwritten); kept in {dest}/"
+            )
         written = sorted(os.listdir(staging))
         for name in written:
             os.replace(os.path.join(staging, name), os.path.join(out, name))
@@ -293,7 +388,9 @@ def write_export(out, staging, write):
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' own type for its I/O errors
             detail = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
-            raise UserError(f"cannot write the export to {out} ({detail}): nothing of it was kept; free space and run the command again") from None
+            raise UserError(
+                f"cannot write the export to {out} ({detail}): nothing of it was kept; free space and run the command again"
+            ) from None
         raise
     os.rmdir(staging)
     return written
@@ -305,11 +402,20 @@ def write_card(out, card, written, inputs):
     try:
         atomic_write_bytes(os.path.join(out, CARD), card.encode())
         files = sorted(set(written) | {CARD})
-        atomic_write_json(os.path.join(out, MANIFEST), {"tool": TOOL, "inputs": inputs, "files": files,
-                                                       "sha256": {n: file_sha256(os.path.join(out, n)) for n in files}})
+        atomic_write_json(
+            os.path.join(out, MANIFEST),
+            {
+                "tool": TOOL,
+                "inputs": inputs,
+                "files": files,
+                "sha256": {n: file_sha256(os.path.join(out, n)) for n in files},
+            },
+        )
     except OSError as e:
-        raise UserError(f"cannot write {os.path.join(out, CARD)} ({e.strerror or e}): the verified weights, code and tokenizer are "
-                        f"in {out}, the model card is not; free space and run the command again with --force") from None
+        raise UserError(
+            f"cannot write {os.path.join(out, CARD)} ({e.strerror or e}): the verified weights, code and tokenizer are "
+            f"in {out}, the model card is not; free space and run the command again with --force"
+        ) from None
 
 
 def export(args, command):
@@ -328,15 +434,22 @@ def export(args, command):
     def write(folder):
         write_model(folder, model, meta, tokenizer.get_bos_token_id(), tokenizer.encode_special(PAD))
         write_tokenizer(folder, tokenizer, model.config.sequence_len)
+
     written = write_export(out, staging, write)
     max_diff = None if args.no_verify else verify(out, model, tokenizer)
     if max_diff is not None and not max_diff <= VERIFY_LIMIT:
-        raise UserError(f"the export's logits differ from the native model's by up to {max_diff:.3g} (limit {VERIFY_LIMIT:g}); "
-                        f"{out} is not a faithful copy")
+        raise UserError(
+            f"the export's logits differ from the native model's by up to {max_diff:.3g} (limit {VERIFY_LIMIT:g}); "
+            f"{out} is not a faithful copy"
+        )
     config = read_record(os.path.join(run_dir, CONFIG))  # None (no config.json, or unreadable): the card says so
     card = model_card(run_dir, meta, config, eval_record(run_dir, meta["step"]), command, max_diff)
     write_card(out, card, written, {"run": os.path.realpath(run_dir), "step": meta["step"]})
-    check = f"largest |logit difference| against the native model {max_diff:.3g}" if max_diff is not None else "not verified"
+    check = (
+        f"largest |logit difference| against the native model {max_diff:.3g}"
+        if max_diff is not None
+        else "not verified"
+    )
     print(f"exported {run_dir} step {meta['step']} ({meta['arch']}) to {out}: {check}")
     return out, max_diff
 
@@ -344,8 +457,10 @@ def export(args, command):
 def main(argv=None):
     args = parse_checked(build_parser(), script_argv(argv))
     command = "python -m scripts.export_hf " + shlex.join(script_argv(argv))
-    with exit_on_user_error(interrupted="interrupted: an export cut short while writing leaves nothing; "
-                            "one cut short while verifying is in place but unchecked: run the command again with --force"):
+    with exit_on_user_error(
+        interrupted="interrupted: an export cut short while writing leaves nothing; "
+        "one cut short while verifying is in place but unchecked: run the command again with --force"
+    ):
         return export(args, command)
 
 

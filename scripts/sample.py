@@ -27,8 +27,17 @@ import argparse
 
 import torch
 
-from nanochat.common import (UserError, exit_on_user_error, script_argv, autodetect_device_type, compute_dtype_for, parse_checked,
-                             positive_int, non_negative, STEP)
+from nanochat.common import (
+    UserError,
+    exit_on_user_error,
+    script_argv,
+    autodetect_device_type,
+    compute_dtype_for,
+    parse_checked,
+    positive_int,
+    non_negative,
+    STEP,
+)
 from nanochat.tokenizer import get_tokenizer
 from nanochat.dataloader import data_loader
 from nanochat.engine import generate, context_room, Utf8Stream
@@ -42,22 +51,50 @@ DEVICE_TYPES = ("cuda", "cpu", "mps")
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory")
+    p.add_argument(
+        "--run", type=str, required=True, help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory"
+    )
     p.add_argument("--step", type=STEP, default=-1, help="checkpoint step (-1: the latest)")
-    p.add_argument("--prompt", type=str, action="append", default=[], help="a prompt (repeatable); - reads one from stdin")
-    p.add_argument("--prompt-file", type=str, default="", help="prompts separated by blank lines; - reads them from stdin")
+    p.add_argument(
+        "--prompt", type=str, action="append", default=[], help="a prompt (repeatable); - reads one from stdin"
+    )
+    p.add_argument(
+        "--prompt-file", type=str, default="", help="prompts separated by blank lines; - reads them from stdin"
+    )
     p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens sampled per sample at most")
     p.add_argument("--temperature", type=non_negative(float, "greedy"), default=0.8, help="0 = greedy (argmax)")
-    p.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens only (default: all)")
+    p.add_argument(
+        "--top-k", type=positive_int, default=None, help="sample among the k most likely tokens only (default: all)"
+    )
     p.add_argument("--seed", type=int, default=42, help="the samples of each prompt use seeds seed, seed + 1, ...")
     p.add_argument("--num-samples", type=positive_int, default=1, help="samples per prompt")
-    p.add_argument("--device-type", type=str, default="", choices=("",) + DEVICE_TYPES, help="default: cuda if available, else cpu")
-    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (slow: the cache's reference)")
-    p.add_argument("--mod-rate", type=float, default=None, help="MoD: target share of skipped token-sublayers, in [0, 0.95)")
-    p.add_argument("--mod-blocks", type=str, default=None, choices=BLOCKS,
-                   help="sub-layers skipped with --mod-rate (default: the checkpoint's own MoD blocks, else both)")
-    p.add_argument("--mod-calib-tokens", type=positive_int, default=2 ** 16, help="train-split tokens that calibrate the --mod-rate thresholds")
-    p.add_argument("--device-batch-size", type=positive_int, default=4, help="rows per calibration forward (--mod-rate)")
+    p.add_argument(
+        "--device-type", type=str, default="", choices=("",) + DEVICE_TYPES, help="default: cuda if available, else cpu"
+    )
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="recompute the whole sequence for every token (slow: the cache's reference)",
+    )
+    p.add_argument(
+        "--mod-rate", type=float, default=None, help="MoD: target share of skipped token-sublayers, in [0, 0.95)"
+    )
+    p.add_argument(
+        "--mod-blocks",
+        type=str,
+        default=None,
+        choices=BLOCKS,
+        help="sub-layers skipped with --mod-rate (default: the checkpoint's own MoD blocks, else both)",
+    )
+    p.add_argument(
+        "--mod-calib-tokens",
+        type=positive_int,
+        default=2**16,
+        help="train-split tokens that calibrate the --mod-rate thresholds",
+    )
+    p.add_argument(
+        "--device-batch-size", type=positive_int, default=4, help="rows per calibration forward (--mod-rate)"
+    )
     return p
 
 
@@ -101,7 +138,9 @@ def read_prompts(args, stdin):
                 with open(args.prompt_file, encoding="utf-8") as f:
                     text = f.read()
             except (OSError, UnicodeDecodeError) as e:
-                raise UserError(f"cannot read --prompt-file {args.prompt_file} ({getattr(e, 'strerror', None) or e})") from None
+                raise UserError(
+                    f"cannot read --prompt-file {args.prompt_file} ({getattr(e, 'strerror', None) or e})"
+                ) from None
         found = split_prompts(text)
         if not found:
             raise UserError(f"--prompt-file {args.prompt_file} holds no prompt")
@@ -116,7 +155,9 @@ def encode_prompts(prompts, tokenizer, model):
     for i, text in enumerate(prompts):
         ids = tokenizer.encode(text, prepend=bos)
         if len(ids) > seq:
-            raise UserError(f"prompt {i + 1} is {len(ids)} tokens long (with <|bos|>), more than the model's context of {seq}")
+            raise UserError(
+                f"prompt {i + 1} is {len(ids)} tokens long (with <|bos|>), more than the model's context of {seq}"
+            )
         out.append(ids)
     return out
 
@@ -128,11 +169,14 @@ def configure_mod(model, meta, args, tokenizer, device):
         if getattr(model, "mod", None) is None:
             return None
         calibrated = model.thresholds.calibrated() or not (model.mod.skips("attn") or model.mod.skips("mlp"))
-        return (f"MoD {model.mod.blocks} at rate {model.mod.rate:g}, thresholds from training"
-                + ("" if calibrated else " (not estimated yet: almost every token runs)"))
+        return f"MoD {model.mod.blocks} at rate {model.mod.rate:g}, thresholds from training" + (
+            "" if calibrated else " (not estimated yet: almost every token runs)"
+        )
     if not hasattr(model, "configure_mod"):
-        raise UserError(f"--mod-rate: the checkpoint is a {meta['arch']!r} model, which has no score to skip tokens by "
-                        "(a NAG checkpoint, or a router-MoD GPT one trained with --arch gpt-router)")
+        raise UserError(
+            f"--mod-rate: the checkpoint is a {meta['arch']!r} model, which has no score to skip tokens by "
+            "(a NAG checkpoint, or a router-MoD GPT one trained with --arch gpt-router)"
+        )
     own = getattr(model, "mod", None)
     blocks = args.mod_blocks or (own.blocks if own is not None else "both")
     model.configure_mod(ModConfig(blocks=blocks, rate=args.mod_rate))
@@ -151,8 +195,15 @@ def sample_one(model, tokenizer, ids, args, seed, out):
     stream = Utf8Stream(tokenizer.enc.decode_single_token_bytes)
     pieces, n, end = [], 0, "max tokens"
     room = context_room(model, len(ids))
-    for tok in generate(model, ids, args.max_tokens, temperature=args.temperature, top_k=args.top_k, seed=seed,
-                        use_cache=not args.no_cache):
+    for tok in generate(
+        model,
+        ids,
+        args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=seed,
+        use_cache=not args.no_cache,
+    ):
         if tok == bos:  # the model started a new document: the completion is over
             end = "<|bos|>"
             break
@@ -192,14 +243,20 @@ def sample(args, stdin=None, out=None):
         model.set_tokens_seen(meta["tokens"])
     mod = configure_mod(model, meta, args, tokenizer, device)
     top_k = f"top-k {args.top_k}" if args.top_k else "all tokens"
-    print(f"sampling {run_dir} step {meta['step']} ({meta['arch']}) on {device_type}: temperature {args.temperature:g}, {top_k}, "
-          f"up to {args.max_tokens} tokens, {'no cache' if args.no_cache else 'KV cache'}" + (f" | {mod}" if mod else ""), file=out)
+    print(
+        f"sampling {run_dir} step {meta['step']} ({meta['arch']}) on {device_type}: temperature {args.temperature:g}, {top_k}, "
+        f"up to {args.max_tokens} tokens, {'no cache' if args.no_cache else 'KV cache'}" + (f" | {mod}" if mod else ""),
+        file=out,
+    )
     results = []
     for i, (text, ids) in enumerate(zip(prompts, encoded)):
         room = context_room(model, len(ids))
         if room < args.max_tokens:
-            print(f"note: prompt {i + 1} is {len(ids)} tokens: the context of {model.config.sequence_len} leaves room for "
-                  f"{room} more", file=out)
+            print(
+                f"note: prompt {i + 1} is {len(ids)} tokens: the context of {model.config.sequence_len} leaves room for "
+                f"{room} more",
+                file=out,
+            )
         for j in range(args.num_samples):
             seed = args.seed + j
             print(f"--- prompt {i + 1}/{len(prompts)}, sample {j + 1}/{args.num_samples}, seed {seed}", file=out)
@@ -209,12 +266,17 @@ def sample(args, stdin=None, out=None):
             completion, n, end = sample_one(model, tokenizer, ids, args, seed, out)
             dt = time.perf_counter() - t0
             print(f"--- {n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s), ended by {end}", file=out)
-            results.append({"prompt": text, "sample": j, "seed": seed, "completion": completion, "tokens": n, "end": end})
+            results.append(
+                {"prompt": text, "sample": j, "seed": seed, "completion": completion, "tokens": n, "end": end}
+            )
     if mod and getattr(model, "thresholds", None) is not None:
         s = skip_summary(model.thresholds.pop_rates("eval"))
         if "skip_attn" in s or "skip_mlp" in s:
-            print(f"MoD: skipped {', '.join(f'{k[5:]} {100 * s[k]:.1f}%' for k in ('skip_attn', 'skip_mlp') if k in s)} "
-                  "(the mean over forwards of the share of their tokens)", file=out)
+            print(
+                f"MoD: skipped {', '.join(f'{k[5:]} {100 * s[k]:.1f}%' for k in ('skip_attn', 'skip_mlp') if k in s)} "
+                "(the mean over forwards of the share of their tokens)",
+                file=out,
+            )
     return results
 
 

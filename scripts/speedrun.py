@@ -29,8 +29,16 @@ import shutil
 import sys
 import time
 
-from nanochat.common import (UserError, exit_on_user_error, caller_path, base_dir_path, parse_seeds, seed_flags,
-                             cuda_problem, nvidia_smi)
+from nanochat.common import (
+    UserError,
+    exit_on_user_error,
+    caller_path,
+    base_dir_path,
+    parse_seeds,
+    seed_flags,
+    cuda_problem,
+    nvidia_smi,
+)
 from nanochat import checkpoint_manager as ckpt
 from nanochat.run_dir import EVAL_JSON, folder_name, run_path
 from nanochat.tokenizer import get_tokenizer_dir, has_tokenizer
@@ -66,35 +74,66 @@ MAX_TAG = 40
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="speedrun.sh", description="FLOP-matched GPT vs NAG: data, tokenizer, training, CORE + bpb, report.",
+        prog="speedrun.sh",
+        description="FLOP-matched GPT vs NAG: data, tokenizer, training, CORE + bpb, report.",
         epilog="Anything after -- goes to base_train (python -m scripts.base_train --help). Relative paths are taken "
-               "from the directory the command runs in. Rerunning skips finished stages.")
+        "from the directory the command runs in. Rerunning skips finished stages.",
+    )
     p.add_argument("--preset", default="published", help=f"one of {', '.join(PRESETS)}")
-    p.add_argument("--arch", default=",".join(ROLES),
-                   help=f"which runs: {', '.join(ROLES)} or {','.join(ROLES)}, the preset's pair (the baseline "
-                        "trains first; run6's pair is gpt-recipe, nag-recipe); any other arch of nag/archs.py trains "
-                        "beside them")
+    p.add_argument(
+        "--arch",
+        default=",".join(ROLES),
+        help=f"which runs: {', '.join(ROLES)} or {','.join(ROLES)}, the preset's pair (the baseline "
+        "trains first; run6's pair is gpt-recipe, nag-recipe); any other arch of nag/archs.py trains "
+        "beside them",
+    )
     p.add_argument("--flops", type=float, default=None, help="override the FLOP budget of every run")
-    p.add_argument("--gpus", type=int, default=None,
-                   help="processes (default: every visible GPU; 8 in --dry-run without GPUs; 1 for tiny)")
-    p.add_argument("--tag", default="",
-                   help="run names become <arch>-<preset>-<tag> (default: derived from the base_train flags after --)")
-    p.add_argument("--seeds", default=None,
-                   help="comma-separated seeds, e.g. 1,2,3: every arch once per seed, named <run>-s<seed>, with "
-                        f"{' and '.join(SEED_FLAGS)} set from it; the report compares the groups")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="nodes, each running this command with its --node-rank (docs/runs.md)")
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="this node's rank, 0 .. nnodes-1: node 0 fetches data, evaluates, reports")
-    p.add_argument("--rdzv-endpoint", default="",
-                   help="with --nnodes > 1: HOST:PORT of node 0, where every run's torchrun rendezvous meets")
-    p.add_argument("--max-restarts", type=int, default=2,
-                   help="torchrun restarts of a training run after a lost worker (it resumes)")
-    p.add_argument("--base-dir", default=None,
-                   help="everything goes here (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat); several nodes: one "
-                        "directory every node sees")
-    p.add_argument("--shards", type=int, default=None,
-                   help="ClimbMix train shards to download (default: from the budget)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="processes (default: every visible GPU; 8 in --dry-run without GPUs; 1 for tiny)",
+    )
+    p.add_argument(
+        "--tag",
+        default="",
+        help="run names become <arch>-<preset>-<tag> (default: derived from the base_train flags after --)",
+    )
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds, e.g. 1,2,3: every arch once per seed, named <run>-s<seed>, with "
+        f"{' and '.join(SEED_FLAGS)} set from it; the report compares the groups",
+    )
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="nodes, each running this command with its --node-rank (docs/runs.md)"
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's rank, 0 .. nnodes-1: node 0 fetches data, evaluates, reports",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        default="",
+        help="with --nnodes > 1: HOST:PORT of node 0, where every run's torchrun rendezvous meets",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=2,
+        help="torchrun restarts of a training run after a lost worker (it resumes)",
+    )
+    p.add_argument(
+        "--base-dir",
+        default=None,
+        help="everything goes here (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat); several nodes: one "
+        "directory every node sees",
+    )
+    p.add_argument(
+        "--shards", type=int, default=None, help="ClimbMix train shards to download (default: from the budget)"
+    )
     p.add_argument("--offline", action="store_true", help="build the offline corpus instead of downloading ClimbMix")
     p.add_argument("--eval-bundle", default="", help="a local CORE bundle (default: downloaded once into the base dir)")
     p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is downloaded, trained or written")
@@ -124,7 +163,7 @@ def derived_tag(extra):
     tag = re.sub(r"[^A-Za-z0-9._-]+", ".", "_".join(words)).strip("._-") or "extra"
     if len(tag) > MAX_TAG:
         digest = hashlib.sha1("\0".join(a for g in groups for a in g).encode()).hexdigest()[:8]
-        tag = tag[:MAX_TAG - len(digest) - 1].rstrip("._-") + "-" + digest
+        tag = tag[: MAX_TAG - len(digest) - 1].rstrip("._-") + "-" + digest
     return tag
 
 
@@ -133,8 +172,10 @@ def parse_archs(text, preset):
     archs = list(dict.fromkeys(a for a in text.split(",") if a))
     bad = [a for a in archs if a not in ROLES and a not in ARCHS]
     if bad:
-        raise UserError(f"unknown arch {bad[0]!r} in --arch {text} (expected {', '.join(ROLES)} or an arch of "
-                        f"nag/archs.py: {', '.join(ARCHS)})")
+        raise UserError(
+            f"unknown arch {bad[0]!r} in --arch {text} (expected {', '.join(ROLES)} or an arch of "
+            f"nag/archs.py: {', '.join(ARCHS)})"
+        )
     if not archs:
         raise UserError(f"--arch is empty (expected {', '.join(ROLES)} or {','.join(ROLES)})")
     archs = [r for r in ROLES if r in archs] + [a for a in archs if a not in ROLES]
@@ -147,8 +188,8 @@ def parse_archs(text, preset):
 def parse(argv):
     """speedrun flags, then base_train flags after `--`."""
     argv = list(argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = build_parser().parse_args(argv[:len(argv) - len(extra) - (1 if "--" in argv else 0)])
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = build_parser().parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
     args.extra = extra
     args.derived_tag = "" if args.tag else derived_tag(extra)  # extras change the runs: they need names of their own
     args.tag = args.tag or args.derived_tag
@@ -158,16 +199,22 @@ def parse(argv):
         args.seeds = parse_seeds(args.seeds)
         given = [a.split("=", 1)[0] for a in extra if a.split("=", 1)[0] in SEED_FLAGS]
         if given:
-            raise UserError(f"--seeds sets {' and '.join(SEED_FLAGS)} of every run; drop {given[0]} from the "
-                            "base_train flags after --")
+            raise UserError(
+                f"--seeds sets {' and '.join(SEED_FLAGS)} of every run; drop {given[0]} from the "
+                "base_train flags after --"
+            )
     if args.gpus is not None and args.gpus < 1:
         raise UserError(f"--gpus must be a positive integer, got {args.gpus}")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes or args.max_restarts < 0:
-        raise UserError(f"--nnodes must be >= 1, --node-rank in 0..nnodes-1 and --max-restarts >= 0 "
-                        f"(got {args.nnodes}, {args.node_rank}, {args.max_restarts})")
+        raise UserError(
+            f"--nnodes must be >= 1, --node-rank in 0..nnodes-1 and --max-restarts >= 0 "
+            f"(got {args.nnodes}, {args.node_rank}, {args.max_restarts})"
+        )
     if args.nnodes > 1 and not re.fullmatch(r"[^\s:]+:\d+", args.rdzv_endpoint):
-        raise UserError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port), "
-                        f"got {args.rdzv_endpoint!r}")
+        raise UserError(
+            f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port), "
+            f"got {args.rdzv_endpoint!r}"
+        )
     if args.shards is not None and args.shards < 1:
         raise UserError(f"--shards must be a positive integer, got {args.shards}")
     if args.flops is not None and not (math.isfinite(args.flops) and args.flops > 0):
@@ -185,8 +232,11 @@ def parse(argv):
 
 def run_name(args, arch, seed=None):
     """arch: a role of the pair (the name holds the preset's arch of that role, its "pair") or an arch of its own."""
-    return (f"{pair_arch(args.preset, arch)}-{args.preset}" + (f"-{args.tag}" if args.tag else "")
-            + (f"-s{seed}" if seed is not None else ""))
+    return (
+        f"{pair_arch(args.preset, arch)}-{args.preset}"
+        + (f"-{args.tag}" if args.tag else "")
+        + (f"-s{seed}" if seed is not None else "")
+    )
 
 
 def runs(args):
@@ -211,14 +261,31 @@ def bundle_args(args):
 def train_args(args, arch, seed=None):
     """The base_train command line of one run, as speedrun.sh writes it: the seed's flags (seed_flags) after the user's
     flags, the run's own --run and --resume last, so they win."""
-    return ["--preset", args.preset, "--arch", pair_arch(args.preset, arch), *flops_args(args), *args.extra,
-            *seed_flags(seed), "--run", run_name(args, arch, seed), "--resume", "latest"]
+    return [
+        "--preset",
+        args.preset,
+        "--arch",
+        pair_arch(args.preset, arch),
+        *flops_args(args),
+        *args.extra,
+        *seed_flags(seed),
+        "--run",
+        run_name(args, arch, seed),
+        "--resume",
+        "latest",
+    ]
 
 
 def eval_args(args, arch, seed=None):
     """The base_eval command line of one run, as speedrun.sh writes it."""
-    return ["--run", run_name(args, arch, seed), "--eval", "core,bpb,sample", *get_preset(args.preset)["eval"],
-            *bundle_args(args)]
+    return [
+        "--run",
+        run_name(args, arch, seed),
+        "--eval",
+        "core,bpb,sample",
+        *get_preset(args.preset)["eval"],
+        *bundle_args(args),
+    ]
 
 
 def plans(args, vocab, gpus):
@@ -259,8 +326,11 @@ def launch_command(gpus, nnodes=1, max_restarts=2, endpoint=""):
     c10d rendezvous on node 0 (one per run: the run's torchrun on every node joins the same one)."""
     if gpus == 1 and nnodes == 1:
         return ["python", "-m"]
-    where = (["--standalone"] if nnodes == 1 else
-             [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=nanochat"])
+    where = (
+        ["--standalone"]
+        if nnodes == 1
+        else [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=nanochat"]
+    )
     return ["torchrun", *where, f"--nproc_per_node={gpus}", f"--max-restarts={max_restarts}", "-m"]
 
 
@@ -273,11 +343,15 @@ def wait_for_node0(args, records):
         if done["data"] and done["tokenizer"]:
             return
         if waited >= NODE_WAIT_S:
-            raise UserError(f"node {args.node_rank}: node 0 has not prepared the data and tokenizer in {args.base_dir} "
-                            f"after {NODE_WAIT_S // 3600} h; is node 0 running, and is the base dir shared?")
+            raise UserError(
+                f"node {args.node_rank}: node 0 has not prepared the data and tokenizer in {args.base_dir} "
+                f"after {NODE_WAIT_S // 3600} h; is node 0 running, and is the base dir shared?"
+            )
         if waited % 300 == 0:
-            say(f"node {args.node_rank}: waiting for node 0's data and tokenizer in {args.base_dir} "
-                f"({waited // 60} min so far)")
+            say(
+                f"node {args.node_rank}: waiting for node 0's data and tokenizer in {args.base_dir} "
+                f"({waited // 60} min so far)"
+            )
         time.sleep(30)
         waited += 30
 
@@ -298,8 +372,10 @@ def status(args, plan_records):
     if args.offline:
         data_done = os.path.isdir(data) and any(f.startswith("shard_") for f in os.listdir(data))
     else:
-        data_done = all(os.path.exists(os.path.join(data, f"shard_{i:05d}.parquet"))
-                        for i in [*range(args.shards_needed), MAX_SHARD])
+        data_done = all(
+            os.path.exists(os.path.join(data, f"shard_{i:05d}.parquet"))
+            for i in [*range(args.shards_needed), MAX_SHARD]
+        )
     done = {"data": data_done, "tokenizer": has_tokenizer(base)}
     for run, p in plan_records.items():
         run_dir = run_path(run, base)
@@ -335,8 +411,9 @@ def gpus_and_vocab(args):
     gpus = args.gpus or (1 if args.preset == "tiny" else have)
     if not gpus:
         if not args.dry_run:
-            raise UserError("no NVIDIA GPU found (nvidia-smi); see the plan with --dry-run, or smoke-test on CPU with "
-                            "--preset tiny")
+            raise UserError(
+                "no NVIDIA GPU found (nvidia-smi); see the plan with --dry-run, or smoke-test on CPU with --preset tiny"
+            )
         gpus = 8
     if not args.dry_run and args.preset != "tiny":  # nvidia-smi may list GPUs that this torch cannot use
         problem = cuda_problem(gpus)
@@ -346,11 +423,14 @@ def gpus_and_vocab(args):
     if has_tokenizer(args.base_dir):  # it would be reused: it must be the preset's
         os.environ["NANOCHAT_BASE_DIR"] = args.base_dir
         from nanochat.tokenizer import get_tokenizer
+
         have_vocab = get_tokenizer().get_vocab_size()
         if have_vocab != vocab:
-            raise UserError(f"the tokenizer in {get_tokenizer_dir(args.base_dir)} has {have_vocab:,} tokens but "
-                            f"--preset {args.preset} trains with {vocab:,}; use a fresh --base-dir, or delete that "
-                            "tokenizer folder so speedrun trains the right one")
+            raise UserError(
+                f"the tokenizer in {get_tokenizer_dir(args.base_dir)} has {have_vocab:,} tokens but "
+                f"--preset {args.preset} trains with {vocab:,}; use a fresh --base-dir, or delete that "
+                "tokenizer folder so speedrun trains the right one"
+            )
     return gpus, vocab, have
 
 
@@ -360,19 +440,28 @@ def print_plan(args, records, done, gpus, have, nproc):
     say = lambda *a: print(*a, file=sys.stderr)
     nodes = f" per node × {args.nnodes} nodes = {nproc}, this is node {args.node_rank}" if args.nnodes > 1 else ""
     planned_for_8 = not have and not args.gpus and args.preset != "tiny"
-    say(f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es){nodes}"
-        + (" (no GPU visible here: planned for 8)" if planned_for_8 else "") + f" | base dir {args.base_dir}"
+    say(
+        f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es){nodes}"
+        + (" (no GPU visible here: planned for 8)" if planned_for_8 else "")
+        + f" | base dir {args.base_dir}"
         + (f" | eval bundle {args.eval_bundle}" if args.eval_bundle else "")
-        + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else ""))
+        + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else "")
+    )
     if args.derived_tag:
-        say(f"tag: {args.tag} (from the base_train flags after --; the same flags find the same runs again; --tag T "
-            "names them yourself)")
+        say(
+            f"tag: {args.tag} (from the base_train flags after --; the same flags find the same runs again; --tag T "
+            "names them yourself)"
+        )
     if args.seeds:
-        say(f"seeds: {','.join(map(str, args.seeds))} (each sets {' and '.join(SEED_FLAGS)} of its runs: every arch "
-            "of a seed shares its init seed and data order)")
+        say(
+            f"seeds: {','.join(map(str, args.seeds))} (each sets {' and '.join(SEED_FLAGS)} of its runs: every arch "
+            "of a seed shares its init seed and data order)"
+        )
     w = max(24, *(len(p["run"]) + 2 for p in records.values()))  # a derived tag makes long names
-    say(f"{'run':<{w}}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  "
-        f"{'checkpoints':<22}est. time")
+    say(
+        f"{'run':<{w}}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  "
+        f"{'checkpoints':<22}est. time"
+    )
     need_gib, total_s = 0.0, 0.0
     tokens = max(p["total_tokens"] for p in records.values())
     for run, p in records.items():
@@ -383,41 +472,57 @@ def print_plan(args, records, done, gpus, have, nproc):
             need_gib += saves * p["checkpoint_gib"]
         when = "CPU: minutes" if args.preset == "tiny" else f"{hms(secs)} at {PLANNED_MFU:.0%} MFU"
         saved = f"{saves} × {p['checkpoint_gib']:.3g} GiB"
-        say(f"{p['run']:<{w}}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}"
-            f"{p['total_tokens']:>17,}{p['total_flops']:>13.4e}  {saved:<22}{when}")
+        say(
+            f"{p['run']:<{w}}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}"
+            f"{p['total_tokens']:>17,}{p['total_flops']:>13.4e}  {saved:<22}{when}"
+        )
     if args.offline:
         say("data: offline corpus (python -m nanochat.dataset --offline), no download")
     else:
         gib = (args.shards_needed + 1) * SHARD_MB / 1024
-        say(f"data: {args.shards_needed} ClimbMix train shards + 1 val shard ≈ {gib:.1f} GiB (assuming "
+        say(
+            f"data: {args.shards_needed} ClimbMix train shards + 1 val shard ≈ {gib:.1f} GiB (assuming "
             f"~{TOKENS_PER_SHARD / 1e6:.0f}M tokens, ~{SHARD_MB} MB per shard; {tokens:,} tokens trained)"
-            + ("; every seed reads these shards, in its own order" if args.seeds else ""))
+            + ("; every seed reads these shards, in its own order" if args.seeds else "")
+        )
         epochs = expected_epochs(tokens, args.shards_needed)
-        say(f"data: expected epochs {epochs:.2f} (packing keeps ~{PACKING_KEPT:.0%} of the text it reads)"
-            + ("" if epochs <= 1 else
-               f"; MORE THAN ONE: the last {1 - 1 / epochs:.0%} of the longest run repeats data, raise --shards"))
+        say(
+            f"data: expected epochs {epochs:.2f} (packing keeps ~{PACKING_KEPT:.0%} of the text it reads)"
+            + (
+                ""
+                if epochs <= 1
+                else f"; MORE THAN ONE: the last {1 - 1 / epochs:.0%} of the longest run repeats data, raise --shards"
+            )
+        )
         if not done["data"]:
             need_gib += (args.shards_needed + 1) * SHARD_MB / 1024
     for p in records.values():  # base_train's full plan, optimizer included: diff two configurations with these lines
         say(f"PLAN {json.dumps(p)}")
     periods = " / ".join({p["arch"]: f"{p['save_every'] or p['num_iterations']:,}" for p in records.values()}.values())
-    say(f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; the optimizer state "
-        "sharded over the ranks' files)")
+    say(
+        f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; the optimizer state "
+        "sharded over the ranks' files)"
+    )
     if args.seeds:
-        cost = ("on the CPU, minutes each" if args.preset == "tiny" else
-                f"≈ {hms(total_s)} of training on {nproc} × H100")
+        cost = (
+            "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {nproc} × H100"
+        )
         each = f"{len(args.seeds)} × {','.join(args.archs)}"
         say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({each}), {cost}")
     if args.preset != "tiny":
-        say(f"training time: ≈ {hms(total_s)} on {nproc} × H100 at {PLANNED_MFU:.0%} MFU of {PLANNED_PEAK / 1e12:.0f} "
-            "TFLOP/s (+ evaluation)" + (f", all {len(records)} runs" if args.seeds else ""))
+        say(
+            f"training time: ≈ {hms(total_s)} on {nproc} × H100 at {PLANNED_MFU:.0%} MFU of {PLANNED_PEAK / 1e12:.0f} "
+            "TFLOP/s (+ evaluation)" + (f", all {len(records)} runs" if args.seeds else "")
+        )
     probe = args.base_dir
     while not os.path.isdir(probe):
         probe = os.path.dirname(probe)
-    free_gib = shutil.disk_usage(probe).free / 2 ** 30
+    free_gib = shutil.disk_usage(probe).free / 2**30
     enough = need_gib <= free_gib
-    say(f"disk: need ≈ {need_gib:.1f} GiB more in {args.base_dir}, {free_gib:.0f} GiB free"
-        + ("" if enough else " (NOT ENOUGH: a real run stops here)"))
+    say(
+        f"disk: need ≈ {need_gib:.1f} GiB more in {args.base_dir}, {free_gib:.0f} GiB free"
+        + ("" if enough else " (NOT ENOUGH: a real run stops here)")
+    )
     say("stages:")
     w = max(len(stage) for stage in done) + 1
     for stage, is_done in done.items():
@@ -435,38 +540,63 @@ def plan_and_check(args):
     done = status(args, records)
     need_gib, free_gib = print_plan(args, records, done, gpus, have, nproc)
     launch = launch_command(gpus, args.nnodes, args.max_restarts, args.rdzv_endpoint)
-    print(f"training launch: {' '.join([*launch, 'scripts.base_train', '--', '...'])}"
-          + (" (node 0 alone: data, tokenizer, evaluation, report)" if args.nnodes > 1 else ""), file=sys.stderr)
+    print(
+        f"training launch: {' '.join([*launch, 'scripts.base_train', '--', '...'])}"
+        + (" (node 0 alone: data, tokenizer, evaluation, report)" if args.nnodes > 1 else ""),
+        file=sys.stderr,
+    )
     if not args.dry_run:
         if need_gib > free_gib:
-            raise UserError(f"not enough disk in {args.base_dir}: need ≈ {need_gib:.1f} GiB, {free_gib:.0f} GiB free "
-                            "(see --dry-run)")
+            raise UserError(
+                f"not enough disk in {args.base_dir}: need ≈ {need_gib:.1f} GiB, {free_gib:.0f} GiB free "
+                "(see --dry-run)"
+            )
         if args.node_rank > 0:
             wait_for_node0(args, records)
     others = args.node_rank > 0  # the other nodes join the training runs, nothing else
     preset = get_preset(args.preset)
-    preflight = (args.preset != "tiny" and any(is_nag_arch(pair_arch(args.preset, a)) for a in args.archs)
-                 and "--nag-impl" not in " ".join(args.extra))
-    scalars = {"BASE": args.base_dir, "PRESET": args.preset, "DRY_RUN": int(args.dry_run), "OFFLINE": int(args.offline),
-               "SHARDS": args.shards_needed, "TOK_SHARDS": min(TOK_SHARDS, args.shards_needed),
-               "VOCAB": preset["vocab"],
-               "TOK_CHARS": TOKENIZER_CHARS.get(args.preset, 2_000_000_000), "PREFLIGHT": int(preflight),
-               "DATA_DONE": int(done["data"] or others), "TOK_DONE": int(done["tokenizer"] or others),
-               "PAIR": int(has_pair(args) and not others), "ANALYSIS_DONE": int(done.get("analysis", True)),
-               "REPORT_DONE": int(done.get("report", True)), "REPORT": report_dir(args),
-               "LOG": "speedrun.log" if args.node_rank == 0 else f"speedrun-node{args.node_rank}.log"}
+    preflight = (
+        args.preset != "tiny"
+        and any(is_nag_arch(pair_arch(args.preset, a)) for a in args.archs)
+        and "--nag-impl" not in " ".join(args.extra)
+    )
+    scalars = {
+        "BASE": args.base_dir,
+        "PRESET": args.preset,
+        "DRY_RUN": int(args.dry_run),
+        "OFFLINE": int(args.offline),
+        "SHARDS": args.shards_needed,
+        "TOK_SHARDS": min(TOK_SHARDS, args.shards_needed),
+        "VOCAB": preset["vocab"],
+        "TOK_CHARS": TOKENIZER_CHARS.get(args.preset, 2_000_000_000),
+        "PREFLIGHT": int(preflight),
+        "DATA_DONE": int(done["data"] or others),
+        "TOK_DONE": int(done["tokenizer"] or others),
+        "PAIR": int(has_pair(args) and not others),
+        "ANALYSIS_DONE": int(done.get("analysis", True)),
+        "REPORT_DONE": int(done.get("report", True)),
+        "REPORT": report_dir(args),
+        "LOG": "speedrun.log" if args.node_rank == 0 else f"speedrun-node{args.node_rank}.log",
+    }
     # per run i (training order: for each seed the pair's baseline, its NAG run, any other arch): RUNS[i], RUN_ARCH[i],
     # RUN_SEED_ARGS[i] (its seed's base_train flags, one string, "" without --seeds), TRAIN_DONE[i], EVAL_DONE[i];
     # speedrun.sh writes their base_train and base_eval commands out (train_args, eval_args)
     names = list(records)
-    arrays = {"LAUNCH": launch, "EVAL_LAUNCH": launch_command(gpus, max_restarts=0), "ANALYSIS": preset["analysis"],
-              "FLOPS": flops_args(args), "EXTRA": args.extra, "EVAL_PRESET": preset["eval"],
-              "BUNDLE": bundle_args(args),
-              "COMPARE_RUNS": compared_runs(args) if has_pair(args) else [], "RUNS": names,
-              "RUN_ARCH": [pair_arch(args.preset, a) for a, _ in runs(args)],
-              "RUN_SEED_ARGS": [" ".join(seed_flags(s)) for _, s in runs(args)],
-              "TRAIN_DONE": [int(done[f"train {r}"]) for r in names],
-              "EVAL_DONE": [int(done[f"eval {r}"] or others) for r in names]}
+    arrays = {
+        "LAUNCH": launch,
+        "EVAL_LAUNCH": launch_command(gpus, max_restarts=0),
+        "ANALYSIS": preset["analysis"],
+        "FLOPS": flops_args(args),
+        "EXTRA": args.extra,
+        "EVAL_PRESET": preset["eval"],
+        "BUNDLE": bundle_args(args),
+        "COMPARE_RUNS": compared_runs(args) if has_pair(args) else [],
+        "RUNS": names,
+        "RUN_ARCH": [pair_arch(args.preset, a) for a, _ in runs(args)],
+        "RUN_SEED_ARGS": [" ".join(seed_flags(s)) for _, s in runs(args)],
+        "TRAIN_DONE": [int(done[f"train {r}"]) for r in names],
+        "EVAL_DONE": [int(done[f"eval {r}"] or others) for r in names],
+    }
     return scalars, arrays
 
 

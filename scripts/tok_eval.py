@@ -38,7 +38,9 @@ def main(argv=None):
         print(f"vocab size: {tokenizer.get_vocab_size():,}")
         for name, split in (("val shard", "val"), ("train sample", "train")):
             num_bytes, num_tokens = compression(tokenizer, take_texts(split, args.max_chars))
-            print(f"{name:>12}: {num_bytes:>14,} bytes  {num_tokens:>12,} tokens  {num_bytes / max(num_tokens, 1):.3f} bytes/token")
+            print(
+                f"{name:>12}: {num_bytes:>14,} bytes  {num_tokens:>12,} tokens  {num_bytes / max(num_tokens, 1):.3f} bytes/token"
+            )
 
 
 if __name__ == "__main__":

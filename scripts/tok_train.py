@@ -21,7 +21,7 @@ def text_iterator(max_chars, doc_cap):
         for text in texts:
             text = text[:doc_cap]
             if seen + len(text) > max_chars:
-                text = text[:max_chars - seen]
+                text = text[: max_chars - seen]
             seen += len(text)
             yield text
             if seen >= max_chars:
@@ -50,7 +50,9 @@ def main(argv=None):
         val_texts = next(parquets_iter_batched("val"))
         num_bytes = sum(len(t.encode("utf-8")) for t in val_texts)
         num_tokens = sum(len(ids) for ids in tokenizer.encode(val_texts))
-        print(f"compression on {num_bytes:,} bytes of validation text: {num_bytes / max(num_tokens, 1):.2f} bytes/token")
+        print(
+            f"compression on {num_bytes:,} bytes of validation text: {num_bytes / max(num_tokens, 1):.2f} bytes/token"
+        )
 
 
 if __name__ == "__main__":

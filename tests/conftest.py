@@ -20,8 +20,9 @@ PROCESSES = pytest.mark.xdist_group("processes")
 # --require-cuda: the GPU preflight (speedrun.sh, runs/gpu_checks.sh). A CUDA test skipped for want of a GPU
 # passes in an ordinary run; here it must not, or a preflight on a machine where torch sees no GPU says "ok".
 def pytest_addoption(parser):
-    parser.addoption("--require-cuda", action="store_true",
-                     help="fail unless at least one CUDA test passed and none was skipped")
+    parser.addoption(
+        "--require-cuda", action="store_true", help="fail unless at least one CUDA test passed and none was skipped"
+    )
 
 
 CUDA_TESTS = {"passed": 0, "skipped": 0}
@@ -39,9 +40,12 @@ def pytest_sessionfinish(session, exitstatus):
     if session.config.getoption("--require-cuda") and (not CUDA_TESTS["passed"] or CUDA_TESTS["skipped"]):
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter:
-            reporter.write_line(f"error: --require-cuda: {CUDA_TESTS['passed']} CUDA test(s) passed, {CUDA_TESTS['skipped']} skipped "
-                                f"(torch CUDA available: {torch.cuda.is_available()}); the preflight did not test the GPU")
+            reporter.write_line(
+                f"error: --require-cuda: {CUDA_TESTS['passed']} CUDA test(s) passed, {CUDA_TESTS['skipped']} skipped "
+                f"(torch CUDA available: {torch.cuda.is_available()}); the preflight did not test the GPU"
+            )
         session.exitstatus = 1
+
 
 WORDS = (
     "the of and to in is was that for on with as by at from it an be this which or are have not but had "
@@ -79,7 +83,9 @@ def tiny_base_dir(tmp_path_factory):
     for i, doc in enumerate(tiny_documents()):
         (txt_dir / f"doc_{i:04d}.txt").write_text(doc, encoding="utf-8")
     data_dir = os.path.join(base, "base_data")
-    build_offline_corpus(data_dir=data_dir, txt_dir=str(txt_dir), num_train_shards=4, docs_per_row_group=8, max_doc_chars=8000)
+    build_offline_corpus(
+        data_dir=data_dir, txt_dir=str(txt_dir), num_train_shards=4, docs_per_row_group=8, max_doc_chars=8000
+    )
     train_texts = (t for batch in parquets_iter_batched("train", data_dir=data_dir) for t in batch)
     Tokenizer.train_from_iterator(train_texts, 512).save(os.path.join(base, "tokenizer"))
     return str(base)
@@ -87,9 +93,34 @@ def tiny_base_dir(tmp_path_factory):
 
 # base_train flags of every tiny test run: 2 layers × 64, 256 tokens per step, LRs raised against the
 # muP batch rule (√(256 / 2^19) ≈ 0.022 at this batch); add --arch, --run and a horizon.
-TINY_TRAIN = ["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
-              "--total-batch-size", "256", "--eval-tokens", "512", "--warmup-steps", "2", "--nag-alpha-warmup-tokens", "1024",
-              "--matrix-lr", "0.5", "--embedding-lr", "2.0", "--unembedding-lr", "0.1", "--device-type", "cpu"]
+TINY_TRAIN = [
+    "--depth",
+    "2",
+    "--model-dim",
+    "64",
+    "--head-dim",
+    "32",
+    "--max-seq-len",
+    "64",
+    "--device-batch-size",
+    "4",
+    "--total-batch-size",
+    "256",
+    "--eval-tokens",
+    "512",
+    "--warmup-steps",
+    "2",
+    "--nag-alpha-warmup-tokens",
+    "1024",
+    "--matrix-lr",
+    "0.5",
+    "--embedding-lr",
+    "2.0",
+    "--unembedding-lr",
+    "0.1",
+    "--device-type",
+    "cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +137,7 @@ def no_heap_freeze(monkeypatch):
     """In-process training runs skip base_train's collect-and-freeze after the first step: a full collection would
     walk the whole test session's heap each time (seconds over the suite). Runs started as commands still do it."""
     import scripts.base_train
+
     monkeypatch.setattr(scripts.base_train, "freeze_heap", lambda: None)
 
 
@@ -143,16 +175,36 @@ def train_tiny_pair(base, *extra):
     """A 6-step gpt run and nag run on the same budget in base (checkpoints at 3 and 6, val bpb at 0, 3, 6,
     gate telemetry every 2 steps); returns {arch: run_dir}."""
     from scripts import base_train
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
-        return {arch: base_train.main(TINY_TRAIN + ["--num-iterations", "6", "--eval-every", "3", "--save-every", "3",
-                                                    "--nag-gate-log-every", "2", *extra, "--arch", arch, "--run", arch])
-                for arch in ("gpt", "nag")}
+        return {
+            arch: base_train.main(
+                TINY_TRAIN
+                + [
+                    "--num-iterations",
+                    "6",
+                    "--eval-every",
+                    "3",
+                    "--save-every",
+                    "3",
+                    "--nag-gate-log-every",
+                    "2",
+                    *extra,
+                    "--arch",
+                    arch,
+                    "--run",
+                    arch,
+                ]
+            )
+            for arch in ("gpt", "nag")
+        }
 
 
 @pytest.fixture
 def script_error(capsys):
     """script_error(main, *argv): main(argv) must exit 1 with one `error: ...` line on stderr; returns that line."""
+
     def run(main, *argv):
         with pytest.raises(SystemExit) as e:
             main(list(argv))
@@ -160,6 +212,7 @@ def script_error(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), err
         return err[0]
+
     return run
 
 
@@ -175,7 +228,13 @@ def _write_eval_bundle(root, tasks, extra_baselines=None):
     yaml_lines = ["# test bundle", "icl_tasks:"]
     meta = ["Eval Task,Task Category,Random baseline,Description"]
     for label, kind, shots, baseline, items, *delimiter in tasks:
-        yaml_lines += ["-", f"  label: {label}", f"  dataset_uri: tiny/{label}.jsonl", f"  num_fewshot: [{shots}]", f"  icl_task_type: {kind}"]
+        yaml_lines += [
+            "-",
+            f"  label: {label}",
+            f"  dataset_uri: tiny/{label}.jsonl",
+            f"  num_fewshot: [{shots}]",
+            f"  icl_task_type: {kind}",
+        ]
         if delimiter:
             # a JSON string is a YAML double-quoted one
             yaml_lines.append(f"  continuation_delimiter: {json.dumps(delimiter[0])}")
@@ -203,13 +262,16 @@ def random_model(cls, config, vocab_size, **kwargs):
     are awake), MoD thresholds calibrated on random tokens, in eval mode: for tests that compare two paths through it."""
     from nag.mod import calibrate
     from scripts.bench import models
+
     model = models.build(cls, config, "cpu", **kwargs)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
     if getattr(model, "thresholds", None) is not None:
-        batches = [(torch.randint(0, vocab_size, (4, 64), generator=torch.Generator().manual_seed(s)),) for s in range(3)]
+        batches = [
+            (torch.randint(0, vocab_size, (4, 64), generator=torch.Generator().manual_seed(s)),) for s in range(3)
+        ]
         calibrate(model, iter(batches), 3)
     model.eval()
     return model

@@ -29,7 +29,7 @@ def numpy_spectrum(x):
     lam = np.clip(np.linalg.eigvalsh(np.cov(x, rowvar=False, bias=True)), 0, None)
     p = lam / lam.sum()
     p = p[p > 0]
-    return lam.sum(), math.exp(-(p * np.log(p)).sum()), 1 / (p ** 2).sum()
+    return lam.sum(), math.exp(-(p * np.log(p)).sum()), 1 / (p**2).sum()
 
 
 def test_spectrum_isotropic_vs_rank1():
@@ -41,9 +41,13 @@ def test_spectrum_isotropic_vs_rank1():
     # offset: covariance is around the mean
     rank1 = rng.standard_normal((500, 1)) * np.array([[1.0, 2.0, -1.0, 0.5, 0.0, 3.0]]) + 7.0
     st1 = M.spectrum_stats(torch.tensor(rank1))
-    assert st1["effective_rank"] == pytest.approx(1, abs=1e-6) and st1["participation_ratio"] == pytest.approx(1, abs=1e-9)
+    assert st1["effective_rank"] == pytest.approx(1, abs=1e-6) and st1["participation_ratio"] == pytest.approx(
+        1, abs=1e-9
+    )
     for x, s in ((iso[:300], M.spectrum_stats(torch.tensor(iso[:300]))), (rank1, st1)):
-        assert [s["total_variance"], s["effective_rank"], s["participation_ratio"]] == pytest.approx(numpy_spectrum(x), rel=1e-6, abs=1e-9)
+        assert [s["total_variance"], s["effective_rank"], s["participation_ratio"]] == pytest.approx(
+            numpy_spectrum(x), rel=1e-6, abs=1e-9
+        )
 
 
 def test_streaming_sums_equal_all_at_once():
@@ -69,7 +73,11 @@ def test_sink_stats_bos_uniform_diagonal():
     s = M.sink_stats(torch.stack([bos, bos]))
     assert s["bos_share"] == 1 and s["first4_share"] == 1 and s["diagonal_share"] == pytest.approx(1 / T)
     s = M.sink_stats(torch.stack([diag]))
-    assert s["bos_share"] == pytest.approx(1 / T) and s["diagonal_share"] == 1 and s["first4_share"] == pytest.approx(4 / T)
+    assert (
+        s["bos_share"] == pytest.approx(1 / T)
+        and s["diagonal_share"] == 1
+        and s["first4_share"] == pytest.approx(4 / T)
+    )
     s = M.sink_stats(torch.stack([uni]))
     harmonic = sum(1 / (i + 1) for i in range(T)) / T
     first4 = sum(min(4, i + 1) / (i + 1) for i in range(T)) / T
@@ -113,7 +121,9 @@ def test_cluster_norm_spread_known_clusters():
     perm = torch.randperm(36, generator=gen)
     x = torch.cat(rows)[perm]
     out = M.cluster_norm_spread(x, 3, seed=1)
-    assert out["p10"] == pytest.approx(np.mean([a for a, _ in ratios])) and out["p90"] == pytest.approx(np.mean([b for _, b in ratios]))
+    assert out["p10"] == pytest.approx(np.mean([a for a, _ in ratios])) and out["p90"] == pytest.approx(
+        np.mean([b for _, b in ratios])
+    )
     assign = M.spherical_kmeans(x, 3, seed=1)
     truth = torch.tensor(truth)[perm]
     assert all(len(set(assign[truth == c].tolist())) == 1 for c in range(3))  # each true cluster in one group
@@ -127,7 +137,7 @@ def test_weight_stats_known_stable_rank():
     assert st["stable_rank"] == pytest.approx(14 / 9)
     a = w.numpy()
     assert st["mean_over_std"] == pytest.approx(abs(a.mean()) / a.std(ddof=1))
-    assert st["max_over_rms"] == pytest.approx(np.abs(a).max() / np.sqrt((a ** 2).mean()))
+    assert st["max_over_rms"] == pytest.approx(np.abs(a).max() / np.sqrt((a**2).mean()))
 
 
 def test_rotation_angles_known_and_tiny():
@@ -194,7 +204,9 @@ def test_gpt_capture_matches_a_forward_by_hand():
     model = tiny_model()
     data = batches_of(3)
     acc = capture(model, iter(data), 3, bos=0, cfg=CaptureConfig(token_sample=1000, state_sample=1000))
-    states = [torch.cat([s.reshape(-1, 32) for s in ss]).double() for ss in zip(*[gpt_states(model, i) for i, _ in data])]
+    states = [
+        torch.cat([s.reshape(-1, 32) for s in ss]).double() for ss in zip(*[gpt_states(model, i) for i, _ in data])
+    ]
     n = states[0].size(0)
     assert acc.tokens == n == 96
     bos = torch.cat([i.flatten() for i, _ in data]) == 0
@@ -211,7 +223,9 @@ def test_gpt_capture_matches_a_forward_by_hand():
     assert sorted(acc.token_res.get("norm")[:, 6].tolist()) == pytest.approx(sorted(norms[:, 6].tolist()), rel=1e-5)
     logits = torch.cat([model(i).reshape(-1, 40) for i, _ in data])
     targets = torch.cat([t.flatten() for _, t in data])
-    assert acc.sums["loss"].item() / n == pytest.approx(torch.nn.functional.cross_entropy(logits, targets).item(), rel=1e-5)
+    assert acc.sums["loss"].item() / n == pytest.approx(
+        torch.nn.functional.cross_entropy(logits, targets).item(), rel=1e-5
+    )
 
 
 @torch.no_grad()
@@ -244,6 +258,7 @@ def test_accumulator_memory_does_not_grow_with_tokens():
 @torch.no_grad()
 def test_nag_rotation_equals_atan_gain():
     from nag.model import NAGGPT
+
     model = tiny_model(NAGGPT)
     data = batches_of(2)
     acc = capture(model, iter(data), 2, bos=0, cfg=CaptureConfig(token_sample=1000, state_sample=100))
@@ -253,15 +268,19 @@ def test_nag_rotation_equals_atan_gain():
     assert acc.sums["atan_dev_max"].max() < 1e-5
     # the final state's norm is √d·e^{s_L}: the logits are the lm_head cosines times it, recovered exactly
     fn = acc.token_res.get("final_norm")
-    assert fn.min() > 0 and acc.sums["final_norm"].item() / acc.tokens == pytest.approx(fn.double().mean().item(), rel=1e-6)
+    assert fn.min() > 0 and acc.sums["final_norm"].item() / acc.tokens == pytest.approx(
+        fn.double().mean().item(), rel=1e-6
+    )
 
 
 # ---------------------------------------------------------------------------
 # the command on a tiny trained pair
 
+
 @pytest.fixture(scope="module")
 def pair(tiny_base_dir, tmp_path_factory):
     from conftest import linked_base, train_tiny_pair
+
     base = linked_base(tiny_base_dir, tmp_path_factory.mktemp("analysis_base"))
     os.makedirs(base / "runs" / "empty")
     train_tiny_pair(base, "--eval-every", "-1")
@@ -278,10 +297,27 @@ def pair(tiny_base_dir, tmp_path_factory):
 
 def test_command_on_a_gpt_nag_pair(pair, tmp_path, monkeypatch, capsys):
     from analysis.run import main
+
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
     out = tmp_path / "out"
-    main(["gpt", os.path.join(pair, "runs", "nag"), "--tokens", "512", "--clusters", "4", "--state-sample", "64",
-          "--device-batch-size", "2", "--device-type", "cpu", "--out", str(out)])
+    main(
+        [
+            "gpt",
+            os.path.join(pair, "runs", "nag"),
+            "--tokens",
+            "512",
+            "--clusters",
+            "4",
+            "--state-sample",
+            "64",
+            "--device-batch-size",
+            "2",
+            "--device-type",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr()
     assert "| attention on BOS |" in printed.out and "batch 4/4" in printed.err
     data = json.loads((out / "analysis.json").read_text())
@@ -295,22 +331,35 @@ def test_command_on_a_gpt_nag_pair(pair, tmp_path, monkeypatch, capsys):
     md = (out / "analysis.md").read_text()
     assert "62.5%" in md and "gpt (gpt)" in md and "nag (nag)" in md
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert {"norm_depth.png", "rotation.png", "spectrum.png", "nag_gains.png", "preferred_nag.png", "attention_mean.png",
-            "attention_layers_gpt.png", "bos_share.png", "confidence.png"} <= set(pngs)
+    assert {
+        "norm_depth.png",
+        "rotation.png",
+        "spectrum.png",
+        "nag_gains.png",
+        "preferred_nag.png",
+        "attention_mean.png",
+        "attention_layers_gpt.png",
+        "bos_share.png",
+        "confidence.png",
+    } <= set(pngs)
     assert all((out / p).read_bytes()[:8] == PNG_MAGIC for p in pngs)
     assert all(f"]({p})" in md for p in pngs)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["missing"], "no run directory"),
-    (["empty"], "no complete checkpoint"),
-    (["gpt", "othertok"], "does not match the tokenizer"),
-    (["gpt", "--tokens", "0"], "--tokens must be positive"),
-    (["gpt", "--tokens", "100"], "smaller than one batch"),
-    (["gpt", "--tokens", "512", "--clusters", "65", "--state-sample", "64"], "larger than the 64 sampled states"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["missing"], "no run directory"),
+        (["empty"], "no complete checkpoint"),
+        (["gpt", "othertok"], "does not match the tokenizer"),
+        (["gpt", "--tokens", "0"], "--tokens must be positive"),
+        (["gpt", "--tokens", "100"], "smaller than one batch"),
+        (["gpt", "--tokens", "512", "--clusters", "65", "--state-sample", "64"], "larger than the 64 sampled states"),
+    ],
+)
 def test_bad_input_is_one_line_and_writes_nothing(pair, tmp_path, monkeypatch, script_error, args, message):
     from analysis.run import main
+
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
     out = tmp_path / "out"
     err = script_error(main, *args, "--device-batch-size", "2", "--device-type", "cpu", "--out", str(out))
@@ -321,6 +370,7 @@ def test_bad_input_is_one_line_and_writes_nothing(pair, tmp_path, monkeypatch, s
 @pytest.mark.parametrize("how", ["file in the way", "read-only"])
 def test_unwritable_output_is_one_line_before_the_pass(pair, tmp_path, monkeypatch, script_error, how):
     from analysis.run import main
+
     base = tmp_path / "base"  # the pair's runs, corpus and tokenizer, with a reports/ that takes no folder
     os.makedirs(base)
     for name in ("base_data", "tokenizer", "runs"):
@@ -328,19 +378,44 @@ def test_unwritable_output_is_one_line_before_the_pass(pair, tmp_path, monkeypat
     unwritable_reports(base, how)
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     try:  # one line and nothing else on stderr: the pass, whose progress goes there, never started
-        err = script_error(main, "gpt", "nag", "--tokens", "256", "--clusters", "2", "--state-sample", "16",
-                           "--device-batch-size", "2", "--device-type", "cpu")
+        err = script_error(
+            main,
+            "gpt",
+            "nag",
+            "--tokens",
+            "256",
+            "--clusters",
+            "2",
+            "--state-sample",
+            "16",
+            "--device-batch-size",
+            "2",
+            "--device-type",
+            "cpu",
+        )
     finally:
         os.chmod(base / "reports", 0o755)
     assert "cannot write to" in err and str(base / "reports") in err
 
 
-SMALL = ["--tokens", "256", "--clusters", "2", "--state-sample", "16", "--device-batch-size", "2", "--device-type", "cpu"]
+SMALL = [
+    "--tokens",
+    "256",
+    "--clusters",
+    "2",
+    "--state-sample",
+    "16",
+    "--device-batch-size",
+    "2",
+    "--device-type",
+    "cpu",
+]
 
 
 def test_an_analysis_per_step_and_the_report_links_its_own(pair, tmp_path, monkeypatch, capsys):
     from analysis.run import main
     from scripts import compare
+
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
     # an analysis of step 3 has its own folder, and a report of the runs at step 6 does not link it
     early = main(["gpt", "nag", "--step", "3", *SMALL])
@@ -358,12 +433,15 @@ def test_an_analysis_per_step_and_the_report_links_its_own(pair, tmp_path, monke
 
 def test_an_analysis_never_replaces_what_it_did_not_write(pair, tmp_path, monkeypatch, capsys, script_error):
     from analysis.run import main
+
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(pair))
     mine = tmp_path / "mine"
     os.makedirs(mine)
     (mine / "analysis.md").write_text("my notes\n")
     err = script_error(main, "gpt", "nag", *SMALL, "--out", str(mine))
-    assert "did not write (analysis.md)" in err and "--force" in err and (mine / "analysis.md").read_text() == "my notes\n"
+    assert (
+        "did not write (analysis.md)" in err and "--force" in err and (mine / "analysis.md").read_text() == "my notes\n"
+    )
     # its own folder, other settings: the earlier analysis moves to replaced/, with a line
     out = tmp_path / "out"
     main(["gpt", "nag", *SMALL, "--out", str(out)])

@@ -89,6 +89,7 @@ def fake_machine(monkeypatch, cuda=True, capability=(9, 0), kernels="loads", fa4
     def probe(kernel, device):
         if kernel == "cudnn" and cudnn != "runs":
             raise fa.KernelUnavailable("cudnn failed its probe (RuntimeError: No available kernel.)")
+
     monkeypatch.setattr(fa, "probe", probe)
     loaded = []
     if fa4 == "missing":
@@ -96,8 +97,10 @@ def fake_machine(monkeypatch, cuda=True, capability=(9, 0), kernels="loads", fa4
     else:
         cute = types.ModuleType("flash_attn.cute")
         if fa4 == "broken":  # a dependency that does not import (the CUDA DSL, say)
+
             def __getattr__(name):
                 raise ImportError("libcuda.so.1: cannot open shared object file", name="cutlass")
+
             cute.__getattr__ = __getattr__
         else:
             cute.flash_attn_func = lambda *a, **kw: loaded.append("fa4")
@@ -136,27 +139,42 @@ def build(cls=GPT, seed=0, **kw):
 
 
 NONE_LOAD = dict(kernels="missing", cudnn="fails")
-NONE_LOAD_REASON = ("fa4: flash-attn-4 is not installed (pip install flash-attn-4); cudnn: cudnn failed its probe "
-                    "(RuntimeError: No available kernel.); fa3: the kernels package is not installed (pip install kernels)")
+NONE_LOAD_REASON = (
+    "fa4: flash-attn-4 is not installed (pip install flash-attn-4); cudnn: cudnn failed its probe "
+    "(RuntimeError: No available kernel.); fa3: the kernels package is not installed (pip install kernels)"
+)
 
 
-@pytest.mark.parametrize("machine, requested, kernel, reason", [
-    (dict(cuda=False), "auto", "sdpa", "no CUDA"),
-    (dict(capability=(8, 0), fa4="loads"), "auto", "sdpa", "compute capability 8.0"),
-    (dict(capability=(10, 0), fa4="loads"), "auto", "sdpa", "compute capability 10.0"),
-    (dict(fa4="loads"), "auto", "fa4", "Hopper GPU, flash-attn-4 loaded"),  # the order: fa4, cudnn, fa3
-    (dict(), "auto", "cudnn", "Hopper GPU, cuDNN attention runs"),
-    (dict(cudnn="fails"), "auto", "fa3", f"Hopper GPU, {fa.FA3_REPO} loaded from the hub"),
-    (dict(cudnn="fails", kernels="broken"), "auto", "sdpa", "fa4: flash-attn-4 is not installed (pip install flash-attn-4); "
-     "cudnn: cudnn failed its probe (RuntimeError: No available kernel.); "
-     f"fa3: {fa.FA3_REPO} did not load (OSError: no network and no cached copy)"),
-    (NONE_LOAD, "auto", "sdpa", NONE_LOAD_REASON),
-    (dict(fa4="broken"), "auto", "cudnn", "Hopper GPU, cuDNN attention runs"),
-    (dict(), "fa3", "fa3", f"{fa.FA3_REPO} loaded from the hub"),
-    (dict(fa4="loads", capability=(10, 0)), "fa4", "fa4", "flash-attn-4 loaded"),  # named, FA4 runs on Blackwell too
-    (dict(capability=(8, 0)), "cudnn", "cudnn", "cuDNN attention runs"),
-    (dict(), "sdpa", "sdpa", "--attn sdpa"),
-])
+@pytest.mark.parametrize(
+    "machine, requested, kernel, reason",
+    [
+        (dict(cuda=False), "auto", "sdpa", "no CUDA"),
+        (dict(capability=(8, 0), fa4="loads"), "auto", "sdpa", "compute capability 8.0"),
+        (dict(capability=(10, 0), fa4="loads"), "auto", "sdpa", "compute capability 10.0"),
+        (dict(fa4="loads"), "auto", "fa4", "Hopper GPU, flash-attn-4 loaded"),  # the order: fa4, cudnn, fa3
+        (dict(), "auto", "cudnn", "Hopper GPU, cuDNN attention runs"),
+        (dict(cudnn="fails"), "auto", "fa3", f"Hopper GPU, {fa.FA3_REPO} loaded from the hub"),
+        (
+            dict(cudnn="fails", kernels="broken"),
+            "auto",
+            "sdpa",
+            "fa4: flash-attn-4 is not installed (pip install flash-attn-4); "
+            "cudnn: cudnn failed its probe (RuntimeError: No available kernel.); "
+            f"fa3: {fa.FA3_REPO} did not load (OSError: no network and no cached copy)",
+        ),
+        (NONE_LOAD, "auto", "sdpa", NONE_LOAD_REASON),
+        (dict(fa4="broken"), "auto", "cudnn", "Hopper GPU, cuDNN attention runs"),
+        (dict(), "fa3", "fa3", f"{fa.FA3_REPO} loaded from the hub"),
+        (
+            dict(fa4="loads", capability=(10, 0)),
+            "fa4",
+            "fa4",
+            "flash-attn-4 loaded",
+        ),  # named, FA4 runs on Blackwell too
+        (dict(capability=(8, 0)), "cudnn", "cudnn", "cuDNN attention runs"),
+        (dict(), "sdpa", "sdpa", "--attn sdpa"),
+    ],
+)
 def test_dispatch_table(monkeypatch, machine, requested, kernel, reason):
     loaded = fake_machine(monkeypatch, **machine)
     assert fa.resolve_attention(requested, "cuda") == (kernel, reason)
@@ -174,13 +192,23 @@ def test_dispatch_other_devices_and_dtypes(monkeypatch):
     assert fa.resolve_attention("auto", "cuda", torch.bfloat16)[0] == "fa4"
 
 
-@pytest.mark.parametrize("requested, machine, why", [
-    ("fa3", dict(cuda=False), "no CUDA"), ("fa3", dict(capability=(8, 6)), "compute capability 8.6"),
-    ("fa3", dict(kernels="missing"), "the kernels package is not installed"),
-    ("fa4", dict(), "flash-attn-4 is not installed (pip install flash-attn-4)"),
-    ("fa4", dict(fa4="broken"), "flash-attn-4 did not import (ImportError: libcuda.so.1: cannot open shared object file)"),
-    ("fa4", dict(fa4="loads", capability=(8, 0)), "compute capability 8.0"),
-    ("cudnn", dict(cudnn="fails"), "cudnn failed its probe"), ("cudnn", dict(capability=(7, 5)), "compute capability 7.5")])
+@pytest.mark.parametrize(
+    "requested, machine, why",
+    [
+        ("fa3", dict(cuda=False), "no CUDA"),
+        ("fa3", dict(capability=(8, 6)), "compute capability 8.6"),
+        ("fa3", dict(kernels="missing"), "the kernels package is not installed"),
+        ("fa4", dict(), "flash-attn-4 is not installed (pip install flash-attn-4)"),
+        (
+            "fa4",
+            dict(fa4="broken"),
+            "flash-attn-4 did not import (ImportError: libcuda.so.1: cannot open shared object file)",
+        ),
+        ("fa4", dict(fa4="loads", capability=(8, 0)), "compute capability 8.0"),
+        ("cudnn", dict(cudnn="fails"), "cudnn failed its probe"),
+        ("cudnn", dict(capability=(7, 5)), "compute capability 7.5"),
+    ],
+)
 def test_a_named_kernel_where_it_cannot_run_is_one_line(monkeypatch, requested, machine, why):
     fake_machine(monkeypatch, **machine)
     with pytest.raises(UserError) as e:
@@ -196,8 +224,11 @@ def test_each_optional_package_is_imported_by_its_loader_only():
     source = open(fa.__file__).read()
     assert source.count("from kernels import") == 1 and not re.search(r"^\s*import kernels", source, re.M)
     assert source.count("from flash_attn") == 1 and not re.search(r"^\s*import flash_attn", source, re.M)
-    assert "from kernels import get_kernel" in source[source.index("def load_fa3"):source.index("def load_fa4")]
-    assert "from flash_attn.cute import flash_attn_func" in source[source.index("def load_fa4"):source.index("def load_kernel")]
+    assert "from kernels import get_kernel" in source[source.index("def load_fa3") : source.index("def load_fa4")]
+    assert (
+        "from flash_attn.cute import flash_attn_func"
+        in source[source.index("def load_fa4") : source.index("def load_kernel")]
+    )
 
 
 class Recorder:
@@ -209,12 +240,20 @@ class Recorder:
     def __call__(self, q, k, v, causal=False, window_size=None):
         if self.answer == "raises":
             raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
-        y = dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_allowed(q.size(1), q.size(1))).transpose(1, 2)
+        y = dense(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window_allowed(q.size(1), q.size(1))
+        ).transpose(1, 2)
         return (y if self.answer == "right" else y.flip(1)), None
 
 
-@pytest.mark.parametrize("answer, why", [("right", None), ("wrong", "fa4 failed its probe (relative error "),
-                                         ("raises", "fa4 failed its probe (RuntimeError: CUDA error: no kernel image")])
+@pytest.mark.parametrize(
+    "answer, why",
+    [
+        ("right", None),
+        ("wrong", "fa4 failed its probe (relative error "),
+        ("raises", "fa4 failed its probe (RuntimeError: CUDA error: no kernel image"),
+    ],
+)
 def test_the_probe_catches_a_kernel_that_loads_but_cannot_run(monkeypatch, answer, why):
     monkeypatch.setattr(fa, "_fa4", Recorder(answer))
     monkeypatch.setattr(fa, "_probed", set())
@@ -260,7 +299,9 @@ def window_allowed(T, w):
     return (j <= i) & (i - j < w)
 
 
-@pytest.mark.parametrize("T, w, H, KV", [(16, 4, 2, 2), (32, 16, 4, 2), (31, 16, 4, 1), (16, 1, 2, 1), (16, 16, 2, 2), (8, 32, 4, 2)])
+@pytest.mark.parametrize(
+    "T, w, H, KV", [(16, 4, 2, 2), (32, 16, 4, 2), (31, 16, 4, 1), (16, 1, 2, 1), (16, 16, 2, 2), (8, 32, 4, 2)]
+)
 def test_sliding_window_mask_path_equals_dense(T, w, H, KV):
     torch.manual_seed(T + w)
     q, k, v = torch.randn(2, H, T, 16), torch.randn(2, KV, T, 16), torch.randn(2, KV, T, 16)
@@ -354,7 +395,11 @@ def test_fa3_leaves_packed_rows_mod_and_the_kv_cache_to_masks(fake_fa3):
     allowed = positions[0][:, None] >= positions[0][None]
     allowed[12:, :12] = False
     x = torch.randint(0, 128, (1, 32))
-    assert torch.allclose(model(x, positions=positions, allowed=allowed[None]), sdpa(x, positions=positions, allowed=allowed[None]), atol=1e-5)
+    assert torch.allclose(
+        model(x, positions=positions, allowed=allowed[None]),
+        sdpa(x, positions=positions, allowed=allowed[None]),
+        atol=1e-5,
+    )
     assert fake_fa3.windows == []
     # the KV cache decodes with explicit masks: the same tokens as SDPA's model, the kernel never called
     prompt = x[0, :5].tolist()
@@ -379,13 +424,22 @@ def test_bench_runs_on_the_cpu_with_sdpa_alone(tmp_path, monkeypatch):
     path = tmp_path / "attention.json"
     d = bench_attention.main(["--steps", "1", "--warmup", "0", "--json", str(path)])
     assert json.loads(path.read_text()) == json.loads(json.dumps(d))
-    assert [(r["kernel"], r["window"], r["window_tokens"]) for r in d["results"]] == [("sdpa", "L", 64), ("sdpa", "S", 32)]
+    assert [(r["kernel"], r["window"], r["window_tokens"]) for r in d["results"]] == [
+        ("sdpa", "L", 64),
+        ("sdpa", "S", 32),
+    ]
     assert all(r["fwd_bwd_ms"] > 0 and r["err_out"] < 1e-5 for r in d["results"])
-    assert d["attention"] == {"requested": "auto", "kernel": "sdpa", "reason": "no CUDA"} and d["vs_sdpa"] == [] and d["ok"]
+    assert (
+        d["attention"] == {"requested": "auto", "kernel": "sdpa", "reason": "no CUDA"}
+        and d["vs_sdpa"] == []
+        and d["ok"]
+    )
     # why each was not run
     assert d["kernels"] == {"sdpa": "timed", "cudnn": "no CUDA", "fa3": "no CUDA", "fa4": "no CUDA"}
     figures = gpu_checks.attention_figures(d)
-    assert figures.startswith("fwd+bwd sdpa L ") and figures.endswith("not run: cudnn (no CUDA), fa3 (no CUDA), fa4 (no CUDA)")
+    assert figures.startswith("fwd+bwd sdpa L ") and figures.endswith(
+        "not run: cudnn (no CUDA), fa3 (no CUDA), fa4 (no CUDA)"
+    )
     for named in ("fa3", "fa4", "cudnn"):  # a named kernel where it cannot run: the one line, exit status 1
         with pytest.raises(SystemExit):
             bench_attention.main(["--attn", named])
@@ -399,9 +453,16 @@ def test_bench_compares_every_kernel_that_loads_with_sdpa(fake_flash, monkeypatc
     monkeypatch.setattr(fa, "kernel_unavailable", lambda k, device, dtype=None: None if k == name else "not this one")
     if wrong:  # a kernel that reads left as the window itself: one key too many
         call = kernel.flash_attn_func
-        fake = lambda q, k, v, causal, window_size: call(q, k, v, causal=causal, window_size=(
-            window_size[0] + 1 if window_size[0] not in (None, -1) else window_size[0], 0))
-        monkeypatch.setattr(fa, "_fa3", types.SimpleNamespace(flash_attn_func=fake)) if name == "fa3" else monkeypatch.setattr(fa, "_fa4", fake)
+        fake = lambda q, k, v, causal, window_size: call(
+            q,
+            k,
+            v,
+            causal=causal,
+            window_size=(window_size[0] + 1 if window_size[0] not in (None, -1) else window_size[0], 0),
+        )
+        monkeypatch.setattr(
+            fa, "_fa3", types.SimpleNamespace(flash_attn_func=fake)
+        ) if name == "fa3" else monkeypatch.setattr(fa, "_fa4", fake)
         with pytest.raises(SystemExit):
             bench_attention.main(["--steps", "1", "--warmup", "0", "--kv-heads", "1"])
         assert "DISAGREE" in capsys.readouterr().out
@@ -410,28 +471,59 @@ def test_bench_compares_every_kernel_that_loads_with_sdpa(fake_flash, monkeypatc
     assert [(x["kernel"], x["window"], x["agree"]) for x in d["vs_sdpa"]] == [(name, "L", True), (name, "S", True)]
     assert all(x[key] < 1e-5 for x in d["vs_sdpa"] for key in ("out", "grad_q", "grad_k", "grad_v"))
     assert d["fa3_vs_sdpa"] == (d["vs_sdpa"] if name == "fa3" else [])  # what gpu_checks' headline reads
-    assert d["kernels"][name] == "timed" and list(d["kernels"]) == ["sdpa", name] + [k for k in ("cudnn", "fa3", "fa4") if k != name]
+    assert d["kernels"][name] == "timed" and list(d["kernels"]) == ["sdpa", name] + [
+        k for k in ("cudnn", "fa3", "fa4") if k != name
+    ]
     assert f"S: {name} " in gpu_checks.attention_figures(d)
 
 
 def test_gpu_checks_attention_figures_and_headline(tmp_path):
-    d = {"attention": {"requested": "auto", "kernel": "fa3", "reason": "Hopper GPU, kernel loaded"},
-         "kernels": {"sdpa": "timed", "fa3": "timed", "cudnn": "cudnn failed its probe", "fa4": "flash-attn-4 is not installed"},
-         "results": [{"kernel": k, "window": w, "fwd_bwd_ms": ms} for k, w, ms in
-                     (("sdpa", "L", 4.0), ("fa3", "L", 2.5), ("sdpa-mask", "S", 3.6), ("sdpa", "S", 3.0), ("fa3", "S", 1.5))],
-         "vs_sdpa": [{"kernel": k, "vs": vs, "window": w, "speedup": s, "out": 4e-3, "grad_q": 8e-3, "grad_k": 1e-2, "grad_v": 6e-3}
-                     for k, vs, w, s in (("fa3", "sdpa", "L", 1.6), ("sdpa", "sdpa-mask", "S", 1.2), ("fa3", "sdpa", "S", 2.0))],
-         "compile": {"kernel": "fa3", "fullgraph": True, "compile_s": 9.0, "fwd_bwd_ms": 1.4}}
+    d = {
+        "attention": {"requested": "auto", "kernel": "fa3", "reason": "Hopper GPU, kernel loaded"},
+        "kernels": {
+            "sdpa": "timed",
+            "fa3": "timed",
+            "cudnn": "cudnn failed its probe",
+            "fa4": "flash-attn-4 is not installed",
+        },
+        "results": [
+            {"kernel": k, "window": w, "fwd_bwd_ms": ms}
+            for k, w, ms in (
+                ("sdpa", "L", 4.0),
+                ("fa3", "L", 2.5),
+                ("sdpa-mask", "S", 3.6),
+                ("sdpa", "S", 3.0),
+                ("fa3", "S", 1.5),
+            )
+        ],
+        "vs_sdpa": [
+            {
+                "kernel": k,
+                "vs": vs,
+                "window": w,
+                "speedup": s,
+                "out": 4e-3,
+                "grad_q": 8e-3,
+                "grad_k": 1e-2,
+                "grad_v": 6e-3,
+            }
+            for k, vs, w, s in (("fa3", "sdpa", "L", 1.6), ("sdpa", "sdpa-mask", "S", 1.2), ("fa3", "sdpa", "S", 2.0))
+        ],
+        "compile": {"kernel": "fa3", "fullgraph": True, "compile_s": 9.0, "fwd_bwd_ms": 1.4},
+    }
     d["fa3_vs_sdpa"] = [x for x in d["vs_sdpa"] if x["kernel"] == "fa3"]
     assert gpu_checks.attention_figures(d) == (
         "fwd+bwd sdpa L 4.00 ms; fa3 L 2.50 ms; sdpa-mask S 3.60 ms; sdpa S 3.00 ms; fa3 S 1.50 ms; "
         "L: fa3 1.60× as fast as sdpa, |difference| out 4.0e-03, grads 1.0e-02; "
         "S: sdpa 1.20× as fast as sdpa-mask, |difference| out 4.0e-03, grads 1.0e-02; "
         "S: fa3 2.00× as fast as sdpa, |difference| out 4.0e-03, grads 1.0e-02; "
-        "not run: cudnn (cudnn failed its probe), fa4 (flash-attn-4 is not installed); fa3 compiled: fullgraph, 9 s, 1.40 ms")
+        "not run: cudnn (cudnn failed its probe), fa4 (flash-attn-4 is not installed); fa3 compiled: fullgraph, 9 s, 1.40 ms"
+    )
     old = {k: v for k, v in d.items() if k not in ("vs_sdpa", "kernels")}  # a JSON from before: FA3 and SDPA only
     assert gpu_checks.attention_figures(old).startswith("fwd+bwd sdpa L 4.00 ms; fa3 L 2.50 ms;")
     (tmp_path / "attention.json").write_text(json.dumps(d))
     lines = gpu_checks.headline(str(tmp_path))
-    assert "- attention alone, window S, 16 × 2048, 5 heads × 128: FA3 1.50 ms, SDPA 3.00 ms forward + backward (2.00×); " \
-           "outputs differ by at most 4.0e-03" in lines
+    assert (
+        "- attention alone, window S, 16 × 2048, 5 heads × 128: FA3 1.50 ms, SDPA 3.00 ms forward + backward (2.00×); "
+        "outputs differ by at most 4.0e-03" in lines
+    )

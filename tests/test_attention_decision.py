@@ -22,12 +22,18 @@ from nanochat.common import UserError
 from nanochat.gpt import GPT, GPTConfig
 from scripts import base_train
 
+
 def fake_hopper(monkeypatch, loads=("fa4", "cudnn", "fa3")):
     """A Hopper GPU as torch.cuda shows it, on which the kernels in `loads` load and pass their probe."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(fa, "kernel_unavailable", lambda kernel, device, dtype=None, shapes=None:
-                        None if kernel == "sdpa" or kernel in loads else f"{kernel} does not load here")
+    monkeypatch.setattr(
+        fa,
+        "kernel_unavailable",
+        lambda kernel, device, dtype=None, shapes=None: (
+            None if kernel == "sdpa" or kernel in loads else f"{kernel} does not load here"
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -43,14 +49,19 @@ def _rank(rank, init_file, out_dir):
     try:
         torch.cuda.is_available = lambda: True
         torch.cuda.get_device_capability = lambda device=None: (9, 0)
-        for name, requested, rank1_loads, preset in [("both load", "auto", True, ""), ("rank 1 cannot", "auto", False, ""),
-                                                     ("named, rank 1 cannot", "fa4", False, ""),
-                                                     ("rank 0 falls back", "auto", None, ""),
-                                                     ("published refused", "auto", None, "published")]:
+        for name, requested, rank1_loads, preset in [
+            ("both load", "auto", True, ""),
+            ("rank 1 cannot", "auto", False, ""),
+            ("named, rank 1 cannot", "fa4", False, ""),
+            ("rank 0 falls back", "auto", None, ""),
+            ("published refused", "auto", None, "published"),
+        ]:
+
             def unavailable(kernel, device, dtype=None, shapes=None, rank1_loads=rank1_loads):
                 if kernel == "sdpa" or (rank1_loads is not None and (rank == 0 or rank1_loads)):
                     return None
                 return "flash-attn-4 is not installed (pip install flash-attn-4)"
+
             fa.kernel_unavailable = unavailable
             try:
                 # a faked GPU: nothing is allocated
@@ -67,6 +78,7 @@ def _rank(rank, init_file, out_dir):
 def answers_of_two_ranks(rank_fn, tmp_path):
     """rank_fn(rank, init file, out dir) on two gloo ranks; each rank's answers, from the rank<r>.json it wrote."""
     import torch.multiprocessing as mp
+
     # forked: the ranks start with this process's imports (a spawned rank would import torch and the repo again)
     mp.start_processes(rank_fn, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="fork")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -79,12 +91,18 @@ def test_rank0_decides_and_every_rank_loads_or_every_rank_stops(tmp_path):
     assert r0["both load"] == {"requested": "auto", "kernel": "fa4", "reason": "Hopper GPU, flash-attn-4 loaded"}
     host = socket.gethostname()
     for name in ("rank 1 cannot", "named, rank 1 cannot"):
-        assert r0[name] == (f"UserError: attention: rank 0 chose fa4 ({'Hopper GPU, ' if 'named' not in name else ''}flash-attn-4 "
-                            f"loaded), but rank(s) 1 ({host}: flash-attn-4 is not installed (pip install flash-attn-4)) cannot run it; "
-                            "install it on every node, or pass --attn sdpa")
+        assert r0[name] == (
+            f"UserError: attention: rank 0 chose fa4 ({'Hopper GPU, ' if 'named' not in name else ''}flash-attn-4 "
+            f"loaded), but rank(s) 1 ({host}: flash-attn-4 is not installed (pip install flash-attn-4)) cannot run it; "
+            "install it on every node, or pass --attn sdpa"
+        )
     fell = r0["rank 0 falls back"]  # nothing loads on rank 0: SDPA everywhere, with the warning in the record
-    assert fell["kernel"] == "sdpa" and fell["warning"].startswith("--attn auto fell back to SDPA on a Hopper GPU (fa4: ")
-    assert r0["published refused"].startswith("UserError: --preset published on a Hopper GPU needs a fast attention kernel")
+    assert fell["kernel"] == "sdpa" and fell["warning"].startswith(
+        "--attn auto fell back to SDPA on a Hopper GPU (fa4: "
+    )
+    assert r0["published refused"].startswith(
+        "UserError: --preset published on a Hopper GPU needs a fast attention kernel"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -102,8 +120,9 @@ class Flaky:
         left, T = window_size[0], q.size(1)
         if self.fails == "window" and left not in (None, -1):
             raise RuntimeError("no local-attention kernel for this build")
-        y = fa.masked_attention(*(t.transpose(1, 2) for t in (q, k, v)),
-                                fa.window_mask(T, T if left in (None, -1) else left + 1, q.device)).transpose(1, 2)
+        y = fa.masked_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), fa.window_mask(T, T if left in (None, -1) else left + 1, q.device)
+        ).transpose(1, 2)
         if self.fails == "head dim 128" and q.size(-1) == 128:
             y.register_hook(refuse_head_dim_128)
         return y, None  # FA4 also returns the log-sum-exp
@@ -122,8 +141,14 @@ def cpu_stands_in_for_hopper(fa4, fa3):
 
 def scenario_shapes():
     """Three runs' attention: 4 query heads on 2 kv heads, rows of 64 tokens, S windows of 32."""
-    shapes = lambda head_dim, windows: fa.AttentionShapes(head_dim=head_dim, n_head=4, n_kv_head=2, seq_len=64, windows=windows)
-    return {"hd 64, L and S": shapes(64, (64, 32)), "hd 128, L": shapes(128, (64,)), "hd 128, L and S": shapes(128, (64, 32))}
+    shapes = lambda head_dim, windows: fa.AttentionShapes(
+        head_dim=head_dim, n_head=4, n_kv_head=2, seq_len=64, windows=windows
+    )
+    return {
+        "hd 64, L and S": shapes(64, (64, 32)),
+        "hd 128, L": shapes(128, (64,)),
+        "hd 128, L and S": shapes(128, (64, 32)),
+    }
 
 
 def _shapes_rank(rank, init_file, out_dir):
@@ -134,11 +159,14 @@ def _shapes_rank(rank, init_file, out_dir):
     os.environ["RANK"] = str(rank)
     answers, runs = {}, scenario_shapes()
     try:
-        for name, fa4_fails in [(n, "head dim 128") for n in runs] + [("rank 1's fa4 refuses windows", "window" if rank else None)]:
+        for name, fa4_fails in [(n, "head dim 128") for n in runs] + [
+            ("rank 1's fa4 refuses windows", "window" if rank else None)
+        ]:
             cpu_stands_in_for_hopper(Flaky(fa4_fails), Flaky("window"))
             try:
-                answers[name] = fa.agree_attention("auto", torch.device("cpu"), torch.bfloat16, True,
-                                                   shapes=runs.get(name, runs["hd 64, L and S"]))
+                answers[name] = fa.agree_attention(
+                    "auto", torch.device("cpu"), torch.bfloat16, True, shapes=runs.get(name, runs["hd 64, L and S"])
+                )
             except UserError as e:
                 answers[name] = f"UserError: {e}"
         dist.barrier()
@@ -160,16 +188,21 @@ def test_auto_passes_over_a_kernel_that_fails_the_runs_shapes_and_every_rank_pro
     fa3 = r0["hd 128, L"]
     assert fa3["kernel"] == "fa3" and fa3["reason"] == f"Hopper GPU, {fa.FA3_REPO} loaded from the hub"
     assert fa3["passed_over"][0] == fa4_fails
-    assert fa3["passed_over"][1].startswith(f"cudnn: cudnn failed its probe at head dim 128, {heads}, L window 64 (RuntimeError: ")
+    assert fa3["passed_over"][1].startswith(
+        f"cudnn: cudnn failed its probe at head dim 128, {heads}, L window 64 (RuntimeError: "
+    )
     none = r0["hd 128, L and S"]  # and fa3 fails the S window: SDPA, with every reason, each naming its shape
     assert none["kernel"] == "sdpa" and "probed" not in none and none["reason"].startswith(fa4_fails + "; cudnn: ")
-    assert none["reason"].endswith(f"; fa3: fa3 failed its probe at head dim 128, {heads}, S window 32 of 64 "
-                                   "(RuntimeError: no local-attention kernel for this build)")
+    assert none["reason"].endswith(
+        f"; fa3: fa3 failed its probe at head dim 128, {heads}, S window 32 of 64 "
+        "(RuntimeError: no local-attention kernel for this build)"
+    )
     # rank 0 chose fa4 at the run's shapes; rank 1 probes the same shapes
     assert r0["rank 1's fa4 refuses windows"] == (
         f"UserError: attention: rank 0 chose fa4 (Hopper GPU, flash-attn-4 loaded), but rank(s) 1 ({socket.gethostname()}: "
         f"fa4 failed its probe at head dim 64, {heads}, S window 32 of 64 (RuntimeError: no local-attention kernel for this "
-        "build)) cannot run it; install it on every node, or pass --attn sdpa")
+        "build)) cannot run it; install it on every node, or pass --attn sdpa"
+    )
 
 
 def test_the_record_keeps_each_shape_the_kernel_passed(monkeypatch):
@@ -178,19 +211,27 @@ def test_the_record_keeps_each_shape_the_kernel_passed(monkeypatch):
     for name in ("device_unfit", "_fa4", "_fa3", "_probed"):
         monkeypatch.setattr(fa, name, getattr(fa, name))  # cpu_stands_in_for_hopper sets them: restored after
     cpu_stands_in_for_hopper(Flaky("window"), Flaky())
-    shapes = fa.AttentionShapes(head_dim=16, n_head=4, n_kv_head=1, seq_len=2 * fa.PROBE_LEN, windows=(2 * fa.PROBE_LEN, fa.PROBE_LEN // 2))
+    shapes = fa.AttentionShapes(
+        head_dim=16, n_head=4, n_kv_head=1, seq_len=2 * fa.PROBE_LEN, windows=(2 * fa.PROBE_LEN, fa.PROBE_LEN // 2)
+    )
     record = fa.agree_attention("auto", "cpu", torch.bfloat16, False, shapes=shapes)
     at = dict(head_dim=16, n_head=4, n_kv_head=1, seq_len=2 * fa.PROBE_LEN, probe_len=fa.PROBE_LEN)
     assert record["kernel"] == "fa3" and record["probed"] == [
         dict(at, window=2 * fa.PROBE_LEN, probe_window=fa.PROBE_LEN, ok=True),  # L: the whole (short) row
         # S: a quarter of the row, as in the run
-        dict(at, window=fa.PROBE_LEN // 2, probe_window=fa.PROBE_LEN // 4, ok=True)]
-    assert record["passed_over"][0] == (f"fa4: fa4 failed its probe at head dim 16, 4 heads / 1 kv heads, S window "
-                                        f"{fa.PROBE_LEN // 2} of {2 * fa.PROBE_LEN} (RuntimeError: no local-attention kernel for this build)")
+        dict(at, window=fa.PROBE_LEN // 2, probe_window=fa.PROBE_LEN // 4, ok=True),
+    ]
+    assert record["passed_over"][0] == (
+        f"fa4: fa4 failed its probe at head dim 16, 4 heads / 1 kv heads, S window "
+        f"{fa.PROBE_LEN // 2} of {2 * fa.PROBE_LEN} (RuntimeError: no local-attention kernel for this build)"
+    )
     assert json.loads(json.dumps(record)) == record  # config.json takes it as it is
     assert ("fa3", "cpu", shapes) in fa._probed  # probed once per kernel, device and shapes
     assert fa.agree_attention("sdpa", "cpu", torch.bfloat16, False, shapes=shapes) == {
-        "requested": "sdpa", "kernel": "sdpa", "reason": "--attn sdpa"}  # SDPA is not probed
+        "requested": "sdpa",
+        "kernel": "sdpa",
+        "reason": "--attn sdpa",
+    }  # SDPA is not probed
 
 
 def test_the_cudnn_probe_runs_cudnn_alone_at_the_runs_shapes(monkeypatch):
@@ -199,20 +240,31 @@ def test_the_cudnn_probe_runs_cudnn_alone_at_the_runs_shapes(monkeypatch):
     monkeypatch.setattr(fa, "device_unfit", lambda device, dtype=None, majors=(9,): None)
     monkeypatch.setattr(fa, "_probed", set())
     asked, shapes_seen, real = [], [], fa.sdpa_kernel
-    monkeypatch.setattr(fa, "sdpa_kernel", lambda backends, set_priority=False: asked.append(backends) or real(backends, set_priority))
+    monkeypatch.setattr(
+        fa, "sdpa_kernel", lambda backends, set_priority=False: asked.append(backends) or real(backends, set_priority)
+    )
     masked = fa.masked_attention
-    monkeypatch.setattr(fa, "masked_attention", lambda q, k, v, mask: shapes_seen.append((tuple(q.shape), tuple(k.shape), mask is None))
-                        or masked(q, k, v, mask))
+    monkeypatch.setattr(
+        fa,
+        "masked_attention",
+        lambda q, k, v, mask: (
+            shapes_seen.append((tuple(q.shape), tuple(k.shape), mask is None)) or masked(q, k, v, mask)
+        ),
+    )
     shapes = fa.AttentionShapes(head_dim=128, n_head=4, n_kv_head=2, seq_len=64, windows=(64, 32))
     why = fa.kernel_unavailable("cudnn", "cpu", torch.bfloat16, shapes=shapes)
-    assert why.startswith("cudnn failed its probe at head dim 128, 4 heads / 2 kv heads, L window 64 (RuntimeError: No viable backend")
+    assert why.startswith(
+        "cudnn failed its probe at head dim 128, 4 heads / 2 kv heads, L window 64 (RuntimeError: No viable backend"
+    )
     assert asked == [fa.SDPBackend.CUDNN_ATTENTION]  # alone: not a priority list with flash behind it
     assert shapes_seen == [((1, 4, 64, 128), (1, 2, 64, 128), True)]  # (B, H, T, D): the run's head dim and GQA, causal
     with pytest.raises(UserError, match=r"^--attn cudnn cannot run here: cudnn failed its probe at head dim 128"):
         fa.resolve_attention("cudnn", "cpu", torch.bfloat16, shapes)
     asked.clear()
     shapes_seen.clear()
-    monkeypatch.setattr(fa, "sdpa_kernel", lambda backends, set_priority=False: asked.append(backends) or contextlib.nullcontext())
+    monkeypatch.setattr(
+        fa, "sdpa_kernel", lambda backends, set_priority=False: asked.append(backends) or contextlib.nullcontext()
+    )
     # cuDNN takes it (the CPU's SDPA stands in)
     assert fa.kernel_unavailable("cudnn", "cpu", torch.bfloat16, shapes=shapes) is None
     assert asked == [fa.SDPBackend.CUDNN_ATTENTION]  # the L window; the S window runs what training runs there
@@ -223,6 +275,7 @@ def test_the_cudnn_probe_runs_cudnn_alone_at_the_runs_shapes(monkeypatch):
 def test_base_train_probes_the_models_own_shapes(run_base, monkeypatch):
     """base_train passes the model's attention shapes to agree_attention: head dim, heads, kv heads, each window."""
     from conftest import TINY_TRAIN
+
     seen = []
 
     class Stop(Exception):
@@ -231,9 +284,12 @@ def test_base_train_probes_the_models_own_shapes(run_base, monkeypatch):
     def agree(*args, shapes=None):
         seen.append(shapes)
         raise Stop
+
     monkeypatch.setattr(base_train, "agree_attention", agree)
     with pytest.raises(Stop):
-        base_train.main(TINY_TRAIN + ["--run", "s", "--num-iterations", "2", "--window-pattern", "SL", "--n-kv-head", "1"])
+        base_train.main(
+            TINY_TRAIN + ["--run", "s", "--num-iterations", "2", "--window-pattern", "SL", "--n-kv-head", "1"]
+        )
     assert seen == [fa.AttentionShapes(head_dim=32, n_head=2, n_kv_head=1, seq_len=64, windows=(64, 32))]
 
 
@@ -241,14 +297,18 @@ def test_base_train_probes_the_models_own_shapes(run_base, monkeypatch):
 # the Hopper fallback warning and the GPU presets' refusal of SDPA
 
 
-@pytest.mark.parametrize("requested, kernel, hopper, preset, refused", [
-    ("auto", "sdpa", True, "published", True),
-    ("auto", "sdpa", True, "d20", True),  # every GPU preset
-    ("sdpa", "sdpa", True, "published", False),  # asked for explicitly
-    ("auto", "fa4", True, "published", False), ("auto", "cudnn", True, "published", False),
-    ("auto", "sdpa", False, "published", False),  # not Hopper: SDPA is what there is
-    ("auto", "sdpa", True, "", False),  # no GPU preset: the warning only
-])
+@pytest.mark.parametrize(
+    "requested, kernel, hopper, preset, refused",
+    [
+        ("auto", "sdpa", True, "published", True),
+        ("auto", "sdpa", True, "d20", True),  # every GPU preset
+        ("sdpa", "sdpa", True, "published", False),  # asked for explicitly
+        ("auto", "fa4", True, "published", False),
+        ("auto", "cudnn", True, "published", False),
+        ("auto", "sdpa", False, "published", False),  # not Hopper: SDPA is what there is
+        ("auto", "sdpa", True, "", False),  # no GPU preset: the warning only
+    ],
+)
 def test_gpu_presets_refuse_sdpa_on_hopper_unless_asked(requested, kernel, hopper, preset, refused):
     check = lambda: fa.check_preset_attention(requested, kernel, hopper, preset, "fa4: not installed")
     if not refused:
@@ -256,25 +316,38 @@ def test_gpu_presets_refuse_sdpa_on_hopper_unless_asked(requested, kernel, hoppe
         return
     with pytest.raises(UserError) as e:
         check()
-    assert str(e.value) == (f"--preset {preset} on a Hopper GPU needs a fast attention kernel, but --attn auto found none "
-                            "(fa4: not installed); pip install flash-attn-4, or pass --attn sdpa to train with SDPA anyway")
+    assert str(e.value) == (
+        f"--preset {preset} on a Hopper GPU needs a fast attention kernel, but --attn auto found none "
+        "(fa4: not installed); pip install flash-attn-4, or pass --attn sdpa to train with SDPA anyway"
+    )
 
 
 def test_auto_falling_back_on_hopper_warns_and_records_it(monkeypatch, capsys):
     fake_hopper(monkeypatch, loads=())
     record = fa.agree_attention("auto", "cuda", torch.bfloat16, False)
     reason = "fa4: fa4 does not load here; cudnn: cudnn does not load here; fa3: fa3 does not load here"
-    assert record == {"requested": "auto", "kernel": "sdpa", "reason": reason, "warning": fa.fallback_warning("auto", "sdpa", reason, True)}
+    assert record == {
+        "requested": "auto",
+        "kernel": "sdpa",
+        "reason": reason,
+        "warning": fa.fallback_warning("auto", "sdpa", reason, True),
+    }
     assert capsys.readouterr().out == f"warning: {record['warning']}\n"
     assert "attention runs slower than it could: pip install flash-attn-4" in record["warning"]
     with pytest.raises(UserError, match="^--preset published on a Hopper GPU needs a fast attention kernel"):
         fa.agree_attention("auto", "cuda", torch.bfloat16, False, "published")
     assert fa.agree_attention("sdpa", "cuda", torch.bfloat16, False, "published") == {
-        "requested": "sdpa", "kernel": "sdpa", "reason": "--attn sdpa"}  # asked for: no warning, no refusal
+        "requested": "sdpa",
+        "kernel": "sdpa",
+        "reason": "--attn sdpa",
+    }  # asked for: no warning, no refusal
     fake_hopper(monkeypatch, loads=("cudnn",))
     assert fa.agree_attention("auto", "cuda", torch.bfloat16, False, "published") == {
-        "requested": "auto", "kernel": "cudnn", "reason": "Hopper GPU, cuDNN attention runs",
-        "passed_over": ["fa4: fa4 does not load here"]}  # what auto passed over, and why
+        "requested": "auto",
+        "kernel": "cudnn",
+        "reason": "Hopper GPU, cuDNN attention runs",
+        "passed_over": ["fa4: fa4 does not load here"],
+    }  # what auto passed over, and why
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100: SDPA, no warning
     assert "warning" not in fa.agree_attention("auto", "cuda", torch.bfloat16, False, "published")
     assert capsys.readouterr().out == ""
@@ -284,13 +357,18 @@ def test_the_dry_run_names_the_kernel_it_expects(capsys):
     base_train.main(["--preset", "published", "--arch", "gpt", "--dry-run", "8"])
     out = capsys.readouterr().out.splitlines()
     plan = json.loads(next(l for l in out if l.startswith("PLAN "))[5:])
-    line = ("--attn auto → on a Hopper GPU (bf16) fa4 if flash-attn-4 loads, else cudnn if cuDNN attention runs, else fa3 if "
-            f"{fa.FA3_REPO} loads (the hub or its cache), else sdpa with a warning; sdpa elsewhere (CPU, other GPUs); "
-            "--preset published refuses sdpa on Hopper unless --attn sdpa")
+    line = (
+        "--attn auto → on a Hopper GPU (bf16) fa4 if flash-attn-4 loads, else cudnn if cuDNN attention runs, else fa3 if "
+        f"{fa.FA3_REPO} loads (the hub or its cache), else sdpa with a warning; sdpa elsewhere (CPU, other GPUs); "
+        "--preset published refuses sdpa on Hopper unless --attn sdpa"
+    )
     assert plan["attention"] == {"requested": "auto", "order": ["fa4", "cudnn", "fa3", "sdpa"], "expects": line}
     assert f"attention: {line}" in out
     assert fa.expected_attention("sdpa", "published")["expects"] == "--attn sdpa → sdpa everywhere"
-    assert fa.expected_attention("fa3")["expects"] == f"--attn fa3 → fa3 if {fa.FA3_REPO} loads (the hub or its cache), else the run stops with one line"
+    assert (
+        fa.expected_attention("fa3")["expects"]
+        == f"--attn fa3 → fa3 if {fa.FA3_REPO} loads (the hub or its cache), else the run stops with one line"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -299,7 +377,9 @@ def test_the_dry_run_names_the_kernel_it_expects(capsys):
 
 def dense_reference(q, k, v, window):
     T = q.size(2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=fa.window_mask(T, window, q.device), enable_gqa=k.size(1) != q.size(1))
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=fa.window_mask(T, window, q.device), enable_gqa=k.size(1) != q.size(1)
+    )
 
 
 def test_the_block_mask_skips_exactly_the_blocks_outside_the_window():
@@ -326,13 +406,19 @@ def test_flex_window_path_equals_the_dense_mask_reference_forward_and_backward(m
     """Gradients: flex_attention refuses autograd on the CPU; its eager path (the same mask_mod, applied densely)
     runs once that refusal is lifted."""
     from torch.nn.attention import flex_attention as fx
+
     monkeypatch.setattr(fx, "_validate_device", lambda *a: None)
     monkeypatch.setattr(fa, "flex", lambda: fx.flex_attention)
     blocks = fa.sliding_block_mask
     # blocks of 16, so a short row spans several
     monkeypatch.setattr(fa, "sliding_block_mask", lambda T, w, device, block=128: blocks(T, w, device, 16))
     torch.manual_seed(1)
-    q, k, v, dy = torch.randn(2, 4, 48, 16), torch.randn(2, 1, 48, 16), torch.randn(2, 1, 48, 16), torch.randn(2, 4, 48, 16)
+    q, k, v, dy = (
+        torch.randn(2, 4, 48, 16),
+        torch.randn(2, 1, 48, 16),
+        torch.randn(2, 1, 48, 16),
+        torch.randn(2, 4, 48, 16),
+    )
     xs = [t.clone().requires_grad_() for t in (q, k, v)]
     ys = [t.clone().requires_grad_() for t in (q, k, v)]
     got = fa.sliding_window_attention(*xs, 20)
@@ -347,20 +433,32 @@ def test_flex_window_path_equals_the_dense_mask_reference_forward_and_backward(m
 def test_plain_rows_on_cuda_build_no_mask_while_the_cpu_keeps_them():
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = GPT(GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, window_pattern="SL"))
+        model = GPT(
+            GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, window_pattern="SL")
+        )
     assert model.attention == "sdpa"
     # flex_attention takes the window on CUDA: nothing allocated
     assert model.attention_masks(32, "cuda") == [None, None]
     masks = model.attention_masks(32, "meta")  # anywhere else: the dense mask, as before
     assert masks[0].shape == (1, 1, 32, 32) and masks[1] is None
     assert [fa.mask_free(k, d) for k in ("sdpa", "cudnn", "fa3", "fa4") for d in ("cpu", "cuda")] == [
-        False, True, False, True, True, True, True, True]
+        False,
+        True,
+        False,
+        True,
+        True,
+        True,
+        True,
+        True,
+    ]
 
 
 def test_cudnn_prefers_cudnn_and_only_there(monkeypatch):
     calls = []
     real = fa.sdpa_kernel
-    monkeypatch.setattr(fa, "sdpa_kernel", lambda backends, set_priority=False: calls.append((backends, set_priority)) or real(backends))
+    monkeypatch.setattr(
+        fa, "sdpa_kernel", lambda backends, set_priority=False: calls.append((backends, set_priority)) or real(backends)
+    )
     q = torch.randn(1, 16, 2, 8, dtype=torch.bfloat16)
     fa.causal_attention(q, q, q, 16, "cudnn")  # a full window in bf16: SDPA with cuDNN first
     assert calls == [(fa.CUDNN_FIRST, True)] and fa.CUDNN_FIRST[0] == fa.SDPBackend.CUDNN_ATTENTION
@@ -397,6 +495,7 @@ def test_a_fallback_warning_opens_and_closes_the_run(run_base, monkeypatch, caps
     is where it is read), and config.json keeps it. Faked here: the CPU never falls back."""
     from conftest import TINY_TRAIN
     from scripts import base_train
+
     warned = {"warning": "--attn auto fell back to SDPA (faked)"}
     monkeypatch.setattr(fa, "fallback_warning", lambda *a: warned["warning"])  # as on a Hopper GPU where nothing loads
     run_dir = base_train.main(TINY_TRAIN + ["--run", "w", "--num-iterations", "2", "--eval-every", "-1"])

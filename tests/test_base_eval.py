@@ -16,8 +16,14 @@ from nanochat import core_eval
 EVAL = ["--split-tokens", "512", "--device-batch-size", "4", "--sample-tokens", "4", "--max-per-task", "4"]
 
 # label, task type, shots, random baseline (%), items
-MC_ITEMS = [{"query": f"Document {i}. The model", "choices": ["is the data.", "of weight gradient", "and"], "gold": i % 3} for i in range(6)]
-SCHEMA_ITEMS = [{"context_options": [f"The layer {i} was", f"The head {i} is"], "continuation": "the attention.", "gold": i % 2} for i in range(6)]
+MC_ITEMS = [
+    {"query": f"Document {i}. The model", "choices": ["is the data.", "of weight gradient", "and"], "gold": i % 3}
+    for i in range(6)
+]
+SCHEMA_ITEMS = [
+    {"context_options": [f"The layer {i} was", f"The head {i} is"], "continuation": "the attention.", "gold": i % 2}
+    for i in range(6)
+]
 LM_ITEMS = [{"context": f"Document {i}. The", "continuation": " model"} for i in range(6)]
 FAKE_TASKS = [
     ("tiny_mc", "multiple_choice", 1, 33.3, MC_ITEMS),
@@ -73,7 +79,9 @@ def test_eval_writes_results_of_either_arch(pair, capsys, arch):
     assert [r["task"] for r in rows] == ["tiny_mc", "tiny_schema", "tiny_lm"]
     for r in rows:
         t = saved["tasks"][r["task"]]
-        assert float(r["accuracy"]) == pytest.approx(t["accuracy"]) and float(r["centered"]) == pytest.approx(t["centered"])
+        assert float(r["accuracy"]) == pytest.approx(t["accuracy"]) and float(r["centered"]) == pytest.approx(
+            t["centered"]
+        )
         assert int(r["num_examples"]) == 4
 
     # samples: every prompt, greedy and sampled, the greedy one reproducible
@@ -84,10 +92,15 @@ def test_eval_writes_results_of_either_arch(pair, capsys, arch):
     assert again["tasks"] == saved["tasks"] and again["val_bpb"] == saved["val_bpb"]  # same step: other sections kept
 
     # progress lines with time, and the final table never calls a partial score CORE
-    assert any(line.startswith("tiny_lm") and re.search(r"\d+\.\ds  \[\d+/\d+(, eta \d+m\d\ds)?\]$", line) for line in out.splitlines())
+    assert any(
+        line.startswith("tiny_lm") and re.search(r"\d+\.\ds  \[\d+/\d+(, eta \d+m\d\ds)?\]$", line)
+        for line in out.splitlines()
+    )
     lines = out.splitlines()
-    table = lines[max(i for i, line in enumerate(lines) if line.startswith("task") and "centred" in line):]
-    assert any(line.startswith("partial CORE (3/22)") for line in table) and not any(line.startswith("CORE") for line in table)
+    table = lines[max(i for i, line in enumerate(lines) if line.startswith("task") and "centred" in line) :]
+    assert any(line.startswith("partial CORE (3/22)") for line in table) and not any(
+        line.startswith("CORE") for line in table
+    )
     assert any(line.startswith("absent_task") and "missing" in line for line in table)
 
 
@@ -96,12 +109,19 @@ def test_earlier_step_and_eval_subset(pair, capsys, monkeypatch):
     assert record["step"] == 3 and record["tokens"] == 3 * 256 and record["val_bpb"] > 0
     # another step: nothing kept
     assert record["tasks"] == {} and record["samples"] == [] and record["core_metric"] is None
-    assert open(os.path.join(pair["runs"]["gpt"], "eval", "step_000003_core_tasks.csv")).read() == "task,accuracy,centered,num_examples\n"
+    assert (
+        open(os.path.join(pair["runs"]["gpt"], "eval", "step_000003_core_tasks.csv")).read()
+        == "task,accuracy,centered,num_examples\n"
+    )
 
     # a NAG checkpoint inside the alpha warm-up (768 of 1024 tokens) is evaluated with its warm-up factor
     seen = []
     real = base_eval.evaluate_bpb_shared
-    monkeypatch.setattr(base_eval, "evaluate_bpb_shared", lambda model, *a, **kw: seen.append(model.alpha_warmup.item()) or real(model, *a, **kw))
+    monkeypatch.setattr(
+        base_eval,
+        "evaluate_bpb_shared",
+        lambda model, *a, **kw: seen.append(model.alpha_warmup.item()) or real(model, *a, **kw),
+    )
     base_eval.main(["--run", "nag", "--step", "3", "--eval", "bpb"] + EVAL)
     assert seen == [0.75, 0.75]
 
@@ -123,6 +143,7 @@ def test_bad_inputs(pair, script_error, tmp_path):
     assert "--eval takes" in script_error(base_eval.main, "--run", "gpt", "--eval", "bpb,mmlu")
     assert "no core.yaml" in script_error(base_eval.main, "--run", "gpt", "--eval-bundle", str(tmp_path))
     from nanochat.tokenizer import Tokenizer
+
     real_vocab = Tokenizer.get_vocab_size
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Tokenizer, "get_vocab_size", lambda self: real_vocab(self) + 1)
@@ -135,7 +156,10 @@ def test_records_and_per_batch_losses_are_saved(pair):
     cols, settings = core_eval.load_records(os.path.join(run_dir, "core_records.parquet"))
     assert record["core_records"] == "eval/step_000006_core_records.parquet" and record["core_finished"] is True
     assert record["interrupted"] is False and record["interrupted_tasks"] == []
-    assert open(os.path.join(run_dir, record["core_records"]), "rb").read() == open(os.path.join(run_dir, "core_records.parquet"), "rb").read()
+    assert (
+        open(os.path.join(run_dir, record["core_records"]), "rb").read()
+        == open(os.path.join(run_dir, "core_records.parquet"), "rb").read()
+    )
     assert settings["step"] == 6 and settings["max_per_task"] == 4 and set(settings["tasks"]) == set(record["tasks"])
     assert settings["tasks"]["tiny_lm"]["num_fewshot"] == 2 and settings["tasks"]["tiny_mc"]["random_baseline"] == 33.3
     for label, t in record["tasks"].items():
@@ -158,6 +182,7 @@ def test_records_and_per_batch_losses_are_saved(pair):
 
 def test_a_crash_keeps_the_finished_tasks(pair, monkeypatch, tmp_path):
     import shutil
+
     # a run not evaluated yet: the cut results go in place (test_eval_history: beside earlier ones)
     run_dir = str(tmp_path / "nag")
     shutil.copytree(pair["runs"]["nag"], run_dir, ignore=shutil.ignore_patterns("eval*", "core_*", ".lock"))
@@ -175,7 +200,11 @@ def test_a_crash_keeps_the_finished_tasks(pair, monkeypatch, tmp_path):
         base_eval.main(["--run", run_dir, "--eval", "core", "--eval-bundle", pair["bundle"]] + EVAL)
     saved = json.load(open(os.path.join(run_dir, "eval.json")))
     assert list(saved["tasks"]) == ["tiny_mc"] and saved["core_finished"] is False and saved["core_metric"] is None
-    assert saved["interrupted"] is True and saved["interrupted_tasks"] == ["tiny_schema", "tiny_lm"] and saved["missing_tasks"] == ["absent_task"]
+    assert (
+        saved["interrupted"] is True
+        and saved["interrupted_tasks"] == ["tiny_schema", "tiny_lm"]
+        and saved["missing_tasks"] == ["absent_task"]
+    )
     assert saved == json.load(open(os.path.join(run_dir, "eval", "step_000006.json")))
     cols, settings = core_eval.load_records(os.path.join(run_dir, "core_records.parquet"))
     assert set(cols["task"]) == {"tiny_mc"} and list(settings["tasks"]) == ["tiny_mc"]
@@ -196,7 +225,9 @@ def test_outputs_checked_before_any_work(pair, script_error, monkeypatch, tmp_pa
     if os.path.exists(blocker):
         os.remove(blocker)
     os.makedirs(blocker)
-    monkeypatch.setattr(base_eval.ckpt, "load_model", lambda *a, **k: pytest.fail("work started before the output check"))
+    monkeypatch.setattr(
+        base_eval.ckpt, "load_model", lambda *a, **k: pytest.fail("work started before the output check")
+    )
     try:
         err = script_error(base_eval.main, "--run", "gpt", "--eval-bundle", pair["bundle"], *EVAL)
     finally:
@@ -204,6 +235,7 @@ def test_outputs_checked_before_any_work(pair, script_error, monkeypatch, tmp_pa
     assert blocker in err and "directory" in err
     # another process holding the run (training, or another evaluation) stops base_eval at once
     from nanochat.checkpoint_manager import run_lock
+
     with run_lock(run_dir, "training"):
         err = script_error(base_eval.main, "--run", "gpt", "--eval-bundle", pair["bundle"], *EVAL)
     assert "in use by pid" in err and "(training)" in err
@@ -211,6 +243,7 @@ def test_outputs_checked_before_any_work(pair, script_error, monkeypatch, tmp_pa
 
 def test_truncated_checkpoint_names_the_file_and_the_previous_step(pair, script_error, tmp_path):
     import shutil
+
     run_dir = str(tmp_path / "cut")
     shutil.copytree(pair["runs"]["gpt"], run_dir)
     model_file = os.path.join(run_dir, "model_000006.pt")
@@ -227,4 +260,6 @@ def test_truncated_checkpoint_names_the_file_and_the_previous_step(pair, script_
     assert "step 6, is damaged (meta_000006.json records no file sizes: a checkpoint of an earlier version" in err
     assert "pass --step 3" in err
     os.remove(os.path.join(run_dir, "model_000003.pt"))
-    assert "no earlier complete step" in script_error(base_eval.main, "--run", run_dir, "--step", "6", "--eval", "bpb", *EVAL)
+    assert "no earlier complete step" in script_error(
+        base_eval.main, "--run", run_dir, "--step", "6", "--eval", "bpb", *EVAL
+    )

@@ -23,10 +23,16 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # 32 items: each task's interval needs stats.MIN_UNITS; 20: the schema task has too few for its own
 MC_ITEMS = [{"query": f"Document {i}. The", "choices": ["model is", "of and", "to"], "gold": i % 3} for i in range(32)]
-SCHEMA_ITEMS = [{"context_options": [f"The head {i}", f"The layer {i}"], "continuation": "is data.", "gold": i % 2} for i in range(20)]
+SCHEMA_ITEMS = [
+    {"context_options": [f"The head {i}", f"The layer {i}"], "continuation": "is data.", "gold": i % 2}
+    for i in range(20)
+]
 # two scored tasks (multiple choice, schema) and one listed in core.yaml without its file
-TASKS = [("mc_task", "multiple_choice", 0, 25.0, MC_ITEMS), ("schema_task", "schema", 0, 50.0, SCHEMA_ITEMS),
-         ("gone_task", "multiple_choice", 0, 25.0, None)]
+TASKS = [
+    ("mc_task", "multiple_choice", 0, 25.0, MC_ITEMS),
+    ("schema_task", "schema", 0, 50.0, SCHEMA_ITEMS),
+    ("gone_task", "multiple_choice", 0, 25.0, None),
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +46,20 @@ def pair(tiny_base_dir, tmp_path_factory, write_eval_bundle):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
         for arch in ("gpt", "nag"):
-            base_eval.main(["--run", arch, "--eval", "core,bpb", "--eval-bundle", bundle, "--split-tokens", "1024",
-                            "--device-batch-size", "4"])
+            base_eval.main(
+                [
+                    "--run",
+                    arch,
+                    "--eval",
+                    "core,bpb",
+                    "--eval-bundle",
+                    bundle,
+                    "--split-tokens",
+                    "1024",
+                    "--device-batch-size",
+                    "4",
+                ]
+            )
         yield {"base": base, "runs": runs, "bundle": bundle}
     torch.set_num_threads(before)
 
@@ -71,17 +89,23 @@ def test_report_of_a_pair(pair, capsys):
     assert out.strip().splitlines()[-1].endswith(path)
     assert "| steps |" in out and "| final val bpb (training log) |" in out  # the side-by-side table on stdout
     report = open(path).read()
-    metrics = {a: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] for a, d in pair["runs"].items()}
+    metrics = {
+        a: [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] for a, d in pair["runs"].items()
+    }
     evals = {a: json.load(open(os.path.join(d, "eval.json"))) for a, d in pair["runs"].items()}
 
     assert table_row(report, "steps") == ["6", "6"]
     assert table_row(report, "tokens") == ["1.54K", "1.54K"]
     assert table_row(report, "training FLOPs") == [f"{metrics[a][-1]['flops']:.3e}" for a in ("gpt", "nag")]
-    assert table_row(report, "final val bpb (training log)") == [f"{metrics[a][-1]['val_bpb']:.4f} (step 6)" for a in ("gpt", "nag")]
+    assert table_row(report, "final val bpb (training log)") == [
+        f"{metrics[a][-1]['val_bpb']:.4f} (step 6)" for a in ("gpt", "nag")
+    ]
     assert table_row(report, "val bpb (base_eval)") == [f"{evals[a]['val_bpb']:.4f}" for a in ("gpt", "nag")]
     # a partial score is labelled as such and never shown as CORE
     assert table_row(report, "CORE") == ["— (partial only)"] * 2
-    assert table_row(report, "partial CORE (tasks scored)") == [f"{evals[a]['partial_core']:.4f} (2/22)" for a in ("gpt", "nag")]
+    assert table_row(report, "partial CORE (tasks scored)") == [
+        f"{evals[a]['partial_core']:.4f} (2/22)" for a in ("gpt", "nag")
+    ]
 
     # every task: centred accuracy of both runs and the delta vs the first
     for task in ("mc_task", "schema_task"):
@@ -94,7 +118,13 @@ def test_report_of_a_pair(pair, capsys):
     assert "`--depth`" not in report and "`model_config.n_layer`" not in report
     assert table_row(report, "`nag_config.mod_floor`")[0] == "—"
 
-    for name in ("train_loss_vs_flops.png", "val_bpb_vs_flops.png", "gate_gain_by_depth.png", "gate_dead_branches.png", "step_time.png"):
+    for name in (
+        "train_loss_vs_flops.png",
+        "val_bpb_vs_flops.png",
+        "gate_gain_by_depth.png",
+        "gate_dead_branches.png",
+        "step_time.png",
+    ):
         data = open(os.path.join(os.path.dirname(path), name), "rb").read()
         assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
         assert f"]({name})" in report
@@ -104,7 +134,16 @@ def test_report_of_a_pair(pair, capsys):
         assert len(rows) == 6
         fwd_bwd = sum(t["fwd_bwd"] / sum(t.values()) for t in rows) / len(rows)
         assert table_row(report, "fwd+bwd")[k] == f"{100 * fwd_bwd:.1f}%"
-        assert abs(sum(float(table_row(report, part)[k][:-1]) for part in ("data", "fwd+bwd", "optim", "sync+log", "eval", "save")) - 100) < 0.5
+        assert (
+            abs(
+                sum(
+                    float(table_row(report, part)[k][:-1])
+                    for part in ("data", "fwd+bwd", "optim", "sync+log", "eval", "save")
+                )
+                - 100
+            )
+            < 0.5
+        )
     assert "partial CORE" in report and "missing: gone_task" in report
 
 
@@ -121,8 +160,11 @@ def test_run_without_eval_gets_training_parts(pair, tmp_path, capsys):
     # a single gpt run: no gate figures, nothing to diff
     path = compare.main([pair["runs"]["gpt"], "--out", str(tmp_path / "solo")])
     assert "nothing to compare" in open(path).read()
-    assert sorted(f for f in os.listdir(tmp_path / "solo") if f.endswith(".png")) == ["step_time.png", "train_loss_vs_flops.png",
-                                                                                      "val_bpb_vs_flops.png"]
+    assert sorted(f for f in os.listdir(tmp_path / "solo") if f.endswith(".png")) == [
+        "step_time.png",
+        "train_loss_vs_flops.png",
+        "val_bpb_vs_flops.png",
+    ]
 
 
 def edited_copy(pair, arch, dest, correct=None, settings_edit=None, items_edit=None):
@@ -155,13 +197,17 @@ def test_intervals_verdict_and_forest_plot(pair, tmp_path, capsys):
     t = r["tasks"]["mc_task"]
     assert table_row(report, "`mc_task`")[1:3] == [f"{t['ci'][0]:+.4f} … {t['ci'][1]:+.4f}", f"{t['p']:.3g}"]
     assert table_row(report, "`schema_task`")[1:3] == ["too few items for an interval (20 < 30)", "—"]
-    assert table_row(report, "**partial CORE (2/22)**")[:2] == [f"{r['delta']:+.4f}" + (" \\*" if r["ci"][0] > 0 or r["ci"][1] < 0 else ""),
-                                                                f"{r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}"]
+    assert table_row(report, "**partial CORE (2/22)**")[:2] == [
+        f"{r['delta']:+.4f}" + (" \\*" if r["ci"][0] > 0 or r["ci"][1] < 0 else ""),
+        f"{r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}",
+    ]
     out = capsys.readouterr().out
     assert f"nag − gpt partial CORE (2/22) = {r['delta']:+.4f} (95% CI {r['ci'][0]:+.4f} … {r['ci'][1]:+.4f}" in out
     assert "at 52 items over 2 tasks" in out and "(95% CI" in report
     evs = {a: json.load(open(os.path.join(d, "eval.json"))) for a, d in pair["runs"].items()}
-    b = stats.bpb_delta_interval(evs["gpt"]["val_batches"]["nats"], evs["nag"]["val_batches"]["nats"], evs["gpt"]["val_batches"]["bytes"])
+    b = stats.bpb_delta_interval(
+        evs["gpt"]["val_batches"]["nats"], evs["nag"]["val_batches"]["nats"], evs["gpt"]["val_batches"]["bytes"]
+    )
     assert b["delta"] == pytest.approx(evs["nag"]["val_bpb"] - evs["gpt"]["val_bpb"], rel=1e-9)
     # 4 val batches: the delta, no interval
     assert f"nag − gpt val bpb = {b['delta']:+.4f}: too few batches for an interval (4 < 30)" in report
@@ -169,24 +215,40 @@ def test_intervals_verdict_and_forest_plot(pair, tmp_path, capsys):
     assert data.startswith(PNG_MAGIC) and len(data) > 5000 and "](core_deltas.png)" in report
 
     # an edited copy that gets every mc_task item right where gpt's verdicts stay: the interval excludes 0
-    better = edited_copy(pair, "gpt", tmp_path / "gpt-better", correct=lambda row: True if row["task"] == "mc_task" else row["correct"])
+    better = edited_copy(
+        pair, "gpt", tmp_path / "gpt-better", correct=lambda row: True if row["task"] == "mc_task" else row["correct"]
+    )
     report = open(compare.main(["gpt", better, "--out", str(tmp_path / "better")])).read()
     g = evs["gpt"]["tasks"]["mc_task"]
     delta = (1 - g["accuracy"]) / 0.75
     # marked: the interval excludes 0
     assert g["accuracy"] < 1 and table_row(report, "`mc_task`")[0] == f"{delta:+.4f} \\*"
     assert table_row(report, "`schema_task`")[:3] == ["+0.0000", "too few items for an interval (20 < 30)", "—"]
-    assert "gpt#2 − gpt partial CORE (2/22) = " in report and ": distinguishable from noise at 52 items over 2 tasks" in report
+    assert (
+        "gpt#2 − gpt partial CORE (2/22) = " in report
+        and ": distinguishable from noise at 52 items over 2 tasks" in report
+    )
     # the usual CORE table shows the same deltas
     assert table_row(report, "mc_task")[2] == f"{delta:+.4f}"
 
 
 def test_runs_on_other_items_or_without_records_are_refused(pair, tmp_path, script_error):
     other = edited_copy(pair, "nag", tmp_path / "limit", settings_edit=lambda s: s.update(max_per_task=3))
-    assert "different CORE items or settings (--max-per-task -1 vs 3)" in script_error(compare.main, "gpt", other, "--out", str(tmp_path / "o"))
-    other = edited_copy(pair, "nag", tmp_path / "items", items_edit=lambda r: "x" if r["task"] == "schema_task" and r["idx"] == 2 else r["item"])
-    assert "the items of task schema_task differ" in script_error(compare.main, "gpt", other, "--out", str(tmp_path / "o"))
-    other = edited_copy(pair, "nag", tmp_path / "shots", settings_edit=lambda s: s["tasks"]["mc_task"].update(num_fewshot=1))
+    assert "different CORE items or settings (--max-per-task -1 vs 3)" in script_error(
+        compare.main, "gpt", other, "--out", str(tmp_path / "o")
+    )
+    other = edited_copy(
+        pair,
+        "nag",
+        tmp_path / "items",
+        items_edit=lambda r: "x" if r["task"] == "schema_task" and r["idx"] == 2 else r["item"],
+    )
+    assert "the items of task schema_task differ" in script_error(
+        compare.main, "gpt", other, "--out", str(tmp_path / "o")
+    )
+    other = edited_copy(
+        pair, "nag", tmp_path / "shots", settings_edit=lambda s: s["tasks"]["mc_task"].update(num_fewshot=1)
+    )
     assert "task mc_task settings" in script_error(compare.main, "gpt", other, "--out", str(tmp_path / "o"))
     assert not os.path.exists(tmp_path / "o")  # refused before writing anything
     # an eval.json whose records file is gone
@@ -209,7 +271,9 @@ def test_metrics_with_repeated_steps_or_a_torn_last_line(pair, tmp_path, script_
     err = script_error(compare.main, run, "--out", str(tmp_path / "o"))
     assert metrics in err and f"repeats step {json.loads(lines[3])['step']}" in err
     open(metrics, "w").writelines(lines[:2] + lines[3:4] + lines[2:3])
-    assert f"goes back to step {json.loads(lines[2])['step']}" in script_error(compare.main, run, "--out", str(tmp_path / "o"))
+    assert f"goes back to step {json.loads(lines[2])['step']}" in script_error(
+        compare.main, run, "--out", str(tmp_path / "o")
+    )
     # a kill mid-write leaves a torn last line: tolerated, with a note
     open(metrics, "w").writelines(lines + [lines[-1][:10]])
     path = compare.main([run, "--out", str(tmp_path / "torn")])
@@ -236,9 +300,16 @@ def test_bad_inputs_name_file_and_line(pair, tmp_path, script_error):
 
 def test_config_table_shows_optimizer_differences():
     def config(lm_head_betas, momentum_end):
-        return {"args": {"depth": 2}, "model_config": {"n_embd": 64},
-                "optimizer": {"groups": [{"name": "lm_head", "kind": "adamw", "num_params": 10, "lr": 0.1, "betas": lm_head_betas}],
-                              "muon_momentum": {"start": 0.85, "end": momentum_end}, "polar_norm_factor": 1.01}}
+        return {
+            "args": {"depth": 2},
+            "model_config": {"n_embd": 64},
+            "optimizer": {
+                "groups": [{"name": "lm_head", "kind": "adamw", "num_params": 10, "lr": 0.1, "betas": lm_head_betas}],
+                "muon_momentum": {"start": 0.85, "end": momentum_end},
+                "polar_norm_factor": 1.01,
+            },
+        }
+
     runs = [{"name": "a", "config": config([0.8, 0.96], 0.9)}, {"name": "b", "config": config([0.8, 0.95], 0.9)}]
     section = config_section(runs)
     assert "`optimizer.lm_head.betas`" in section and "[0.8, 0.95]" in section
@@ -259,17 +330,40 @@ def eval_record(step, bpb, batches=40, seed=0, fingerprints=FP, world_size=1, co
     rng = np.random.default_rng(seed)
     nbytes = [1000] * batches
     nats = [n * math.log(2) * (bpb + 0.02 * rng.standard_normal()) for n in nbytes]
-    rec = {"step": step, "val_bpb": sum(nats) / (math.log(2) * sum(nbytes)), "train_bpb": None, "split_tokens": batches * 256,
-           "val_batches": {"nats": nats, "bytes": nbytes}, "world_size": world_size, "fingerprints": fingerprints,
-           "tasks": {}, "core_metric": None, "partial_core": None, "num_tasks_scored": 0, "missing_tasks": None, "core_records": None}
+    rec = {
+        "step": step,
+        "val_bpb": sum(nats) / (math.log(2) * sum(nbytes)),
+        "train_bpb": None,
+        "split_tokens": batches * 256,
+        "val_batches": {"nats": nats, "bytes": nbytes},
+        "world_size": world_size,
+        "fingerprints": fingerprints,
+        "tasks": {},
+        "core_metric": None,
+        "partial_core": None,
+        "num_tasks_scored": 0,
+        "missing_tasks": None,
+        "core_records": None,
+    }
     if fingerprints is None:  # an evaluation from before they were recorded
         for key in ("world_size", "fingerprints"):
             rec.pop(key)
     if core:
-        rec["tasks"] = {t: {"accuracy": sum(v) / len(v), "centered": centered_accuracy(sum(v) / len(v), 25.0), "num_examples": len(v)}
-                        for t, v in core.items()}
-        rec.update(partial_core=sum(t["centered"] for t in rec["tasks"].values()) / len(core), num_tasks_scored=len(core),
-                   missing_tasks=[], core_records="core_records.parquet", max_per_task=-1)
+        rec["tasks"] = {
+            t: {
+                "accuracy": sum(v) / len(v),
+                "centered": centered_accuracy(sum(v) / len(v), 25.0),
+                "num_examples": len(v),
+            }
+            for t, v in core.items()
+        }
+        rec.update(
+            partial_core=sum(t["centered"] for t in rec["tasks"].values()) / len(core),
+            num_tasks_scored=len(core),
+            missing_tasks=[],
+            core_records="core_records.parquet",
+            max_per_task=-1,
+        )
         if interrupted:
             rec["interrupted"] = True
     return rec
@@ -282,21 +376,38 @@ def write_run(root, name, evals, arch="gpt", train_fingerprints=FP, core=None, a
     os.makedirs(os.path.join(run_dir, "eval"))
     last = evals[-1]["step"]
     args = {"arch": arch, **(args or {})}
-    config = {"run": name, "arch": arch, "world_size": 1, "num_iterations": last, "args": args,
-              "compute_dtype": "bfloat16", "fp8_layers": 12 if args.get("fp8") else 0}
+    config = {
+        "run": name,
+        "arch": arch,
+        "world_size": 1,
+        "num_iterations": last,
+        "args": args,
+        "compute_dtype": "bfloat16",
+        "fp8_layers": 12 if args.get("fp8") else 0,
+    }
     if train_fingerprints:
         config["fingerprints"] = train_fingerprints
     json.dump(config, open(os.path.join(run_dir, "config.json"), "w"))
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
         for step in range(last + 1):
-            f.write(json.dumps({"step": step, "train_loss": 5.0 - step / 10, "flops": 1e9 * step, "tokens": 256 * step}) + "\n")
+            f.write(
+                json.dumps({"step": step, "train_loss": 5.0 - step / 10, "flops": 1e9 * step, "tokens": 256 * step})
+                + "\n"
+            )
     for rec in evals:
         json.dump(rec, open(os.path.join(run_dir, "eval", f"step_{rec['step']:06d}.json"), "w"))
     json.dump(evals[-1], open(os.path.join(run_dir, "eval.json"), "w"))
     if evals[-1]["tasks"]:
-        rows = [{"task": t, "idx": i, "correct": bool(c), "margin": 0.0, "item": f"{t}-{i}"}
-                for t, verdicts in core.items() for i, c in enumerate(verdicts)]
-        settings = {"max_per_task": -1, "step": last, "tasks": {t: {"random_baseline": 25.0, "num_fewshot": 0} for t in core}}
+        rows = [
+            {"task": t, "idx": i, "correct": bool(c), "margin": 0.0, "item": f"{t}-{i}"}
+            for t, verdicts in core.items()
+            for i, c in enumerate(verdicts)
+        ]
+        settings = {
+            "max_per_task": -1,
+            "step": last,
+            "tasks": {t: {"random_baseline": 25.0, "num_fewshot": 0} for t in core},
+        }
         save_records(os.path.join(run_dir, "core_records.parquet"), rows, settings, atomic_write_bytes)
     return run_dir
 
@@ -312,7 +423,13 @@ def hand_base(tmp_path, monkeypatch):
 def test_runs_on_two_corpora_name_the_data_difference(hand_base, capsys):
     other = {**FP, "data_train": "beef" * 4, "data_val": "f00d" * 4}
     write_run(hand_base / "runs", "a", [eval_record(6, 1.30)])
-    write_run(hand_base / "runs", "b", [eval_record(6, 1.20, seed=1, fingerprints=other)], arch="nag", train_fingerprints=other)
+    write_run(
+        hand_base / "runs",
+        "b",
+        [eval_record(6, 1.20, seed=1, fingerprints=other)],
+        arch="nag",
+        train_fingerprints=other,
+    )
     report = open(compare.main(["a", "b"])).read()
     out = capsys.readouterr().out
     for text in (report, out):
@@ -329,8 +446,9 @@ def test_evaluation_process_count_is_flagged(hand_base, capsys):
     report = open(compare.main(["a", "b"])).read()
     out = capsys.readouterr().out
     assert "warning: `b` vs `a` differ in evaluation processes (world_size 1 vs 8)" in out
-    assert "no interval, the runs differ in evaluation processes (world_size 1 vs 8)" in report and "95% CI" not in report
-
+    assert (
+        "no interval, the runs differ in evaluation processes (world_size 1 vs 8)" in report and "95% CI" not in report
+    )
 
 
 def test_process_count_does_not_matter_once_val_batches_are_shared(hand_base, capsys):
@@ -360,7 +478,7 @@ def test_run_directories_of_an_earlier_version_are_one_line(hand_base, script_er
 
     def edit(name, path, change):
         run_dir = write_run(runs, name, [eval_record(6, 1.20, seed=1)])
-        for p in ([path] if path != "eval" else ["eval.json", "eval/step_000006.json"]):
+        for p in [path] if path != "eval" else ["eval.json", "eval/step_000006.json"]:
             with open(os.path.join(run_dir, p)) as f:
                 rec = json.load(f)
             change(rec)
@@ -368,14 +486,24 @@ def test_run_directories_of_an_earlier_version_are_one_line(hand_base, script_er
         return run_dir
 
     task = {"t": {"accuracy": 1.0, "centered": 1.0, "num_examples": 1}}
-    cases = {"eval.json": (write_run(runs, "no-eval-dir", [eval_record(6, 1.20, seed=1)]),
-                           "an evaluation of step 6 without its eval/step_000006.json"),
-             "nats": (edit("no-nats", "eval", lambda r: r.pop("val_batches")),
-                      "an evaluation of val bpb without its per-batch"),
-             "records": (edit("no-records", "eval", lambda r: r.update(tasks=task)),
-                         "an evaluation with CORE scores but no per-example records"),
-             "config": (edit("no-dtype", "config.json", lambda c: c.pop("compute_dtype")),
-                        "a run's config without its fp8 layers")}
+    cases = {
+        "eval.json": (
+            write_run(runs, "no-eval-dir", [eval_record(6, 1.20, seed=1)]),
+            "an evaluation of step 6 without its eval/step_000006.json",
+        ),
+        "nats": (
+            edit("no-nats", "eval", lambda r: r.pop("val_batches")),
+            "an evaluation of val bpb without its per-batch",
+        ),
+        "records": (
+            edit("no-records", "eval", lambda r: r.update(tasks=task)),
+            "an evaluation with CORE scores but no per-example records",
+        ),
+        "config": (
+            edit("no-dtype", "config.json", lambda c: c.pop("compute_dtype")),
+            "a run's config without its fp8 layers",
+        ),
+    }
     shutil.rmtree(os.path.join(cases["eval.json"][0], "eval"))
     for key, (run_dir, what) in cases.items():
         err = script_error(compare.main, "a", os.path.basename(run_dir))
@@ -394,8 +522,11 @@ def test_intervals_need_enough_batches(hand_base, capsys):
     write_run(hand_base / "runs", "c", [eval_record(6, 1.30, batches=30)])
     write_run(hand_base / "runs", "d", [eval_record(6, 1.20, batches=30, seed=1)])
     compare.main(["c", "d"])
-    assert "(95% CI" in capsys.readouterr().out and ": distinguishable from noise on 30 shared val batches" in open(
-        os.path.join(hand_base, "reports", "c@6_vs_d@6", "report.md")).read()
+    assert (
+        "(95% CI" in capsys.readouterr().out
+        and ": distinguishable from noise on 30 shared val batches"
+        in open(os.path.join(hand_base, "reports", "c@6_vs_d@6", "report.md")).read()
+    )
 
 
 def test_core_intervals_need_enough_items(hand_base, capsys):
@@ -408,7 +539,10 @@ def test_core_intervals_need_enough_items(hand_base, capsys):
     assert "partial CORE (2/22) = " in report and "too few items for an interval (20 < 30)" in report
     assert table_row(report, "`t1`")[1:3] == ["too few items for an interval (10 < 30)", "—"]
     report = open(compare.main(["c", "d"])).read()  # 40 items in all: the aggregate has its interval, each task not
-    assert "distinguishable from noise at 20 items per task" in report and table_row(report, "`t1`")[1] == "too few items for an interval (20 < 30)"
+    assert (
+        "distinguishable from noise at 20 items per task" in report
+        and table_row(report, "`t1`")[1] == "too few items for an interval (20 < 30)"
+    )
     assert "…" in table_row(report, "**partial CORE (2/22)**")[1]
 
 
@@ -417,7 +551,9 @@ def test_default_folder_never_replaces_a_report_of_other_inputs(hand_base, tmp_p
     write_run(hand_base / "runs", "b", [eval_record(6, 1.20, seed=1)])
     path = compare.main(["a", "b"])
     folder = os.path.join(hand_base, "reports", "a@6_vs_b@6")
-    assert path == os.path.join(folder, "report.md") and report_is_current(folder, [a, os.path.join(hand_base, "runs", "b")])
+    assert path == os.path.join(folder, "report.md") and report_is_current(
+        folder, [a, os.path.join(hand_base, "runs", "b")]
+    )
     os.utime(path, (0, 0))
     assert compare.main(["a", "b"]) == path and os.path.getmtime(path) > 0  # the same inputs: rewritten
     # runs of the same names in another base dir
@@ -437,9 +573,19 @@ def test_default_folder_never_replaces_a_report_of_other_inputs(hand_base, tmp_p
 
 def test_several_evaluated_steps_are_plotted(hand_base, capsys):
     core = {f"t{i}": [1, 0] * 20 for i in range(3)}
-    write_run(hand_base / "runs", "a", [eval_record(2, 1.5, core=core), eval_record(4, 1.4, core=core, interrupted=True),
-                                        eval_record(6, 1.3, core=core)], core=core)
-    write_run(hand_base / "runs", "b", [eval_record(3, 1.45, seed=1), eval_record(6, 1.25, seed=2, core=core)], core=core)
+    write_run(
+        hand_base / "runs",
+        "a",
+        [
+            eval_record(2, 1.5, core=core),
+            eval_record(4, 1.4, core=core, interrupted=True),
+            eval_record(6, 1.3, core=core),
+        ],
+        core=core,
+    )
+    write_run(
+        hand_base / "runs", "b", [eval_record(3, 1.45, seed=1), eval_record(6, 1.25, seed=2, core=core)], core=core
+    )
     report = open(compare.main(["a", "b"])).read()
     data = open(os.path.join(hand_base, "reports", "a@6_vs_b@6", "eval_vs_step.png"), "rb").read()
     assert data.startswith(PNG_MAGIC) and "](eval_vs_step.png)" in report
@@ -447,7 +593,9 @@ def test_several_evaluated_steps_are_plotted(hand_base, capsys):
     assert "(partial, 3/22, interrupted)" in table_row(report, "`a` | 4")[2] and table_row(report, "`b` | 3")[2] == "—"
     assert "## Evaluated steps" in report
     # runs logged before base_train measured where a step's time goes: no breakdown, no empty figure
-    assert "## Step time" not in report and not os.path.exists(os.path.join(hand_base, "reports", "a@6_vs_b@6", "step_time.png"))
+    assert "## Step time" not in report and not os.path.exists(
+        os.path.join(hand_base, "reports", "a@6_vs_b@6", "step_time.png")
+    )
 
 
 @pytest.mark.parametrize("how", ["file in the way", "read-only"])
@@ -473,8 +621,14 @@ def seed_group(root, arch, bpbs, core_acc, seeds=None, batches=40, args=None, pr
         seed = k if seeds is None else seeds[k]
         core = {t: (rng.random(40) < core_acc).astype(int).tolist() for t in ("t1", "t2")}
         name = f"{prefix or arch}-s{seed}"
-        write_run(root, name, [eval_record(6, bpb, batches=batches, seed=seed, core=core)], arch=arch, core=core,
-                  args={"seed": seed, "data_seed": seed, "depth": 4, **(args or {})})
+        write_run(
+            root,
+            name,
+            [eval_record(6, bpb, batches=batches, seed=seed, core=core)],
+            arch=arch,
+            core=core,
+            args={"seed": seed, "data_seed": seed, "depth": 4, **(args or {})},
+        )
         names.append(name)
     return names
 
@@ -496,7 +650,9 @@ def test_groups_report_and_comparison_json(hand_base, capsys):
     assert core["runs"] == pytest.approx({n: ev["partial_core"] for n, ev in evals.items()}, abs=1e-12)
     for m, key in ((bpb, "val_bpb"), (core, "partial_core")):
         va, vb = [evals[n][key] for n in a], [evals[n][key] for n in b]
-        assert m["groups"]["a"]["mean"] == pytest.approx(np.mean(va)) and m["groups"]["b"]["sd"] == pytest.approx(np.std(vb, ddof=1))
+        assert m["groups"]["a"]["mean"] == pytest.approx(np.mean(va)) and m["groups"]["b"]["sd"] == pytest.approx(
+            np.std(vb, ddof=1)
+        )
         assert m["delta"]["value"] == pytest.approx(np.mean(vb) - np.mean(va))
         lo, hi = m["delta"]["ci"]
         # df is k - 1 at least
@@ -505,7 +661,10 @@ def test_groups_report_and_comparison_json(hand_base, capsys):
         assert m["seed_sd"] == pytest.approx(np.std(np.subtract(vb, va), ddof=1))
         assert m["runs_needed"]["published"] == stats.runs_needed(m["seed_sd"], m["published_delta"], paired=True)
     report = open(path).read()
-    assert f"| a | `gpt-s0` | gpt | 0 | 0 | {evals['gpt-s0']['val_bpb']:.4f} | {evals['gpt-s0']['partial_core']:.4f} |" in report
+    assert (
+        f"| a | `gpt-s0` | gpt | 0 | 0 | {evals['gpt-s0']['val_bpb']:.4f} | {evals['gpt-s0']['partial_core']:.4f} |"
+        in report
+    )
     assert "](groups.png)" in report and "(comparison.json)" in report and "σ_d" in report
     assert open(os.path.join(folder, "groups.png"), "rb").read().startswith(PNG_MAGIC)
     # the positional form is untouched
@@ -566,8 +725,14 @@ def test_a_folder_compare_did_not_write_is_never_touched(hand_base, tmp_path, sc
     (mine / "report.md").write_text("my own report\n")
     (mine / "mydata.csv").write_text("1,2\n")
     err = script_error(compare.main, "a", "b", "--out", str(mine))
-    assert f"{mine} holds files that `python -m scripts.compare` did not write (mydata.csv, report.md)" in err and "--force" in err
-    assert (mine / "report.md").read_text() == "my own report\n" and sorted(os.listdir(mine)) == ["mydata.csv", "report.md"]
+    assert (
+        f"{mine} holds files that `python -m scripts.compare` did not write (mydata.csv, report.md)" in err
+        and "--force" in err
+    )
+    assert (mine / "report.md").read_text() == "my own report\n" and sorted(os.listdir(mine)) == [
+        "mydata.csv",
+        "report.md",
+    ]
     compare.main(["a", "b", "--out", str(mine), "--force"])  # asked for: its own names replaced, the rest untouched
     assert (mine / "mydata.csv").read_text() == "1,2\n" and "# `a` vs `b`" in (mine / "report.md").read_text()
 
@@ -582,7 +747,9 @@ def test_a_folder_compare_did_not_write_is_never_touched(hand_base, tmp_path, sc
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "ema 0.95 → 0.5" in notes[0] and str(out / "replaced") in notes[0]
     (stamp,) = os.listdir(out / "replaced")
-    assert (out / "replaced" / stamp / "report.md").read_bytes() == first and os.path.exists(out / "replaced" / stamp / "inputs.json")
+    assert (out / "replaced" / stamp / "report.md").read_bytes() == first and os.path.exists(
+        out / "replaced" / stamp / "inputs.json"
+    )
     assert json.load(open(out / "inputs.json"))["inputs"]["ema"] == 0.5
 
 
@@ -605,6 +772,7 @@ def test_a_p_value_below_the_resampling_floor_is_not_zero(hand_base, capsys):
     out = capsys.readouterr().out
     assert "p = 0)" not in out and "p < 1/10000" in out and "p < 1/10000" in open(path).read()
     from analysis.compare.tables import p_text
+
     assert p_text(0.0) == "< 1/10000" and p_text(1 / 10001) == "< 1/10000" and p_text(0.0312) == "= 0.0312"
 
 
@@ -614,8 +782,10 @@ def test_an_fp8_arm_against_a_bf16_one_is_refused_unless_asked(hand_base, script
     write_run(hand_base / "runs", "g8", [eval_record(6, 1.30)], args={"fp8": True})
     write_run(hand_base / "runs", "n16", [eval_record(6, 1.29)], arch="nag")
     err = script_error(compare.main, "g8", "n16")
-    assert err == ("error: `g8` trained with fp8 matmuls (--fp8), `n16` in bf16: their gap would mix the precision into the "
-                   "architecture's; compare runs of one precision, or pass --mixed-precision")
+    assert err == (
+        "error: `g8` trained with fp8 matmuls (--fp8), `n16` in bf16: their gap would mix the precision into the "
+        "architecture's; compare runs of one precision, or pass --mixed-precision"
+    )
     assert compare.main(["g8", "n16", "--mixed-precision"]).endswith("report.md")
     a = seed_group(hand_base / "runs", "gpt", [1.30, 1.31], 0.5, args={"fp8": True})
     b = seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6)
@@ -632,7 +802,9 @@ def test_runs_on_other_package_versions_get_a_one_line_note(hand_base, capsys):
     for name, numpy_version in (("v1", "2.4.6"), ("v2", "2.5.5"), ("v3", "2.4.6")):
         run_dir = write_run(hand_base / "runs", name, [eval_record(6, 1.30)])
         config = json.load(open(os.path.join(run_dir, "config.json")))
-        json.dump({**config, "versions": {**same, "numpy": numpy_version}}, open(os.path.join(run_dir, "config.json"), "w"))
+        json.dump(
+            {**config, "versions": {**same, "numpy": numpy_version}}, open(os.path.join(run_dir, "config.json"), "w")
+        )
     write_run(hand_base / "runs", "old", [eval_record(6, 1.31)])  # a run that recorded none
     note = "the runs trained with other package versions: numpy 2.4.6 (`v1`) vs 2.5.5 (`v2`)"
     report = open(compare.main(["v1", "v2"])).read()
@@ -640,7 +812,10 @@ def test_runs_on_other_package_versions_get_a_one_line_note(hand_base, capsys):
     for runs in (["v1", "v3"], ["v1", "old"]):
         report = open(compare.main(runs)).read()
         assert "package versions" not in capsys.readouterr().out + report
-    a, b = seed_group(hand_base / "runs", "gpt", [1.30, 1.31], 0.5), seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6)
+    a, b = (
+        seed_group(hand_base / "runs", "gpt", [1.30, 1.31], 0.5),
+        seed_group(hand_base / "runs", "nag", [1.29, 1.28], 0.6),
+    )
     for i, name in enumerate(b):
         run_dir = hand_base / "runs" / name
         config = json.load(open(run_dir / "config.json"))

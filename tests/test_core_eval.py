@@ -18,9 +18,19 @@ from conftest import PROCESSES
 from nanochat import core_eval
 from nanochat.common import UserError
 from nanochat.core_eval import (
-    crop_to_context, evaluate_core, evaluate_example, evaluate_task, ensure_eval_bundle, fewshot_indices,
-    load_core_tasks, load_task_data, prepare_examples, render_prompts_lm, render_prompts_mc,
-    render_prompts_schema, score_examples,
+    crop_to_context,
+    evaluate_core,
+    evaluate_example,
+    evaluate_task,
+    ensure_eval_bundle,
+    fewshot_indices,
+    load_core_tasks,
+    load_task_data,
+    prepare_examples,
+    render_prompts_lm,
+    render_prompts_mc,
+    render_prompts_schema,
+    score_examples,
 )
 
 MC = {"task_type": "multiple_choice", "num_fewshot": 0, "continuation_delimiter": " "}
@@ -51,8 +61,8 @@ class TinyCausalLM(nn.Module):
         self.dim = dim
         self.emb = nn.Parameter(torch.randn(vocab, dim, generator=g))
         self.pos = nn.Parameter(0.3 * torch.randn(seq_len, dim, generator=g))
-        self.qkv = nn.Parameter(torch.randn(dim, 3 * dim, generator=g) / dim ** 0.5)
-        self.head = nn.Parameter(3 * torch.randn(dim, vocab, generator=g) / dim ** 0.5)
+        self.qkv = nn.Parameter(torch.randn(dim, 3 * dim, generator=g) / dim**0.5)
+        self.head = nn.Parameter(3 * torch.randn(dim, vocab, generator=g) / dim**0.5)
 
     def forward(self, ids):
         T = ids.size(1)
@@ -125,13 +135,17 @@ class CycleLM(nn.Module):
     def forward(self, ids):
         return 0.5 * self.inner(ids) + self.vote[ids]
 
+
 # -----------------------------------------------------------------------------
 # prompts
 
 
 def test_render_mc_zero_and_few_shot():
     item = {"query": "Q: sky?", "choices": ["blue", "green"], "gold": 0}
-    shots = [{"query": "Q: grass?", "choices": ["red", "green"], "gold": 1}, {"query": "Q: sun?", "choices": ["hot", "cold"], "gold": 0}]
+    shots = [
+        {"query": "Q: grass?", "choices": ["red", "green"], "gold": 1},
+        {"query": "Q: sun?", "choices": ["hot", "cold"], "gold": 0},
+    ]
     assert render_prompts_mc(item, "\nAnswer: ") == ["Q: sky?\nAnswer: blue", "Q: sky?\nAnswer: green"]
     assert render_prompts_mc(item, " ", shots) == [
         "Q: grass? green\n\nQ: sun? hot\n\nQ: sky? blue",
@@ -140,9 +154,16 @@ def test_render_mc_zero_and_few_shot():
 
 
 def test_render_schema_zero_and_few_shot():
-    item = {"context_options": ["Ann helped Bo because Ann", "Ann helped Bo because Bo"], "continuation": "was kind.", "gold": 0}
+    item = {
+        "context_options": ["Ann helped Bo because Ann", "Ann helped Bo because Bo"],
+        "continuation": "was kind.",
+        "gold": 0,
+    }
     shot = {"context_options": ["X", "Y"], "continuation": "went home.", "gold": 1}
-    assert render_prompts_schema(item, " ") == ["Ann helped Bo because Ann was kind.", "Ann helped Bo because Bo was kind."]
+    assert render_prompts_schema(item, " ") == [
+        "Ann helped Bo because Ann was kind.",
+        "Ann helped Bo because Bo was kind.",
+    ]
     assert render_prompts_schema(item, " ", [shot]) == [
         "Y went home.\n\nAnn helped Bo because Ann was kind.",
         "Y went home.\n\nAnn helped Bo because Bo was kind.",
@@ -180,12 +201,13 @@ def test_fewshot_examples_are_rendered_into_the_prompt():
     expect = ByteTokenizer()(render_prompts_mc(data[4], " ", shots), prepend=256)
     assert ex["seqs"] == expect
 
+
 # -----------------------------------------------------------------------------
 # scored spans and cropping
 
 
 def text_of(seq, span):
-    return bytes(seq[span[0]:span[1]]).decode()
+    return bytes(seq[span[0] : span[1]]).decode()
 
 
 def test_mc_span_is_where_choices_differ():
@@ -197,8 +219,11 @@ def test_mc_span_is_where_choices_differ():
 
 
 def test_schema_span_is_the_common_suffix():
-    item = {"context_options": ["The dog chased the cat because the dog", "The dog chased the cat because the cat"],
-            "continuation": "was hungry.", "gold": 0}
+    item = {
+        "context_options": ["The dog chased the cat because the dog", "The dog chased the cat because the cat"],
+        "continuation": "was hungry.",
+        "gold": 0,
+    }
     ex = prepare_examples([0], [item], ByteTokenizer(), SCHEMA)[0]
     assert [text_of(s, sp) for s, sp in zip(ex["seqs"], ex["spans"])] == [" was hungry."] * 2
 
@@ -233,12 +258,21 @@ def test_crop_of_a_span_longer_than_the_window_keeps_its_head():
     assert crop_to_context(seq, 15, 20, 8) == (list(range(12, 20)), 3, 8)
     assert crop_to_context(seq, 15, 20, None) == (seq, 15, 20)
 
+
 # -----------------------------------------------------------------------------
 # scoring: batched vs one at a time
 
 
-@pytest.mark.parametrize("task_type,fewshot,delimiter", [("multiple_choice", 0, " "), ("multiple_choice", 2, "\nAnswer: "),
-                                                        ("schema", 1, " "), ("language_modeling", 0, ""), ("language_modeling", 2, "")])
+@pytest.mark.parametrize(
+    "task_type,fewshot,delimiter",
+    [
+        ("multiple_choice", 0, " "),
+        ("multiple_choice", 2, "\nAnswer: "),
+        ("schema", 1, " "),
+        ("language_modeling", 0, ""),
+        ("language_modeling", 2, ""),
+    ],
+)
 def test_batched_verdicts_equal_one_at_a_time(task_type, fewshot, delimiter):
     data = mixed_items(task_type, 40, seed=fewshot)
     meta = {"task_type": task_type, "num_fewshot": fewshot, "continuation_delimiter": delimiter}
@@ -319,7 +353,11 @@ def test_packed_row_layout():
 def test_packed_scores_equal_the_reference_scores_on_the_gpt():
     gpt = pytest.importorskip("nanochat.gpt")
     torch.manual_seed(0)
-    model = gpt.GPT(gpt.GPTConfig(sequence_len=256, vocab_size=257, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL"))
+    model = gpt.GPT(
+        gpt.GPTConfig(
+            sequence_len=256, vocab_size=257, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL"
+        )
+    )
     model.init_weights()
     with torch.no_grad():
         for p in model.parameters():
@@ -342,6 +380,7 @@ def test_unknown_task_type_is_a_user_error():
     with pytest.raises(UserError, match="unknown task type"):
         evaluate_task(TinyCausalLM(), ByteTokenizer(), [{"query": "q"}], "cpu", dict(MC, task_type="generation"))
 
+
 # -----------------------------------------------------------------------------
 # the bundle: core.yaml, eval_meta_data.csv, jsonl files
 
@@ -353,11 +392,18 @@ def test_core_yaml_is_read_with_yaml(tmp_path):
         "# bundle\nicl_tasks:\n-\n  label: arc\n  dataset_uri: w/arc.jsonl\n  num_fewshot: [10, 25]  # first one\n"
         "  icl_task_type: multiple_choice\n  continuation_delimiter: \"\\nAnswer: \"\n"
         "- label: 'it''s'\n  dataset_uri: x.jsonl\n  num_fewshot:\n    - 3\n  icl_task_type: schema\n"
-        "- {label: lam, dataset_uri: l.jsonl, num_fewshot: 0, icl_task_type: language_modeling}\n")
+        "- {label: lam, dataset_uri: l.jsonl, num_fewshot: 0, icl_task_type: language_modeling}\n"
+    )
     (tmp_path / "eval_meta_data.csv").write_text("Eval Task,Random baseline\narc,25\nit's,50\nlam,0\nunused,50\n")
     tasks = load_core_tasks(str(tmp_path))
-    assert [(t["label"], t["dataset_uri"], t["num_fewshot"], t["continuation_delimiter"], t["random_baseline"]) for t in tasks] == [
-        ("arc", "w/arc.jsonl", 10, "\nAnswer: ", 25.0), ("it's", "x.jsonl", 3, " ", 50.0), ("lam", "l.jsonl", 0, " ", 0.0)]
+    assert [
+        (t["label"], t["dataset_uri"], t["num_fewshot"], t["continuation_delimiter"], t["random_baseline"])
+        for t in tasks
+    ] == [
+        ("arc", "w/arc.jsonl", 10, "\nAnswer: ", 25.0),
+        ("it's", "x.jsonl", 3, " ", 50.0),
+        ("lam", "l.jsonl", 0, " ", 0.0),
+    ]
     (tmp_path / "core.yaml").write_text("icl_tasks:\n- label: [unclosed\n")
     with pytest.raises(UserError, match="core.yaml is not valid YAML"):
         load_core_tasks(str(tmp_path))
@@ -368,14 +414,29 @@ def test_core_yaml_is_read_with_yaml(tmp_path):
 
 
 def test_load_core_tasks_reads_settings_and_baselines(tmp_path, write_eval_bundle):
-    root = write_eval_bundle(tmp_path / "b", [("arc", "multiple_choice", 10, 25, None, "\nAnswer: "), ("lam", "language_modeling", 0, 0, None)],
-                             extra_baselines={"unused": 50})
+    root = write_eval_bundle(
+        tmp_path / "b",
+        [("arc", "multiple_choice", 10, 25, None, "\nAnswer: "), ("lam", "language_modeling", 0, 0, None)],
+        extra_baselines={"unused": 50},
+    )
     tasks = load_core_tasks(root)
     assert tasks == [
-        {"label": "arc", "dataset_uri": "tiny/arc.jsonl", "task_type": "multiple_choice", "num_fewshot": 10,
-         "continuation_delimiter": "\nAnswer: ", "random_baseline": 25.0},
-        {"label": "lam", "dataset_uri": "tiny/lam.jsonl", "task_type": "language_modeling", "num_fewshot": 0,
-         "continuation_delimiter": " ", "random_baseline": 0.0},
+        {
+            "label": "arc",
+            "dataset_uri": "tiny/arc.jsonl",
+            "task_type": "multiple_choice",
+            "num_fewshot": 10,
+            "continuation_delimiter": "\nAnswer: ",
+            "random_baseline": 25.0,
+        },
+        {
+            "label": "lam",
+            "dataset_uri": "tiny/lam.jsonl",
+            "task_type": "language_modeling",
+            "num_fewshot": 0,
+            "continuation_delimiter": " ",
+            "random_baseline": 0.0,
+        },
     ]
 
 
@@ -410,6 +471,7 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
     path.write_text(good + "\n\n")
     assert len(load_task_data(str(path), "multiple_choice")) == 1  # blank lines are not items
 
+
 # -----------------------------------------------------------------------------
 # the metric
 
@@ -425,7 +487,10 @@ def test_centering_and_the_core_average(tmp_path, monkeypatch, write_eval_bundle
     def fake_task_verdicts(model, tokenizer, data, device, task_meta, **kw):
         calls.append(len(data))
         k = right[labels[len(calls) - 1]]
-        return [{"idx": j, "correct": j < k, "pred": 0, "margin": 1.0 if j < k else -1.0, "rescored": False} for j in range(len(data))]
+        return [
+            {"idx": j, "correct": j < k, "pred": 0, "margin": 1.0 if j < k else -1.0, "rescored": False}
+            for j in range(len(data))
+        ]
 
     monkeypatch.setattr(core_eval, "task_verdicts", fake_task_verdicts)
     lines, partial = [], []
@@ -442,15 +507,26 @@ def test_centering_and_the_core_average(tmp_path, monkeypatch, write_eval_bundle
     assert out["partial_core"] == out["core_metric"] and out["num_tasks_scored"] == 22 and out["missing_tasks"] == []
     assert any(line.startswith("CORE metric:") for line in lines) and len(lines) == 23
     # one record per example, and a partial summary after every task
-    assert len(out["records"]) == 22 * 100 and sum(r["correct"] for r in out["records"] if r["task"] == "t05") == right["t05"]
+    assert (
+        len(out["records"]) == 22 * 100
+        and sum(r["correct"] for r in out["records"] if r["task"] == "t05") == right["t05"]
+    )
     assert [p["num_tasks_scored"] for p in partial] == list(range(1, 23)) and partial[0]["core_metric"] is None
     assert set(partial[2]["tasks"]) == {"t00", "t01", "t02"} and len(partial[2]["records"]) == 300
 
 
 def test_partial_core_is_labelled_and_lists_missing_tasks(tmp_path, write_eval_bundle):
-    data = {"mc": mixed_items("multiple_choice", 12), "wino": mixed_items("schema", 10), "lam": mixed_items("language_modeling", 9)}
-    tasks = [("mc", "multiple_choice", 2, 25, data["mc"]), ("gone", "multiple_choice", 0, 25, None),
-             ("wino", "schema", 0, 50, data["wino"]), ("lam", "language_modeling", 1, 0, data["lam"], "\nAnswer: ")]
+    data = {
+        "mc": mixed_items("multiple_choice", 12),
+        "wino": mixed_items("schema", 10),
+        "lam": mixed_items("language_modeling", 9),
+    }
+    tasks = [
+        ("mc", "multiple_choice", 2, 25, data["mc"]),
+        ("gone", "multiple_choice", 0, 25, None),
+        ("wino", "schema", 0, 50, data["wino"]),
+        ("lam", "language_modeling", 1, 0, data["lam"], "\nAnswer: "),
+    ]
     root = write_eval_bundle(tmp_path / "b", tasks)
     lines = []
     out = evaluate_core(TinyCausalLM(seq_len=96), ByteTokenizer(), "cpu", root, max_per_task=8, log=lines.append)
@@ -464,24 +540,41 @@ def test_partial_core_is_labelled_and_lists_missing_tasks(tmp_path, write_eval_b
     items = data["mc"][:]
     random.Random(1337).shuffle(items)
     meta = {"task_type": "multiple_choice", "num_fewshot": 2, "continuation_delimiter": " "}
-    assert out["tasks"]["mc"]["accuracy"] == evaluate_task(TinyCausalLM(seq_len=96), ByteTokenizer(), items[:8], "cpu", meta)
+    assert out["tasks"]["mc"]["accuracy"] == evaluate_task(
+        TinyCausalLM(seq_len=96), ByteTokenizer(), items[:8], "cpu", meta
+    )
     # records: every scored example once, by its index after the shuffle, agreeing with the accuracies
     recs = [r for r in out["records"] if r["task"] == "mc"]
-    assert [r["idx"] for r in recs] == list(range(8)) and [r["item"] for r in recs] == [core_eval.item_key(x) for x in items[:8]]
+    assert [r["idx"] for r in recs] == list(range(8)) and [r["item"] for r in recs] == [
+        core_eval.item_key(x) for x in items[:8]
+    ]
     for label, t in out["tasks"].items():
         recs = [r for r in out["records"] if r["task"] == label]
         assert sum(r["correct"] for r in recs) / len(recs) == t["accuracy"]
         # the margin: how far from flipping (nan: no scored tokens)
         assert all((r["margin"] > 0) == r["correct"] for r in recs if r["margin"] != 0 and math.isfinite(r["margin"]))
-    assert out["settings"]["tasks"]["lam"] == {"task_type": "language_modeling", "num_fewshot": 1, "num_examples": 8,
-                                                "continuation_delimiter": "\nAnswer: ", "random_baseline": 0.0}
+    assert out["settings"]["tasks"]["lam"] == {
+        "task_type": "language_modeling",
+        "num_fewshot": 1,
+        "num_examples": 8,
+        "continuation_delimiter": "\nAnswer: ",
+        "random_baseline": 0.0,
+    }
     assert out["settings"]["max_per_task"] == 8 and set(out["settings"]["tasks"]) == {"mc", "wino", "lam"}
 
 
 def test_an_unfinished_run_is_resumed_task_by_task(tmp_path, monkeypatch, write_eval_bundle):
-    data = {"mc": mixed_items("multiple_choice", 12), "wino": mixed_items("schema", 10), "lam": mixed_items("language_modeling", 9)}
-    tasks = [("mc", "multiple_choice", 2, 25, data["mc"]), ("gone", "multiple_choice", 0, 25, None),
-             ("wino", "schema", 0, 50, data["wino"]), ("lam", "language_modeling", 1, 0, data["lam"])]
+    data = {
+        "mc": mixed_items("multiple_choice", 12),
+        "wino": mixed_items("schema", 10),
+        "lam": mixed_items("language_modeling", 9),
+    }
+    tasks = [
+        ("mc", "multiple_choice", 2, 25, data["mc"]),
+        ("gone", "multiple_choice", 0, 25, None),
+        ("wino", "schema", 0, 50, data["wino"]),
+        ("lam", "language_modeling", 1, 0, data["lam"]),
+    ]
     root = write_eval_bundle(tmp_path / "b", tasks)
     model, tok = TinyCausalLM(seq_len=96), ByteTokenizer()
     full = evaluate_core(model, tok, "cpu", root, max_per_task=8, log=lambda line: None)
@@ -509,10 +602,16 @@ def test_an_unfinished_run_is_resumed_task_by_task(tmp_path, monkeypatch, write_
     monkeypatch.setattr(core_eval, "task_verdicts", lambda *a, **kw: scored.append(a[2]) or real(*a, **kw))
     lines = []
     out = evaluate_core(model, tok, "cpu", root, max_per_task=8, log=lines.append, done=done)
-    assert len(scored) == 2 and any(line.startswith("mc") and "kept from the interrupted run  [" in line for line in lines)
+    assert len(scored) == 2 and any(
+        line.startswith("mc") and "kept from the interrupted run  [" in line for line in lines
+    )
     # records are compared as JSON, for their nan margins
     timeless = lambda tasks: {k: {f: v for f, v in t.items() if f != "seconds"} for k, t in tasks.items()}
-    assert timeless(out["tasks"]) == timeless(full["tasks"]) and json.dumps(out["records"]) == json.dumps(full["records"]) and out["unfinished_tasks"] == []
+    assert (
+        timeless(out["tasks"]) == timeless(full["tasks"])
+        and json.dumps(out["records"]) == json.dumps(full["records"])
+        and out["unfinished_tasks"] == []
+    )
     # other items (another cut of the task) or other settings: scored again
     scored.clear()
     evaluate_core(model, tok, "cpu", root, max_per_task=7, log=lambda line: None, done=done)
@@ -526,7 +625,9 @@ def test_an_unfinished_run_is_resumed_task_by_task(tmp_path, monkeypatch, write_
 def test_few_shot_fits_a_small_max_per_task(tmp_path, write_eval_bundle):
     # a 10-shot task cut to 5 items draws its shots from the 4 others, with one note for all such tasks
     data = {"mc": mixed_items("multiple_choice", 12), "lam": mixed_items("language_modeling", 12)}
-    root = write_eval_bundle(tmp_path / "b", [("mc", "multiple_choice", 10, 25, data["mc"]), ("lam", "language_modeling", 3, 0, data["lam"])])
+    root = write_eval_bundle(
+        tmp_path / "b", [("mc", "multiple_choice", 10, 25, data["mc"]), ("lam", "language_modeling", 3, 0, data["lam"])]
+    )
     lines = []
     out = evaluate_core(TinyCausalLM(seq_len=96), ByteTokenizer(), "cpu", root, max_per_task=3, log=lines.append)
     assert out["tasks"]["mc"]["num_examples"] == 3 and out["tasks"]["mc"]["num_fewshot"] == 2
@@ -544,6 +645,7 @@ def test_all_tasks_present_but_fewer_than_22_is_still_partial(tmp_path, write_ev
     assert out["core_metric"] is None and out["partial_label"] == "partial CORE (1/22)"
     assert out["partial_core"] == out["tasks"]["mc"]["centered"]
 
+
 # -----------------------------------------------------------------------------
 # fetching the bundle
 
@@ -560,7 +662,9 @@ def test_ensure_eval_bundle_downloads_once_and_unzips(tmp_path, monkeypatch, cap
     base = tmp_path / "base"
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     src = tmp_path / "eval_bundle.zip"
-    make_zip(src, {"eval_bundle/core.yaml": "icl_tasks:\n", "eval_bundle/eval_meta_data.csv": "Eval Task,Random baseline\n"})
+    make_zip(
+        src, {"eval_bundle/core.yaml": "icl_tasks:\n", "eval_bundle/eval_meta_data.csv": "Eval Task,Random baseline\n"}
+    )
     got = ensure_eval_bundle(url=src.as_uri())
     assert got == str(base / "eval_bundle") and (base / "eval_bundle" / "core.yaml").read_text() == "icl_tasks:\n"
     assert "downloading eval bundle" in capsys.readouterr().err
@@ -574,7 +678,11 @@ def test_ensure_eval_bundle_offline_is_one_line_user_error(tmp_path, monkeypatch
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
     with pytest.raises(UserError) as e:
         ensure_eval_bundle(url=(tmp_path / "nowhere.zip").as_uri())
-    assert "cannot download the CORE eval bundle" in str(e.value) and "--eval-bundle" in str(e.value) and "\n" not in str(e.value)
+    assert (
+        "cannot download the CORE eval bundle" in str(e.value)
+        and "--eval-bundle" in str(e.value)
+        and "\n" not in str(e.value)
+    )
     assert not (tmp_path / "base" / "eval_bundle").exists()
     bad = tmp_path / "bad.zip"
     bad.write_bytes(b"not a zip")
@@ -587,12 +695,14 @@ def test_ensure_eval_bundle_offline_is_one_line_user_error(tmp_path, monkeypatch
 def test_eval_bundle_url_is_nanochats():
     assert core_eval.EVAL_BUNDLE_URL == "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 
+
 # -----------------------------------------------------------------------------
 # torchrun: examples strided over ranks, counts summed
 
 
 def _rank_worker(rank, world, init_file, out_dir):
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -607,6 +717,7 @@ def _rank_worker(rank, world, init_file, out_dir):
 @PROCESSES
 def test_distributed_split_sums_to_the_single_process_accuracy(tmp_path):
     import torch.multiprocessing as mp
+
     mp.spawn(_rank_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     data = mixed_items("multiple_choice", 15, seed=2)
     single = evaluate_task(TinyCausalLM(seq_len=96), ByteTokenizer(), data, "cpu", dict(MC, num_fewshot=1))
@@ -618,8 +729,15 @@ def test_each_task_line_counts_the_tasks_and_estimates_the_rest(tmp_path, write_
     """A CORE evaluation prints a line per task; on a busy CPU it runs for minutes, so each line says how far it got
     and what is left: [k/n, eta ...], with no ETA on the last task."""
     root = tmp_path / "bundle"
-    write_eval_bundle(root, [(f"t{i}", "language_modeling", 0, 0, [{"context": "abc " * 3, "continuation": "abc"}] * 4) for i in range(3)])
+    write_eval_bundle(
+        root,
+        [(f"t{i}", "language_modeling", 0, 0, [{"context": "abc " * 3, "continuation": "abc"}] * 4) for i in range(3)],
+    )
     lines = []
     evaluate_core(TinyCausalLM(seq_len=96), ByteTokenizer(), "cpu", str(root), log=lines.append)
     tagged = [re.search(r"\[(\d+)/3(, eta \d+m\d\ds)?\]$", line) for line in lines if line.startswith("t")]
-    assert [m.group(1) for m in tagged] == ["1", "2", "3"] and [bool(m.group(2)) for m in tagged] == [True, True, False], lines
+    assert [m.group(1) for m in tagged] == ["1", "2", "3"] and [bool(m.group(2)) for m in tagged] == [
+        True,
+        True,
+        False,
+    ], lines

@@ -1,4 +1,5 @@
 """The training data loader: packing, determinism, exact resume, data seeds, ranks and errors."""
+
 import io
 import itertools
 from types import SimpleNamespace
@@ -32,6 +33,7 @@ def segments(row, bos):
 
 def all_docs(tok, split):
     from nanochat.dataset import parquets_iter_batched
+
     texts = [t for batch in parquets_iter_batched(split) for t in batch]
     return {tuple(ids) for ids in tok(texts, prepend=tok.get_bos_token_id())}
 
@@ -52,7 +54,7 @@ def test_batch_shapes_and_packing_invariants(tok):
             pieces = segments(row, bos)
             # only the last document of a row may be cropped
             assert all(tuple(p) in full_docs for p in pieces[:-1])
-            assert any(d[:len(pieces[-1])] == tuple(pieces[-1]) for d in full_docs)
+            assert any(d[: len(pieces[-1])] == tuple(pieces[-1]) for d in full_docs)
 
 
 class CharTokenizer:
@@ -110,6 +112,7 @@ def test_exact_resume(tok, k):
 
 def test_data_seed_none_is_the_file_order(tok, monkeypatch):
     import nanochat.dataloader as dl
+
     # the loader read the row groups in file order before data seeds: a loader made to read exactly that list
     # (a data seed's shuffle turned into the identity) gives the batches of data_seed=None, states aside
     default = take(data_loader(tok, 2, 32, "train", rank=1, world_size=3, buffer_size=30), 40)
@@ -122,7 +125,9 @@ def test_data_seed_none_is_the_file_order(tok, monkeypatch):
 
 def test_data_seed_changes_the_order(tok):
     def first(data_seed):
-        return torch.cat([x for x, _, _ in take(data_loader(tok, 2, 32, "train", buffer_size=8, data_seed=data_seed), 10)])
+        return torch.cat(
+            [x for x, _, _ in take(data_loader(tok, 2, 32, "train", buffer_size=8, data_seed=data_seed), 10)]
+        )
 
     default, seven, eight = first(None), first(7), first(8)
     assert not torch.equal(default, seven) and not torch.equal(seven, eight)
@@ -132,6 +137,7 @@ def test_data_seed_changes_the_order(tok):
 def reads(tok, monkeypatch, n, **kw):
     """The first n row groups the loader reads, in order."""
     import nanochat.dataloader as dl
+
     read = []
     monkeypatch.setattr(dl, "read_row_group", lambda *rg: read.append(rg) or read_row_group(*rg))
     loader = data_loader(tok, 2, 32, "train", buffer_size=8, **kw)

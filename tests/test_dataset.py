@@ -1,4 +1,5 @@
 """The pretraining shards: layout, errors, the offline corpus, and downloads with retries."""
+
 import io
 import os
 import socket
@@ -11,8 +12,14 @@ import pytest
 from nanochat import dataset
 from nanochat.common import UserError
 from nanochat.dataset import (
-    build_offline_corpus, climbmix_indices, download_shards, list_parquet_files, list_row_groups,
-    parquets_iter_batched, split_files, split_long_text,
+    build_offline_corpus,
+    climbmix_indices,
+    download_shards,
+    list_parquet_files,
+    list_row_groups,
+    parquets_iter_batched,
+    split_files,
+    split_long_text,
 )
 
 
@@ -39,6 +46,7 @@ def base_dir(tmp_path, monkeypatch):
 
 # -----------------------------------------------------------------------------
 # reading and splits
+
 
 def test_tiny_corpus_layout(tiny_base_dir, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", tiny_base_dir)
@@ -110,6 +118,7 @@ def test_temp_files_are_not_shards(base_dir):
 
 # -----------------------------------------------------------------------------
 # offline corpus
+
 
 def test_offline_txt_corpus_is_deterministic_and_complete(tmp_path):
     docs = [f"Text number {i}. " * (1 + i % 7) for i in range(50)]
@@ -184,6 +193,7 @@ def test_cli_without_action_is_a_one_line_error(base_dir, capsys):
 # -----------------------------------------------------------------------------
 # downloading (no network: file:// URLs and a fake opener)
 
+
 @pytest.fixture
 def upstream(tmp_path):
     """A local directory posing as the Hugging Face dataset, served over file://."""
@@ -211,6 +221,7 @@ def test_download_from_file_url_and_skip_existing(upstream, tmp_path, monkeypatc
 
     def must_not_fetch(url, timeout):
         raise AssertionError("present shards must not be downloaded again")
+
     monkeypatch.setattr(dataset, "_open_url", must_not_fetch)
     download_shards(climbmix_indices(3), str(data), base_url=upstream.as_uri())
 
@@ -262,6 +273,7 @@ def test_interrupted_download_leaves_no_partial_file(tmp_path, monkeypatch):
             if self.tell() > 0:
                 raise KeyboardInterrupt
             return super().read(10)
+
     monkeypatch.setattr(dataset, "_open_url", lambda url, timeout: Interrupting(b"x" * 100))
     with pytest.raises(KeyboardInterrupt):
         dataset.download_one(0, str(tmp_path), base_url="https://example.invalid/x", retry_delay=0)
@@ -274,6 +286,7 @@ def test_http_404_is_not_retried(tmp_path, monkeypatch):
     def not_found(url, timeout):
         calls.append(url)
         raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
+
     monkeypatch.setattr(dataset, "_open_url", not_found)
     with pytest.raises(UserError, match="HTTP 404"):
         dataset.download_one(5, str(tmp_path), base_url="https://example.invalid/x", retry_delay=0)
@@ -283,6 +296,7 @@ def test_http_404_is_not_retried(tmp_path, monkeypatch):
 def test_offline_dns_failure_is_one_clear_line(tmp_path, monkeypatch):
     def no_dns(*args, **kwargs):
         raise socket.gaierror(-3, "Temporary failure in name resolution")
+
     monkeypatch.setattr(dataset.socket, "getaddrinfo", no_dns)
     with pytest.raises(UserError) as e:
         download_shards([0, dataset.MAX_SHARD], str(tmp_path), retry_delay=0)
@@ -294,6 +308,7 @@ def test_offline_dns_failure_is_one_clear_line(tmp_path, monkeypatch):
 def test_connection_failures_after_retries_report_offline(tmp_path, monkeypatch):
     def refused(url, timeout):
         raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+
     monkeypatch.setattr(dataset, "_open_url", refused)
     with pytest.raises(UserError, match="cannot reach example.invalid.*--offline"):
         dataset.download_one(0, str(tmp_path), base_url="https://example.invalid/x", attempts=2, retry_delay=0)

@@ -67,14 +67,21 @@ def test_published_plan_ends_at_the_published_pair():
 
 
 def tiny_scale(monkeypatch):
-    monkeypatch.setitem(depth_sweep.SCALES, "cpu", {"preset": "tiny", "reference": (2, 64), "depths": [1, 2], "flops": 2e9, "head_dim": 32})
+    monkeypatch.setitem(
+        depth_sweep.SCALES,
+        "cpu",
+        {"preset": "tiny", "reference": (2, 64), "depths": [1, 2], "flops": 2e9, "head_dim": 32},
+    )
 
 
 def test_tiny_sweep_table_report_and_rerun(run_base, monkeypatch, capsys):
     tiny_scale(monkeypatch)
     rows = depth_sweep.main(["--scale", "cpu"])
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].startswith("| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | NAG - GPT |") and len(out) == 4
+    assert (
+        out[0].startswith("| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | NAG - GPT |")
+        and len(out) == 4
+    )
     assert all(line.startswith(f"| {d} | ") and " | default | " in line for d, line in zip((1, 2), out[2:]))
     runs = os.path.join(run_base, "runs")
     for r in rows:
@@ -86,14 +93,21 @@ def test_tiny_sweep_table_report_and_rerun(run_base, monkeypatch, capsys):
         assert gap["gap"] == pytest.approx(r["bpb"]["nag"] - r["bpb"]["gpt"], abs=1e-9)
         assert gap["ci"][0] <= gap["gap"] <= gap["ci"][1]
         assert evs["nag"]["arch"] == "nag" and evs["gpt"]["arch"] == "gpt"
-    configs = {r["depth"]: json.load(open(os.path.join(runs, f"sweep-nag-d{r['depth']}", "config.json")))["model_config"] for r in rows}
+    configs = {
+        r["depth"]: json.load(open(os.path.join(runs, f"sweep-nag-d{r['depth']}", "config.json")))["model_config"]
+        for r in rows
+    }
     assert configs[1]["n_layer"] == 1 and configs[2]["n_layer"] == 2 and configs[1]["n_embd"] > configs[2]["n_embd"]
     report = os.path.join(run_base, "reports", "depth_sweep-cpu")
     assert os.path.getsize(os.path.join(report, "depth_gap.png")) > 0
     assert "![NAG - GPT gap against depth](depth_gap.png)" in open(os.path.join(report, "depth_sweep.md")).read()
     # a rerun trains and evaluates nothing and prints the same table
-    stamp = lambda: {(d, f): os.stat(os.path.join(runs, d, f)).st_mtime_ns for d in os.listdir(runs) if os.path.isdir(os.path.join(runs, d))
-                     for f in os.listdir(os.path.join(runs, d))}
+    stamp = lambda: {
+        (d, f): os.stat(os.path.join(runs, d, f)).st_mtime_ns
+        for d in os.listdir(runs)
+        if os.path.isdir(os.path.join(runs, d))
+        for f in os.listdir(os.path.join(runs, d))
+    }
     before = stamp()
     depth_sweep.main(["--scale", "cpu"])
     assert capsys.readouterr().out.strip().splitlines() == out and stamp() == before
@@ -109,23 +123,34 @@ def test_tiny_sweep_table_report_and_rerun(run_base, monkeypatch, capsys):
     log = open(os.path.join(runs, "sweep-gpt-d2.log")).read()
     assert "resumed from step" in log  # the first training of this run did not resume
     after = stamp()
-    assert {k: v for k, v in after.items() if k[0] != "sweep-gpt-d2"} == {k: v for k, v in before.items() if k[0] != "sweep-gpt-d2"}
+    assert {k: v for k, v in after.items() if k[0] != "sweep-gpt-d2"} == {
+        k: v for k, v in before.items() if k[0] != "sweep-gpt-d2"
+    }
     # another budget under the same run names: one line, nothing trained or overwritten
     with pytest.raises(SystemExit):
         depth_sweep.main(["--scale", "cpu", "--flops", "3e9"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: ") and "sweep-gpt-d1 holds a run of other settings (8 steps at width 96, this sweep plans" in err[-1]
+    assert (
+        err[-1].startswith("error: ")
+        and "sweep-gpt-d1 holds a run of other settings (8 steps at width 96, this sweep plans" in err[-1]
+    )
     assert stamp() == after
 
 
 def test_sweep_bad_input(run_base, script_error, monkeypatch):
     assert "unknown --scale 'gpu' (expected cpu or published)" in script_error(depth_sweep.main, "--scale", "gpu")
-    assert "unknown arguments for --scale cpu: --gpus2 8" in script_error(depth_sweep.main, "--scale", "cpu", "--gpus2", "8")
-    assert "--depths needs at least two different positive depths, got '4'" in script_error(depth_sweep.main, "--depths", "4")
+    assert "unknown arguments for --scale cpu: --gpus2 8" in script_error(
+        depth_sweep.main, "--scale", "cpu", "--gpus2", "8"
+    )
+    assert "--depths needs at least two different positive depths, got '4'" in script_error(
+        depth_sweep.main, "--depths", "4"
+    )
     assert "--depths takes comma-separated layer counts, got 'a,b'" in script_error(depth_sweep.main, "--depths", "a,b")
     assert "--flops must be a positive number (got -1)" in script_error(depth_sweep.main, "--flops", "-1")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", "/proc/no-such-base")
-    assert "cannot create the base dir /proc/no-such-base" in script_error(depth_sweep.main, "--scale", "cpu", "--dry-run")
+    assert "cannot create the base dir /proc/no-such-base" in script_error(
+        depth_sweep.main, "--scale", "cpu", "--dry-run"
+    )
 
 
 def test_sweep_interrupted_is_one_line(run_base, capsys, monkeypatch):
@@ -133,6 +158,7 @@ def test_sweep_interrupted_is_one_line(run_base, capsys, monkeypatch):
 
     def ctrl_c(args):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(depth_sweep.base_train, "train", ctrl_c)
     with pytest.raises(SystemExit) as e:
         depth_sweep.main(["--scale", "cpu"])
@@ -155,22 +181,50 @@ def test_published_sweep_runs_one_speedrun_pair_per_depth(run_base, monkeypatch,
             with open(os.path.join(run_dir, "eval.json"), "w") as f:
                 json.dump({"val_batches": {"nats": nats, "bytes": [200, 200]}}, f)
         return type("Done", (), {"returncode": 0})()
+
     monkeypatch.setattr(depth_sweep.subprocess, "run", fake_speedrun)
-    rows = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--gpus", "4", "--flops", "1e19", "--offline"])
-    assert calls == [["bash", "speedrun.sh", "--preset", "published", "--tag", f"d{d}", "--flops", "1e+19", "--gpus", "4", "--offline",
-                      "--", "--depth", str(d), "--model-dim", str(w), "--head-dim", "128"] for d, w in ((16, 1280), (64, 640))]
+    rows = depth_sweep.main(
+        ["--scale", "published", "--depths", "16,64", "--gpus", "4", "--flops", "1e19", "--offline"]
+    )
+    assert calls == [
+        [
+            "bash",
+            "speedrun.sh",
+            "--preset",
+            "published",
+            "--tag",
+            f"d{d}",
+            "--flops",
+            "1e+19",
+            "--gpus",
+            "4",
+            "--offline",
+            "--",
+            "--depth",
+            str(d),
+            "--model-dim",
+            str(w),
+            "--head-dim",
+            "128",
+        ]
+        for d, w in ((16, 1280), (64, 640))
+    ]
     assert [r["depth"] for r in rows] == [16, 64]
     for r in rows:  # each pair's gap from the shared val batches its eval.json holds
         assert r["gaps"]["nag"]["gap"] == pytest.approx((1.0 + 1.0) / (400 * math.log(2)), abs=1e-12)
     assert "| 16 | 1280 | 80 |" in capsys.readouterr().out
     # speedrun.sh failing at a depth: the next depth still runs, and both are named at the end
     calls.clear()
-    monkeypatch.setattr(depth_sweep.subprocess, "run", lambda cmd: calls.append(cmd) or type("Failed", (), {"returncode": 1})())
+    monkeypatch.setattr(
+        depth_sweep.subprocess, "run", lambda cmd: calls.append(cmd) or type("Failed", (), {"returncode": 1})()
+    )
     with pytest.raises(SystemExit):
         depth_sweep.main(["--scale", "published", "--depths", "16,64"])
     assert [c[c.index("--tag") + 1] for c in calls] == ["d16", "d64"]
-    assert capsys.readouterr().err.strip().splitlines()[-1] == ("error: failed: speedrun.sh at depth 16, speedrun.sh at depth 64 "
-                                                                "(rerun to retry them; finished runs are reused)")
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: failed: speedrun.sh at depth 16, speedrun.sh at depth 64 "
+        "(rerun to retry them; finished runs are reused)"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -185,7 +239,9 @@ def test_seeds_plan_names_args_and_total_cost(run_base, capsys, script_error):
     err = capsys.readouterr().err
     assert plan["seeds"] == [1, 2, 3] and one["seeds"] is None
     assert plan["depths"] == one["depths"]  # a seed changes the init and data order, not the plan
-    assert re.search(r"^12 runs \(2 depths × 2 archs × seeds 1,2,3\), 3\.6e\+20 FLOPs in all, about \d+ hours", err, re.M), err
+    assert re.search(
+        r"^12 runs \(2 depths × 2 archs × seeds 1,2,3\), 3\.6e\+20 FLOPs in all, about \d+ hours", err, re.M
+    ), err
     assert re.search(r"^4 runs, 1\.2e\+20 FLOPs in all", single, re.M) and abs(hours(err) - 3 * hours(single)) <= 1
     # one speedrun.sh per depth, passing the seeds on: its runs are <arch>-published-d<depth>-s<seed>
     lines = [l for l in err.splitlines() if l.startswith("bash speedrun.sh")]
@@ -198,14 +254,26 @@ def test_seeds_plan_names_args_and_total_cost(run_base, capsys, script_error):
     assert len(cmds) == 8 and "8 runs (2 depths × 2 archs × seeds 1,2)" in err
     for cmd, (d, s, a) in zip(cmds, [(d, s, a) for d in (2, 4) for s in (1, 2) for a in ("gpt", "nag")]):
         assert cmd.endswith(f"--seed {s} --data-seed {s} --run sweep-{a}-d{d}-s{s} --resume latest"), cmd
-    assert depth_sweep.train_argv("cpu", "gpt", 2, 384, 1e13, "sweep-gpt-d2")[-4:] == ["--run", "sweep-gpt-d2", "--resume", "latest"]
+    assert depth_sweep.train_argv("cpu", "gpt", 2, 384, 1e13, "sweep-gpt-d2")[-4:] == [
+        "--run",
+        "sweep-gpt-d2",
+        "--resume",
+        "latest",
+    ]
     assert "--seed" not in depth_sweep.train_argv("cpu", "gpt", 2, 384, 1e13, "sweep-gpt-d2")
     assert not os.path.exists(os.path.join(run_base, "runs")) and not os.path.exists(os.path.join(run_base, "reports"))
-    assert "--seeds takes different non-negative integers" in script_error(depth_sweep.main, "--dry-run", "--seeds", "1,1")
+    assert "--seeds takes different non-negative integers" in script_error(
+        depth_sweep.main, "--dry-run", "--seeds", "1,1"
+    )
 
 
 def test_results_of_two_seeds(run_base, tmp_path, capsys):
-    plan = {"scale": "cpu", "archs": ["gpt", "nag"], "seeds": [1, 2], "depths": [{"depth": d, "dim": w, "aspect_ratio": w / d} for d, w in ((2, 384), (4, 256), (8, 192))]}
+    plan = {
+        "scale": "cpu",
+        "archs": ["gpt", "nag"],
+        "seeds": [1, 2],
+        "depths": [{"depth": d, "dim": w, "aspect_ratio": w / d} for d, w in ((2, 384), (4, 256), (8, 192))],
+    }
     runs = os.path.join(run_base, "runs")
     gap = {1: 0.10, 2: 0.16}  # the seeds disagree on the gap: seed noise the interval must hold
     for d in (2, 4, 8):
@@ -213,21 +281,47 @@ def test_results_of_two_seeds(run_base, tmp_path, capsys):
             for arch, bpb in (("gpt", 1.70 + s / 100), ("nag", 1.70 + s / 100 + gap[s])):
                 if (d, s, arch) in ((4, 2, "nag"), (8, 1, "gpt"), (8, 2, "gpt")):
                     continue  # depth 4: seed 2 unfinished; depth 8: no pair evaluated
-                write_run(runs, f"sweep-{arch}-d{d}-s{s}", [eval_record(80, bpb, seed=10 * d + s)], arch=arch,
-                          args={"seed": s, "data_seed": s})
+                write_run(
+                    runs,
+                    f"sweep-{arch}-d{d}-s{s}",
+                    [eval_record(80, bpb, seed=10 * d + s)],
+                    arch=arch,
+                    args={"seed": s, "data_seed": s},
+                )
     rows = depth_sweep.results(plan, run_base)
     d2, d4, d8 = rows
     # depth 2: the mean over both seeds, and the very interval of `compare --a GPT runs --b NAG runs` (paired by seed)
-    compare.main(["--a", "sweep-gpt-d2-s1", "sweep-gpt-d2-s2", "--b", "sweep-nag-d2-s1", "sweep-nag-d2-s2", "--out", str(tmp_path / "g")])
+    compare.main(
+        [
+            "--a",
+            "sweep-gpt-d2-s1",
+            "sweep-gpt-d2-s2",
+            "--b",
+            "sweep-nag-d2-s1",
+            "sweep-nag-d2-s2",
+            "--out",
+            str(tmp_path / "g"),
+        ]
+    )
     groups = json.load(open(tmp_path / "g" / "comparison.json"))["metrics"]["val_bpb"]
     gap = d2["gaps"]["nag"]
-    assert groups["delta"]["value"] == pytest.approx(gap["gap"], abs=1e-12) and groups["delta"]["ci"] == pytest.approx(list(gap["ci"]), abs=1e-12)
-    assert d2["bpb"]["gpt"] == pytest.approx(groups["groups"]["a"]["mean"]) and d2["bpb"]["nag"] == pytest.approx(groups["groups"]["b"]["mean"])
-    assert d2["seeds"] == [1, 2] and d2["runs"]["gpt"] == pytest.approx([groups["runs"][f"sweep-gpt-d2-s{s}"] for s in (1, 2)])
+    assert groups["delta"]["value"] == pytest.approx(gap["gap"], abs=1e-12) and groups["delta"]["ci"] == pytest.approx(
+        list(gap["ci"]), abs=1e-12
+    )
+    assert d2["bpb"]["gpt"] == pytest.approx(groups["groups"]["a"]["mean"]) and d2["bpb"]["nag"] == pytest.approx(
+        groups["groups"]["b"]["mean"]
+    )
+    assert d2["seeds"] == [1, 2] and d2["runs"]["gpt"] == pytest.approx(
+        [groups["runs"][f"sweep-gpt-d2-s{s}"] for s in (1, 2)]
+    )
     # two seeds that disagree: a wide interval (t with 1 degree of freedom)
     assert gap["ci"][0] < 0.10 and gap["ci"][1] > 0.16
     # depth 4: one seed left, today's paired val-batch interval; depth 8: nothing
-    assert d4["seeds"] == [1] and d4["interval"] == "val batches" and d4["gaps"]["nag"]["ci"][1] - d4["gaps"]["nag"]["ci"][0] < 0.02
+    assert (
+        d4["seeds"] == [1]
+        and d4["interval"] == "val batches"
+        and d4["gaps"]["nag"]["ci"][1] - d4["gaps"]["nag"]["ci"][0] < 0.02
+    )
     assert "gaps" not in d8 and "bpb" not in d8 and d8["seeds"] == []
     table = depth_sweep.results_table(rows, plan["archs"]).splitlines()
     assert table[0] == "| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | NAG - GPT | 95% interval |"
@@ -251,11 +345,18 @@ def test_a_failed_run_leaves_the_others_to_go_on(run_base, monkeypatch, capsys):
         names = (f"model_{n:06d}.pt", f"optim_{n:06d}_rank0.pt")
         for name in names:
             open(os.path.join(run_dir, name), "w").close()
-        json.dump({"world_size": 1, "file_sizes": {name: 0 for name in names}}, open(os.path.join(run_dir, f"meta_{n:06d}.json"), "w"))
+        json.dump(
+            {"world_size": 1, "file_sizes": {name: 0 for name in names}},
+            open(os.path.join(run_dir, f"meta_{n:06d}.json"), "w"),
+        )
         steps[args.run] = n
 
     def fake_eval(args):
-        json.dump(eval_record(steps[args.run], 1.8, seed=len(steps)), open(os.path.join(run_base, "runs", args.run, "eval.json"), "w"))
+        json.dump(
+            eval_record(steps[args.run], 1.8, seed=len(steps)),
+            open(os.path.join(run_base, "runs", args.run, "eval.json"), "w"),
+        )
+
     monkeypatch.setattr(depth_sweep.base_train, "train", fake_train)
     monkeypatch.setattr(depth_sweep.base_eval, "evaluate", fake_eval)
     with pytest.raises(SystemExit) as e:
@@ -265,8 +366,9 @@ def test_a_failed_run_leaves_the_others_to_go_on(run_base, monkeypatch, capsys):
     log = os.path.join(run_base, "runs", "sweep-gpt-d1-s1.log")
     assert f"depth 1 gpt seed 1: failed: loss is NaN at step 3 (log: {log})" in err
     assert err[-1] == "error: failed: sweep-gpt-d1-s1 (rerun to retry them; finished runs are reused)"
-    assert sorted(steps) == sorted(f"sweep-{a}-d{d}-s{s}" for a in ("gpt", "nag") for d in (1, 2) for s in (1, 2)
-                                   if (a, d, s) != ("gpt", 1, 1))  # every other run trained and was evaluated
+    assert sorted(steps) == sorted(
+        f"sweep-{a}-d{d}-s{s}" for a in ("gpt", "nag") for d in (1, 2) for s in (1, 2) if (a, d, s) != ("gpt", 1, 1)
+    )  # every other run trained and was evaluated
     assert "RuntimeError: loss is NaN at step 3" in open(log).read()  # the traceback, in the run's log
     report = open(os.path.join(run_base, "reports", "depth_sweep-cpu", "depth_sweep.md")).read()
     # what finished
@@ -284,25 +386,34 @@ def test_a_failed_run_leaves_the_others_to_go_on(run_base, monkeypatch, capsys):
 
 def test_archs_bad_input_is_one_line(run_base, script_error):
     from nag.archs import ARCHS
+
     err = script_error(depth_sweep.main, "--dry-run", "--archs", "gpt,bert")
     assert "unknown arch 'bert' in --archs gpt,bert (expected some of: " in err and all(a in err for a in ARCHS)
     for bad in ("nag,nag-recipe", "gpt", "gpt,nag,nag"):
-        assert f"--archs takes gpt (every gap is against it) and at least one other arch, each once; got {bad!r}" in \
-            script_error(depth_sweep.main, "--dry-run", "--archs", bad)
+        assert (
+            f"--archs takes gpt (every gap is against it) and at least one other arch, each once; got {bad!r}"
+            in script_error(depth_sweep.main, "--dry-run", "--archs", bad)
+        )
 
 
 def test_third_arm_plan_commands_and_cost(run_base, capsys):
     two = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--dry-run"])
     err_two = capsys.readouterr().err
-    three = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--dry-run", "--archs", "nag,gpt-recipe,gpt"])
+    three = depth_sweep.main(
+        ["--scale", "published", "--depths", "16,64", "--dry-run", "--archs", "nag,gpt-recipe,gpt"]
+    )
     err = capsys.readouterr().err
     assert three["archs"] == ["gpt", "nag", "gpt-recipe"]  # GPT first: every gap is against it
     for r2, r3 in zip(two["depths"], three["depths"]):  # the same widths, and the pair's plans unchanged
         assert (r2["dim"], r2["runs"]) == (r3["dim"], {a: r3["runs"][a] for a in ("gpt", "nag")})
         assert abs(r3["runs"]["gpt-recipe"]["total_flops"] / 3e19 - 1) < 1e-3  # FLOP-matched too
     assert re.search(r"^6 runs, 1\.8e\+20 FLOPs in all, about \d+ hours on 8 GPUs", err, re.M)
-    per_arm = re.search(r"^GPU hours per arm \(every depth and seed\): gpt ([\d,]+), nag ([\d,]+), gpt-recipe ([\d,]+); "
-                        r"all arms ([\d,]+)$", err, re.M)
+    per_arm = re.search(
+        r"^GPU hours per arm \(every depth and seed\): gpt ([\d,]+), nag ([\d,]+), gpt-recipe ([\d,]+); "
+        r"all arms ([\d,]+)$",
+        err,
+        re.M,
+    )
     assert per_arm, err
     assert re.search(r"^GPU hours per arm \(every depth and seed\): gpt [\d,]+, nag [\d,]+; all arms", err_two, re.M)
     # one speedrun.sh per depth names every arm; its runs are <arch>-published-d<depth>
@@ -314,8 +425,12 @@ def test_third_arm_plan_commands_and_cost(run_base, capsys):
 
 def test_third_arm_results_table_and_figure(run_base, tmp_path):
     archs = ["gpt", "nag", "gpt-recipe"]
-    plan = {"scale": "cpu", "archs": archs, "seeds": [1, 2], "depths": [{"depth": d, "dim": w, "aspect_ratio": w / d}
-                                                                          for d, w in ((2, 384), (4, 256))]}
+    plan = {
+        "scale": "cpu",
+        "archs": archs,
+        "seeds": [1, 2],
+        "depths": [{"depth": d, "dim": w, "aspect_ratio": w / d} for d, w in ((2, 384), (4, 256))],
+    }
     runs = os.path.join(run_base, "runs")
     offset = {"gpt": 0.0, "nag": 0.10, "gpt-recipe": -0.05}
     for d in (2, 4):
@@ -323,23 +438,34 @@ def test_third_arm_results_table_and_figure(run_base, tmp_path):
             for arch in archs:
                 if (d, s, arch) == (4, 2, "gpt-recipe"):
                     continue  # depth 4: seed 2's third arm unfinished, so that seed is left out for every arm
-                write_run(runs, f"sweep-{arch}-d{d}-s{s}", [eval_record(80, 1.7 + s / 100 + offset[arch], seed=10 * d + s)],
-                          arch=arch, args={"seed": s, "data_seed": s})
+                write_run(
+                    runs,
+                    f"sweep-{arch}-d{d}-s{s}",
+                    [eval_record(80, 1.7 + s / 100 + offset[arch], seed=10 * d + s)],
+                    arch=arch,
+                    args={"seed": s, "data_seed": s},
+                )
     d2, d4 = depth_sweep.results(plan, run_base)
     assert d2["seeds"] == [1, 2] and set(d2["gaps"]) == {"nag", "gpt-recipe"} and set(d2["bpb"]) == set(archs)
     # each arm's gap is the group comparison with GPT alone: the same as the two-arm sweep of that arm
     for arch in ("nag", "gpt-recipe"):
         pair = depth_sweep.results({**plan, "archs": ["gpt", arch]}, run_base)[0]
         got, alone = d2["gaps"][arch], pair["gaps"][arch]
-        assert got["gap"] == alone["gap"] and list(got["ci"]) == list(alone["ci"]) and d2["bpb"][arch] == pair["bpb"][arch]
+        assert (
+            got["gap"] == alone["gap"] and list(got["ci"]) == list(alone["ci"]) and d2["bpb"][arch] == pair["bpb"][arch]
+        )
         assert d2["gaps"][arch]["gap"] == pytest.approx(d2["bpb"][arch] - d2["bpb"]["gpt"], abs=1e-12)
     assert d4["seeds"] == [1] and d4["interval"] == "val batches"
     table = depth_sweep.results_table([d2, d4], archs).splitlines()
-    assert table[0] == ("| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | GPT-RECIPE val bpb | NAG - GPT | "
-                        "95% interval | GPT-RECIPE - GPT | 95% interval |")
+    assert table[0] == (
+        "| depth | dim | width/depth | seeds | GPT val bpb | NAG val bpb | GPT-RECIPE val bpb | NAG - GPT | "
+        "95% interval | GPT-RECIPE - GPT | 95% interval |"
+    )
     assert table[2].startswith("| 2 | 384 | 192 | 1,2 | ") and table[3].startswith("| 4 | 256 | 64 | 1 | ")
     assert all(line.count("|") == table[0].count("|") for line in table)
-    not_run = depth_sweep.results_table([{"depth": 8, "dim": 192, "aspect_ratio": 24, "seeds": []}], archs).splitlines()[2]
+    not_run = depth_sweep.results_table(
+        [{"depth": 8, "dim": 192, "aspect_ratio": 24, "seeds": []}], archs
+    ).splitlines()[2]
     assert not_run == "| 8 | 192 | 24 | - | - | - | - | - | not evaluated | - | not evaluated |"
     depth_sweep.plot([d2, d4], archs, str(tmp_path / "gap.png"))
     assert os.path.getsize(tmp_path / "gap.png") > 0

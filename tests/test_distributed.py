@@ -28,7 +28,16 @@ def launch(base, nproc, *args, module="scripts.base_train", path=None):
     if nproc == 1:
         cmd = [sys.executable, "-m", module]
     else:  # "--" keeps torchrun's own parser away from our flags (--run would clash with --run-path)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module, "--"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            module,
+            "--",
+        ]
     out = subprocess.run(cmd + TINY + list(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout

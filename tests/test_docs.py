@@ -13,7 +13,17 @@ OUTSIDE = os.path.join("..", "shared")  # the development checkout's sibling fol
 
 def sources():
     paths = []
-    for pattern in ("*.md", "*.sh", "*.toml", "docs/*.md", "runs/*.sh", "nanochat/*.py", "nag/*.py", "scripts/*.py", "analysis/*.py"):
+    for pattern in (
+        "*.md",
+        "*.sh",
+        "*.toml",
+        "docs/*.md",
+        "runs/*.sh",
+        "nanochat/*.py",
+        "nag/*.py",
+        "scripts/*.py",
+        "analysis/*.py",
+    ):
         paths += glob.glob(os.path.join(REPO, pattern))
     assert len(paths) > 20
     return sorted(paths)
@@ -32,7 +42,9 @@ def test_docs_references_resolve():
             target = os.path.join(REPO, "docs", name)
             assert os.path.exists(target), f"{os.path.relpath(path, REPO)} cites docs/{name}, which does not exist"
             if section:
-                assert section in sections(target), f"{os.path.relpath(path, REPO)} cites docs/{name} §{section}: no such section"
+                assert section in sections(target), (
+                    f"{os.path.relpath(path, REPO)} cites docs/{name} §{section}: no such section"
+                )
             checked += 1
     assert checked > 10
 
@@ -62,14 +74,18 @@ def test_numbers_the_docs_quote_are_the_codes():
     from nanochat import dataset
     from nag.archs import plan_for
     from nanochat.plan import MOMENTUM
+
     reproduce, design, readme = read("docs/reproduce.md"), read("docs/design.md"), read("README.md")
     # the two momentum schedules differ only when the warm-down starts before the momentum peak
     peak, warmdown = MOMENTUM["peak_step"], 0.65
     assert f"< ~{round(peak / (1 - warmdown)):,} steps" in reproduce
     # the published data budget: shards and expected epochs of the longer run (GPT, 9,474 steps of 2^20 tokens)
-    tokens = 9474 * 2 ** 20
+    tokens = 9474 * 2**20
     shards = dataset.shards_for(tokens)
-    assert f"{shards} shards" in reproduce and f"expected epochs ({dataset.expected_epochs(tokens, shards):.2f}" in reproduce
+    assert (
+        f"{shards} shards" in reproduce
+        and f"expected epochs ({dataset.expected_epochs(tokens, shards):.2f}" in reproduce
+    )
     assert f"{1 - dataset.PACKING_KEPT:.0%} cropped" in reproduce
     # the published Muon weight decays
     for arch in ("gpt", "nag"):

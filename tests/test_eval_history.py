@@ -22,12 +22,22 @@ from nanochat.common import UserError
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL = ["--split-tokens", "512", "--device-batch-size", "4", "--sample-tokens", "4", "--max-per-task", "4"]
 ITEMS = {
-    "tiny_mc": [{"query": f"Document {i}. The model", "choices": ["is the data.", "of weight gradient", "and"], "gold": i % 3} for i in range(6)],
-    "tiny_schema": [{"context_options": [f"The layer {i} was", f"The head {i} is"], "continuation": "the attention.", "gold": i % 2} for i in range(6)],
+    "tiny_mc": [
+        {"query": f"Document {i}. The model", "choices": ["is the data.", "of weight gradient", "and"], "gold": i % 3}
+        for i in range(6)
+    ],
+    "tiny_schema": [
+        {"context_options": [f"The layer {i} was", f"The head {i} is"], "continuation": "the attention.", "gold": i % 2}
+        for i in range(6)
+    ],
     "tiny_lm": [{"context": f"Document {i}. The", "continuation": " model"} for i in range(6)],
 }
-TASKS = [("tiny_mc", "multiple_choice", 1, 33.3, ITEMS["tiny_mc"]), ("tiny_schema", "schema", 0, 50.0, ITEMS["tiny_schema"]),
-         ("absent_task", "multiple_choice", 0, 25.0, None), ("tiny_lm", "language_modeling", 2, 0.0, ITEMS["tiny_lm"])]
+TASKS = [
+    ("tiny_mc", "multiple_choice", 1, 33.3, ITEMS["tiny_mc"]),
+    ("tiny_schema", "schema", 0, 50.0, ITEMS["tiny_schema"]),
+    ("absent_task", "multiple_choice", 0, 25.0, None),
+    ("tiny_lm", "language_modeling", 2, 0.0, ITEMS["tiny_lm"]),
+]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,12 +47,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def trained(tiny_base_dir, tmp_path_factory, write_eval_bundle):
     """A 6-step gpt run (checkpoints at 3 and 6) in a base dir sharing the session corpus and tokenizer, and a bundle."""
     from scripts import base_train
+
     base = linked_base(tiny_base_dir, tmp_path_factory.mktemp("hist_base"))
     bundle = write_eval_bundle(tmp_path_factory.mktemp("bundle"), TASKS)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
-        run_dir = base_train.main(TINY_TRAIN + ["--num-iterations", "6", "--eval-every", "3", "--save-every", "3",
-                                                "--arch", "gpt", "--run", "gpt"])
+        run_dir = base_train.main(
+            TINY_TRAIN
+            + ["--num-iterations", "6", "--eval-every", "3", "--save-every", "3", "--arch", "gpt", "--run", "gpt"]
+        )
     return {"base": str(base), "bundle": bundle, "run_dir": run_dir}
 
 
@@ -71,12 +84,18 @@ TOP = ["eval.json", "core_records.parquet", "core_tasks.csv"]
 
 
 def step_names(step):
-    return [f"eval/step_{step:06d}.json", f"eval/step_{step:06d}_core_records.parquet", f"eval/step_{step:06d}_core_tasks.csv"]
+    return [
+        f"eval/step_{step:06d}.json",
+        f"eval/step_{step:06d}_core_records.parquet",
+        f"eval/step_{step:06d}_core_tasks.csv",
+    ]
 
 
 def test_each_step_keeps_its_results_and_eval_json_is_the_highest(run, trained):
     final = evaluate(run, trained["bundle"], "--eval", "core,bpb")
-    assert final["step"] == 6 and load(run, "eval.json") == load(run, "eval/step_000006.json") == json.loads(json.dumps(final))
+    assert final["step"] == 6 and load(run, "eval.json") == load(run, "eval/step_000006.json") == json.loads(
+        json.dumps(final)
+    )
     assert final["core_records"] == "eval/step_000006_core_records.parquet"
     top, six = files(run, TOP), files(run, step_names(6))
     assert top == dict(zip(TOP, six.values()))  # the top-level files are copies of step 6's
@@ -93,12 +112,20 @@ def test_each_step_keeps_its_results_and_eval_json_is_the_highest(run, trained):
     assert again["tasks"] == early["tasks"] and again["val_bpb"] == early["val_bpb"] and again["samples"]
     assert files(run, TOP) == top
     latest = evaluate(run, trained["bundle"], "--eval", "bpb")  # step 6, the highest: the top copies follow it
-    assert latest["tasks"] == final["tasks"] and latest["samples"] == [] and load(run, "eval.json") == json.loads(json.dumps(latest))
+    assert (
+        latest["tasks"] == final["tasks"]
+        and latest["samples"] == []
+        and load(run, "eval.json") == json.loads(json.dumps(latest))
+    )
     assert files(run, ["core_records.parquet"]) == {"core_records.parquet": six[step_names(6)[1]]}
     # what every record says it was measured with
     for rec in (final, early, latest):
         assert rec["world_size"] == 1 and rec["num_val_batches"] == 2 and rec["split_tokens"] == 512
-        assert rec["fingerprints"] == rec["checkpoint_fingerprints"] and set(rec["fingerprints"]) == {"tokenizer", "data_train", "data_val"}
+        assert rec["fingerprints"] == rec["checkpoint_fingerprints"] and set(rec["fingerprints"]) == {
+            "tokenizer",
+            "data_train",
+            "data_val",
+        }
 
 
 def test_results_of_other_fingerprints_are_replaced_not_merged(run, trained, monkeypatch, capsys):
@@ -106,7 +133,11 @@ def test_results_of_other_fingerprints_are_replaced_not_merged(run, trained, mon
     real = base_eval.current_fingerprints
     monkeypatch.setattr(base_eval, "current_fingerprints", lambda tok: {**real(tok), "data_val": "0123456789abcdef"})
     other = evaluate(run, trained["bundle"], "--eval", "bpb")
-    assert other["tasks"] == {} and other["core_records"] is None and other["fingerprints"]["data_val"] == "0123456789abcdef"
+    assert (
+        other["tasks"] == {}
+        and other["core_records"] is None
+        and other["fingerprints"]["data_val"] == "0123456789abcdef"
+    )
     # the top copy follows step 6, which has no CORE now
     assert not os.path.exists(os.path.join(run, "core_records.parquet"))
     assert "measured with other fingerprints" in capsys.readouterr().out
@@ -134,16 +165,22 @@ def test_an_eval_json_from_before_eval_dir_is_one_line(run, trained, script_erro
     err = script_error(base_eval.main, "--run", run, *EVAL, "--step", "3", "--eval", "bpb")
     with pytest.raises(UserError) as e:
         run_files.load_run(run)  # what compare reads
-    assert err == f"error: {e.value}" == (
-        f"error: {os.path.join(run, 'eval.json')} is an evaluation of step 6 without its eval/step_000006.json, "
-        "written by an earlier version of this code, which this one does not read; move it aside and rerun "
-        f"`python -m scripts.base_eval --run {run} --step 6`")
+    assert (
+        err
+        == f"error: {e.value}"
+        == (
+            f"error: {os.path.join(run, 'eval.json')} is an evaluation of step 6 without its eval/step_000006.json, "
+            "written by an earlier version of this code, which this one does not read; move it aside and rerun "
+            f"`python -m scripts.base_eval --run {run} --step 6`"
+        )
+    )
     assert load(run, "eval.json") == before and not os.path.exists(os.path.join(run, "eval"))
 
 
 def test_a_tokenizer_retrained_to_the_same_size_is_refused(tiny_base_dir, tmp_path, monkeypatch, script_error):
     from scripts import base_train
     from nanochat.tokenizer import Tokenizer
+
     base = tmp_path / "base"
     base.mkdir()
     os.symlink(os.path.join(tiny_base_dir, "base_data"), base / "base_data")
@@ -152,7 +189,9 @@ def test_a_tokenizer_retrained_to_the_same_size_is_refused(tiny_base_dir, tmp_pa
     base_train.main(TINY_TRAIN + ["--num-iterations", "2", "--eval-every", "-1", "--arch", "gpt", "--run", "gpt"])
     trained_with = Tokenizer.from_directory(str(base / "tokenizer"))
     # another tokenizer of the same vocab size, trained on other text, in its place
-    other = Tokenizer.train_from_iterator(iter([d[::-1] for d in tiny_documents(seed=1)]), trained_with.get_vocab_size())
+    other = Tokenizer.train_from_iterator(
+        iter([d[::-1] for d in tiny_documents(seed=1)]), trained_with.get_vocab_size()
+    )
     shutil.rmtree(base / "tokenizer")
     other.save(str(base / "tokenizer"))
     assert other.get_vocab_size() == trained_with.get_vocab_size() and other.fingerprint() != trained_with.fingerprint()
@@ -164,11 +203,14 @@ def test_a_tokenizer_retrained_to_the_same_size_is_refused(tiny_base_dir, tmp_pa
 def test_split_tokens_beyond_the_split_are_capped(run, trained, capsys):
     from nanochat.dataloader import split_tokens
     from nanochat.tokenizer import get_tokenizer
+
     held = split_tokens(get_tokenizer(), "val") // (4 * 65)  # batches of rows of 64 + 1 tokens the val split holds
     assert held > 2
     asked = 3 * held * 4 * 64  # three times that
     record = base_eval.main(["--run", run, "--eval", "bpb", "--split-tokens", str(asked), "--device-batch-size", "4"])
-    assert record["num_val_batches"] == held == len(record["val_batches"]["nats"]) and record["split_tokens"] == held * 256
+    assert (
+        record["num_val_batches"] == held == len(record["val_batches"]["nats"]) and record["split_tokens"] == held * 256
+    )
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: the val split holds")]
     assert len(notes) == 1 and f"fewer than --split-tokens {asked:,}" in notes[0]
 
@@ -179,7 +221,16 @@ def launch_eval(base, nproc, *args):
     if nproc == 1:
         cmd = [sys.executable, "-m", "scripts.base_eval"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "scripts.base_eval", "--"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "scripts.base_eval",
+            "--",
+        ]
     out = subprocess.run(cmd + list(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -188,14 +239,27 @@ def launch_eval(base, nproc, *args):
 @PROCESSES
 def test_bpb_is_the_same_under_one_and_two_processes(run, trained):
     # 3 batches: the two ranks get 2 and 1; the per-batch losses come back in the order of one process
-    argv = ["--run", run, "--eval", "bpb", "--split-tokens", str(3 * 256), "--device-batch-size", "4", "--device-type", "cpu"]
+    argv = [
+        "--run",
+        run,
+        "--eval",
+        "bpb",
+        "--split-tokens",
+        str(3 * 256),
+        "--device-batch-size",
+        "4",
+        "--device-type",
+        "cpu",
+    ]
     records = {}
     for nproc in (1, 2):
         launch_eval(trained["base"], nproc, *argv)
         records[nproc] = load(run, "eval/step_000006.json")
     one, two = records[1], records[2]
-    print(f"val bpb: 1 process {one['val_bpb']:.6f}, 2 processes {two['val_bpb']:.6f} (differ by {abs(one['val_bpb'] - two['val_bpb']):.1e}); "
-          f"train bpb: {one['train_bpb']:.6f}, {two['train_bpb']:.6f}")
+    print(
+        f"val bpb: 1 process {one['val_bpb']:.6f}, 2 processes {two['val_bpb']:.6f} (differ by {abs(one['val_bpb'] - two['val_bpb']):.1e}); "
+        f"train bpb: {one['train_bpb']:.6f}, {two['train_bpb']:.6f}"
+    )
     assert one["world_size"] == 1 and two["world_size"] == 2 and one["num_val_batches"] == two["num_val_batches"] == 3
     assert abs(one["val_bpb"] - two["val_bpb"]) < 1e-6 and abs(one["train_bpb"] - two["train_bpb"]) < 1e-6
     assert one["val_batches"]["bytes"] == two["val_batches"]["bytes"]
@@ -212,6 +276,7 @@ def test_an_interrupted_core_run_is_marked_and_resumed(run, trained, monkeypatch
                 how()
             scored.append(data)
             return real(model, tokenizer, data, *a, **kw)
+
         return verdicts
 
     def ctrl_c():
@@ -236,7 +301,11 @@ def test_an_interrupted_core_run_is_marked_and_resumed(run, trained, monkeypatch
     out = capsys.readouterr().out
     assert "resuming the interrupted CORE evaluation of step 6: 1 task(s) already scored" in out
     cut = load(run, "eval/step_000006.json")
-    assert list(cut["tasks"]) == ["tiny_mc", "tiny_schema"] and cut["interrupted_tasks"] == ["tiny_lm"] and cut["interrupted"] is True
+    assert (
+        list(cut["tasks"]) == ["tiny_mc", "tiny_schema"]
+        and cut["interrupted_tasks"] == ["tiny_lm"]
+        and cut["interrupted"] is True
+    )
 
     # the rerun scores only the task left, and ends where an uninterrupted evaluation does
     scored.clear()
@@ -276,7 +345,10 @@ def test_results_of_other_settings_move_to_replaced(run, trained, capsys):
     notes = [line for line in capsys.readouterr().out.splitlines() if "other settings" in line]
     assert len(notes) == 1 and "core: max_per_task 4 → 3" in notes[0] and "eval/replaced/" in notes[0]
     (stamp,) = os.listdir(os.path.join(run, "eval", "replaced"))
-    kept = {f"eval/{n}": open(os.path.join(run, "eval", "replaced", stamp, n), "rb").read() for n in os.listdir(os.path.join(run, "eval", "replaced", stamp))}
+    kept = {
+        f"eval/{n}": open(os.path.join(run, "eval", "replaced", stamp, n), "rb").read()
+        for n in os.listdir(os.path.join(run, "eval", "replaced", stamp))
+    }
     assert kept == before  # the earlier results, byte for byte
     assert other["max_per_task"] == 3 and other["val_bpb"] == first["val_bpb"]  # bpb was not re-run: kept
     assert load(run, "eval.json") == load(run, "eval/step_000006.json") == json.loads(json.dumps(other))
@@ -296,7 +368,11 @@ def test_an_interrupted_evaluation_never_replaces_a_complete_one(run, trained, m
     monkeypatch.setattr(core_eval, "task_verdicts", ctrl_c_in_the_second_task)
     with pytest.raises(SystemExit) as e:
         evaluate(run, trained["bundle"], "--eval", "core", "--max-per-task", "3")
-    assert e.value.code == 130 and files(run, TOP + step_names(6)) == before and not os.path.exists(os.path.join(run, "eval", "replaced"))
+    assert (
+        e.value.code == 130
+        and files(run, TOP + step_names(6)) == before
+        and not os.path.exists(os.path.join(run, "eval", "replaced"))
+    )
     assert "stay as they were" in capsys.readouterr().err
     assert list(load(run, "eval/pending/step_000006.json")["tasks"]) == ["tiny_mc"]  # the cut run, beside them
     # the same command resumes it, and only the finished evaluation replaces the earlier one (kept in replaced/)
@@ -305,5 +381,8 @@ def test_an_interrupted_evaluation_never_replaces_a_complete_one(run, trained, m
     assert "resuming the interrupted CORE evaluation of step 6: 1 task(s) already scored" in capsys.readouterr().out
     assert done["core_finished"] is True and load(run, "eval.json") == json.loads(json.dumps(done))
     (stamp,) = os.listdir(os.path.join(run, "eval", "replaced"))
-    assert open(os.path.join(run, "eval", "replaced", stamp, "step_000006.json"), "rb").read() == before["eval/step_000006.json"]
+    assert (
+        open(os.path.join(run, "eval", "replaced", stamp, "step_000006.json"), "rb").read()
+        == before["eval/step_000006.json"]
+    )
     assert not os.path.exists(os.path.join(run, "eval", "pending"))  # emptied, then removed

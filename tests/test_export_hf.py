@@ -47,8 +47,13 @@ VARIANTS = {
     "gpt-layerrope": (LayerRoPEGPT, GQA_WINDOW, {"layerrope": LAYERROPE_INITS["depth"]}),
 }
 STEP, TOKENS = 5, 500
-TEXTS = ["The model data token", "Héllo wörld — naïve café; 東京 данные 🙂 👩‍👩‍👧‍👦", "x = [1, 22, 333]\n\n  y\t\tz\r\n",
-         "<|bos|>one<|user_start|>two<|assistant_end|>", "don't WE'LL 12345"]
+TEXTS = [
+    "The model data token",
+    "Héllo wörld — naïve café; 東京 данные 🙂 👩‍👩‍👧‍👦",
+    "x = [1, 22, 333]\n\n  y\t\tz\r\n",
+    "<|bos|>one<|user_start|>two<|assistant_end|>",
+    "don't WE'LL 12345",
+]
 
 
 def build(name):
@@ -63,16 +68,41 @@ def save_run(base, name, model, tokenizer):
     """A run directory as training and base_eval leave it: one checkpoint, config.json, eval/ of the step."""
     run_dir = os.path.join(base, "runs", name)
     fingerprints = {"tokenizer": tokenizer.fingerprint(), "data_train": "train-fp", "data_val": "val-fp"}
-    meta = {"arch": model.arch, "model_config": model.config.to_dict(), **model.extra_meta(), "step": STEP, "tokens": TOKENS,
-            "world_size": 1, "fingerprints": fingerprints}
+    meta = {
+        "arch": model.arch,
+        "model_config": model.config.to_dict(),
+        **model.extra_meta(),
+        "step": STEP,
+        "tokens": TOKENS,
+        "world_size": 1,
+        "fingerprints": fingerprints,
+    }
     os.makedirs(os.path.join(run_dir, "eval"))
     ckpt.save_checkpoint(run_dir, STEP, model, meta, {"optimizer": None})
     with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump({"command": f"scripts/base_train.py --run {name}", "git_commit": "abc123", "num_params": 98765,
-                   "args": {"arch": model.arch, "seed": 42}, "fingerprints": fingerprints}, f)
+        json.dump(
+            {
+                "command": f"scripts/base_train.py --run {name}",
+                "git_commit": "abc123",
+                "num_params": 98765,
+                "args": {"arch": model.arch, "seed": 42},
+                "fingerprints": fingerprints,
+            },
+            f,
+        )
     with open(os.path.join(run_dir, "eval", f"step_{STEP:06d}.json"), "w") as f:
-        json.dump({"step": STEP, "val_bpb": 2.5, "train_bpb": 2.4, "core_metric": None, "partial_core": 0.0125,
-                   "partial_label": "CORE (1 of 22 tasks)", "tasks": {"copa": {"accuracy": 0.52, "centered": 0.04}}}, f)
+        json.dump(
+            {
+                "step": STEP,
+                "val_bpb": 2.5,
+                "train_bpb": 2.4,
+                "core_metric": None,
+                "partial_core": 0.0125,
+                "partial_label": "CORE (1 of 22 tasks)",
+                "tasks": {"copa": {"accuracy": 0.52, "centered": 0.04}},
+            },
+            f,
+        )
     return run_dir
 
 
@@ -116,6 +146,7 @@ def test_transformers_gives_the_native_logits(exported, name):
 @pytest.fixture(scope="module")
 def native_tok(tiny_base_dir):
     from nanochat.tokenizer import Tokenizer
+
     return Tokenizer.from_directory(os.path.join(tiny_base_dir, "tokenizer"))
 
 
@@ -131,11 +162,11 @@ def test_greedy_generate_equals_the_engine(exported, native_tok, name):
     room = context_room(model, len(ids))  # up to a full context: past every window
     want = list(generate(model, ids, room, temperature=0))
     # transformers stops at eos = <|bos|>, as scripts.sample
-    want = want[:want.index(ids[0]) + 1] if ids[0] in want else want
-    got = hf.generate(**enc, max_new_tokens=room, do_sample=False)[0, len(ids):].tolist()
+    want = want[: want.index(ids[0]) + 1] if ids[0] in want else want
+    got = hf.generate(**enc, max_new_tokens=room, do_sample=False)[0, len(ids) :].tolist()
     assert got == want and len(got) > 20, (got, want)
     if name == "nag-mod":  # without the cache transformers recomputes the whole row each step: the same tokens
-        assert hf.generate(**enc, max_new_tokens=room, do_sample=False, use_cache=False)[0, len(ids):].tolist() == want
+        assert hf.generate(**enc, max_new_tokens=room, do_sample=False, use_cache=False)[0, len(ids) :].tolist() == want
 
 
 @pytest.mark.parametrize("name", ["nag-mod", "gpt-recipe", "nag-recipe"])  # the recipe's smear must skip the padding
@@ -147,13 +178,13 @@ def test_left_padded_batch_generates_as_each_prompt_alone(exported, native_tok, 
     prompts = ["The", "Gradient norm residual attention head vector matrix"]
     enc = tok(prompts, return_tensors="pt", padding=True)
     assert enc["attention_mask"][0].tolist().count(0) >= 4
-    got = hf.generate(**enc, max_new_tokens=12, do_sample=False)[:, enc["input_ids"].size(1):].tolist()
+    got = hf.generate(**enc, max_new_tokens=12, do_sample=False)[:, enc["input_ids"].size(1) :].tolist()
     bos = native_tok.get_bos_token_id()
     for p, g in zip(prompts, got):
         want = list(generate(model, native_tok.encode(p, prepend=bos), 12, temperature=0))
-        want = want[:want.index(bos) + 1] if bos in want else want
+        want = want[: want.index(bos) + 1] if bos in want else want
         # a row that ended is padded
-        assert g[:len(want)] == want and set(g[len(want):]) <= {tok.pad_token_id}, (p, g, want)
+        assert g[: len(want)] == want and set(g[len(want) :]) <= {tok.pad_token_id}, (p, g, want)
     with pytest.raises(ValueError, match="trained on 64 positions"):  # never a position past the context
         hf.generate(**tok("The", return_tensors="pt"), max_new_tokens=70, do_sample=False, eos_token_id=None)
 
@@ -162,7 +193,11 @@ def test_tokenizer_gives_tiktokens_ids(exported, native_tok):
     tok = transformers.AutoTokenizer.from_pretrained(exported["gpt"][1], trust_remote_code=True)
     enc = native_tok.enc
     bos = enc.encode_single_token("<|bos|>")
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (bos, bos, enc.encode_single_token("<|output_end|>"))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        bos,
+        bos,
+        enc.encode_single_token("<|output_end|>"),
+    )
     for text in TEXTS:
         ids = tok(text)["input_ids"]
         assert ids == [bos] + enc.encode(text, allowed_special="all")  # special tokens in text stay whole
@@ -174,19 +209,42 @@ def test_tokenizer_gives_tiktokens_ids(exported, native_tok):
 
 def test_folder_and_model_card(exported):
     hf_dir = exported["nag"][1]
-    assert sorted(os.listdir(hf_dir)) == ["README.md", "config.json", "configuration_nagchat.py", "generation_config.json", "inputs.json",
-                                          "model.safetensors", "modeling_nagchat.py", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(hf_dir)) == [
+        "README.md",
+        "config.json",
+        "configuration_nagchat.py",
+        "generation_config.json",
+        "inputs.json",
+        "model.safetensors",
+        "modeling_nagchat.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     for name in ("configuration_nagchat.py", "modeling_nagchat.py"):  # self-contained: the folder has no repo to import
         code = open(os.path.join(hf_dir, name)).read()
         assert "import nanochat" not in code and "from nanochat" not in code and "from nag" not in code
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     assert cfg["arch"] == "nag" and cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_nagchat.NagChatForCausalLM"
-    assert json.load(open(os.path.join(hf_dir, "..", "..", "hf", "nag-mod", "config.json")))["mod"] == {"blocks": "both", "rate": 0.3}
+    assert json.load(open(os.path.join(hf_dir, "..", "..", "hf", "nag-mod", "config.json")))["mod"] == {
+        "blocks": "both",
+        "rate": 0.3,
+    }
     card = open(os.path.join(hf_dir, "README.md")).read()
-    for expected in ("python -m scripts.export_hf --run nag --out ", "# nag, step 5: NAG", "| n_embd | 64 |", "parameters | 98,765",
-                     "`scripts/base_train.py --run nag`", "- data_train: `train-fp`", "- tokenizer: `", "- val bpb: 2.5000",
-                     "CORE (1 of 22 tasks): 0.0125 (not CORE", "| copa | 0.5200 | +0.0400 |", "α warm-up factor at this step | 0.5",
-                     "largest |logit difference| against the native model at export: 0", "trust_remote_code=True,add_bos_token=True"):
+    for expected in (
+        "python -m scripts.export_hf --run nag --out ",
+        "# nag, step 5: NAG",
+        "| n_embd | 64 |",
+        "parameters | 98,765",
+        "`scripts/base_train.py --run nag`",
+        "- data_train: `train-fp`",
+        "- tokenizer: `",
+        "- val bpb: 2.5000",
+        "CORE (1 of 22 tasks): 0.0125 (not CORE",
+        "| copa | 0.5200 | +0.0400 |",
+        "α warm-up factor at this step | 0.5",
+        "largest |logit difference| against the native model at export: 0",
+        "trust_remote_code=True,add_bos_token=True",
+    ):
         assert expected in card, expected
 
 
@@ -197,13 +255,20 @@ def test_force_moves_an_edited_file_aside_instead_of_over_it(exported, monkeypat
     out = tmp_path / "hf"
     export_hf.main(["--run", "gpt", "--out", str(out), "--no-verify"])
     manifest = json.load(open(out / "inputs.json"))
-    assert manifest["tool"] == "scripts.export_hf" and manifest["inputs"]["step"] == STEP and "README.md" in manifest["sha256"]
+    assert (
+        manifest["tool"] == "scripts.export_hf"
+        and manifest["inputs"]["step"] == STEP
+        and "README.md" in manifest["sha256"]
+    )
     with open(out / "README.md", "a") as f:
         f.write("\nmy notes\n")
     capsys.readouterr()
     export_hf.main(["--run", "gpt", "--out", str(out), "--no-verify", "--force"])
     (stamp,) = os.listdir(out / "replaced")
-    assert os.listdir(out / "replaced" / stamp) == ["README.md"] and "my notes" in (out / "replaced" / stamp / "README.md").read_text()
+    assert (
+        os.listdir(out / "replaced" / stamp) == ["README.md"]
+        and "my notes" in (out / "replaced" / stamp / "README.md").read_text()
+    )
     assert "my notes" not in (out / "README.md").read_text()
     assert f"note: README.md in {out} changed since `python -m scripts.export_hf` wrote it" in capsys.readouterr().out
     # nothing changed since: nothing set aside
@@ -215,33 +280,54 @@ def test_refusals_are_one_line(exported, script_error, monkeypatch, tmp_path):
     hf_dir = exported["gpt"][1]
     base = os.path.dirname(os.path.dirname(hf_dir))
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base)
-    assert "is not empty; choose another --out, or add --force" in script_error(export_hf.main, "--run", "gpt", "--out", hf_dir)
-    assert "no complete checkpoint for step 7" in script_error(export_hf.main, "--run", "gpt", "--step", "7", "--out", str(tmp_path / "x"))
+    assert "is not empty; choose another --out, or add --force" in script_error(
+        export_hf.main, "--run", "gpt", "--out", hf_dir
+    )
+    assert "no complete checkpoint for step 7" in script_error(
+        export_hf.main, "--run", "gpt", "--step", "7", "--out", str(tmp_path / "x")
+    )
     monkeypatch.setitem(sys.modules, "safetensors", None)
-    assert script_error(export_hf.main, "--run", "gpt", "--out", str(tmp_path / "y")) == \
-        "error: exporting needs the safetensors package: pip install -e '.[hf]'"
+    assert (
+        script_error(export_hf.main, "--run", "gpt", "--out", str(tmp_path / "y"))
+        == "error: exporting needs the safetensors package: pip install -e '.[hf]'"
+    )
     assert not os.path.exists(tmp_path / "y")
 
 
 def test_lm_eval_scores_a_local_task_offline(exported, native_tok, tmp_path, monkeypatch):
     """lm-evaluation-harness (its Python API, the CLI's code) on a multiple-choice task of eight local items: the same
     log-likelihoods and accuracy as the native model gives, with nothing downloaded."""
-    for var, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_CACHE", str(tmp_path / "cache"))):
+    for var, value in (
+        ("HF_DATASETS_OFFLINE", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("HF_DATASETS_CACHE", str(tmp_path / "cache")),
+    ):
         monkeypatch.setenv(var, value)  # read when datasets is imported, which lm_eval does
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
+
     model, hf_dir = exported["nag"]
-    items = [{"query": f"Document {i}. The", "choices": ["model data token", "loss layer", "café straße"], "gold": i % 3} for i in range(8)]
+    items = [
+        {"query": f"Document {i}. The", "choices": ["model data token", "loss layer", "café straße"], "gold": i % 3}
+        for i in range(8)
+    ]
     with open(tmp_path / "items.jsonl", "w") as f:
         f.writelines(json.dumps(it) + "\n" for it in items)
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "tiny_mc.yaml").write_text(
         f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'items.jsonl'}\n"
         "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{query}}'\ndoc_to_choice: choices\ndoc_to_target: gold\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
-    res = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": hf_dir, "trust_remote_code": True, "add_bos_token": True},
-                                  tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False),
-                                  batch_size=8, device="cpu", log_samples=True)
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    res = lm_eval.simple_evaluate(
+        model="hf",
+        model_args={"pretrained": hf_dir, "trust_remote_code": True, "add_bos_token": True},
+        tasks=["tiny_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False),
+        batch_size=8,
+        device="cpu",
+        log_samples=True,
+    )
     acc = res["results"]["tiny_mc"]["acc,none"]
     # the native model's log-likelihood of " choice" after <|bos|> + query,
     # the continuation's tokens as lm-eval splits them
@@ -266,6 +352,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_export(exported, script_error, mo
     line naming the folder, no folder and no staging left; with --force over an earlier export, its files stay as they were."""
     import errno
     from safetensors import SafetensorError
+
     hf_dir = exported["gpt"][1]
     monkeypatch.setenv("NANOCHAT_BASE_DIR", os.path.dirname(os.path.dirname(hf_dir)))
 
@@ -273,6 +360,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_export(exported, script_error, mo
         if where == "weights":
             raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
         raise OSError(errno.ENOSPC, "No space left on device")
+
     if where == "weights":
         monkeypatch.setattr("safetensors.torch.save_file", full)
     else:
@@ -280,7 +368,11 @@ def test_a_full_disk_is_one_line_and_leaves_no_export(exported, script_error, mo
         monkeypatch.setattr("nag.hf.tokenizer.id_mismatches", lambda *a: [])
     out = tmp_path / "hf-full"
     err = script_error(export_hf.main, "--run", "gpt", "--out", str(out))
-    assert err.startswith(f"error: cannot write the export to {out} (") and "No space left on device" in err and "nothing of it was kept" in err
+    assert (
+        err.startswith(f"error: cannot write the export to {out} (")
+        and "No space left on device" in err
+        and "nothing of it was kept" in err
+    )
     assert os.listdir(tmp_path) == []
     before = {f: open(os.path.join(hf_dir, f), "rb").read() for f in os.listdir(hf_dir)}
     script_error(export_hf.main, "--run", "gpt", "--out", hf_dir, "--force")

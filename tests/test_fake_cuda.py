@@ -49,9 +49,28 @@ VOCAB = 512
 B, T = 2, 256
 # the published head dim (128), GQA 2:1 (2 query heads, 1 KV head: the kernels' GQA paths), and an S layer then an L
 # one, the S window (half the row; the recipe's quarter window: 128 of 256) shorter than the row
-SHAPE = ["--depth", "2", "--model-dim", "256", "--head-dim", "128", "--n-kv-head", "1", "--max-seq-len", str(T),
-         "--window-pattern", "SL", "--device-batch-size", str(B), "--total-batch-size", str(B * T),
-         "--num-iterations", "10", "--eval-every", "-1"]
+SHAPE = [
+    "--depth",
+    "2",
+    "--model-dim",
+    "256",
+    "--head-dim",
+    "128",
+    "--n-kv-head",
+    "1",
+    "--max-seq-len",
+    str(T),
+    "--window-pattern",
+    "SL",
+    "--device-batch-size",
+    str(B),
+    "--total-batch-size",
+    str(B * T),
+    "--num-iterations",
+    "10",
+    "--eval-every",
+    "-1",
+]
 MOD_FLAGS = {  # every Mixture-of-Depths variant worth a trace; each arch takes those its flags accept (arch_for_args)
     "none": [],
     "mlp": ["--mod-blocks", "mlp", "--mod-rate", "0.2"],
@@ -69,8 +88,11 @@ def index_parts(x, idx):
     """x after the int / slice / None / Ellipsis parts of a __getitem__ index (views, as Python indexing makes them),
     and the tensor parts as aten.index's list (None for the dims they leave alone)."""
     idx = idx if isinstance(idx, tuple) else (idx,)
-    used = sum(i.dim() if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1
-               for i in idx if i is not None and i is not Ellipsis)
+    used = sum(
+        i.dim() if isinstance(i, torch.Tensor) and i.dtype == torch.bool else 1
+        for i in idx
+        if i is not None and i is not Ellipsis
+    )
     dim, indices = 0, []
     for i in idx:
         if i is Ellipsis:
@@ -140,7 +162,9 @@ ROUTES = {
     "contiguous": contiguous,
     "copy_": lambda x, src, non_blocking=False: aten.copy_(x, src),
     "__invert__": lambda x: aten.bitwise_not(x),
-    "new_tensor": lambda x, data, dtype=None, device=None, requires_grad=False: to(torch.tensor(data, dtype=dtype or x.dtype), device or x.device),
+    "new_tensor": lambda x, data, dtype=None, device=None, requires_grad=False: to(
+        torch.tensor(data, dtype=dtype or x.dtype), device or x.device
+    ),
     "tolist": host_read,
     "nonzero": lambda x, *args, **kwargs: aten.nonzero(x),  # a data-dependent shape: refused as a host read
     "uniform_": no_draw,
@@ -159,8 +183,10 @@ def guard_free():
 
         def method(self, *args, **kwargs):
             return (route if self.device.type == "cuda" else original)(self, *args, **kwargs)
+
         method.__name__ = name
         return method
+
     for name in ROUTES:
         setattr(torch.Tensor, name, routed(name))
     try:
@@ -202,7 +228,9 @@ def to_fake_cuda(model, mode):
     for m in model.modules():
         for name, p in m._parameters.items():
             if p is not None:
-                m._parameters[name] = nn.Parameter(convert.from_meta_and_device(mode, p.detach(), CUDA), requires_grad=False)
+                m._parameters[name] = nn.Parameter(
+                    convert.from_meta_and_device(mode, p.detach(), CUDA), requires_grad=False
+                )
         for name, b in m._buffers.items():
             if b is not None:
                 m._buffers[name] = convert.from_meta_and_device(mode, b, CUDA)
@@ -261,15 +289,50 @@ class FlashStandIn:
         self.style, self.calls = style, []
         self.flash_attn_func = self.fa4 if style == "fa4" else self.fa3
 
-    def fa4(self, q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0,
-            num_splits=1, pack_gqa=None, deterministic=False, mask_mod=None, full_block_cnt=None, full_block_idx=None,
-            mask_block_cnt=None, mask_block_idx=None, block_size=None, return_lse=False):
+    def fa4(
+        self,
+        q,
+        k,
+        v,
+        softmax_scale=None,
+        causal=False,
+        window_size=(None, None),
+        learnable_sink=None,
+        softcap=0.0,
+        num_splits=1,
+        pack_gqa=None,
+        deterministic=False,
+        mask_mod=None,
+        full_block_cnt=None,
+        full_block_idx=None,
+        mask_block_cnt=None,
+        mask_block_idx=None,
+        block_size=None,
+        return_lse=False,
+    ):
         out, lse = self.check(q, k, v, causal, window_size)
         return out, (lse if return_lse or any(t.requires_grad for t in (q, k, v)) else None)
 
-    def fa3(self, q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
-            window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
-            sm_margin=0, return_attn_probs=False):
+    def fa3(
+        self,
+        q,
+        k,
+        v,
+        softmax_scale=None,
+        causal=False,
+        qv=None,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+        window_size=(-1, -1),
+        attention_chunk=0,
+        softcap=0.0,
+        num_splits=1,
+        pack_gqa=None,
+        deterministic=False,
+        sm_margin=0,
+        return_attn_probs=False,
+    ):
         out, lse = self.check(q, k, v, causal, window_size)
         return (out, lse) if return_attn_probs else out
 
@@ -284,10 +347,13 @@ class FlashStandIn:
         assert all(x.stride(-1) == 1 for x in (q, k, v)), "the last dim contiguous (else the kernel copies)"
         assert isinstance(window_size, (tuple, list)) and len(window_size) == 2, window_size
         if self.style == "fa4":
-            assert all(w is None or (isinstance(w, int) and w >= 0) for w in window_size), \
+            assert all(w is None or (isinstance(w, int) and w >= 0) for w in window_size), (
                 f"FA4 reads {window_size} as bounds: no limit is None"
+            )
         else:
-            assert all(isinstance(w, int) and w >= -1 for w in window_size), f"FA3 takes ints, -1 for no limit: {window_size}"
+            assert all(isinstance(w, int) and w >= -1 for w in window_size), (
+                f"FA3 takes ints, -1 for no limit: {window_size}"
+            )
         self.calls.append((tuple(q.shape), tuple(k.shape), q.dtype, causal, tuple(window_size)))
         out = q.new_empty((b, t, h, v.size(-1)))
         return out, torch.empty((b, h, t), dtype=torch.float32, device=q.device)
@@ -308,6 +374,7 @@ def kernel_installed(kernel, monkeypatch):
     monkeypatch.setattr(fa, "_fa4", None)
     monkeypatch.setattr(fa, "_fa3", None)
     from torch.nn.attention import flex_attention as flex
+
     monkeypatch.setattr(fa, "_flex_compiled", flex.flex_attention)  # flex() compiles; the twin cannot
     monkeypatch.setattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)  # the op itself, not through dynamo
     stand_in = None
@@ -315,10 +382,16 @@ def kernel_installed(kernel, monkeypatch):
         stand_in = FlashStandIn(kernel)
         if kernel == "fa4":
             monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
-            monkeypatch.setitem(sys.modules, "flash_attn.cute", types.SimpleNamespace(flash_attn_func=stand_in.flash_attn_func))
+            monkeypatch.setitem(
+                sys.modules, "flash_attn.cute", types.SimpleNamespace(flash_attn_func=stand_in.flash_attn_func)
+            )
         else:
             hub = types.SimpleNamespace(flash_attn_interface=stand_in)
-            monkeypatch.setitem(sys.modules, "kernels", types.SimpleNamespace(get_kernel=lambda repo: hub if repo == fa.FA3_REPO else None))
+            monkeypatch.setitem(
+                sys.modules,
+                "kernels",
+                types.SimpleNamespace(get_kernel=lambda repo: hub if repo == fa.FA3_REPO else None),
+            )
     yield stand_in
 
 
@@ -334,7 +407,10 @@ class ScaledMMs:
         self.calls, self.original = [], torch._scaled_mm
 
     def __call__(self, a, b, scale_a, scale_b, out_dtype=None, **kwargs):
-        assert all(s.dtype == torch.float32 and s.dim() == 0 and s.is_cuda for s in (scale_a, scale_b)), (scale_a, scale_b)
+        assert all(s.dtype == torch.float32 and s.dim() == 0 and s.is_cuda for s in (scale_a, scale_b)), (
+            scale_a,
+            scale_b,
+        )
         assert out_dtype is not None
         self.calls.append((a.dtype, b.dtype, tuple(a.shape), tuple(b.shape)))
         return self.original(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, **kwargs)
@@ -364,6 +440,7 @@ class CpuWork(TorchDispatchMode):
     """The ops of the step that make a tensor on the CPU. CUDA takes a few such tensors without a word (a 0-dim one as
     a scalar; a CPU index tensor, copied to the device at every call: a hidden host-to-device copy and sync), and so
     does FakeTensorMode; a training step that keeps its work on the GPU makes none."""
+
     supports_higher_order_operators = True  # flex_attention passes through
 
     def __init__(self):
@@ -373,7 +450,7 @@ class CpuWork(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        for t in (out if isinstance(out, (tuple, list)) else [out]):
+        for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 self.cpu.append(f"{func} -> {tuple(t.shape)}")
         return out
@@ -398,6 +475,7 @@ def twin_step(arch, mod, attention, use_fp8, monkeypatch):
     def counted_read(tensor):  # every host read of a step goes through read_values: counted, answered with numbers
         trace.reads.append(sys._getframe(1).f_code.co_name)
         return PACKED_QUERIES if tensor.dim() == 0 else [PACKED_QUERIES] * tensor.numel()
+
     monkeypatch.setattr(step_timer, "read_values", counted_read)
     monkeypatch.setattr(torch, "_scaled_mm", mms)
     monkeypatch.setattr(fp8.FP8Matmul, "apply", fp8_forward_and_backward)
@@ -431,12 +509,18 @@ def attention_skipped(model):
 
 
 # attention MoD packs its queries and attends with masked SDPA under every kernel: its rows run under sdpa alone
-STEPS = [(arch, mod, attention, use_fp8) for arch, mod in VARIANTS for attention in ATTENTION for use_fp8 in (False, True)
-         if "attn" not in mod or attention == "sdpa"]
+STEPS = [
+    (arch, mod, attention, use_fp8)
+    for arch, mod in VARIANTS
+    for attention in ATTENTION
+    for use_fp8 in (False, True)
+    if "attn" not in mod or attention == "sdpa"
+]
 
 
-@pytest.mark.parametrize("arch, mod, attention, use_fp8", STEPS,
-                         ids=[f"{a}-{m}-{k}-{'fp8' if f else 'bf16'}" for a, m, k, f in STEPS])
+@pytest.mark.parametrize(
+    "arch, mod, attention, use_fp8", STEPS, ids=[f"{a}-{m}-{k}-{'fp8' if f else 'bf16'}" for a, m, k, f in STEPS]
+)
 def test_a_training_step_on_fake_cuda(arch, mod, attention, use_fp8, monkeypatch):
     trace = twin_step(arch, mod, attention, use_fp8, monkeypatch)
     model = twin(arch, mod).model
@@ -456,20 +540,41 @@ def test_a_training_step_on_fake_cuda(arch, mod, attention, use_fp8, monkeypatch
     kinds = [(a, b) for a, b, _, _ in trace.scaled_mm.calls]
     assert kinds == [(fp8.E4M3, fp8.E4M3), (fp8.E5M2, fp8.E4M3), (fp8.E5M2, fp8.E4M3)] * layers
     tokens = {a[0] for _, _, a, _ in trace.scaled_mm.calls[::3]}  # N of each forward (its M: free)
-    assert tokens == (set() if not use_fp8 else {B * T} if mod == "none" else {B * T, B * PACKED_QUERIES} if "attn" in mod
-                      else {B * T, B * T - round(0.2 * B * T)})  # MoD's packed counts, 410: no multiple of 16
+    assert tokens == (
+        set()
+        if not use_fp8
+        else {B * T}
+        if mod == "none"
+        else {B * T, B * PACKED_QUERIES}
+        if "attn" in mod
+        else {B * T, B * T - round(0.2 * B * T)}
+    )  # MoD's packed counts, 410: no multiple of 16
     # the kernel's calls: one per layer that attends over plain rows, with its window in the kernel's convention
     if trace.kernel is not None:
         plain = [] if attention_skipped(model) else model.windows
         assert [c[4] for c in trace.kernel.calls] == [expected_window(attention, w) for w in plain]
-        heads, kv_heads, head_dim = model.config.n_head, model.config.n_kv_head, model.config.n_embd // model.config.n_head
-        assert all(c[:4] == ((B, T, heads, head_dim), (B, T, kv_heads, head_dim), torch.bfloat16, True) for c in trace.kernel.calls)
+        heads, kv_heads, head_dim = (
+            model.config.n_head,
+            model.config.n_kv_head,
+            model.config.n_embd // model.config.n_head,
+        )
+        assert all(
+            c[:4] == ((B, T, heads, head_dim), (B, T, kv_heads, head_dim), torch.bfloat16, True)
+            for c in trace.kernel.calls
+        )
 
 
 def test_the_matrix_covers_every_arch_and_mod():
     assert {a for a, _ in VARIANTS} == set(ARCHS)
-    assert set(VARIANTS) >= {("gpt", "none"), ("gpt-router", "mlp"), ("gpt-router", "attn+mlp"), ("nag", "mlp"),
-                             ("nag", "attn+mlp"), ("gpt-recipe", "none"), ("nag-recipe", "none")}
+    assert set(VARIANTS) >= {
+        ("gpt", "none"),
+        ("gpt-router", "mlp"),
+        ("gpt-router", "attn+mlp"),
+        ("nag", "mlp"),
+        ("nag", "attn+mlp"),
+        ("gpt-recipe", "none"),
+        ("nag-recipe", "none"),
+    }
     assert ("gpt", "mlp") not in VARIANTS and ("gpt-recipe", "mlp") not in VARIANTS  # refused by their flags
     model = twin("gpt", "none").model
     assert [w < T for w in model.windows] == [True, False]  # an S layer and an L one
@@ -504,6 +609,7 @@ def test_a_host_read_in_the_optimizer_step_is_caught(read, monkeypatch):
     def reading(self, gate=None):
         {"item": lambda: gate.item(), "tolist": lambda: gate.tolist(), "bool": lambda: bool(gate)}[read]()
         return step(self, gate)
+
     monkeypatch.setattr(MuonAdamW, "step", reading)
     with pytest.raises(DataDependentOutputException):
         twin_step("nag", "none", "fa4", False, monkeypatch)
@@ -533,12 +639,14 @@ def test_the_flash_stand_ins_refuse_what_the_kernels_refuse():
         out, lse = fa4.flash_attn_func(q, k, k, causal=True, window_size=(None, 0))
         assert out.shape == q.shape and lse is None  # no gradient asked for: no log-sum-exp
         assert fa3.flash_attn_func(q, k, k, causal=True, window_size=(31, 0)).shape == q.shape
-        for bad in [lambda: fa4.flash_attn_func(q, k, k, causal=True, window_size=(-1, 0)),  # -1 is a bound to FA4
-                    lambda: fa3.flash_attn_func(q, k, k, causal=True, window_size=(None, 0)),  # FA3's op takes ints
-                    lambda: fa3.flash_attn_func(q.float(), k.float(), k.float(), causal=True),  # fp32
-                    # 3 KV heads for 4 query heads
-                    lambda: fa4.flash_attn_func(q, q[:, :, :3], q[:, :, :3], causal=True),
-                    lambda: fa4.flash_attn_func(q, k.cpu(), k.cpu(), causal=True)]:
+        for bad in [
+            lambda: fa4.flash_attn_func(q, k, k, causal=True, window_size=(-1, 0)),  # -1 is a bound to FA4
+            lambda: fa3.flash_attn_func(q, k, k, causal=True, window_size=(None, 0)),  # FA3's op takes ints
+            lambda: fa3.flash_attn_func(q.float(), k.float(), k.float(), causal=True),  # fp32
+            # 3 KV heads for 4 query heads
+            lambda: fa4.flash_attn_func(q, q[:, :, :3], q[:, :, :3], causal=True),
+            lambda: fa4.flash_attn_func(q, k.cpu(), k.cpu(), causal=True),
+        ]:
             with pytest.raises(AssertionError):
                 bad()
         with pytest.raises(TypeError):
@@ -553,8 +661,17 @@ def test_guard_free_indexing_is_python_indexing():
     """The routes, applied to CPU tensors with values, give what Python's indexing gives."""
     x = torch.arange(2 * 3 * 4 * 5.0).reshape(2, 3, 4, 5)
     rows = torch.tensor([1, 0])
-    for idx in [1, (slice(None), 2), (..., 1), (None, 0, ..., slice(1, 4, 2)), (slice(None), rows), (0, slice(None), rows),
-                (rows, slice(None), rows), (x[:, :, :, 0] > 10,), (slice(None), None, slice(0, 2))]:
+    for idx in [
+        1,
+        (slice(None), 2),
+        (..., 1),
+        (None, 0, ..., slice(1, 4, 2)),
+        (slice(None), rows),
+        (0, slice(None), rows),
+        (rows, slice(None), rows),
+        (x[:, :, :, 0] > 10,),
+        (slice(None), None, slice(0, 2)),
+    ]:
         assert torch.equal(getitem(x, idx), x[idx]), idx
         y, z = x.clone(), x.clone()
         setitem(y, idx, -1.0)

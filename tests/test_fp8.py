@@ -23,10 +23,10 @@ from scripts import base_train
 
 # Rounding to a format with m mantissa bits makes a relative error spread evenly over ±2^-(m+1): its rms is
 # 2^-(m+1)/√3. A product of two rounded operands adds two such errors (in quadrature, being independent).
-E4M3_RMS = 2 ** -4 / math.sqrt(3)  # 3.6 %
-E5M2_RMS = 2 ** -3 / math.sqrt(3)  # 7.2 %
+E4M3_RMS = 2**-4 / math.sqrt(3)  # 3.6 %
+E5M2_RMS = 2**-3 / math.sqrt(3)  # 7.2 %
 FORWARD_TOL = math.sqrt(2) * E4M3_RMS  # x and W in e4m3: 5.1 %
-BACKWARD_TOL = math.sqrt(E5M2_RMS ** 2 + E4M3_RMS ** 2)  # dy in e5m2 times x or W in e4m3: 8.1 %
+BACKWARD_TOL = math.sqrt(E5M2_RMS**2 + E4M3_RMS**2)  # dy in e5m2 times x or W in e4m3: 8.1 %
 
 
 def rel(a, b):
@@ -60,7 +60,11 @@ def test_the_size_rule_and_evaluation_in_the_compute_dtype():
     cfg = GPTConfig(sequence_len=32, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=128)
     model = GPT.initialised(cfg)
     chosen = model.set_fp8(True)
-    assert chosen == [f"blocks.{i}.{m}" for i in range(2) for m in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] + ["lm_head"]
+    assert chosen == [
+        f"blocks.{i}.{m}"
+        for i in range(2)
+        for m in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ] + ["lm_head"]
     assert fp8.admits(128, 512) and not fp8.admits(64, 512) and not fp8.admits(136, 512 + 8) and not fp8.admits(128, 8)
     x = torch.randint(0, 512, (2, 32))
     model.eval()
@@ -96,7 +100,9 @@ def test_a_tiny_fp8_run_trains_records_and_resumes_exactly(run_base, capsys, scr
     assert full[-1]["train_loss"] < full[1]["train_loss"]
     base_train.main(common + ["--resume", "4"])
     resumed = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    assert [(r["step"], r["train_loss"], r.get("val_bpb")) for r in resumed] == [(r["step"], r["train_loss"], r.get("val_bpb")) for r in full]
+    assert [(r["step"], r["train_loss"], r.get("val_bpb")) for r in resumed] == [
+        (r["step"], r["train_loss"], r.get("val_bpb")) for r in full
+    ]
     # without --fp8 it is another setting: refused as any other
     err = script_error(base_train.main, *[a for a in common if a != "--fp8"], "--resume", "latest")
     assert "--fp8 True → False" in err
@@ -113,6 +119,7 @@ def test_compiled_fp8_is_one_graph_equal_to_eager():
 
     def loss(x, w):
         return torch.relu(fp8_linear(x, w)).square().mean()
+
     grads = []
     for fn in (loss, torch.compile(loss, fullgraph=True)):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -128,6 +135,7 @@ def test_set_fp8_makes_the_matmul_one_opaque_node_for_compile(monkeypatch):
     """GPT.set_fp8(True) registers FP8Matmul with dynamo (not at import: that would import dynamo in every command):
     the traced graph calls it as one node, where dynamo would otherwise trace into its forward and backward."""
     from nanochat import gpt
+
     registered = []
     monkeypatch.setattr(gpt, "opaque_to_compile", lambda: registered.append(fp8.opaque_to_compile()))
     torch._dynamo.reset()
@@ -142,6 +150,7 @@ def test_set_fp8_makes_the_matmul_one_opaque_node_for_compile(monkeypatch):
     def record(gm, inputs):
         graphs.append(gm)
         return gm.forward
+
     x, w = torch.randn(32, 128, requires_grad=True), torch.randn(128, 128, requires_grad=True)
     torch.compile(lambda x, w: fp8_linear(x, w).sum(), backend=record, fullgraph=True)(x, w)
     calls = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
@@ -151,11 +160,39 @@ def test_set_fp8_makes_the_matmul_one_opaque_node_for_compile(monkeypatch):
 def test_the_step_benchmark_measures_fp8_and_the_host_reads():
     """scripts.bench.train's variant (gpu_checks' fp8, fp8_d24 and host_reads stages), in process on a tiny model."""
     from scripts.bench import train as bench
-    args = bench.parse(["--depth", "2", "--model-dim", "128", "--head-dim", "32", "--max-seq-len", "32", "--vocab-size", "512",
-                        "--device-batch-size", "2", "--steps", "1", "--warmup", "1", "--device-type", "cpu"])
+
+    args = bench.parse(
+        [
+            "--depth",
+            "2",
+            "--model-dim",
+            "128",
+            "--head-dim",
+            "32",
+            "--max-seq-len",
+            "32",
+            "--vocab-size",
+            "512",
+            "--device-batch-size",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--device-type",
+            "cpu",
+        ]
+    )
     r = bench.run_variant(args, "gpt", "off", "fp8", 2)
-    assert (r["precision"], r["fp8_layers"], r["host_reads"]) == ("fp8", 13, 2) and r["step_ms"] > 0 and math.isfinite(r["last_loss"])
-    assert bench.ratios([dict(r, precision="bf16", host_reads=1), r])[0]["what"] == "gpt fp8, 2 host read(s) / bf16, 1 (eager)"
+    assert (
+        (r["precision"], r["fp8_layers"], r["host_reads"]) == ("fp8", 13, 2)
+        and r["step_ms"] > 0
+        and math.isfinite(r["last_loss"])
+    )
+    assert (
+        bench.ratios([dict(r, precision="bf16", host_reads=1), r])[0]["what"]
+        == "gpt fp8, 2 host read(s) / bf16, 1 (eager)"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -169,12 +206,16 @@ def check_cuda_rules(a, b, scale_a, scale_b, out_dtype=None, **kw):
     checks them (K and both dims of the second operand multiples of 16; M, the first operand's rows, may be any), then
     the CUDA meta kernel (torch's own checks) on fake CUDA tensors of the same shapes and strides."""
     assert a.dtype in (fp8.E4M3, fp8.E5M2) and b.dtype in (fp8.E4M3, fp8.E5M2), (a.dtype, b.dtype)
-    assert a.stride(1) == 1 and b.stride(0) == 1, f"the first operand row-major, the second column-major: {a.stride()}, {b.stride()}"
+    assert a.stride(1) == 1 and b.stride(0) == 1, (
+        f"the first operand row-major, the second column-major: {a.stride()}, {b.stride()}"
+    )
     assert all(d % 16 == 0 for d in b.shape), f"K and N multiples of 16: {tuple(a.shape)} @ {tuple(b.shape)}"
     assert all(s.dtype == torch.float32 and s.dim() == 0 for s in (scale_a, scale_b)) and out_dtype is not None
     with FakeTensorMode(allow_non_fake_inputs=False):
+
         def fake(t):
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+
         SCALED_MM(fake(a), fake(b), scale_a=fake(scale_a), scale_b=fake(scale_b), out_dtype=out_dtype, **kw)
 
 
@@ -187,6 +228,7 @@ def cuda_rules(monkeypatch):
         check_cuda_rules(a, b, **kw)
         calls.append((tuple(a.shape), tuple(b.shape)))
         return SCALED_MM(a, b, **kw)
+
     monkeypatch.setattr(torch, "_scaled_mm", checked)
     return calls
 
@@ -196,15 +238,23 @@ def test_the_checker_refuses_what_cuda_refuses():
     a, b = torch.zeros(256, 512).to(fp8.E4M3), torch.zeros(128, 512).to(fp8.E4M3).t()
     check_cuda_rules(a, b, scale_a=s, scale_b=s, out_dtype=torch.bfloat16)
     check_cuda_rules(a[:250], b, scale_a=s, scale_b=s, out_dtype=torch.bfloat16)  # M is free
-    for bad_a, bad_b, why in [(a[:, :500], b[:500], "multiples of 16"), (a, b.contiguous(), "column-major"),
-                              (a.t().contiguous().t(), b, "row-major")]:
+    for bad_a, bad_b, why in [
+        (a[:, :500], b[:500], "multiples of 16"),
+        (a, b.contiguous(), "column-major"),
+        (a.t().contiguous().t(), b, "row-major"),
+    ]:
         with pytest.raises(AssertionError, match=why):
             check_cuda_rules(bad_a, bad_b, scale_a=s, scale_b=s, out_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="divisible by 16"):  # the CUDA meta kernel, on its own
         with FakeTensorMode():
             x = torch.empty(256, 500, dtype=fp8.E5M2, device="cuda")
-            SCALED_MM(x, torch.empty(128, 500, dtype=fp8.E4M3, device="cuda").t(), scale_a=torch.empty((), device="cuda"),
-                      scale_b=torch.empty((), device="cuda"), out_dtype=torch.bfloat16)
+            SCALED_MM(
+                x,
+                torch.empty(128, 500, dtype=fp8.E4M3, device="cuda").t(),
+                scale_a=torch.empty((), device="cuda"),
+                scale_b=torch.empty((), device="cuda"),
+                out_dtype=torch.bfloat16,
+            )
 
 
 @pytest.mark.parametrize("n", [500, 37, 512])
@@ -229,7 +279,9 @@ def test_padded_tokens_meet_cuda_rules_and_change_no_value(n, cuda_rules):
     dyq, dy_inv = fp8.quantise(dy, fp8.E5M2)
     y_ref = SCALED_MM(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=torch.bfloat16, use_fast_accum=True)
     dx_ref = SCALED_MM(dyq, fp8.column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
-    dw_ref = SCALED_MM(dyq.t().contiguous(), fp8.column_major(xq), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.bfloat16)
+    dw_ref = SCALED_MM(
+        dyq.t().contiguous(), fp8.column_major(xq), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.bfloat16
+    )
     assert y.shape == (n, 256) and x.grad.shape == (n, 128)
     assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref) and torch.equal(w.grad, dw_ref.float())
 
@@ -243,7 +295,10 @@ def test_a_tiny_fp8_mod_run_meets_cuda_rules(mod, run_base, cuda_rules, monkeypa
     def recording(x, weight):
         tokens.append(x.numel() // x.size(-1))
         return fp8_linear(x, weight)
+
     monkeypatch.setattr(gpt, "fp8_linear", recording)
-    base_train.main(FP8_TINY + mod + ["--mod-rate", "0.2", "--max-seq-len", "32", "--num-iterations", "2", "--eval-every", "-1"])
+    base_train.main(
+        FP8_TINY + mod + ["--mod-rate", "0.2", "--max-seq-len", "32", "--num-iterations", "2", "--eval-every", "-1"]
+    )
     assert cuda_rules and len(cuda_rules) == 3 * len(tokens)
     assert any(n % 16 for n in tokens), sorted(set(tokens))

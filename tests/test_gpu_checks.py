@@ -24,13 +24,22 @@ WRITE_JSON = "import json, sys; json.dump({'x': 1}, open(sys.argv[1], 'w')); pri
 
 
 def fake(name, code, timeout=60, expect=1, cold=False):
-    return gpu_checks.Stage(name, f"fake {name}", [sys.executable, "-c", code, "{json}"], timeout, expect,
-                            figures=lambda d: f"x = {d['x']}", cold=cold)
+    return gpu_checks.Stage(
+        name,
+        f"fake {name}",
+        [sys.executable, "-c", code, "{json}"],
+        timeout,
+        expect,
+        figures=lambda d: f"x = {d['x']}",
+        cold=cold,
+    )
 
 
 def rows(out):
     """(stage, result, note) of each table row of summary.md."""
-    lines = [l for l in open(os.path.join(out, "summary.md")).read().splitlines() if l.startswith("| ") and "---" not in l]
+    lines = [
+        l for l in open(os.path.join(out, "summary.md")).read().splitlines() if l.startswith("| ") and "---" not in l
+    ]
     return [tuple(c.strip() for c in l.strip("|").split("|")[:4]) for l in lines if not l.startswith("| stage ")]
 
 
@@ -39,8 +48,13 @@ def test_without_a_gpu_one_line_within_seconds(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1")
     t0 = time.time()
-    r = subprocess.run(["bash", os.path.join(REPO, "runs", "gpu_checks.sh"), "--quick"], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = subprocess.run(
+        ["bash", os.path.join(REPO, "runs", "gpu_checks.sh"), "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     elapsed = time.time() - t0
     assert r.returncode == 1, r.stdout + r.stderr
     err = r.stderr.strip().splitlines()
@@ -53,19 +67,34 @@ def test_without_a_gpu_one_line_within_seconds(tmp_path):
 def test_runner_marks_failures_and_keeps_every_line(tmp_path, monkeypatch):
     out = str(tmp_path)
     # the grandchild shows that a timeout ends the stage's whole process group
-    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-             f"open({str(tmp_path / 'grandchild.pid')!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    spawn = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(tmp_path / 'grandchild.pid')!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
     # the last stage checks that the four lines before it were written as their stages ended
-    check = ("import json, sys; rows = [l for l in open(sys.argv[1].replace('last.json', 'summary.md')) if l.startswith('| ')]; "
-             "assert len(rows) == 4, rows; json.dump({'x': 2}, open(sys.argv[1], 'w'))")
-    stages = [fake("first", WRITE_JSON), fake("fails", "import sys; print('boom'); sys.exit(3)"),
-              fake("slow", spawn, timeout=3), fake("no_json", "print('forgot')"), fake("last", check)]
+    check = (
+        "import json, sys; rows = [l for l in open(sys.argv[1].replace('last.json', 'summary.md')) if l.startswith('| ')]; "
+        "assert len(rows) == 4, rows; json.dump({'x': 2}, open(sys.argv[1], 'w'))"
+    )
+    stages = [
+        fake("first", WRITE_JSON),
+        fake("fails", "import sys; print('boom'); sys.exit(3)"),
+        fake("slow", spawn, timeout=3),
+        fake("no_json", "print('forgot')"),
+        fake("last", check),
+    ]
     t0 = time.time()
     failed = gpu_checks.run_stages(stages, out, budget=100)
     assert time.time() - t0 < 30
     assert failed == ["fails", "slow", "no_json"]
     got = rows(out)
-    assert [r[:2] for r in got] == [("first", "ok"), ("fails", "FAILED"), ("slow", "FAILED"), ("no_json", "FAILED"), ("last", "ok")]
+    assert [r[:2] for r in got] == [
+        ("first", "ok"),
+        ("fails", "FAILED"),
+        ("slow", "FAILED"),
+        ("no_json", "FAILED"),
+        ("last", "ok"),
+    ]
     assert got[0][3] == "x = 1" and got[4][3] == "x = 2"
     assert got[1][3] == "exit 3: boom" and "timed out after 3 s" in got[2][3] and "no no_json.json" in got[3][3]
     assert all(os.path.exists(os.path.join(out, f"{n}.json")) for n in ("first", "last"))
@@ -102,7 +131,11 @@ def test_a_stage_whose_expected_time_is_not_left_is_skipped(tmp_path):
     got = rows(str(tmp_path))
     assert got[0][:3] == ("big", "SKIPPED", "0") and "it expects 50 s" in got[0][3] and got[1][:2] == ("small", "ok")
     results = json.loads((tmp_path / "results.json").read_text())["stages"]
-    assert results["big"]["result"] == "SKIPPED" and results["big"]["figures"] is None and "budget left" in results["big"]["note"]
+    assert (
+        results["big"]["result"] == "SKIPPED"
+        and results["big"]["figures"] is None
+        and "budget left" in results["big"]["note"]
+    )
     assert results["small"]["result"] == "ok" and results["small"]["figures"] == {"x": 1}
     assert not (tmp_path / "big.log").exists()  # never started
 
@@ -134,9 +167,13 @@ def test_main_exit_status_and_summary(tmp_path, monkeypatch):
     # main with a GPU faked: the machine in results.json, the summary's table and headline block, exit status 1 on a
     # failed stage, and in $OUT nothing but the three outputs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gpu_checks, "environment", lambda: {"gpu": "Fake GPU", "driver": "0", "torch": "t", "triton": "t", "cuda": "c"})
+    monkeypatch.setattr(
+        gpu_checks, "environment", lambda: {"gpu": "Fake GPU", "driver": "0", "torch": "t", "triton": "t", "cuda": "c"}
+    )
     monkeypatch.setattr(gpu_checks, "QUICK_BUDGET", 60)  # the fakes' time, not a GPU's
-    monkeypatch.setattr(gpu_checks, "stages", lambda quick, bundle: [fake("ok", WRITE_JSON), fake("bad", "raise SystemExit(2)")])
+    monkeypatch.setattr(
+        gpu_checks, "stages", lambda quick, bundle: [fake("ok", WRITE_JSON), fake("bad", "raise SystemExit(2)")]
+    )
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     with pytest.raises(SystemExit) as e:
         gpu_checks.main(["--quick", "--out", str(tmp_path / "ignored")])
@@ -144,7 +181,11 @@ def test_main_exit_status_and_summary(tmp_path, monkeypatch):
     out = tmp_path / "out"
     results = json.loads((out / "results.json").read_text())
     assert results["env"]["gpu"] == "Fake GPU" and not (tmp_path / "ignored").exists()
-    assert results["stages"]["ok"]["figures"] == {"x": 1} and results["stages"]["bad"] == {**results["stages"]["bad"], "ok": False, "figures": None}
+    assert results["stages"]["ok"]["figures"] == {"x": 1} and results["stages"]["bad"] == {
+        **results["stages"]["bad"],
+        "ok": False,
+        "figures": None,
+    }
     summary = (out / "summary.md").read_text()
     assert [r[:2] for r in rows(str(out))] == [("ok", "ok"), ("bad", "FAILED")]
     assert "## Headline figures" in summary and summary.rstrip().endswith("FAILED: bad (logs: logs.tar.gz)")
@@ -168,8 +209,11 @@ def test_a_killed_run_keeps_the_finished_stages_in_at_most_eight_files(tmp_path)
     # in the three outputs alone (a slot returns at most 8 files, at most 2 folders deep)
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir(), out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(work), str(out)], cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_RUN, str(work), str(out)],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"),
+    )
     t0 = time.time()
     while not (out / "results.json").exists() and time.time() - t0 < 60:
         time.sleep(0.1)
@@ -189,7 +233,7 @@ def test_environment_names_the_machine(monkeypatch):
     # results.json's machine: GPU, driver, torch, Triton, CUDA (torch's build and the driver's), faked here
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 2 ** 37})())
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 2**37})())
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr("nanochat.common.nvidia_smi", lambda: (1, "580.65", "13.0"))
     env = gpu_checks.environment()
@@ -198,17 +242,28 @@ def test_environment_names_the_machine(monkeypatch):
 
 
 def test_dry_run_lists_the_plan_and_at_most_eight_output_files():
-    r = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_checks", "--quick", "--dry-run"], cwd=REPO,
-                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=REPO))
+    r = subprocess.run(
+        [sys.executable, "-m", "scripts.bench.gpu_checks", "--quick", "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     plan = gpu_checks.stages(quick=True)
     for st, line in zip(plan, lines[1:]):
         assert line.split()[:5] == [st.name, f"{st.timeout:.0f}", "s", f"{st.expect:.0f}", "s"], line
     expected = sum(st.expect for st in plan)
-    assert lines[len(plan) + 1].startswith(f"expected {expected:.0f} s in all, {100 * expected / gpu_checks.QUICK_BUDGET:.0f}% "
-                                           f"of the {gpu_checks.QUICK_BUDGET} s budget")
-    assert lines[-1] == f"writes 3 files, all at the top of $OUT (else --out), none in a folder: {', '.join(gpu_checks.OUTPUTS)}"
+    assert lines[len(plan) + 1].startswith(
+        f"expected {expected:.0f} s in all, {100 * expected / gpu_checks.QUICK_BUDGET:.0f}% "
+        f"of the {gpu_checks.QUICK_BUDGET} s budget"
+    )
+    assert (
+        lines[-1]
+        == f"writes 3 files, all at the top of $OUT (else --out), none in a folder: {', '.join(gpu_checks.OUTPUTS)}"
+    )
     assert len(gpu_checks.OUTPUTS) <= 8 and all("/" not in name for name in gpu_checks.OUTPUTS)
 
 
@@ -216,8 +271,14 @@ def test_dry_run_lists_the_plan_and_at_most_eight_output_files():
 def test_kernel_tests_fail_when_no_cuda_test_ran(tmp_path):
     # on a CPU every CUDA test skips itself and pytest exits 0; the stage must still fail
     path = tmp_path / "kernel_tests.json"
-    r = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_checks", "--kernel-tests", str(path)], cwd=REPO,
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, "-m", "scripts.bench.gpu_checks", "--kernel-tests", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     d = json.loads(path.read_text())
     assert d["pytest_exit"] == 0 and d["cuda_passed"] == 0 and d["cuda_skipped"] > 0 and not d["ok"]
@@ -226,22 +287,44 @@ def test_kernel_tests_fail_when_no_cuda_test_ran(tmp_path):
 
 
 def result(arch, depth, step_ms, mem, compile_s=30.0, mode="on", fresh_cache=False, **extra):
-    return {"arch": arch, "compile": mode, "depth": depth, "dim": 640, "step_ms": step_ms, "peak_mem_gib": mem,
-            "model_compile_s": compile_s, "model_graphs": 1, "optim_compile_s": 7.0, "optim_graphs": 5, "later_graphs": 0,
-            "optim_compiled": ["adamw_update", "muon_update"], "fresh_cache": fresh_cache,
-            "flops_per_token": 1e8 * depth, "tokens_per_step": 32768, "peak_flops": 1e16, **extra}
+    return {
+        "arch": arch,
+        "compile": mode,
+        "depth": depth,
+        "dim": 640,
+        "step_ms": step_ms,
+        "peak_mem_gib": mem,
+        "model_compile_s": compile_s,
+        "model_graphs": 1,
+        "optim_compile_s": 7.0,
+        "optim_graphs": 5,
+        "later_graphs": 0,
+        "optim_compiled": ["adamw_update", "muon_update"],
+        "fresh_cache": fresh_cache,
+        "flops_per_token": 1e8 * depth,
+        "tokens_per_step": 32768,
+        "peak_flops": 1e16,
+        **extra,
+    }
 
 
 def test_headline_carries_two_depths_to_64(tmp_path):
-    runs = {"depth": [result("gpt", 4, 10.0, 4.0, 20, fresh_cache=True), result("nag:fused", 4, 11.0, 4.2, 25, fresh_cache=True)],
-            "step": [result("gpt", 8, 14.0, 6.0, 30), result("nag:fused", 8, 16.0, 6.4, 40)],
-            "blocks": [result("gpt", 8, 14.2, 5.9, 9, "blocks"), result("nag:fused", 8, 16.8, 6.3, 12, "blocks")]}
+    runs = {
+        "depth": [
+            result("gpt", 4, 10.0, 4.0, 20, fresh_cache=True),
+            result("nag:fused", 4, 11.0, 4.2, 25, fresh_cache=True),
+        ],
+        "step": [result("gpt", 8, 14.0, 6.0, 30), result("nag:fused", 8, 16.0, 6.4, 40)],
+        "blocks": [result("gpt", 8, 14.2, 5.9, 9, "blocks"), result("nag:fused", 8, 16.8, 6.3, 12, "blocks")],
+    }
     for name, rs in runs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps({"results": rs, "ratios": []}))
     text = "\n".join(gpu_checks.headline(str(tmp_path)))
     # per layer: GPT 1 ms and 0.5 GiB, NAG 1.25 ms and 0.55 GiB; at 64: GPT 70 ms, 34 GiB; NAG 86 ms, 37.2 GiB
     assert "step time 1.143×" in text  # depth 8 as measured: 16 / 14
-    assert "step time 1.229× (GPT 70 ms, NAG 86 ms)" in text and "peak memory 1.094× (GPT 34.0 GiB, NAG 37.2 GiB)" in text
+    assert (
+        "step time 1.229× (GPT 70 ms, NAG 86 ms)" in text and "peak memory 1.094× (GPT 34.0 GiB, NAG 37.2 GiB)" in text
+    )
     assert "GPT MFU 30.0%" in text  # 6.4e9 FLOPs per token × 32768 tokens / 70 ms / 1e16 FLOP/s
     assert "gpt compiled per block / whole, depth 8: step time 1.014× (within 2%)" in text
     assert "nag:fused compiled per block / whole, depth 8: step time 1.050× (outside 2%)" in text
@@ -259,8 +342,19 @@ def test_quick_plan_answers_the_first_questions_within_its_budget():
     assert sum(s.expect for s in quick) <= gpu_checks.PLANNED * gpu_checks.QUICK_BUDGET and gpu_checks.PLANNED <= 0.75
     assert all(s.expect < s.timeout <= 180 for s in quick)  # each stage its own limit, with room over its expected time
     full = gpu_checks.stages(quick=False, eval_bundle="/bundle")
-    assert [s.name for s in full[len(quick):]] == ["depth", "blocks", "host_reads", "fp8", "fp8_d24", "published_gpt", "published_nag", "published_blocks", "mod",
-                                                   "fp8_mod", "core_batching"]
+    assert [s.name for s in full[len(quick) :]] == [
+        "depth",
+        "blocks",
+        "host_reads",
+        "fp8",
+        "fp8_d24",
+        "published_gpt",
+        "published_nag",
+        "published_blocks",
+        "mod",
+        "fp8_mod",
+        "core_batching",
+    ]
     assert all(s.expect < s.timeout <= 480 for s in full)  # the 64-layer whole-model compiles: minutes each
     branch_op = next(s for s in quick if s.name == "branch_op")
     assert branch_op.cmd[branch_op.cmd.index("--op-rows-per-program") + 1] == "1,2,4,8,16,32"
@@ -271,6 +365,7 @@ def test_fp8_with_mod_is_a_base_train_stage_at_the_published_width(tmp_path):
     # full run (the quick plan has no room: its 75 %); the same flags base_train parses, its vocab the published one
     from nag.presets import PRESETS
     from scripts.base_train import parse_args
+
     st = next(s for s in gpu_checks.stages(quick=False) if s.name == "fp8_mod")
     assert "fp8_mod" not in [s.name for s in gpu_checks.stages(quick=True)] and st.expect < st.timeout and not st.cold
     assert st.cmd[:6] == [sys.executable, "-m", "scripts.bench.gpu_checks", "--base-train", "{json}", "--vocab-size"]
@@ -279,21 +374,34 @@ def test_fp8_with_mod_is_a_base_train_stage_at_the_published_width(tmp_path):
     args = parse_args(st.cmd[7:])
     shape = dict(zip(published["train"][::2], published["train"][1::2]))
     assert (args.model_dim, args.head_dim, args.max_seq_len, args.device_batch_size) == tuple(
-        int(shape[f]) for f in ("--model-dim", "--head-dim", "--max-seq-len", "--device-batch-size"))
-    assert args.arch == "nag" and args.fp8 and args.mod_rate == 0.2 and 2 <= args.num_iterations <= 3 and args.depth == 8
+        int(shape[f]) for f in ("--model-dim", "--head-dim", "--max-seq-len", "--device-batch-size")
+    )
+    assert (
+        args.arch == "nag" and args.fp8 and args.mod_rate == 0.2 and 2 <= args.num_iterations <= 3 and args.depth == 8
+    )
     # one micro-batch, no eval
     assert args.total_batch_size == args.device_batch_size * args.max_seq_len and args.eval_every == -1
     assert not hasattr(args, "compile")  # base_train compiles on CUDA by its own rule (no MoD), no flag
     # its figures and its headline line, from the JSON the stage writes
-    d = {"steps": [{"step": 1, "ms": 41000.0, "skip_attn": 0.21, "skip_mlp": 0.2, "mfu": None},
-                   {"step": 2, "ms": 180.0, "skip_attn": 0.19, "skip_mlp": 0.2, "mfu": None},
-                   {"step": 3, "ms": 175.0, "skip_attn": 0.2, "skip_mlp": 0.2, "mfu": 0.31}],
-         "fp8_layers": 41, "attention": "cudnn", "peak_mem_gib": 30.5}
-    assert st.figures(d) == ("3 steps, fp8 on 41 layers, attention cudnn: step 1 41.0 s (compiles), then 180, 175 ms; "
-                             "skipped % attn 21, 19, 20, mlp 20, 20, 20; MFU 31.0%; peak 30.5 GiB")
+    d = {
+        "steps": [
+            {"step": 1, "ms": 41000.0, "skip_attn": 0.21, "skip_mlp": 0.2, "mfu": None},
+            {"step": 2, "ms": 180.0, "skip_attn": 0.19, "skip_mlp": 0.2, "mfu": None},
+            {"step": 3, "ms": 175.0, "skip_attn": 0.2, "skip_mlp": 0.2, "mfu": 0.31},
+        ],
+        "fp8_layers": 41,
+        "attention": "cudnn",
+        "peak_mem_gib": 30.5,
+    }
+    assert st.figures(d) == (
+        "3 steps, fp8 on 41 layers, attention cudnn: step 1 41.0 s (compiles), then 180, 175 ms; "
+        "skipped % attn 21, 19, 20, mlp 20, 20, 20; MFU 31.0%; peak 30.5 GiB"
+    )
     (tmp_path / "fp8_mod.json").write_text(json.dumps(d))
-    assert gpu_checks.headline(str(tmp_path)) == ["- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8: 3 steps ran, "
-                                                  "175 ms per step after the first (41 s), 41 layers in fp8"]
+    assert gpu_checks.headline(str(tmp_path)) == [
+        "- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8: 3 steps ran, "
+        "175 ms per step after the first (41 s), 41 layers in fp8"
+    ]
 
 
 def test_the_base_train_stage_tokenizer_needs_no_rustbpe():
@@ -302,6 +410,7 @@ def test_the_base_train_stage_tokenizer_needs_no_rustbpe():
     text = "café, 東京: x = 1\n"
     assert tok.decode(tok.encode(text)) == text and len(tok.encode("abcdef")) == 3  # printable pairs are single tokens
     from nanochat.common import UserError
+
     with pytest.raises(UserError, match="tokenizer of byte pairs"):
         gpu_checks.pair_tokenizer(100)
 
@@ -309,12 +418,22 @@ def test_the_base_train_stage_tokenizer_needs_no_rustbpe():
 def test_a_budget_must_be_positive():
     # --budget -5 planned "-6200% of the budget": a non-positive (or not finite) budget is refused in one line
     for budget in ("-5", "0", "nan"):
-        r = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_checks", "--dry-run", "--budget", budget], cwd=REPO,
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-m", "scripts.bench.gpu_checks", "--dry-run", "--budget", budget],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
         assert r.stderr.splitlines() == [f"error: --budget must be positive; got {budget}"]
-    r = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_checks", "--quick", "--dry-run", "--budget", "600"], cwd=REPO,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "scripts.bench.gpu_checks", "--quick", "--dry-run", "--budget", "600"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and "of the 600 s budget" in r.stdout
 
 
@@ -322,15 +441,27 @@ def test_an_eval_bundle_that_is_not_one_is_said_in_one_line(tmp_path):
     # EVAL_BUNDLE=/nonexistent used to drop the core_batching stage without a word
     def dry_run(bundle, *flags):
         env = dict(os.environ, PYTHON=sys.executable, EVAL_BUNDLE=str(bundle))
-        r = subprocess.run(["bash", os.path.join(REPO, "runs", "gpu_checks.sh"), "--dry-run", *flags], capture_output=True, text=True,
-                           env=env, timeout=60)
+        r = subprocess.run(
+            ["bash", os.path.join(REPO, "runs", "gpu_checks.sh"), "--dry-run", *flags],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr
         return "core_batching" in [l.split()[0] for l in r.stdout.splitlines() if l.strip()], r.stderr.splitlines()
+
     nowhere, empty, bundle = tmp_path / "nowhere", tmp_path / "empty", tmp_path / "bundle"
     empty.mkdir(), bundle.mkdir()
     (bundle / "core.yaml").write_text("icl_tasks: []\n")
-    assert dry_run(nowhere) == (False, [f"note: EVAL_BUNDLE={nowhere} is not a folder: the core_batching stage is left out"])
-    assert dry_run(empty) == (False, [f"note: EVAL_BUNDLE={empty} has no core.yaml: the core_batching stage is left out"])
+    assert dry_run(nowhere) == (
+        False,
+        [f"note: EVAL_BUNDLE={nowhere} is not a folder: the core_batching stage is left out"],
+    )
+    assert dry_run(empty) == (
+        False,
+        [f"note: EVAL_BUNDLE={empty} has no core.yaml: the core_batching stage is left out"],
+    )
     assert dry_run(bundle) == (True, [])
     assert dry_run(nowhere, "--quick") == (False, [])  # --quick has no such stage to leave out
 
@@ -338,11 +469,13 @@ def test_an_eval_bundle_that_is_not_one_is_said_in_one_line(tmp_path):
 def test_the_docs_name_what_the_slot_python_has_and_lacks():
     # docs/gpu_checks.md once said the slot's python has no pyarrow or PyYAML; it has both (and base_train imports them)
     text = open(os.path.join(REPO, "docs", "gpu_checks.md")).read()
-    section = text[text.index("## The machine's own python3"):]
-    section = section[:section.index("\n## ", 1)]
-    has = section[section.index("It has "):].split("\n\n")[0]
-    lacks = section[section.index("It lacks "):].split("\n\n")[0]
-    assert all(f"`{name}`" in has for name in gpu_checks.SLOT_HAS) and not any(f"`{name}`" in has for name in gpu_checks.SLOT_LACKS)
+    section = text[text.index("## The machine's own python3") :]
+    section = section[: section.index("\n## ", 1)]
+    has = section[section.index("It has ") :].split("\n\n")[0]
+    lacks = section[section.index("It lacks ") :].split("\n\n")[0]
+    assert all(f"`{name}`" in has for name in gpu_checks.SLOT_HAS) and not any(
+        f"`{name}`" in has for name in gpu_checks.SLOT_LACKS
+    )
     assert all(f"`{name}`" in lacks for name in gpu_checks.SLOT_LACKS) and "network" in lacks
     assert not any(f"`{name}`" in lacks for name in gpu_checks.SLOT_HAS)
     assert "Python 3.12" in text and "torch 2.11.0+cu130" in text and "Triton 3.6.0" in text
@@ -351,9 +484,30 @@ def test_the_docs_name_what_the_slot_python_has_and_lacks():
 def test_branch_op_json_and_the_rows_per_program_sweep(tmp_path):
     # on a CPU the fused backward runs interpreted: figures of no meaning, but the sweep's code and JSON are the GPU's
     path = tmp_path / "op.json"
-    r = subprocess.run([sys.executable, "-m", "scripts.bench.nag", "--sections", "op", "--op-rows", "8", "--op-dim", "32",
-                        "--impls", "reference", "--op-rows-per-program", "8", "--json", str(path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench.nag",
+            "--sections",
+            "op",
+            "--op-rows",
+            "8",
+            "--op-dim",
+            "32",
+            "--impls",
+            "reference",
+            "--op-rows-per-program",
+            "8",
+            "--json",
+            str(path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(path.read_text())
     assert d["op"]["rows"] == 8 and d["op"]["impls"]["reference"]["forward_gbps"] > 0
@@ -441,6 +595,7 @@ def slot_distributions():
     import importlib.metadata as md
     import re
     from packaging.requirements import Requirement
+
     norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
     todo, dists = list(gpu_checks.SLOT_HAS), set()
     while todo:
@@ -468,26 +623,52 @@ def slot_site(tmp_path):
 
 def slot_env(tmp_path, **extra):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PYTHONPATH", "VIRTUAL_ENV")}
-    return dict(env, PYTHONPATH=str(slot_site(tmp_path)), FAKE_SLOT_LOG=str(tmp_path / "hidden.txt"), OMP_NUM_THREADS="1", **extra)
+    return dict(
+        env,
+        PYTHONPATH=str(slot_site(tmp_path)),
+        FAKE_SLOT_LOG=str(tmp_path / "hidden.txt"),
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
 
 
 def test_the_fake_slot_has_what_the_slot_has(tmp_path):
     # what the slot has imports (and find_spec finds); what it lacks is not found, not even in the metadata
     env = slot_env(tmp_path)
-    has = {"pyarrow": "pyarrow", "PyYAML": "yaml", "pytest": "pytest", "numpy": "numpy", "matplotlib": "matplotlib", "tiktoken": "tiktoken",
-           "torch": "torch", "triton": "triton"}
+    has = {
+        "pyarrow": "pyarrow",
+        "PyYAML": "yaml",
+        "pytest": "pytest",
+        "numpy": "numpy",
+        "matplotlib": "matplotlib",
+        "tiktoken": "tiktoken",
+        "torch": "torch",
+        "triton": "triton",
+    }
     assert sorted(has) == sorted(gpu_checks.SLOT_HAS)
-    code = ("import importlib.util, importlib.metadata as md, json, sys\n"
-            f"for m in {sorted(has.values())!r}: __import__(m)\n"
-            "import nanochat.common, scripts.bench.gpu_checks\n"
-            "gone = [m for m in ('rustbpe', 'flash_attn', 'transformers', 'wandb', 'tensorboard', 'lm_eval', 'safetensors', 'trackio', 'xdist') "
-            "if importlib.util.find_spec(m) is None]\n"
-            "dists = sorted(d.metadata['Name'].lower() for d in md.distributions())\n"
-            "try:\n    import rustbpe\nexcept ModuleNotFoundError as e:\n    print(json.dumps([gone, dists, str(e)]))\n")
+    code = (
+        "import importlib.util, importlib.metadata as md, json, sys\n"
+        f"for m in {sorted(has.values())!r}: __import__(m)\n"
+        "import nanochat.common, scripts.bench.gpu_checks\n"
+        "gone = [m for m in ('rustbpe', 'flash_attn', 'transformers', 'wandb', 'tensorboard', 'lm_eval', 'safetensors', 'trackio', 'xdist') "
+        "if importlib.util.find_spec(m) is None]\n"
+        "dists = sorted(d.metadata['Name'].lower() for d in md.distributions())\n"
+        "try:\n    import rustbpe\nexcept ModuleNotFoundError as e:\n    print(json.dumps([gone, dists, str(e)]))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     gone, dists, error = json.loads(r.stdout.splitlines()[-1])
-    assert gone == ["rustbpe", "flash_attn", "transformers", "wandb", "tensorboard", "lm_eval", "safetensors", "trackio", "xdist"]
+    assert gone == [
+        "rustbpe",
+        "flash_attn",
+        "transformers",
+        "wandb",
+        "tensorboard",
+        "lm_eval",
+        "safetensors",
+        "trackio",
+        "xdist",
+    ]
     assert error == "No module named 'rustbpe'"
     assert {"torch", "triton", "pyarrow", "pyyaml", "pytest", "numpy", "matplotlib", "tiktoken"} <= set(dists)
     assert not {"rustbpe", "flash-attn-4", "transformers", "wandb", "pytest-xdist", "nag-chat"} & set(dists)
@@ -510,13 +691,20 @@ def fake_slot_python(tmp_path):
 
 def test_the_slot_python_is_picked_without_venv_or_rustbpe(tmp_path):
     tree, env = fake_slot_python(tmp_path)
-    r = subprocess.run(["bash", str(tree / "runs" / "gpu_checks.sh"), "--quick", "--dry-run"], capture_output=True, text=True,
-                       env=env, timeout=60)
+    r = subprocess.run(
+        ["bash", str(tree / "runs" / "gpu_checks.sh"), "--quick", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1].startswith("writes 3 files") and not (tree / ".venv").exists()
     # what the stages import, under that python: nothing the slot lacks among it
     code = "import scripts.bench.train, scripts.bench.nag, scripts.bench.attention, scripts.bench.mod, scripts.bench.models, nag.kernels"
-    r = subprocess.run([str(tmp_path / "bin" / "python3"), "-c", code], cwd=tree, capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [str(tmp_path / "bin" / "python3"), "-c", code], cwd=tree, capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -524,9 +712,22 @@ def test_the_slot_python_is_picked_without_venv_or_rustbpe(tmp_path):
 # timed step after one warm-up, the branch op on 8 rows, its sweep over rows per program the default alone.
 # bench_train's --compile on becomes off: the CPU's inductor takes 20+ s a variant and builds C++, not the GPU's
 # Triton; inductor's imports are the attention stage's, which compiles as it would on the GPU.
-TINY = {"--depth": "1", "--aspect-ratio": "128", "--model-dim": "128", "--head-dim": "32", "--max-seq-len": "16", "--device-batch-size": "1",
-        "--total-batch-size": "16", "--vocab-size": "512", "--steps": "1", "--warmup": "1", "--compile": "off",
-        "--op-rows": "8", "--op-dim": "32", "--op-rows-per-program": "1"}
+TINY = {
+    "--depth": "1",
+    "--aspect-ratio": "128",
+    "--model-dim": "128",
+    "--head-dim": "32",
+    "--max-seq-len": "16",
+    "--device-batch-size": "1",
+    "--total-batch-size": "16",
+    "--vocab-size": "512",
+    "--steps": "1",
+    "--warmup": "1",
+    "--compile": "off",
+    "--op-rows": "8",
+    "--op-dim": "32",
+    "--op-rows-per-program": "1",
+}
 
 
 def tiny(stage):
@@ -535,7 +736,9 @@ def tiny(stage):
         if arg in TINY and not cmd[i + 1].startswith("--"):  # a flag with a value (attention's --compile has none)
             cmd[i + 1] = TINY[arg]
     assert all(float(a) <= 512 for a in cmd if a.replace(".", "").isdigit()), cmd  # no size of the GPU's left
-    return gpu_checks.Stage(stage.name, stage.what, cmd, 240, stage.expect, stage.figures, stage.writes_json, stage.cold)
+    return gpu_checks.Stage(
+        stage.name, stage.what, cmd, 240, stage.expect, stage.figures, stage.writes_json, stage.cold
+    )
 
 
 @pytest.mark.slow
@@ -553,7 +756,10 @@ def test_every_quick_stage_runs_under_the_slot_python(tmp_path, monkeypatch):
     failed = gpu_checks.run_stages(plan, str(work), budget=3600)  # the runner's loop, one stage after another
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = cpu.ru_utime + cpu.ru_stime - before.ru_utime - before.ru_stime
-    got = {n: (s["ok"], s["seconds"], s["note"]) for n, s in json.loads((work / "results.json").read_text())["stages"].items()}
+    got = {
+        n: (s["ok"], s["seconds"], s["note"])
+        for n, s in json.loads((work / "results.json").read_text())["stages"].items()
+    }
     hidden = sorted(set((tmp_path / "hidden.txt").read_text().split())) if (tmp_path / "hidden.txt").exists() else []
     print(f"\nhidden from the stages (tried, not found): {hidden}; the stages' CPU time {cpu:.0f} s")
     for name, (ok, seconds, note) in got.items():
@@ -566,7 +772,9 @@ def test_every_quick_stage_runs_under_the_slot_python(tmp_path, monkeypatch):
     # and none errored
     ok, _, note = got.pop("kernel_tests")
     kt = json.loads((work / "kernel_tests.json").read_text())
-    assert not ok and note.startswith("exit 1: error: kernel tests: pytest exit 0, 0 CUDA test(s) passed"), logs["kernel_tests"]
+    assert not ok and note.startswith("exit 1: error: kernel tests: pytest exit 0, 0 CUDA test(s) passed"), logs[
+        "kernel_tests"
+    ]
     assert kt["pytest_exit"] == 0 and kt["error"] == kt["failure"] == 0 and kt["skipped"] > 0, kt
     for name, (ok, seconds, note) in got.items():
         assert ok, f"{name}: {note}\n{logs[name]}"
@@ -583,10 +791,36 @@ def test_per_block_compile_matches_eager(tmp_path):
     # the CPU twin of --compile blocks: the same first loss as eager (same weights, same batch), the model
     # really compiled, and identical blocks sharing one graph (NAG: one per sub-layer kind)
     path = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "scripts.bench.train", "--depth", "3", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64",
-           "--vocab-size", "512", "--device-batch-size", "4", "--steps", "1", "--warmup", "1", "--arch", "gpt,nag",
-           "--compile", "off,blocks", "--json", str(path)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.bench.train",
+        "--depth",
+        "3",
+        "--model-dim",
+        "64",
+        "--head-dim",
+        "32",
+        "--max-seq-len",
+        "64",
+        "--vocab-size",
+        "512",
+        "--device-batch-size",
+        "4",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--arch",
+        "gpt,nag",
+        "--compile",
+        "off,blocks",
+        "--json",
+        str(path),
+    ]
+    r = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(path.read_text())
     got = {(x["arch"], x["compile"]): x for x in d["results"]}
@@ -602,5 +836,9 @@ def test_per_block_compile_matches_eager(tmp_path):
     assert gpu_checks.step_figures(d).startswith("depth 3 × 64: gpt ")
     # the split of a timed step: its two parts are most of it (the rest: zero_grad's return, .item())
     for x in d["results"]:
-        assert x["fwd_bwd_ms"] > 0 and x["optim_ms"] > 0 and 0.5 * x["step_ms"] <= x["fwd_bwd_ms"] + x["optim_ms"] <= x["step_ms"] * 1.01
+        assert (
+            x["fwd_bwd_ms"] > 0
+            and x["optim_ms"] > 0
+            and 0.5 * x["step_ms"] <= x["fwd_bwd_ms"] + x["optim_ms"] <= x["step_ms"] * 1.01
+        )
     assert "optimizer" in gpu_checks.step_figures(d)

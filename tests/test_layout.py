@@ -53,7 +53,7 @@ def absolute(node, rel):
     """The module an ImportFrom names, a relative one (`from . import x`) resolved against the file's package."""
     if not node.level:
         return node.module
-    package = rel[:-3].split("/")[:-node.level]
+    package = rel[:-3].split("/")[: -node.level]
     return ".".join(package + ([node.module] if node.module else []))
 
 
@@ -94,10 +94,17 @@ def imported(tree, rel, root):
         chain = dotted(node) if isinstance(node, ast.Attribute) else None
         head = chain and chain.split(".")[0]
         if head in bound:
-            uses.add(bound[head] + chain[len(head):])
-    return [(line, module, names if names is not None else {u[len(module) + 1:].split(".")[0] for u in uses
-                                                              if u.startswith(module + ".")})
-            for line, module, names in out]
+            uses.add(bound[head] + chain[len(head) :])
+    return [
+        (
+            line,
+            module,
+            names
+            if names is not None
+            else {u[len(module) + 1 :].split(".")[0] for u in uses if u.startswith(module + ".")},
+        )
+        for line, module, names in out
+    ]
 
 
 def disallowed(rel, module, names):
@@ -117,7 +124,9 @@ def command_import_problems(root):
             bad = set() if module == module_of(rel) else disallowed(rel, module, names)
             if bad:
                 what = ", ".join(f"{module}.{n}" if n else module for n in sorted(bad))
-                problems.append(f"{rel}:{line} imports {what}: a command may use another only as ALLOWED says (tests/test_layout.py)")
+                problems.append(
+                    f"{rel}:{line} imports {what}: a command may use another only as ALLOWED says (tests/test_layout.py)"
+                )
     for layer in LAYERS:
         for rel, text in py_files(root, layer):
             for node in ast.walk(ast.parse(text)):
@@ -174,51 +183,81 @@ def where(problems):
 
 
 def test_the_command_checker_catches_what_it_should(tmp_path):
-    write(tmp_path, {
-        "scripts/__init__.py": "",
-        "scripts/base_train.py": "def train(args): pass\ndef make_plan(): pass\n",
-        "scripts/check_cuda.py": "def nvidia_smi(): pass\ndef probe(): pass\n",
-        "scripts/compare.py": "from scripts.base_train import make_plan\n",  # a command's internals
-        # an entry, but not from a driver
-        "scripts/sample.py": "from scripts import base_train\nbase_train.train(None)\n",
-        # a driver's entry: fine
-        "scripts/speedrun.py": "from scripts import base_train\nbase_train.parse_args([])\ndef plan(): pass\n",
-        "scripts/experiments/__init__.py": "from scripts import base_train\nbase_train.main([])\n",  # fine
-        "scripts/experiments/sweep.py": "import scripts.base_train\nscripts.base_train.make_plan()\n"
-                                        "from scripts.experiments import prepare\nfrom scripts.speedrun import main\n"
-                                        "from scripts import speedrun as s\ns.plan()\n",
-        "scripts/bench/__init__.py": "",
-        "scripts/bench/models.py": "from scripts.base_train import parse_args\n",  # fine
-        "scripts/bench/train.py": "from scripts.bench import models\nfrom scripts.base_train import build_parser\n"
-                                  "def benchmark(): pass\ndef run_variant(): pass\n",
-        "scripts/bench/nag.py": "from . import train as bench_train\nbench_train.benchmark()\nbench_train.run_variant()\n"
-                                "from scripts.check_cuda import nvidia_smi\n",
-        "scripts/bench/gpu.py": "from scripts.check_cuda import probe\nimport scripts.bench.models as m\nm.build()\n",
-        "nag/archs.py": "from scripts.base_train import train\n",
-        "analysis/run.py": "import torch\nfrom nanochat.gpt import GPT\n",
-        "nanochat/gpt.py": "import scripts.bench.models\n",
-    })
+    write(
+        tmp_path,
+        {
+            "scripts/__init__.py": "",
+            "scripts/base_train.py": "def train(args): pass\ndef make_plan(): pass\n",
+            "scripts/check_cuda.py": "def nvidia_smi(): pass\ndef probe(): pass\n",
+            "scripts/compare.py": "from scripts.base_train import make_plan\n",  # a command's internals
+            # an entry, but not from a driver
+            "scripts/sample.py": "from scripts import base_train\nbase_train.train(None)\n",
+            # a driver's entry: fine
+            "scripts/speedrun.py": "from scripts import base_train\nbase_train.parse_args([])\ndef plan(): pass\n",
+            "scripts/experiments/__init__.py": "from scripts import base_train\nbase_train.main([])\n",  # fine
+            "scripts/experiments/sweep.py": "import scripts.base_train\nscripts.base_train.make_plan()\n"
+            "from scripts.experiments import prepare\nfrom scripts.speedrun import main\n"
+            "from scripts import speedrun as s\ns.plan()\n",
+            "scripts/bench/__init__.py": "",
+            "scripts/bench/models.py": "from scripts.base_train import parse_args\n",  # fine
+            "scripts/bench/train.py": "from scripts.bench import models\nfrom scripts.base_train import build_parser\n"
+            "def benchmark(): pass\ndef run_variant(): pass\n",
+            "scripts/bench/nag.py": "from . import train as bench_train\nbench_train.benchmark()\nbench_train.run_variant()\n"
+            "from scripts.check_cuda import nvidia_smi\n",
+            "scripts/bench/gpu.py": "from scripts.check_cuda import probe\nimport scripts.bench.models as m\nm.build()\n",
+            "nag/archs.py": "from scripts.base_train import train\n",
+            "analysis/run.py": "import torch\nfrom nanochat.gpt import GPT\n",
+            "nanochat/gpt.py": "import scripts.bench.models\n",
+        },
+    )
     got = command_import_problems(tmp_path)
-    assert where(got) == sorted(["scripts/compare.py:1", "scripts/sample.py:1", "scripts/experiments/sweep.py:1",
-                                 "scripts/experiments/sweep.py:5", "scripts/bench/train.py:2", "scripts/bench/nag.py:1",
-                                 "scripts/bench/gpu.py:1", "nag/archs.py:1", "nanochat/gpt.py:1"]), got
+    assert where(got) == sorted(
+        [
+            "scripts/compare.py:1",
+            "scripts/sample.py:1",
+            "scripts/experiments/sweep.py:1",
+            "scripts/experiments/sweep.py:5",
+            "scripts/bench/train.py:2",
+            "scripts/bench/nag.py:1",
+            "scripts/bench/gpu.py:1",
+            "nag/archs.py:1",
+            "nanochat/gpt.py:1",
+        ]
+    ), got
     text = "\n".join(got)
-    assert "scripts.base_train.make_plan" in text and "scripts.speedrun.plan" in text and "scripts.check_cuda.probe" in text
+    assert (
+        "scripts.base_train.make_plan" in text
+        and "scripts.speedrun.plan" in text
+        and "scripts.check_cuda.probe" in text
+    )
     nag_line = next(p for p in got if p.startswith("scripts/bench/nag.py"))
     assert "scripts.bench.train.run_variant" in nag_line and "benchmark" not in nag_line
 
 
 def test_the_baseline_checker_catches_what_it_should(tmp_path):
-    write(tmp_path, {
-        "nanochat/gpt.py": "import torch\n# the NAG branch lives elsewhere\nPROJECT = 'nag-chat'\n",
-        "nanochat/plan.py": "from nag.archs import ARCHS\nx = 1  # --nag-gate-lr\nimport analysis.run\n",
-        "nanochat/ok.py": "# snag, nagging, snag_it, Nagoya and the nag-chat project are not the arch\nimport nanochat.gpt\n",
-        "nanochat/conf.py": "cfg = NAGConfig()\nm = NAGGPT\nuse_nag_gates = 1\n",
-        "nanochat/notes.md": "NAG in a file that is not Python\n",
-    })
+    write(
+        tmp_path,
+        {
+            "nanochat/gpt.py": "import torch\n# the NAG branch lives elsewhere\nPROJECT = 'nag-chat'\n",
+            "nanochat/plan.py": "from nag.archs import ARCHS\nx = 1  # --nag-gate-lr\nimport analysis.run\n",
+            "nanochat/ok.py": "# snag, nagging, snag_it, Nagoya and the nag-chat project are not the arch\nimport nanochat.gpt\n",
+            "nanochat/conf.py": "cfg = NAGConfig()\nm = NAGGPT\nuse_nag_gates = 1\n",
+            "nanochat/notes.md": "NAG in a file that is not Python\n",
+        },
+    )
     got = baseline_problems(tmp_path)
-    assert where(got) == sorted(["nanochat/conf.py:1", "nanochat/conf.py:2", "nanochat/conf.py:3", "nanochat/gpt.py:2",
-                                 "nanochat/plan.py:1", "nanochat/plan.py:1", "nanochat/plan.py:2", "nanochat/plan.py:3"]), got
+    assert where(got) == sorted(
+        [
+            "nanochat/conf.py:1",
+            "nanochat/conf.py:2",
+            "nanochat/conf.py:3",
+            "nanochat/gpt.py:2",
+            "nanochat/plan.py:1",
+            "nanochat/plan.py:1",
+            "nanochat/plan.py:2",
+            "nanochat/plan.py:3",
+        ]
+    ), got
 
 
 # ---------------------------------------------------------------------------
@@ -226,9 +265,13 @@ def test_the_baseline_checker_catches_what_it_should(tmp_path):
 
 SOURCES = ("nanochat", "nag", "scripts", "analysis")
 # a run's and a tokenizer's file names, each spelled only by the module that reads and writes it
-FILE_OWNERS = {"config.json": "nanochat/run_dir.py", "eval.json": "nanochat/run_dir.py",
-               "metrics.jsonl": "nanochat/run_dir.py", "tokenizer.pkl": "nanochat/tokenizer.py",
-               "token_bytes.pt": "nanochat/tokenizer.py"}
+FILE_OWNERS = {
+    "config.json": "nanochat/run_dir.py",
+    "eval.json": "nanochat/run_dir.py",
+    "metrics.jsonl": "nanochat/run_dir.py",
+    "tokenizer.pkl": "nanochat/tokenizer.py",
+    "token_bytes.pt": "nanochat/tokenizer.py",
+}
 # where an arch's name may be spelled: the registry, the model class naming itself (`arch = "..."`), the presets'
 # data, the exported Hugging Face code (it must run without this repo) and the benchmarks' variants (arch × kernel)
 ARCH_NAME_PLACES = ("nag/archs.py", "nag/presets.py", "nag/hf/", "scripts/bench/")
@@ -238,18 +281,28 @@ MAX_OPENING = 100  # characters in a module's opening line
 
 def string_constants(tree):
     """(line, value) of every str constant, but not the value of a class's `arch = "..."` attribute."""
-    named = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.ClassDef) for n in n.body
-             if isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["arch"]}
-    return [(n.lineno, n.value) for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in named]
+    named = {
+        id(n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef)
+        for n in n.body
+        if isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["arch"]
+    }
+    return [
+        (n.lineno, n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in named
+    ]
 
 
 def arch_uses(tree, arch_names):
     """(line, name) of every arch name used as one: compared with an arch (`args.arch == "nag"`), listed with another
     (`("gpt", "nag")`), or a hyphenated one anywhere. "gpt" and "nag" alone are also roles, keys and op namespaces."""
+
     def names_in(node):
         elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
         return [e for e in elts if isinstance(e, ast.Constant) and e.value in arch_names]
+
     found = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and "arch" in ast.unparse(node):  # `"nag" in row` is a key, not an arch
@@ -273,8 +326,11 @@ def literal_problems(root, arch_names):
                     problems.append(f"{rel}:{line} spells {value!r}: ask {FILE_OWNERS[value]}")
             if not rel.startswith(ARCH_NAME_PLACES):
                 constants = set(string_constants(tree))  # a class's own `arch = "..."` is not among them
-                problems += [f"{rel}:{line} names the arch {value!r}: ask nag/archs.py"
-                             for line, value in arch_uses(tree, arch_names) if (line, value) in constants]
+                problems += [
+                    f"{rel}:{line} names the arch {value!r}: ask nag/archs.py"
+                    for line, value in arch_uses(tree, arch_names)
+                    if (line, value) in constants
+                ]
     return problems
 
 
@@ -286,7 +342,9 @@ def opening_problems(root):
             doc = ast.get_docstring(ast.parse(text), clean=True)
             first = doc.strip().splitlines()[0] if doc and doc.strip() else ""
             if not first or len(first) > MAX_OPENING:
-                problems.append(f"{rel}:1 opens with {len(first)} characters: one line of at most {MAX_OPENING} says its job")
+                problems.append(
+                    f"{rel}:1 opens with {len(first)} characters: one line of at most {MAX_OPENING} says its job"
+                )
     return problems
 
 
@@ -296,6 +354,7 @@ def own_flags(parser, arch_dests):
 
 def test_each_file_name_and_arch_name_has_one_owner():
     from nag.archs import ARCHS
+
     problems = literal_problems(REPO, set(ARCHS))
     assert not problems, "\n" + "\n".join(problems)
 
@@ -309,6 +368,7 @@ def test_base_train_has_few_flags_of_its_own_in_groups():
     import argparse
     from nag.archs import add_arch_args
     from nag.train_flags import build_parser
+
     archs = argparse.ArgumentParser()
     add_arch_args(archs)
     arch_dests = {a.dest for a in archs._actions}
@@ -316,29 +376,49 @@ def test_base_train_has_few_flags_of_its_own_in_groups():
     own = own_flags(parser, arch_dests)
     assert len(own) <= MAX_OWN_FLAGS, sorted(a.dest for a in own)
     groups = {g.title.split(":")[0]: {a.dest for a in g._group_actions} for g in parser._action_groups}
-    assert [t for t in groups if t not in ("positional arguments", "options") and not any(
-        d in arch_dests for d in groups[t])] == ["run", "model", "horizon and batch (of the horizon flags, the first one set wins)",
-                                                   "optimizer", "evaluation during training", "operations"]
+    assert [
+        t
+        for t in groups
+        if t not in ("positional arguments", "options") and not any(d in arch_dests for d in groups[t])
+    ] == [
+        "run",
+        "model",
+        "horizon and batch (of the horizon flags, the first one set wins)",
+        "optimizer",
+        "evaluation during training",
+        "operations",
+    ]
     assert all(any(a.dest in g for g in groups.values() if g) for a in own)  # every one of them in a group
 
 
 def test_the_literal_and_opening_checkers_catch_what_they_should(tmp_path):
-    write(tmp_path, {
-        "nanochat/run_dir.py": '"""Run files."""\nCONFIG = "config.json"\n',  # its owner: fine
-        "nanochat/tokenizer.py": '"""Tokenizer."""\nP = "tokenizer.pkl"\n',  # its owner: fine
-        "nanochat/dataloader.py": '"""Loader."""\nP = "token_bytes.pt"\n',
-        "scripts/speedrun.py": '"""Speedrun."""\nimport os\np = os.path.join("r", "eval.json")\nhelp = "see config.json"\n',
-        "analysis/run.py": '"""' + "x" * 101 + '"""\nmetrics = "metrics.jsonl"\n',
-        "nag/archs.py": '"""Archs."""\nARCHS = {"gpt": 1, "nag": 2}\n',  # the registry: fine
-        "nag/model.py": 'class NAGGPT:\n    arch = "nag"\n',  # a class naming itself: fine, but no docstring
-        "nag/hf/modeling.py": '"""HF."""\nif arch in ("gpt", "nag"): pass\n',  # standalone export: fine
-        "scripts/experiments/sweep.py": '"""Sweep."""\nPAIR = ("gpt", "nag")\nnote = "gpt or nag"\nkw = {"nag": 1}\n'
-                                        'if arch == "nag": pass\nx = "gpt-router"\nrole(args, "gpt")\n'
-                                        'ok = "nag" in row or op.namespace == "nag"\n',
-        "tests/test_x.py": '"""' + "y" * 100 + '"""\nA = "gpt"\n',  # tests: names free, opening of 100 fine
-    })
+    write(
+        tmp_path,
+        {
+            "nanochat/run_dir.py": '"""Run files."""\nCONFIG = "config.json"\n',  # its owner: fine
+            "nanochat/tokenizer.py": '"""Tokenizer."""\nP = "tokenizer.pkl"\n',  # its owner: fine
+            "nanochat/dataloader.py": '"""Loader."""\nP = "token_bytes.pt"\n',
+            "scripts/speedrun.py": '"""Speedrun."""\nimport os\np = os.path.join("r", "eval.json")\nhelp = "see config.json"\n',
+            "analysis/run.py": '"""' + "x" * 101 + '"""\nmetrics = "metrics.jsonl"\n',
+            "nag/archs.py": '"""Archs."""\nARCHS = {"gpt": 1, "nag": 2}\n',  # the registry: fine
+            "nag/model.py": 'class NAGGPT:\n    arch = "nag"\n',  # a class naming itself: fine, but no docstring
+            "nag/hf/modeling.py": '"""HF."""\nif arch in ("gpt", "nag"): pass\n',  # standalone export: fine
+            "scripts/experiments/sweep.py": '"""Sweep."""\nPAIR = ("gpt", "nag")\nnote = "gpt or nag"\nkw = {"nag": 1}\n'
+            'if arch == "nag": pass\nx = "gpt-router"\nrole(args, "gpt")\n'
+            'ok = "nag" in row or op.namespace == "nag"\n',
+            "tests/test_x.py": '"""' + "y" * 100 + '"""\nA = "gpt"\n',  # tests: names free, opening of 100 fine
+        },
+    )
     got = literal_problems(tmp_path, {"gpt", "nag", "gpt-router"})
-    assert where(got) == sorted(["nanochat/dataloader.py:2", "scripts/speedrun.py:3", "analysis/run.py:2",
-                                 "scripts/experiments/sweep.py:2", "scripts/experiments/sweep.py:2",
-                                 "scripts/experiments/sweep.py:5", "scripts/experiments/sweep.py:6"]), got
+    assert where(got) == sorted(
+        [
+            "nanochat/dataloader.py:2",
+            "scripts/speedrun.py:3",
+            "analysis/run.py:2",
+            "scripts/experiments/sweep.py:2",
+            "scripts/experiments/sweep.py:2",
+            "scripts/experiments/sweep.py:5",
+            "scripts/experiments/sweep.py:6",
+        ]
+    ), got
     assert where(opening_problems(tmp_path)) == ["analysis/run.py:1", "nag/model.py:1"]

@@ -9,7 +9,16 @@ import torch
 from conftest import TINY_TRAIN
 from nanochat.gpt import GPT, GPTConfig
 from nag.model import NAGGPT, NAGConfig
-from nag.mod import ModConfig, Thresholds, attention_executed, mlp_executed, run_executed, batch_threshold, calibrate, savable_flops
+from nag.mod import (
+    ModConfig,
+    Thresholds,
+    attention_executed,
+    mlp_executed,
+    run_executed,
+    batch_threshold,
+    calibrate,
+    savable_flops,
+)
 from nag.router_mod import RouterMoDGPT
 from nag import archs
 from scripts import base_train, base_eval
@@ -101,7 +110,9 @@ def test_gathered_computation_equals_masked_full_computation(window):
         assert torch.allclose(mlp_executed(block.mlp, x, execute), block.mlp(x) * execute[..., None], atol=1e-6)
         # padded to a static bound (training's MLP): the same, the padding dropped
         assert torch.equal(mlp_executed(block.mlp, x, execute, bound=80) != 0, mlp_executed(block.mlp, x, execute) != 0)
-        assert torch.allclose(mlp_executed(block.mlp, x, execute, bound=80), block.mlp(x) * execute[..., None], atol=1e-6)
+        assert torch.allclose(
+            mlp_executed(block.mlp, x, execute, bound=80), block.mlp(x) * execute[..., None], atol=1e-6
+        )
         assert torch.allclose(attention_executed(block.attn, x, cos_sin, mask, execute, bound=32), want, atol=1e-5)
     # packed evaluation rows: positions and an allowed mask
     positions = torch.arange(32).repeat(3, 1)
@@ -166,7 +177,11 @@ def test_skipped_tokens_take_exactly_the_x_path(monkeypatch):
     model = wake(nag(ModConfig("both", 0.4)))
     seen = []
     fn = model.branch_fn
-    monkeypatch.setattr(model, "branch_fn", lambda res_dir, log_norm, out, *a: (seen.append((res_dir, out)), fn(res_dir, log_norm, out, *a))[1])
+    monkeypatch.setattr(
+        model,
+        "branch_fn",
+        lambda res_dir, log_norm, out, *a: (seen.append((res_dir, out)), fn(res_dir, log_norm, out, *a))[1],
+    )
     decisions = []
     decide = model.thresholds.decide
     monkeypatch.setattr(model.thresholds, "decide", lambda *a: (decisions.append(decide(*a)), decisions[-1])[1])
@@ -254,20 +269,40 @@ def test_iso_flop_plan_buys_more_steps(capsys):
     assert mod["flops_per_token"] < full["flops_per_token"]
     assert mod["num_iterations"] == round(1e13 / (mod["flops_per_token"] * 4096)) > full["num_iterations"]
     assert mod["mod_config"] == {"blocks": "both", "rate": 0.2, "momentum": 0.9}
-    router = base_train.main(["--preset", "demo", "--arch", "gpt-router", "--dry-run", "1", "--mod-rate", "0.2", "--mod-blocks", "mlp"])
+    router = base_train.main(
+        ["--preset", "demo", "--arch", "gpt-router", "--dry-run", "1", "--mod-rate", "0.2", "--mod-blocks", "mlp"]
+    )
     assert router["arch"] == "gpt-router" and router["run"] == "gpt-router-d4"
 
 
 @pytest.mark.parametrize("variant", ["nag", "router"])
 def test_training_records_skip_rates_and_checkpoint_round_trips_thresholds(run_base, variant):
     flags = ["--arch", "nag"] if variant == "nag" else ["--arch", "gpt-router"]
-    run_dir = base_train.main(TINY_TRAIN + flags + ["--mod-rate", "0.25", "--run", "m", "--num-iterations", "4",
-                                                    "--eval-every", "2", "--nag-gate-log-every", "2"])
+    run_dir = base_train.main(
+        TINY_TRAIN
+        + flags
+        + [
+            "--mod-rate",
+            "0.25",
+            "--run",
+            "m",
+            "--num-iterations",
+            "4",
+            "--eval-every",
+            "2",
+            "--nag-gate-log-every",
+            "2",
+        ]
+    )
     rows = read_metrics(run_dir)
     for r in rows[1:]:
         assert set(r["mod"]["skip"]) == {"0.attn", "0.mlp", "1.attn", "1.mlp"}
         assert abs(r["mod"]["skip_mlp"] - 0.25) < 0.02 and 0 < r["mod"]["skip_attn"] < 1
-        assert 0 < r["mod"]["flops_per_token"] < json.load(open(os.path.join(run_dir, "config.json")))["flops_per_token"] * 1.5
+        assert (
+            0
+            < r["mod"]["flops_per_token"]
+            < json.load(open(os.path.join(run_dir, "config.json")))["flops_per_token"] * 1.5
+        )
     model, meta = archs.load_model(run_dir)
     assert meta["mod_config"]["rate"] == 0.25 and meta["arch"] == ("nag" if variant == "nag" else "gpt-router")
     saved = torch.load(os.path.join(run_dir, "model_000004.pt"), weights_only=False)["model"]
@@ -280,14 +315,17 @@ def test_training_records_skip_rates_and_checkpoint_round_trips_thresholds(run_b
         assert torch.equal(model(x), again(x))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--arch", "nag", "--mod-rate", "0.95"], "--mod-rate must be in [0, 0.95) (got 0.95)"),
-    (["--arch", "nag", "--mod-rate", "-0.1"], "--mod-rate must be in [0, 0.95) (got -0.1)"),
-    (["--arch", "nag", "--mod-blocks", "attn"], "--mod-blocks needs --mod-rate"),
-    (["--arch", "gpt-router"], "the router-MoD baseline needs --mod-rate"),
-    (["--arch", "gpt", "--mod-rate", "0.2"], "--arch gpt has no Mixture-of-Depths"),
-    (["--arch", "gpt-recipe", "--mod-rate", "0.2"], "--arch gpt-recipe has no Mixture-of-Depths"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--arch", "nag", "--mod-rate", "0.95"], "--mod-rate must be in [0, 0.95) (got 0.95)"),
+        (["--arch", "nag", "--mod-rate", "-0.1"], "--mod-rate must be in [0, 0.95) (got -0.1)"),
+        (["--arch", "nag", "--mod-blocks", "attn"], "--mod-blocks needs --mod-rate"),
+        (["--arch", "gpt-router"], "the router-MoD baseline needs --mod-rate"),
+        (["--arch", "gpt", "--mod-rate", "0.2"], "--arch gpt has no Mixture-of-Depths"),
+        (["--arch", "gpt-recipe", "--mod-rate", "0.2"], "--arch gpt-recipe has no Mixture-of-Depths"),
+    ],
+)
 def test_bad_training_input_is_one_line(run_base, script_error, argv, message):
     err = script_error(base_train.main, *TINY_TRAIN, "--run", "bad", "--num-iterations", "2", *argv)
     assert message in err
@@ -304,14 +342,31 @@ def test_mod_rate_at_eval_on_a_plain_gpt_checkpoint_is_one_line(run_base, script
 
 def test_inference_curve_on_a_full_depth_nag_goes_into_eval_json_and_compare_plots_it(run_base, capsys):
     from analysis.compare.pair import compare
+
     for arch in ("gpt", "nag"):
         base_train.main(TINY_TRAIN + ["--arch", arch, "--run", arch, "--num-iterations", "4", "--eval-every", "-1"])
     splits = []
     loader = base_eval.data_loader
     with pytest.MonkeyPatch.context() as mp:  # which split each calibration and evaluation reads
         mp.setattr(base_eval, "data_loader", lambda *a, **k: (splits.append(a[3]), loader(*a, **k))[1])
-        base_eval.main(["--run", "nag", "--eval", "bpb", "--mod-rate", "0.3,0.1", "--split-tokens", "1024",
-                        "--device-batch-size", "4", "--mod-calib-tokens", "1024", "--device-type", "cpu"])
+        base_eval.main(
+            [
+                "--run",
+                "nag",
+                "--eval",
+                "bpb",
+                "--mod-rate",
+                "0.3,0.1",
+                "--split-tokens",
+                "1024",
+                "--device-batch-size",
+                "4",
+                "--mod-calib-tokens",
+                "1024",
+                "--device-type",
+                "cpu",
+            ]
+        )
     # bpb (val, train), then per rate: calibration on train (rates > 0 only), evaluation on val
     assert splits == ["val", "train", "val", "train", "val", "train", "val"]
     ev = json.load(open(os.path.join(run_base, "runs", "nag", "eval.json")))
@@ -338,23 +393,62 @@ def test_inference_curve_on_a_full_depth_nag_goes_into_eval_json_and_compare_plo
 def test_core_along_the_curve_with_paired_intervals(run_base, tmp_path, write_eval_bundle):
     words = "the of and model data token train loss layer weight gradient norm residual attention head vector".split()
     # varied contexts and choices, so that skipping 90% of the sub-layers changes some answers
-    items = [{"query": " ".join(words[(i * 7 + j) % 16] for j in range(4 + i % 5)).capitalize(),
-              "choices": [" " + words[(i * 3 + k * 5) % 16] for k in range(3)], "gold": i % 3} for i in range(40)]
+    items = [
+        {
+            "query": " ".join(words[(i * 7 + j) % 16] for j in range(4 + i % 5)).capitalize(),
+            "choices": [" " + words[(i * 3 + k * 5) % 16] for k in range(3)],
+            "gold": i % 3,
+        }
+        for i in range(40)
+    ]
     bundle = write_eval_bundle(tmp_path / "bundle", [("mc", "multiple_choice", 0, 33.3, items)])
     base_train.main(TINY_TRAIN + ["--arch", "nag", "--run", "nag", "--num-iterations", "4", "--eval-every", "-1"])
-    base_eval.main(["--run", "nag", "--eval", "core,bpb", "--eval-bundle", bundle, "--mod-rate", "0.9", "--split-tokens", "1024",
-                    "--device-batch-size", "4", "--mod-calib-tokens", "1024", "--device-type", "cpu"])
+    base_eval.main(
+        [
+            "--run",
+            "nag",
+            "--eval",
+            "core,bpb",
+            "--eval-bundle",
+            bundle,
+            "--mod-rate",
+            "0.9",
+            "--split-tokens",
+            "1024",
+            "--device-batch-size",
+            "4",
+            "--mod-calib-tokens",
+            "1024",
+            "--device-type",
+            "cpu",
+        ]
+    )
     ev = json.load(open(os.path.join(run_base, "runs", "nag", "eval.json")))
     full, skip = ev["mod_curve"]["points"]
     assert full["core"] == pytest.approx(ev["partial_core"], abs=1e-12)  # rate 0 scores what the model itself scores
     assert skip["core"] != full["core"]  # skipping changed answers: the sign of the delta below is visible
     assert skip["core_delta"] == pytest.approx(skip["core"] - full["core"], abs=1e-9)
-    assert skip["core_delta_ci"][0] <= skip["core_delta"] <= skip["core_delta_ci"][1] and skip["core_label"] == full["core_label"]
+    assert (
+        skip["core_delta_ci"][0] <= skip["core_delta"] <= skip["core_delta_ci"][1]
+        and skip["core_label"] == full["core_label"]
+    )
 
 
 def test_exact_resume_with_thresholds(run_base):
-    common = TINY_TRAIN + ["--arch", "nag", "--mod-rate", "0.3", "--run", "r", "--num-iterations", "6", "--eval-every", "-1",
-                           "--save-every", "3"]
+    common = TINY_TRAIN + [
+        "--arch",
+        "nag",
+        "--mod-rate",
+        "0.3",
+        "--run",
+        "r",
+        "--num-iterations",
+        "6",
+        "--eval-every",
+        "-1",
+        "--save-every",
+        "3",
+    ]
     run_dir = base_train.main(common)
     full = read_metrics(run_dir)
     base_train.main(common + ["--resume", "3"])
@@ -365,8 +459,31 @@ def test_exact_resume_with_thresholds(run_base):
 
 def test_bench_mod_prints_savings(capsys):
     from scripts.bench import mod as bench_mod
-    rows = bench_mod.main(["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "32", "--vocab-size", "128",
-                           "--device-batch-size", "2", "--steps", "1", "--warmup", "1", "--rates", "0.4", "--blocks", "mlp,both"])
+
+    rows = bench_mod.main(
+        [
+            "--depth",
+            "2",
+            "--model-dim",
+            "64",
+            "--head-dim",
+            "32",
+            "--max-seq-len",
+            "32",
+            "--vocab-size",
+            "128",
+            "--device-batch-size",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--rates",
+            "0.4",
+            "--blocks",
+            "mlp,both",
+        ]
+    )
     out = capsys.readouterr().out
     assert "FLOPs saved" in out and "time saved" in out
     flops = {(b, r): row["flops"] for b, r, row in rows}
@@ -377,6 +494,7 @@ def test_attention_threshold_keeps_the_average_rate_when_scores_drift():
     # synthetic scores that rise every batch, as they do while the gates learn: the previous batch's
     # quantile alone would skip too little; the accumulated shortfall brings the average back to the target
     from nag.mod import Thresholds
+
     th = Thresholds(2, ModConfig("attn", 0.3))
     th.reset()
     th.train()

@@ -23,7 +23,16 @@ from nanochat.distributed import EXIT_HUNG, EXIT_PREEMPTED
 pytestmark = PROCESSES  # every test here starts a process group (tests/conftest.py)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = TINY_TRAIN + ["--total-batch-size", "512", "--eval-every", "100"]  # 2 micro-steps of 4 × 64 on one process
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_LOCALID")
+LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
 
 
 @pytest.fixture
@@ -48,7 +57,9 @@ def train_cmd(*args):
 
 def run_one(base, *args):
     """base_train in one process; its stdout."""
-    out = subprocess.run([sys.executable, *train_cmd(*args)], cwd=REPO, env=clean_env(base), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, *train_cmd(*args)], cwd=REPO, env=clean_env(base), capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -57,16 +68,30 @@ def start_ranks(base, world, *args, slurm=False):
     """`world` processes started by hand, as srun (SLURM_* variables) or any launcher (RANK, WORLD_SIZE, ...) would."""
     port, procs = free_port(), []
     for r in range(world):
-        names = {"SLURM_STEP_NUM_TASKS": world, "SLURM_PROCID": r, "SLURM_LOCALID": r} if slurm else {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world}
+        names = (
+            {"SLURM_STEP_NUM_TASKS": world, "SLURM_PROCID": r, "SLURM_LOCALID": r}
+            if slurm
+            else {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": world}
+        )
         env = clean_env(base, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{k: str(v) for k, v in names.items()})
-        procs.append(subprocess.Popen([sys.executable, *train_cmd(*args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *train_cmd(*args)],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
 def torchrun(base, torchrun_args, *args, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *train_cmd(*args)]
-    return subprocess.Popen(cmd, cwd=REPO, env=env or clean_env(base), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env or clean_env(base), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def finish(procs, timeout=300):
@@ -125,7 +150,18 @@ def test_two_agents_equal_one_process(base):
     """Two torchrun agents meeting at a c10d rendezvous (two nodes of one process each) train exactly what one
     process with two micro-steps does."""
     run_one(base, "--run", "single", "--num-iterations", "4")
-    rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"]
+    rdzv = [
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "t",
+    ]
     results = finish([torchrun(base, rdzv, "--run", "nodes", "--num-iterations", "4") for _ in range(2)])
     assert all(rc == 0 for rc, _ in results), results
     assert losses(base, "nodes") == losses(base, "single")
@@ -137,11 +173,24 @@ def test_two_agents_equal_one_process(base):
 def test_run_directory_not_shared_is_refused(tiny_base_dir, tmp_path):
     """Each "node" with its own base dir: before, both exited 0 with no complete checkpoint anywhere."""
     bases = [str(linked_base(tiny_base_dir, tmp_path / f"node{i}")) for i in range(2)]
-    rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "t"]
+    rdzv = [
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "t",
+    ]
     results = finish([torchrun(b, rdzv, "--run", "x", "--num-iterations", "4") for b in bases])
     assert all(rc != 0 for rc, _ in results)
     for _, out in results:
-        assert "error: rank(s) 1 (" in out and "must be one directory on a filesystem shared by every node" in out, out[-2000:]
+        assert "error: rank(s) 1 (" in out and "must be one directory on a filesystem shared by every node" in out, out[
+            -2000:
+        ]
     run_dirs = [os.path.join(b, "runs", "x") for b in bases]
     assert not any(f.startswith("model_") for d in run_dirs if os.path.isdir(d) for f in os.listdir(d))
 
@@ -150,6 +199,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(base):
     """A worker killed twice under torchrun with restarts: each restart resumes from the newest checkpoint, none hangs,
     and the run ends with the weights and losses of an uninterrupted one."""
     from scripts.speedrun import LAUNCH_ENV, launch_command
+
     common = ["--num-iterations", "30", "--save-every", "5", "--resume", "latest"]
     launcher = launch_command(2, nnodes=1, max_restarts=3)
     assert launcher[0] == "torchrun"
@@ -234,13 +284,28 @@ def test_slurm_script_runs_speedrun_on_every_node(tmp_path):
     (bin_dir / "srun").write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift 2; done\nSLURM_NODEID=1 exec \"$@\"\n")
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = clean_env(str(tmp_path / "base"), PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu-[a-b]",
-                    SLURM_SUBMIT_DIR=REPO, SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1")
-    out = subprocess.run(["bash", "runs/slurm_pair.sbatch", "--dry-run", "--seeds", "1,2"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
+    env = clean_env(
+        str(tmp_path / "base"),
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="gpu-[a-b]",
+        SLURM_SUBMIT_DIR=REPO,
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_PROCID="1",
+    )
+    out = subprocess.run(
+        ["bash", "runs/slurm_pair.sbatch", "--dry-run", "--seeds", "1,2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "per node × 2 nodes = 16, this is node 1" in out.stderr
-    assert "--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=gpu-a:29500" in out.stderr and "gpt-published-s2" in out.stderr
+    assert (
+        "--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=gpu-a:29500" in out.stderr and "gpt-published-s2" in out.stderr
+    )
 
 
 RANK0_DECIDES = """
@@ -265,8 +330,23 @@ def test_rank0_decides_for_every_rank(tmp_path):
     first collective failed); now rank 0's answer, or its refusal, reaches every rank."""
     port, procs = free_port(), []
     for r in range(2):
-        env = clean_env(str(tmp_path), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK0_DECIDES], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        env = clean_env(
+            str(tmp_path),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK0_DECIDES],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     for rc, out in finish(procs, timeout=60):
         assert rc == 0 and out.split("\n")[:2] == ["value 100", "error rank 0 refuses"], out

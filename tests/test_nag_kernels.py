@@ -32,9 +32,17 @@ def version(module):
 # array, which NumPy 2.4 no longer turns into an int (triton-lang/triton#9171): no interpreted test can pass there
 OLD_INTERPRETER = INTERPRETED and version(triton) < (3, 7) and version(numpy) >= (2, 4)
 DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED or OLD_INTERPRETER, reason=(
-        f"Triton {triton.__version__}'s interpreter cannot run with NumPy {numpy.__version__}: pip install 'numpy<2.4'"
-        if OLD_INTERPRETER else "CPU tensors need TRITON_INTERPRET=1"))),
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not INTERPRETED or OLD_INTERPRETER,
+            reason=(
+                f"Triton {triton.__version__}'s interpreter cannot run with NumPy {numpy.__version__}: pip install 'numpy<2.4'"
+                if OLD_INTERPRETER
+                else "CPU tensors need TRITON_INTERPRET=1"
+            ),
+        ),
+    ),
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
 ]
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -184,13 +192,16 @@ def test_rows_per_program_leaves_the_gradients(device):
     # the values the branch-op bench sweeps (scripts/bench/nag.py --op-rows-per-program): each row's gradients are
     # the same to the bit, the parameter ones to fp32 rounding (their partial sums are grouped by program); 11 rows, so
     # most values leave the last program short and 16, 32 give one program that redoes rows
-    res_dir, _, branch_out, mod_logits, coef, beta_raw, alpha = [t.detach() for t in make_inputs((11,), 96, 8, device=device)]
+    res_dir, _, branch_out, mod_logits, coef, beta_raw, alpha = [
+        t.detach() for t in make_inputs((11,), 96, 8, device=device)
+    ]
     gen = torch.Generator().manual_seed(3)
     up = [torch.randn(11, 96, generator=gen).to(device), torch.randn(11, 1, generator=gen).to(device)]
 
     def grads(rows_per_program):
-        return torch.ops.nag.fused_branch_backward(*up, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, None,
-                                                   1e-6, "measured", rows_per_program)
+        return torch.ops.nag.fused_branch_backward(
+            *up, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, None, 1e-6, "measured", rows_per_program
+        )
 
     default = grads(0)
     inputs = fresh([res_dir, torch.zeros(11, 1, device=device), branch_out, mod_logits, coef, beta_raw, alpha])
@@ -210,6 +221,7 @@ def test_launches_per_sublayer(device):
     # one NAG sub-layer update is 1 kernel forward and 2 backward, no eager op around them (was 4 and 13);
     # the count of scripts/bench/nag.py --sections launches, so that no small op creeps back in
     from scripts.bench.nag import count_launches
+
     forward, backward = count_launches("fused", device=device)
     assert forward.triton == ["_nag_forward_kernel"] and forward.aten == []
     assert backward.triton == ["_nag_backward_kernel", "_nag_gate_grad_kernel"] and backward.aten == []
@@ -262,7 +274,9 @@ def test_custom_op_registration(device):
     inputs[1].requires_grad_()
     inputs[2].requires_grad_()
     torch.library.opcheck(torch.ops.nag.fused_branch.default, (*inputs, None, 1e-6, "measured"))
-    torch.library.opcheck(torch.ops.nag.fused_branch.default, (*inputs, torch.tensor([0.5], device=device), 1e-6, "predicted"))
+    torch.library.opcheck(
+        torch.ops.nag.fused_branch.default, (*inputs, torch.tensor([0.5], device=device), 1e-6, "predicted")
+    )
 
 
 def non_contiguous(t, layout):
@@ -283,24 +297,29 @@ def test_custom_ops_on_non_contiguous_inputs(device, layout, op):
     inputs = [non_contiguous(t.detach(), layout) for t in make_inputs((4,), 8, 4, device=device)]
     assert not inputs[0].is_contiguous() and not inputs[3].is_contiguous() and not inputs[4].is_contiguous()
     if op == "forward":
-        torch.library.opcheck(torch.ops.nag.fused_branch.default, (*[t.requires_grad_() for t in inputs], None, 1e-6, "measured"))
+        torch.library.opcheck(
+            torch.ops.nag.fused_branch.default, (*[t.requires_grad_() for t in inputs], None, 1e-6, "measured")
+        )
         return
     gen = torch.Generator().manual_seed(2)
     grads = [non_contiguous(torch.randn(t.shape, generator=gen).to(device), layout) for t in (inputs[0], inputs[1])]
     res_dir, _, branch_out, mod_logits, coef, beta_raw, alpha = inputs
     # the backward op has no autograd formula of its own (no double backward), so the autograd check,
     # which needs inputs that require grad, does not apply
-    torch.library.opcheck(torch.ops.nag.fused_branch_backward.default,
-                          (*grads, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, None, 1e-6, "predicted"),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        torch.ops.nag.fused_branch_backward.default,
+        (*grads, res_dir, branch_out, mod_logits, coef, beta_raw, alpha, None, 1e-6, "predicted"),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiles_without_graph_break(device):
     def step(res_dir, log_norm, branch_out, mod_logits, coef, beta_raw, alpha):
         new_dir, new_log_norm = fused_nag_branch(
-            res_dir * 1.0, log_norm, branch_out * 2.0, mod_logits, coef, beta_raw, alpha, 1e-6)
-        return (new_dir.float().sin().sum() + new_log_norm.sum())
+            res_dir * 1.0, log_norm, branch_out * 2.0, mod_logits, coef, beta_raw, alpha, 1e-6
+        )
+        return new_dir.float().sin().sum() + new_log_norm.sum()
 
     inputs = make_inputs((2, 3), 96, 32, device=device)
     explanation = torch._dynamo.explain(step)(*inputs)
@@ -322,6 +341,7 @@ def test_compiles_without_graph_break(device):
 def test_whole_model_compiles_as_one_graph(device):
     from nag.model import NAGGPT
     from nanochat.gpt import GPTConfig
+
     config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
     model = NAGGPT(config, impl="fused", device=device)
     model.init_weights()

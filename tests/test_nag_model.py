@@ -40,12 +40,12 @@ def test_gate_params_are_counted_as_matmuls():
 def test_init_values():
     model = tiny_nag(alpha_init_power=0.5)
     alphas = [br.alpha.item() for _, br in model.branches()]
-    assert alphas == pytest.approx([l ** -0.5 for l in range(1, 7)])
+    assert alphas == pytest.approx([l**-0.5 for l in range(1, 7)])
     for _, br in model.branches():
         assert br.beta_raw.item() == pytest.approx(0.5413)
         assert torch.nn.functional.softplus(br.beta_raw).item() == pytest.approx(1.0, abs=1e-4)
         assert br.coef.abs().sum() == 0 and br.m_down.bias.abs().sum() == 0
-        assert br.m_down.weight.abs().max() <= math.sqrt(3) * 32 ** -0.5
+        assert br.m_down.weight.abs().max() <= math.sqrt(3) * 32**-0.5
     assert model.log_gain_encode.item() == 0
     assert model.wte.weight.mean(dim=1).abs().max() < 1e-6
     w = model.lm_head.weight
@@ -106,7 +106,7 @@ def test_telemetry_fields():
     t = model.gate_telemetry(torch.randint(0, 128, (2, 32)))
     assert t["num_branches"] == 6 and len(t["branches"]) == 6
     assert t["branches"][3]["name"] == "1.mlp"
-    assert t["alpha_max"] == pytest.approx(1.0) and t["alpha_min"] == pytest.approx(6 ** -0.5)
+    assert t["alpha_max"] == pytest.approx(1.0) and t["alpha_min"] == pytest.approx(6**-0.5)
     assert len(t["gain_by_depth_quartile"]) == 4
     assert t["dead_branches"] == 0 and t["dead_relative"] == 0 and t["dead_walkthrough"] == 0
     # with m_down = 0 and bias b, u = σ(b) exactly, and the floor catches u below it
@@ -120,7 +120,9 @@ def test_telemetry_fields():
     assert t["branches"][2]["u_mean"] == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-5)
     # β = 1 at init
     assert t["branches"][2]["m_mean"] == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-4)
-    assert t["branches"][2]["gain_abs_mean"] == pytest.approx(3 ** -0.5 * torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-4)
+    assert t["branches"][2]["gain_abs_mean"] == pytest.approx(
+        3**-0.5 * torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-4
+    )
     assert t["branches"][1]["floor_frac"] == 1.0 and t["branches"][2]["floor_frac"] == 0.0
     # a branch with α = 0 counts as dead
     with torch.no_grad():

@@ -51,7 +51,15 @@ def test_muon_skips_only_the_matrix_without_a_gradient(shape, skipped, first_ski
         for i, (p, g) in enumerate(zip(ps, gs)):
             p.grad = None if i == skipped else g
         opt.step()
-        muon_update(ref_p, torch.stack([gs[i] for i in others]), ref_m, ref_v, MUON["lr"], MUON["momentum"], MUON["weight_decay"])
+        muon_update(
+            ref_p,
+            torch.stack([gs[i] for i in others]),
+            ref_m,
+            ref_v,
+            MUON["lr"],
+            MUON["momentum"],
+            MUON["weight_decay"],
+        )
     for j, i in enumerate(others):
         assert torch.equal(ps[i].detach(), ref_p[j]), i
     state = opt.state[ps[0]]
@@ -78,7 +86,9 @@ def test_muon_with_every_gradient_is_one_stacked_update():
         opt.step()
         muon_update(ref_p, torch.stack(gs), ref_m, ref_v, MUON["lr"], MUON["momentum"], MUON["weight_decay"])
     assert all(torch.equal(p.detach(), r) for p, r in zip(ps, ref_p))
-    assert torch.equal(opt.state[ps[0]]["momentum_buffer"], ref_m) and torch.equal(opt.state[ps[0]]["variance_buffer"], ref_v)
+    assert torch.equal(opt.state[ps[0]]["momentum_buffer"], ref_m) and torch.equal(
+        opt.state[ps[0]]["variance_buffer"], ref_v
+    )
 
 
 def test_adamw_gate_that_misses_a_step_keeps_its_own_step_count():
@@ -88,7 +98,9 @@ def test_adamw_gate_that_misses_a_step_keeps_its_own_step_count():
     opt = MuonAdamW([dict(ADAMW, params=ps)])
     solo = [MuonAdamW([dict(ADAMW, params=[a])]) for a in alone]  # each gate with its own optimizer
     torch_ref = ps[1].detach().clone().requires_grad_()
-    torch_opt = torch.optim.AdamW([torch_ref], lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
+    torch_opt = torch.optim.AdamW(
+        [torch_ref], lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"]
+    )
     for step in range(4):
         gs = grads(3, (5,), step)
         for i, (p, a, o, g) in enumerate(zip(ps, alone, solo, gs)):
@@ -112,11 +124,16 @@ def test_compiled_update_equals_eager(monkeypatch):
     # gate stays eager): to float noise the eager update, and a new LR, momentum, decay or step count is no new graph.
     # One Polar Express iteration instead of five: the same graph structure, compiled in ~20 s instead of ~35 s (cold)
     from torch._dynamo.utils import counters
+
     monkeypatch.setattr(optim, "POLAR_EXPRESS_COEFFS", optim.POLAR_EXPRESS_COEFFS[:1])
 
     def make(compile):
         g = torch.Generator().manual_seed(7)
-        ms, big, gate = matrices(3), torch.randn(256, 256, generator=g).requires_grad_(), torch.randn(5, generator=g).requires_grad_()
+        ms, big, gate = (
+            matrices(3),
+            torch.randn(256, 256, generator=g).requires_grad_(),
+            torch.randn(5, generator=g).requires_grad_(),
+        )
         opt = MuonAdamW([dict(MUON, params=ms), dict(ADAMW, params=[big, gate])], compile=compile)
         return ms + [big, gate], opt
 

@@ -26,6 +26,7 @@ def tiny_model(arch):
     """A tiny model with the same seeded weights in every process, and its optimizer groups as base_train makes them."""
     from scripts import base_train
     from nag.archs import plan_for
+
     args = base_train.parse_args(FLAGS + ["--arch", arch])
     plan = plan_for(args, 512, 1)  # the groups do not depend on the process count
     plan.model.to_empty(device="cpu")
@@ -69,6 +70,7 @@ def load_weights(model, ws):
 def worker(out_path):
     """One rank of the two-process check (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment)."""
     import torch.distributed as dist
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
@@ -91,9 +93,15 @@ def worker(out_path):
         sharded_w = weights(model)
         everyone = [None] * world
         dist.all_gather_object(everyone, sharded_w)
-        res = {"sharded": max_diff(sharded_w, ref_w), "ranks_identical": all(max_diff(w, sharded_w) == 0 for w in everyone),
-               "momentum_rows": {g["name"]: len(opt.state[g["params"][0]]["momentum_buffer"])
-                                 for g in opt.param_groups if g["kind"] == "muon"}}
+        res = {
+            "sharded": max_diff(sharded_w, ref_w),
+            "ranks_identical": all(max_diff(w, sharded_w) == 0 for w in everyone),
+            "momentum_rows": {
+                g["name"]: len(opt.state[g["params"][0]]["momentum_buffer"])
+                for g in opt.param_groups
+                if g["kind"] == "muon"
+            },
+        }
 
         def resumed(start_w, world_size, load):  # a fresh optimizer on world_size ranks, loaded, stepped to the end
             model, groups = tiny_model(arch)
@@ -104,8 +112,11 @@ def worker(out_path):
             return max_diff(weights(model), ref_w)
 
         res["resume_2to1"] = resumed(w10, 1, lambda o: o.load_state_dicts(sds10))
-        res["resume_2to2"] = resumed(w10, 2, lambda o: o.load_state_dicts(
-            [sd if r in o.ranks_to_load(world) else None for r, sd in enumerate(sds10)]))
+        res["resume_2to2"] = resumed(
+            w10,
+            2,
+            lambda o: o.load_state_dicts([sd if r in o.ranks_to_load(world) else None for r, sd in enumerate(sds10)]),
+        )
         res["resume_1to2"] = resumed(ref_w10, 2, lambda o: o.load_state_dict(ref_sd10))
         res["resume_legacy_1to2"] = resumed(ref_w10, 2, lambda o: o.load_state_dicts([legacy_sd10, None]))
         results[arch] = res
@@ -127,11 +138,29 @@ def free_port():
 @PROCESSES
 def test_two_gloo_ranks_equal_one_process_and_resume_on_another_count(tmp_path):
     out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-               PYTHONPATH=os.pathsep.join([REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])))
-    procs = [subprocess.Popen([sys.executable, __file__, str(out)], cwd=REPO, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE="2",
+        PYTHONPATH=os.pathsep.join([REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(out)],
+            cwd=REPO,
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     logs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
     for rank, results in enumerate(json.loads(out.read_text())):
@@ -159,11 +188,14 @@ def test_shard_rows_cover_the_stack_in_order():
 
 def matrices_and_gates(seed=0):
     g = torch.Generator().manual_seed(seed)
-    ms = [torch.randn(8, 6, generator=g).requires_grad_() for _ in range(5)] + \
-         [torch.randn(6, 8, generator=g).requires_grad_() for _ in range(2)]
+    ms = [torch.randn(8, 6, generator=g).requires_grad_() for _ in range(5)] + [
+        torch.randn(6, 8, generator=g).requires_grad_() for _ in range(2)
+    ]
     gates = [torch.randn(4, generator=g).requires_grad_() for _ in range(3)]
-    groups = [dict(kind="adamw", name="gates", lr=0.01, weight_decay=0.1, params=gates),
-              dict(kind="muon", name="m", lr=0.02, weight_decay=0.1, params=ms)]
+    groups = [
+        dict(kind="adamw", name="gates", lr=0.01, weight_decay=0.1, params=gates),
+        dict(kind="muon", name="m", lr=0.02, weight_decay=0.1, params=ms),
+    ]
     return ms + gates, groups
 
 
@@ -213,6 +245,7 @@ def test_bench_counts_a_share_of_muon_per_rank(capsys):
     # scripts/bench/optim.py on the tiny preset over 2 ranks: stacks of 8, 2 and 2 matrices split evenly, so each rank
     # does exactly half of Muon's FLOPs and bytes; AdamW's are the same as replicated, and only the sharded step gathers
     from scripts.bench import optim as bench_optim
+
     rep, sharded = bench_optim.main(["--preset", "tiny", "--arch", "gpt", "--world-size", "2"])
     muon = lambda r, key: r["by_kind"]["muon"][key]
     assert muon(rep, "flops") == 2 * muon(sharded, "flops") > 0

@@ -20,14 +20,16 @@ def published(arch, nproc=8):
 @pytest.mark.parametrize("arch,steps,decay", [("gpt", 9474, 0.094355), ("nag", 9425, 0.094198)])
 def test_published_horizon_and_weight_decay(arch, steps, decay):
     args, plan = published(arch)
-    assert (plan.total_batch, plan.num_iterations) == (2 ** 20, steps)
+    assert (plan.total_batch, plan.num_iterations) == (2**20, steps)
     assert plan.lr_scale == pytest.approx(math.sqrt(2))
     assert plan.weight_decay == pytest.approx(decay, abs=1e-6)
     # the rule by hand: 0.28 · √(B/2^19) · S_ref/S, with S_ref the 12-layer model of the same width and arch;
     # a NAG block adds two gates: m_down (640 → 32, with bias), coef (32), β_raw, α
-    per_layer = 12 * 640 ** 2 + (2 * (640 * 32 + 32 + 32 + 1 + 1) if arch == "nag" else 0)
+    per_layer = 12 * 640**2 + (2 * (640 * 32 + 32 + 32 + 1 + 1) if arch == "nag" else 0)
     head = 32768 * 640
-    assert plan.weight_decay == pytest.approx(0.28 * math.sqrt(2) * (12 * per_layer + head) / (64 * per_layer + head), rel=1e-12)
+    assert plan.weight_decay == pytest.approx(
+        0.28 * math.sqrt(2) * (12 * per_layer + head) / (64 * per_layer + head), rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("arch,count,decay", [("gpt", 335_544_320, 0.0943546), ("nag", 338_174_208, 0.0941982)])
@@ -96,39 +98,88 @@ def test_dry_run_plan_carries_the_optimizer(capsys):
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("PLAN "))
     opt = json.loads(line[5:])["optimizer"]
     assert opt["polar_norm_factor"] == 1.01 and opt["normuon_beta2"] == 0.9
-    assert opt["muon_momentum"] == {"start": 0.85, "peak": 0.97, "peak_step": 400, "end": 0.9, "end_step": 9474,
-                                    "warmdown_start_step": 9474 - 6158}
+    assert opt["muon_momentum"] == {
+        "start": 0.85,
+        "peak": 0.97,
+        "peak_step": 400,
+        "end": 0.9,
+        "end_step": 9474,
+        "warmdown_start_step": 9474 - 6158,
+    }
     assert opt["muon_weight_decay"]["value"] == pytest.approx(0.094355, abs=1e-6)
     names = {g["name"]: g for g in opt["groups"]}
     assert names["lm_head"]["betas"] == [0.8, 0.96] and names["wte"]["weight_decay"] == 0.001
     assert all(g["lr_at_step0"] == pytest.approx(g["lr"] / 40) for g in opt["groups"])  # warm-up step 1 of 40
 
 
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 836), ("NVIDIA H800", 989), ("NVIDIA H800 PCIe", 756),
-    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA B200", 2250), ("NVIDIA GeForce RTX 4090", None), ("NVIDIA L4", None)])
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 836),
+        ("NVIDIA H800", 989),
+        ("NVIDIA H800 PCIe", 756),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA B200", 2250),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA L4", None),
+    ],
+)
 def test_peak_flops_of_each_variant_and_none_for_an_unknown_gpu(name, tflops):
     """One table, exact variants: a PCIe or NVL part is not taken for the SXM one, and an unknown GPU has no MFU."""
     from nanochat.common import peak_flops_of
+
     peak = peak_flops_of(name)
     assert (peak is None and tflops is None) or peak == tflops * 1e12, (name, peak)
 
 
-@pytest.mark.parametrize("flag,value", [("--num-iterations", "0"), ("--num-iterations=-5", None), ("--target-flops", "0"),
-                                        ("--target-flops=-2e18", None), ("--target-param-data-ratio", "0"), ("--eval-every", "0"),
-                                        ("--total-batch-size", "0"), ("--model-dim", "0"), ("--n-kv-head=-3", None),
-                                        ("--save-every=-2", None), ("--target-flops", "inf")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--num-iterations", "0"),
+        ("--num-iterations=-5", None),
+        ("--target-flops", "0"),
+        ("--target-flops=-2e18", None),
+        ("--target-param-data-ratio", "0"),
+        ("--eval-every", "0"),
+        ("--total-batch-size", "0"),
+        ("--model-dim", "0"),
+        ("--n-kv-head=-3", None),
+        ("--save-every=-2", None),
+        ("--target-flops", "inf"),
+    ],
+)
 def test_a_non_positive_horizon_or_interval_is_one_line_with_what_minus_one_means(flag, value, script_error):
     """0 and other negatives used to mean "unset" too: --num-iterations 0 trained the automatic horizon, --target-flops 0
     planned 90,048 steps, --eval-every 0 never evaluated. The dry run plans nothing with them."""
     err = script_error(base_train.main, "--depth", "4", "--dry-run", "1", *([flag] if value is None else [flag, value]))
-    assert err.startswith(f"error: {flag.split('=')[0]} must be") and ("-1 (" in err or "the last step only" in err), err
+    assert err.startswith(f"error: {flag.split('=')[0]} must be") and ("-1 (" in err or "the last step only" in err), (
+        err
+    )
     assert "\n" not in err.strip()
 
 
 def test_minus_one_still_means_unset(capsys):
     """The documented -1: the horizon from the data ratio, never evaluate, a batch from the model size."""
-    record = base_train.main(["--depth", "4", "--dry-run", "1", "--num-iterations", "-1", "--target-flops", "-1", "--eval-every", "-1",
-                              "--total-batch-size", "-1", "--save-every", "0"])
+    record = base_train.main(
+        [
+            "--depth",
+            "4",
+            "--dry-run",
+            "1",
+            "--num-iterations",
+            "-1",
+            "--target-flops",
+            "-1",
+            "--eval-every",
+            "-1",
+            "--total-batch-size",
+            "-1",
+            "--save-every",
+            "0",
+        ]
+    )
     assert record["num_iterations"] > 0

@@ -12,8 +12,11 @@ def test_progress_lines_are_spaced_and_estimate_the_rest(monkeypatch):
     for done in range(1, 101):
         clock[0] += 1.0  # a batch a second
         p.update(done)
-    assert lines == ["val bpb: 30/100 batches | 0m30s, eta 1m10s", "val bpb: 60/100 batches | 1m00s, eta 0m40s",
-                     "val bpb: 90/100 batches | 1m30s, eta 0m10s"]
+    assert lines == [
+        "val bpb: 30/100 batches | 0m30s, eta 1m10s",
+        "val bpb: 60/100 batches | 1m00s, eta 0m40s",
+        "val bpb: 90/100 batches | 1m30s, eta 0m10s",
+    ]
     quick = Progress("train bpb", 10, "batches", every=30, log=lines.append)
     for done in range(1, 11):
         clock[0] += 1.0

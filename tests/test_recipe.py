@@ -45,7 +45,7 @@ def rotate(x, T, hd):
     inv = 1.0 / (100000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     f = torch.outer(torch.arange(T, dtype=torch.float32), inv)[None, :, None, :]
     cos, sin = f.cos(), f.sin()
-    x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
 
 
@@ -74,7 +74,9 @@ def nanochat_logits(model, idx, parts):
             ve = F.embedding(idx, W[f"value_embeds.{i}.weight"]).view(B, T, KV, hd)
             v = v + (3 * torch.sigmoid(h[..., :12] @ W[p + "attn.ve_gate.weight"].T)).unsqueeze(-1) * ve
         q, k = rms(rotate(q, T, hd)) * 1.2, rms(rotate(k, T, hd)) * 1.2
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
         x = x + y.transpose(1, 2).reshape(B, T, d) @ W[p + "attn.c_proj.weight"].T
         x = x + F.relu(rms(x) @ W[p + "mlp.c_fc.weight"].T).square() @ W[p + "mlp.c_proj.weight"].T
         if i == L // 2:
@@ -85,16 +87,25 @@ def nanochat_logits(model, idx, parts):
     return 15 * torch.tanh(logits / 15)
 
 
-@pytest.mark.parametrize("parts", [RecipeConfig()] + [replace(RecipeConfig(), **{p: False}) for p in PARTS[:5]] +
-                         [only(p) for p in PARTS[:5]], ids=lambda r: ",".join(p for p in PARTS if getattr(r, p)) or "none")
+@pytest.mark.parametrize(
+    "parts",
+    [RecipeConfig()] + [replace(RecipeConfig(), **{p: False}) for p in PARTS[:5]] + [only(p) for p in PARTS[:5]],
+    ids=lambda r: ",".join(p for p in PARTS if getattr(r, p)) or "none",
+)
 def test_each_part_is_nanochats_formula(parts):
     model = random_model(RecipeGPT, CFG, 512, recipe=parts)
     idx = tokens()
     with torch.no_grad():
         assert (model(idx) - nanochat_logits(model, idx, parts)).abs().max().item() < 1e-5
     names = {part for n, _ in model.named_parameters() for part in n.split(".")}
-    for part, param in (("value_embeds", "value_embeds"), ("value_embeds", "ve_gate"), ("smear", "smear_gate"),
-                        ("backout", "backout_lambda"), ("resid_lambdas", "resid_lambdas"), ("x0_lambdas", "x0_lambdas")):
+    for part, param in (
+        ("value_embeds", "value_embeds"),
+        ("value_embeds", "ve_gate"),
+        ("smear", "smear_gate"),
+        ("backout", "backout_lambda"),
+        ("resid_lambdas", "resid_lambdas"),
+        ("x0_lambdas", "x0_lambdas"),
+    ):
         assert (param in names) == getattr(parts, part), (part, param)  # a part off leaves no parameter behind
 
 
@@ -106,16 +117,22 @@ def test_nanochats_inits():
     assert torch.allclose(m.resid_lambdas, 1.15 - 0.10 * depth) and m.resid_lambdas[0] == 1.15
     assert torch.allclose(m.x0_lambdas, 0.20 - 0.15 * depth) and torch.isclose(m.x0_lambdas[-1], torch.tensor(0.05))
     assert m.smear_lambda.item() == 0 and m.backout_lambda.item() == pytest.approx(0.2)
-    assert sorted(m.value_embeds) == ["1", "3"] and m.blocks[0].attn.ve_gate is None and m.blocks[3].attn.ve_gate is not None
+    assert (
+        sorted(m.value_embeds) == ["1", "3"]
+        and m.blocks[0].attn.ve_gate is None
+        and m.blocks[3].attn.ve_gate is not None
+    )
     for w in (m.smear_gate.weight, m.blocks[1].attn.ve_gate.weight):
         assert 0 <= w.min() and w.max() <= 0.02
     ve = m.value_embeds["1"].weight
-    assert ve.abs().max() <= math.sqrt(3 / d) and abs(ve.std().item() - d ** -0.5) < 0.01
+    assert ve.abs().max() <= math.sqrt(3 / d) and abs(ve.std().item() - d**-0.5) < 0.01
     with torch.no_grad():  # smear λ = 0 at init: the smear changes nothing yet
         assert torch.equal(m.smear(torch.ones(1, 3, d)), torch.ones(1, 3, d))
 
 
-@pytest.mark.parametrize("base,recipe_cls,kwargs", [(GPT, RecipeGPT, {}), (NAGGPT, NAGRecipeGPT, NAG)], ids=["gpt", "nag"])
+@pytest.mark.parametrize(
+    "base,recipe_cls,kwargs", [(GPT, RecipeGPT, {}), (NAGGPT, NAGRecipeGPT, NAG)], ids=["gpt", "nag"]
+)
 def test_every_part_off_is_the_base_arch_bit_for_bit(base, recipe_cls, kwargs):
     cfg = replace(CFG, window_pattern="SL")  # S layers too: the quarter-window part off gives back the baseline's half
     torch.manual_seed(0)
@@ -163,7 +180,9 @@ def nanochat_d24(depth=24, aspect=64, head_dim=128, seq=2048, vocab=32768, patte
 def test_flops_and_scaling_params_are_nanochats_at_d24():
     flops, S = nanochat_d24()
     assert flops == 4_775_225_616  # nanochat's figure for its d24 (dim 1536, 12 heads, SSSL at 2048)
-    cfg = GPTConfig(sequence_len=2048, vocab_size=32768, n_layer=24, n_head=12, n_kv_head=12, n_embd=1536, window_pattern="SSSL")
+    cfg = GPTConfig(
+        sequence_len=2048, vocab_size=32768, n_layer=24, n_head=12, n_kv_head=12, n_embd=1536, window_pattern="SSSL"
+    )
     m = RecipeGPT(cfg, device="meta")
     assert m.estimate_flops() == flops and m.num_scaling_params() == S
     # every part off: the baseline's count at that shape (its S windows are half the context, 1024)
@@ -189,7 +208,11 @@ def silenced(model):
 
 def test_nag_leaves_resid_lambdas_out():
     m = NAGRecipeGPT(CFG, recipe=RecipeConfig(), device="meta")
-    assert not m.recipe.resid_lambdas and not hasattr(m, "resid_lambdas") and m.extra_meta()["recipe_config"]["resid_lambdas"] is False
+    assert (
+        not m.recipe.resid_lambdas
+        and not hasattr(m, "resid_lambdas")
+        and m.extra_meta()["recipe_config"]["resid_lambdas"] is False
+    )
     assert m.recipe.x0_lambdas and m.recipe.smear and m.recipe.backout and m.recipe.value_embeds
 
 
@@ -236,7 +259,9 @@ def test_nag_value_embeds_are_the_baselines():
         attn, gate = plain.blocks[i].attn, m.blocks[i].attn.ve_gate
         table = m.value_embeds[str(i)].weight
         attn.ve_gate = gate
-        attn.forward = lambda x, cos_sin, mask, kv=None, ve=None, a=attn, t=table: type(a).forward(a, x, cos_sin, mask, kv, F.embedding(idx, t))
+        attn.forward = lambda x, cos_sin, mask, kv=None, ve=None, a=attn, t=table: type(a).forward(
+            a, x, cos_sin, mask, kv, F.embedding(idx, t)
+        )
     with torch.no_grad():
         assert (m(idx) - plain(idx)).abs().max().item() < 1e-6
 
@@ -257,19 +282,25 @@ def test_nag_writes_are_norm_agnostic():
 
 @pytest.mark.parametrize("cls,kwargs", [(RecipeGPT, {}), (NAGRecipeGPT, NAG)], ids=["gpt-recipe", "nag-recipe"])
 def test_cache_and_packed_rows_equal_the_full_forward(cls, kwargs):
-    m = random_model(cls, replace(CFG, window_pattern="SL", sequence_len=256), 512, recipe=replace(RecipeConfig(), quarter_windows=True), **kwargs)
+    m = random_model(
+        cls,
+        replace(CFG, window_pattern="SL", sequence_len=256),
+        512,
+        recipe=replace(RecipeConfig(), quarter_windows=True),
+        **kwargs,
+    )
     assert m.windows == [128, 256, 128, 256]
     seq = tokens(1, 200, seed=5)
     with torch.no_grad():
         full = m(seq)
         cache = KVCache.for_model(m)
-        steps = [m(seq[:, :150], cache=cache)] + [m(seq[:, t:t + 1], cache=cache) for t in range(150, 200)]
+        steps = [m(seq[:, :150], cache=cache)] + [m(seq[:, t : t + 1], cache=cache) for t in range(150, 200)]
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5  # past the 128-token window
     prompt = seq[0, :10].tolist()
     assert list(generate(m, prompt, 60, temperature=0)) == list(generate(m, prompt, 60, temperature=0, use_cache=False))
     # CORE's packed rows: a shared prefix, then each continuation; the smear follows each sequence's own previous token
     base = seq[0, :20].tolist()
-    seqs = [base + seq[0, 20 + 7 * j:27 + 7 * j].tolist() for j in range(3)]
+    seqs = [base + seq[0, 20 + 7 * j : 27 + 7 * j].tolist() for j in range(3)]
     spans = [(20, 27)] * 3
     packed = packed_scores(m, [packed_row(seqs, spans)], 0, "cpu", True)[0]
     plain = forward_scores(m, seqs, spans, 0, "cpu")
@@ -287,7 +318,9 @@ def test_flags_switch_parts_off_and_mod_is_refused(script_error):
     assert asdict(kw["recipe"]) == {**asdict(RecipeConfig()), "smear": False, "x0_lambdas": False}
     assert archs.is_nag_arch("nag-recipe") and not archs.is_nag_arch("gpt-recipe")
     for arch in ("gpt-recipe", "nag-recipe"):
-        assert "has no Mixture-of-Depths" in script_error(base_train.main, "--arch", arch, "--mod-rate", "0.2", "--dry-run", "1")
+        assert "has no Mixture-of-Depths" in script_error(
+            base_train.main, "--arch", arch, "--mod-rate", "0.2", "--dry-run", "1"
+        )
 
 
 def plan_record(arch):
@@ -301,33 +334,55 @@ def test_run6_preset_is_nanochats_run():
     # nanochat: tokens = 8·S, batch 2^round(log2(2^19·(S/S_d12)^0.383)) with S_d12 of its 768-wide d12,
     # horizon tokens // batch
     S12 = nanochat_d24(depth=12)[1]
-    batch = 2 ** round(math.log2(2 ** 19 * (S / S12) ** 0.383))
-    assert gpt["total_batch_size"] == batch == 2 ** 20 and gpt["num_iterations"] == 8 * S // batch == 5568
+    batch = 2 ** round(math.log2(2**19 * (S / S12) ** 0.383))
+    assert gpt["total_batch_size"] == batch == 2**20 and gpt["num_iterations"] == 8 * S // batch == 5568
     assert gpt["flops_per_token"] == flops and gpt["model_config"]["window_pattern"] == "SSSL"
-    decay = 0.28 * math.sqrt(batch / 2 ** 19) * S12 / S  # nanochat's weight-decay rule, from its d12
+    decay = 0.28 * math.sqrt(batch / 2**19) * S12 / S  # nanochat's weight-decay rule, from its d12
     assert gpt["weight_decay_effective"] == pytest.approx(decay, rel=1e-6)
     groups = {g["name"]: g for g in gpt["optimizer"]["groups"]}
-    scale, dim = math.sqrt(batch / 2 ** 19), (1536 / 768) ** -0.5
-    assert groups["value_embeds"]["lr"] == pytest.approx(0.5 * 0.3 * dim * scale) and groups["x0_lambdas"]["betas"] == [0.96, 0.95]
+    scale, dim = math.sqrt(batch / 2**19), (1536 / 768) ** -0.5
+    assert groups["value_embeds"]["lr"] == pytest.approx(0.5 * 0.3 * dim * scale) and groups["x0_lambdas"]["betas"] == [
+        0.96,
+        0.95,
+    ]
     assert groups["resid_lambdas"]["lr"] == pytest.approx(0.005 * scale) and groups["smear_backout"]["lr"] == 0.2
     assert groups["lm_head"]["lr"] == pytest.approx(0.008 * dim * scale)
     assert base_train.parse_args(["--preset", "run6"]).fp8
     # the NAG twin: the baseline's planned FLOPs, so fewer steps of the same batch
     assert base_train.parse_args(["--preset", "run6", "--arch", "nag-recipe"]).target_flops == gpt["total_flops"]
-    assert nag["num_iterations"] < gpt["num_iterations"] and abs(nag["total_flops"] - gpt["total_flops"]) < nag["flops_per_token"] * batch
+    assert (
+        nag["num_iterations"] < gpt["num_iterations"]
+        and abs(nag["total_flops"] - gpt["total_flops"]) < nag["flops_per_token"] * batch
+    )
 
 
 @pytest.mark.parametrize("arch", ["gpt-recipe", "nag-recipe"])
 def test_tiny_run_trains_and_resumes_exactly(run_base, arch):
-    common = TINY_TRAIN + ["--arch", arch, "--run", "r", "--num-iterations", "8", "--eval-every", "4", "--save-every", "4",
-                           "--nag-gate-log-every", "4"]
+    common = TINY_TRAIN + [
+        "--arch",
+        arch,
+        "--run",
+        "r",
+        "--num-iterations",
+        "8",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "4",
+        "--nag-gate-log-every",
+        "4",
+    ]
     run_dir = base_train.main(common)
     read = lambda: [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
     full = read()
     losses = [r["train_loss"] for r in full[1:]]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     cfg = json.load(open(f"{run_dir}/config.json"))
-    assert cfg["arch"] == arch and cfg["recipe_config"]["smear"] and cfg["recipe_config"]["resid_lambdas"] == (arch == "gpt-recipe")
+    assert (
+        cfg["arch"] == arch
+        and cfg["recipe_config"]["smear"]
+        and cfg["recipe_config"]["resid_lambdas"] == (arch == "gpt-recipe")
+    )
     base_train.main(common + ["--resume", "4"])
     resumed = read()
     assert [r["train_loss"] for r in resumed[1:]] == losses and resumed[-1]["val_bpb"] == full[-1]["val_bpb"]
@@ -342,15 +397,20 @@ def test_the_residual_geometry_analysis_observes_the_recipe_archs(arch):
     from analysis.capture import capture
     from conftest import TINY_TRAIN
     from scripts import base_train
+
     args = base_train.parse_args(TINY_TRAIN + ["--arch", arch, "--num-iterations", "2"])
     model = archs.plan_for(args, 512, 1).model
     model.to_empty(device="cpu")
     model.init_weights()
     model.eval()
     g = torch.Generator().manual_seed(0)
-    batches = iter([(torch.randint(0, 512, (2, 64), generator=g), torch.randint(0, 512, (2, 64), generator=g)) for _ in range(2)])
+    batches = iter(
+        [(torch.randint(0, 512, (2, 64), generator=g), torch.randint(0, 512, (2, 64), generator=g)) for _ in range(2)]
+    )
     acc = capture(model, batches, 2, 0)
-    assert acc.is_nag == (arch == "nag-recipe") and torch.isfinite(acc.last_norms).all() and acc.last_norms.numel() == 128
+    assert (
+        acc.is_nag == (arch == "nag-recipe") and torch.isfinite(acc.last_norms).all() and acc.last_norms.numel() == 128
+    )
     assert "sublayer" not in vars(model) and "recipe_sublayer" not in vars(model)  # the hooks are gone
 
 
@@ -358,9 +418,16 @@ def test_the_recipe_pair_trains_and_compares(run_base):
     """runs/recipe_cpu.sh's pair at the tests' size: both archs on one FLOP budget, compared in one report showing
     both arms (the demo itself, 1e13 FLOPs and CORE, runs for minutes: docs/design.md §10 has its figures)."""
     from scripts import compare
+
     for arch in ("gpt-recipe", "nag-recipe"):
-        base_train.main(TINY_TRAIN + ["--arch", arch, "--run", f"t-{arch}", "--target-flops", "2e9", "--eval-every", "-1"])
+        base_train.main(
+            TINY_TRAIN + ["--arch", arch, "--run", f"t-{arch}", "--target-flops", "2e9", "--eval-every", "-1"]
+        )
     report = open(compare.main(["t-gpt-recipe", "t-nag-recipe"])).read()
     assert "`t-gpt-recipe` (gpt-recipe)" in report and "`t-nag-recipe` (nag-recipe)" in report
-    cfgs = [json.load(open(os.path.join(run_base, "runs", f"t-{a}", "config.json"))) for a in ("gpt-recipe", "nag-recipe")]
-    assert abs(cfgs[0]["total_flops"] - cfgs[1]["total_flops"]) <= max(c["flops_per_token"] * c["total_batch_size"] for c in cfgs)
+    cfgs = [
+        json.load(open(os.path.join(run_base, "runs", f"t-{a}", "config.json"))) for a in ("gpt-recipe", "nag-recipe")
+    ]
+    assert abs(cfgs[0]["total_flops"] - cfgs[1]["total_flops"]) <= max(
+        c["flops_per_token"] * c["total_batch_size"] for c in cfgs
+    )

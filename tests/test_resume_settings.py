@@ -60,8 +60,13 @@ def resumed(base, name, *extra):
         steps.append({n: {k: g[k] for k in SETTINGS} for n, g in groups.items()})
         real(self, gate)
         if first:
-            update.update({n: torch.cat([(p.detach() - b).flatten() for p, b in zip(groups[n]["params"], bs)])
-                           for n, bs in before.items()})
+            update.update(
+                {
+                    n: torch.cat([(p.detach() - b).flatten() for p, b in zip(groups[n]["params"], bs)])
+                    for n, bs in before.items()
+                }
+            )
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", base)
         mp.setattr(base_train, "freeze_heap", lambda: None)
@@ -87,11 +92,14 @@ def mtimes(run_dir):
     return {f: os.stat(os.path.join(run_dir, f)).st_mtime_ns for f in os.listdir(run_dir) if f != ".lock"}
 
 
-@pytest.mark.parametrize("flag, value, kind, setting", [
-    ("--matrix-lr", "0.25", "muon", "lr"),  # TINY_TRAIN's 0.5 halved
-    ("--weight-decay", "0.14", "muon", "weight_decay"),  # the default 0.28 halved
-    ("--embedding-lr", "1.0", "wte", "lr"),  # TINY_TRAIN's 2.0 halved: an AdamW group's
-])
+@pytest.mark.parametrize(
+    "flag, value, kind, setting",
+    [
+        ("--matrix-lr", "0.25", "muon", "lr"),  # TINY_TRAIN's 0.5 halved
+        ("--weight-decay", "0.14", "muon", "weight_decay"),  # the default 0.28 halved
+        ("--embedding-lr", "1.0", "wte", "lr"),  # TINY_TRAIN's 2.0 halved: an AdamW group's
+    ],
+)
 def test_a_changed_setting_is_what_the_resumed_steps_use(base, unchanged, flag, value, kind, setting):
     ref_steps, ref_update, ref_dir = unchanged
     full_dir = os.path.join(base, "runs", "full")
@@ -106,7 +114,11 @@ def test_a_changed_setting_is_what_the_resumed_steps_use(base, unchanged, flag, 
     assert changed
     for n, settings in steps[0].items():
         if n in changed:  # the new value, where the schedule scales it from: half the unchanged resume's
-            assert settings[setting] == pytest.approx(ref_steps[0][n][setting] / 2, rel=1e-12), (n, settings, ref_steps[0][n])
+            assert settings[setting] == pytest.approx(ref_steps[0][n][setting] / 2, rel=1e-12), (
+                n,
+                settings,
+                ref_steps[0][n],
+            )
             assert settings[f"initial_{setting}"] == pytest.approx(ref_steps[0][n][f"initial_{setting}"] / 2, rel=1e-12)
             assert not torch.equal(update[n], ref_update[n]), n
             if setting == "lr" and kind == "muon":  # Muon's update is the LR times a step that does not depend on it
@@ -124,18 +136,26 @@ def test_a_changed_setting_is_what_the_resumed_steps_use(base, unchanged, flag, 
     assert segment["start_step"] == 2 and set(segment["changes"]) == {flag}
 
 
-@pytest.mark.parametrize("extra, named", [
-    (["--seed", "7"], "--seed 42 → 7"),  # the init, which the checkpoint replaces
-    (["--seed", "7", "--change-settings"], "--seed 42 → 7"),
-    (["--depth", "3", "--change-settings"], "--depth 2 → 3"),
-    (["--max-seq-len", "32"], "--max-seq-len 64 → 32"),  # not "keep --device-batch-size": the shards changed with it
-])
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--seed", "7"], "--seed 42 → 7"),  # the init, which the checkpoint replaces
+        (["--seed", "7", "--change-settings"], "--seed 42 → 7"),
+        (["--depth", "3", "--change-settings"], "--depth 2 → 3"),
+        (
+            ["--max-seq-len", "32"],
+            "--max-seq-len 64 → 32",
+        ),  # not "keep --device-batch-size": the shards changed with it
+    ],
+)
 def test_what_no_resume_can_change_is_refused_in_one_line(runs, script_error, extra, named):
     name = "refused" + "".join(extra)
     run_dir = copy_run(runs, "full", name)
     before = mtimes(run_dir)
     err = script_error(main, *COMMON, "--run", name, "--resume", "2", *extra)
-    assert "cannot resume" in err and named in err and "another --run" in err and "add --change-settings" not in err, err
+    assert "cannot resume" in err and named in err and "another --run" in err and "add --change-settings" not in err, (
+        err
+    )
     assert mtimes(run_dir) == before
 
 
@@ -151,8 +171,9 @@ def test_a_recipe_part_that_adds_parameters_is_refused_before_anything_loads(run
     assert mtimes(run_dir) == before
     # a part that adds no parameter (the short windows) is a setting like any other
     main([*RECIPE, "--resume", "1", "--no-quarter-windows", "--change-settings"])
-    assert json.load(open(os.path.join(run_dir, "config.json")))["segments"][-1]["changes"] == \
-        {"--no-quarter-windows": {"then": False, "now": True}}
+    assert json.load(open(os.path.join(run_dir, "config.json")))["segments"][-1]["changes"] == {
+        "--no-quarter-windows": {"then": False, "now": True}
+    }
 
 
 def test_loaded_optimizer_keeps_its_own_settings_and_the_saved_state():
@@ -161,8 +182,11 @@ def test_loaded_optimizer_keeps_its_own_settings_and_the_saved_state():
     vec = [torch.randn(5, generator=g).requires_grad_()]
 
     def groups(lr, wd, betas):
-        return [dict(kind="muon", name="m", lr=lr, weight_decay=wd, params=ms),
-                dict(kind="adamw", name="v", lr=lr, weight_decay=wd, betas=betas, eps=1e-8, params=vec)]
+        return [
+            dict(kind="muon", name="m", lr=lr, weight_decay=wd, params=ms),
+            dict(kind="adamw", name="v", lr=lr, weight_decay=wd, betas=betas, eps=1e-8, params=vec),
+        ]
+
     saved = MuonAdamW(groups(0.02, 0.1, (0.8, 0.95)))
     for _ in range(2):
         for p in ms + vec:
@@ -183,6 +207,7 @@ def test_the_table_names_every_baseline_flag_once():
     import argparse
     from nag.archs import add_arch_args
     from nanochat import resume
+
     arch_parser = argparse.ArgumentParser()
     add_arch_args(arch_parser)
     arch_flags = {a.dest for a in arch_parser._actions} - {"help"}

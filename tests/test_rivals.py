@@ -74,8 +74,10 @@ def arm_formula(model):
     if isinstance(model, LNSGPT):
         return [((lambda h, l=l: h / math.sqrt(l + 1)),) * 2 + (same, same) for l in range(L)]
     if isinstance(model, PeriGPT):
-        return [(same, same, lambda y, b=b: rms(y) * b.attn.out_gain, lambda y, b=b: rms(y) * b.mlp.out_gain)
-                for b in model.blocks]
+        return [
+            (same, same, lambda y, b=b: rms(y) * b.attn.out_gain, lambda y, b=b: rms(y) * b.mlp.out_gain)
+            for b in model.blocks
+        ]
     lr = model.layerrope
     gains = [[layerrope_gain(lr.gamma[s], lr.depth[s], lr.base, l).float() for s in SITES] for l in range(L)]
     return [tuple((lambda t, g=g: t * g) for g in gs) for gs in gains]
@@ -105,7 +107,7 @@ def by_hand(model, idx):
 def test_lns_scales_each_pre_norm_by_one_over_root_l():
     _, model = twins(LNSGPT)
     L = CFG.n_layer
-    assert model.lns_scales[0] == 1.0 and model.lns_scales[-1] == pytest.approx(L ** -0.5, abs=0)
+    assert model.lns_scales[0] == 1.0 and model.lns_scales[-1] == pytest.approx(L**-0.5, abs=0)
     seen = {}
     for i in (0, L - 1):
         blk = model.blocks[i]
@@ -121,10 +123,10 @@ def test_lns_scales_each_pre_norm_by_one_over_root_l():
         assert torch.allclose(seen[("mlp", i)], rms(x + seen[("a", i)]) / math.sqrt(l), atol=1e-6)
     assert not torch.allclose(seen[("attn", L - 1)], rms(seen[("x", L - 1)]), atol=1e-2)  # the last block is scaled
     # under QK-norm the scale s reaches the values only, and ReLU² is 2-homogeneous: outputs × s and × s² (§11)
-    h, blk, sc = rms(seen[("x", L - 1)]), model.blocks[L - 1], L ** -0.5
+    h, blk, sc = rms(seen[("x", L - 1)]), model.blocks[L - 1], L**-0.5
     cos_sin = model.rotary(idx.size(1))
     assert torch.allclose(blk.attn(h * sc, cos_sin, None), sc * blk.attn(h, cos_sin, None), atol=1e-5)
-    assert torch.allclose(blk.mlp(h * sc), sc ** 2 * blk.mlp(h), atol=1e-6)
+    assert torch.allclose(blk.mlp(h * sc), sc**2 * blk.mlp(h), atol=1e-6)
     assert torch.allclose(logits, by_hand(model, idx)[1], atol=1e-5)
 
 
@@ -167,7 +169,7 @@ def test_layerrope_gains_are_the_complex_formula(init):
     assert torch.allclose(g0[:2], torch.tensor([math.cos(1) - math.sin(1), math.sin(1) + math.cos(1)]), atol=1e-6)
     assert not torch.allclose(g0, ones, atol=0.1)
     if init == "ladder":  # the read gain starts at LNS's 1/√(l+1) in magnitude
-        assert torch.allclose(gains["mlp_in"][7].view(16, 2).norm(dim=1) / math.sqrt(2), torch.full((16,), 8 ** -0.5))
+        assert torch.allclose(gains["mlp_in"][7].view(16, 2).norm(dim=1) / math.sqrt(2), torch.full((16,), 8**-0.5))
     else:  # no depth slope: every block the same gain
         assert torch.allclose(gains["attn_out"][7], gains["attn_out"][0], atol=1e-6)
     shake(model)  # any γ and scalars: still the formula
@@ -256,9 +258,18 @@ def test_flops_scaling_params_and_optimizer_groups(arch):
 def test_flags_build_each_arm():
     from scripts import base_train
     from conftest import TINY_TRAIN
+
     for arch, cls in ARMS.items():
-        flags = TINY_TRAIN + ["--arch", arch, "--num-iterations", "2", "--rival-gain-lr", "0.03",
-                              "--layerrope-init", "depth"]
+        flags = TINY_TRAIN + [
+            "--arch",
+            arch,
+            "--num-iterations",
+            "2",
+            "--rival-gain-lr",
+            "0.03",
+            "--layerrope-init",
+            "depth",
+        ]
         args = base_train.parse_args(flags)
         plan = archs.plan_for(args, 512, 1)
         assert type(plan.model) is cls
@@ -282,8 +293,13 @@ def test_flags_build_each_arm():
 def test_checkpoint_round_trip(arch, tmp_path):
     kwargs = {"layerrope": LAYERROPE_INITS["depth"]} if arch == "gpt-layerrope" else {}
     model = shake(twins(ARMS[arch], **kwargs)[1])
-    meta = {"arch": model.arch, "model_config": model.config.to_dict(), **model.extra_meta(), "step": 3,
-            "world_size": 1}
+    meta = {
+        "arch": model.arch,
+        "model_config": model.config.to_dict(),
+        **model.extra_meta(),
+        "step": 3,
+        "world_size": 1,
+    }
     run_dir = str(tmp_path / "run")
     ckpt.save_checkpoint(run_dir, 3, model, meta, {"optimizer": None})
     loaded, got_meta = archs.load_model(run_dir)
@@ -304,7 +320,7 @@ def test_kv_cache_decoding_equals_the_full_forward(arch):
     full = model(ids)
     cache = KVCache.for_model(model)
     steps = [model(ids[:, :5], cache=cache)]  # a prefill, then one position at a time, past the S layer's window
-    steps += [model(ids[:, t:t + 1], cache=cache) for t in range(5, CFG.sequence_len)]
+    steps += [model(ids[:, t : t + 1], cache=cache) for t in range(5, CFG.sequence_len)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
     prompt = ids[0, :4].tolist()
     with_cache = list(generate(model, prompt, 40, temperature=0))
@@ -348,6 +364,7 @@ def test_hf_export_gives_the_native_logits_and_generation(arch):
     pytest.importorskip("transformers")
     from scripts import export_hf
     from nag.hf.modeling_nagchat import NagChatForCausalLM
+
     assert arch in export_hf.ARCHS
     kwargs = {"layerrope": LAYERROPE_INITS["depth"]} if arch == "gpt-layerrope" else {}
     model = shake(twins(ARMS[arch], **kwargs)[1])
@@ -360,6 +377,6 @@ def test_hf_export_gives_the_native_logits_and_generation(arch):
     assert (hf(idx).logits - model(idx)).abs().max().item() < 1e-5
     prompt = [bos] + tokens(B=1, T=5, seed=8)[0].tolist()
     want = list(generate(model, prompt, 20, temperature=0))
-    want = want[:want.index(bos) + 1] if bos in want else want  # transformers stops at eos = bos
-    got = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+    want = want[: want.index(bos) + 1] if bos in want else want  # transformers stops at eos = bos
+    got = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt) :].tolist()
     assert got == want and len(got) > 3, (got, want)

@@ -67,7 +67,10 @@ def test_resume_latest_of_a_finished_run_with_a_truncated_newest_checkpoint_trai
     assert ckpt.complete_steps(run_dir) == [4]
     main(*COMMON, "--resume", "latest")
     out = capsys.readouterr().out
-    assert f"skipping the incomplete checkpoint of step 8 in {run_dir} ({damaged} holds " in out and "the file is damaged" in out
+    assert (
+        f"skipping the incomplete checkpoint of step 8 in {run_dir} ({damaged} holds " in out
+        and "the file is damaged" in out
+    )
     assert "resumed from step 4" in out and "nothing to do" not in out
     got = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [(r["step"], r["train_loss"]) for r in got] == [(r["step"], r["train_loss"]) for r in want]
@@ -91,9 +94,11 @@ def test_a_failed_resume_keeps_history_and_a_real_one_keeps_the_removed_rows(run
     run_dir = main(*COMMON)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     before = open(metrics).read()
+
     # refused by a late check (the data loader's): nothing in the run directory changes
     def broken_loader(*a, **k):
         raise base_train.UserError("the data changed")
+
     with monkeypatch.context() as mp:
         mp.setattr(base_train, "data_loader", broken_loader)
         assert "the data changed" in script_error(cli, *COMMON, "--resume", "4")
@@ -113,9 +118,24 @@ def test_a_failed_resume_keeps_history_and_a_real_one_keeps_the_removed_rows(run
 
 
 def test_nag_and_recipe_flags_on_gpt_are_named(run_base, capsys):
-    main("--arch", "gpt", "--run", "g", "--num-iterations", "1", "--eval-every", "-1", "--nag-mod-floor", "0", "--no-smear")
+    main(
+        "--arch",
+        "gpt",
+        "--run",
+        "g",
+        "--num-iterations",
+        "1",
+        "--eval-every",
+        "-1",
+        "--nag-mod-floor",
+        "0",
+        "--no-smear",
+    )
     out = capsys.readouterr().out
-    assert "note: --nag-alpha-warmup-tokens, --nag-mod-floor apply only with a NAG arch (nag, nag-recipe); this gpt run ignores them" in out
+    assert (
+        "note: --nag-alpha-warmup-tokens, --nag-mod-floor apply only with a NAG arch (nag, nag-recipe); this gpt run ignores them"
+        in out
+    )
     assert "note: --no-smear apply only with a recipe arch (gpt-recipe, nag-recipe); this gpt run ignores them" in out
 
 
@@ -141,12 +161,14 @@ def test_settings_cannot_drift_on_resume(run_base, script_error):
 
 def test_resume_on_other_data_is_refused(run_base, tiny_base_dir, script_error, monkeypatch):
     import shutil
+
     run_dir = main(*COMMON[:3], "4", *COMMON[4:])
     cfg = json.load(open(os.path.join(run_dir, "config.json")))
     assert set(cfg["fingerprints"]) == {"tokenizer", "data_train", "data_val"}
     assert ckpt.load_meta(run_dir, 4)["fingerprints"] == cfg["fingerprints"]
     # the same corpus with one train shard rewritten (one document fewer)
     import pyarrow.parquet as pq
+
     data = os.path.join(run_base, "base_data")
     os.remove(data)
     shutil.copytree(os.path.join(tiny_base_dir, "base_data"), data)
@@ -171,6 +193,7 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_no_partial_checkpoint(r
     import errno
     import io
     from nanochat import common
+
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("needs /proc to tell which file a descriptor writes")
     real_fdopen = common.os.fdopen
@@ -198,6 +221,7 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_no_partial_checkpoint(r
     def fdopen(fd, *a, **k):
         f = real_fdopen(fd, *a, **k)
         return FillsUp(f) if "model_000008" in os.readlink(f"/proc/self/fd/{fd}") else f
+
     monkeypatch.setattr(common.os, "fdopen", fdopen)
     err = script_error(cli, *COMMON)
     assert "cannot save the checkpoint of step 8" in err and "No space left on device" in err and "step 4" in err
@@ -215,6 +239,7 @@ def test_a_run_that_died_before_its_first_checkpoint_restarts(run_base, monkeypa
         if calls["n"] == 3:
             raise KeyboardInterrupt  # stands in for a crash: no checkpoint was written yet
         return real_step(self, *args)
+
     with monkeypatch.context() as mp:
         mp.setattr(base_train.MuonAdamW, "step", dying_step)
         with pytest.raises(SystemExit) as e:
@@ -249,8 +274,21 @@ def test_lock_refuses_a_second_process(run_base, script_error):
 
 def test_two_processes_on_one_run_exactly_one_proceeds(run_base):
     env = dict(os.environ, NANOCHAT_BASE_DIR=str(run_base), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "scripts.base_train", *TINY_TRAIN, *COMMON[:3], "30", *COMMON[4:], "--resume", "latest"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.base_train",
+        *TINY_TRAIN,
+        *COMMON[:3],
+        "30",
+        *COMMON[4:],
+        "--resume",
+        "latest",
+    ]
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=240) for p in procs]
     codes = sorted(p.returncode for p in procs)
     assert codes == [0, 1], results
@@ -268,27 +306,30 @@ def test_leftover_temp_files_are_cleaned_on_the_next_start(run_base):
     assert not os.path.exists(stale)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--head-dim", "0"], "--head-dim must be positive"),
-    (["--head-dim", "-64"], "--head-dim must be positive"),
-    (["--device-batch-size", "0"], "--device-batch-size must be positive"),
-    (["--max-seq-len", "0"], "--max-seq-len must be positive"),
-    (["--model-dim", "0"], "--model-dim must be a positive number"),
-    (["--matrix-lr", "0"], "--matrix-lr must be positive"),
-    (["--window-pattern", "X"], "--window-pattern takes the letters L"),
-    (["--target-flops", "inf", "--num-iterations", "-1"], "--target-flops must be a positive number, or -1"),
-    (["--target-flops", "nan", "--num-iterations", "-1"], "--target-flops must be a positive number, or -1"),
-    (["--final-lr-frac", "-3"], "--final-lr-frac must be in [0, 1]"),
-    (["--resume", "soon"], "--resume takes 'latest' or a step number"),
-    (["--run", "."], "'.' is not a run name"),
-    (["--run", ".."], "'..' is not a run name"),
-    (["--arch", "nag", "--nag-mod-floor", "-1"], "--nag-mod-floor must be >= 0"),
-    (["--preset", "gpt5"], "unknown preset 'gpt5'"),
-    (["--run", ""], "'' is not a run name"),
-    (["--arch", "nag", "--nag-gate-lr", "0"], "--nag-gate-lr must be positive"),
-    (["--arch", "nag", "--nag-temp-gain-lr", "-1"], "--nag-temp-gain-lr must be positive"),
-    (["--change-settings"], "--change-settings only applies with --resume"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--head-dim", "0"], "--head-dim must be positive"),
+        (["--head-dim", "-64"], "--head-dim must be positive"),
+        (["--device-batch-size", "0"], "--device-batch-size must be positive"),
+        (["--max-seq-len", "0"], "--max-seq-len must be positive"),
+        (["--model-dim", "0"], "--model-dim must be a positive number"),
+        (["--matrix-lr", "0"], "--matrix-lr must be positive"),
+        (["--window-pattern", "X"], "--window-pattern takes the letters L"),
+        (["--target-flops", "inf", "--num-iterations", "-1"], "--target-flops must be a positive number, or -1"),
+        (["--target-flops", "nan", "--num-iterations", "-1"], "--target-flops must be a positive number, or -1"),
+        (["--final-lr-frac", "-3"], "--final-lr-frac must be in [0, 1]"),
+        (["--resume", "soon"], "--resume takes 'latest' or a step number"),
+        (["--run", "."], "'.' is not a run name"),
+        (["--run", ".."], "'..' is not a run name"),
+        (["--arch", "nag", "--nag-mod-floor", "-1"], "--nag-mod-floor must be >= 0"),
+        (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+        (["--run", ""], "'' is not a run name"),
+        (["--arch", "nag", "--nag-gate-lr", "0"], "--nag-gate-lr must be positive"),
+        (["--arch", "nag", "--nag-temp-gain-lr", "-1"], "--nag-temp-gain-lr must be positive"),
+        (["--change-settings"], "--change-settings only applies with --resume"),
+    ],
+)
 def test_bad_values_are_one_line(run_base, script_error, argv, message):
     assert message in script_error(cli, "--run", "v", "--num-iterations", "2", *argv)
     assert not os.path.exists(os.path.join(run_base, "runs", "v", "config.json"))
@@ -330,22 +371,26 @@ def test_a_checkpoint_without_a_tokenizer_fingerprint_is_an_earlier_versions():
 
 @pytest.mark.parametrize("steps, warmdown", [(10, 0.65), (40, 0.65), (50, 0.65), (7, 1.0)])
 def test_warmup_and_warmdown_never_overlap(run_base, steps, warmdown):
-    args = base_train.parse_args(TINY_TRAIN + ["--num-iterations", str(steps), "--warmup-steps", "40", "--warmdown-ratio", str(warmdown)])
+    args = base_train.parse_args(
+        TINY_TRAIN + ["--num-iterations", str(steps), "--warmup-steps", "40", "--warmdown-ratio", str(warmdown)]
+    )
     plan = plan_for(args, 512, 1)
     lrm = [lr_multiplier(s, plan) for s in range(steps)]
     assert plan.warmup_steps + plan.warmdown_steps <= steps
     peak = lrm.index(max(lrm))
     assert max(lrm) == 1.0  # the warm-up always reaches the full LR
-    assert all(a <= b for a, b in zip(lrm[:peak], lrm[1:peak + 1]))  # rises, then
-    assert all(a >= b for a, b in zip(lrm[peak:], lrm[peak + 1:]))  # falls, never jumps back up
+    assert all(a <= b for a, b in zip(lrm[:peak], lrm[1 : peak + 1]))  # rises, then
+    assert all(a >= b for a, b in zip(lrm[peak:], lrm[peak + 1 :]))  # falls, never jumps back up
     assert lrm[-1] == pytest.approx(1 / plan.warmdown_steps + (1 - 1 / plan.warmdown_steps) * 0.05)
-    assert max(abs(a - b) for a, b in zip(lrm, lrm[1:])) <= 1 / max(1, min(plan.warmup_steps, plan.warmdown_steps)) + 1e-9
+    assert (
+        max(abs(a - b) for a, b in zip(lrm, lrm[1:])) <= 1 / max(1, min(plan.warmup_steps, plan.warmdown_steps)) + 1e-9
+    )
 
 
 def test_eval_every_minus_one_never_evaluates_and_eval_is_capped_at_the_split(run_base, capsys):
     run_dir = main("--run", "e", "--num-iterations", "3", "--eval-every", "-1")
     assert not any("val_bpb" in json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")))
-    run_dir = main("--run", "e2", "--num-iterations", "1", "--eval-every", "1", "--eval-tokens", str(10 ** 9))
+    run_dir = main("--run", "e2", "--num-iterations", "1", "--eval-every", "1", "--eval-tokens", str(10**9))
     out = capsys.readouterr().out
     assert out.count("fewer than --eval-tokens") == 1
     assert all("val_bpb" in json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")))
@@ -379,6 +424,7 @@ def test_model_without_meta_is_named_as_incomplete(run_base, script_error):
 def test_corrupt_tokenizer_files_are_one_line(run_base, tmp_path, monkeypatch, script_error):
     import pickle
     import shutil
+
     base = tmp_path / "corrupt"
     shutil.copytree(os.path.realpath(run_base / "tokenizer"), base / "tokenizer")
     os.symlink(os.path.realpath(run_base / "base_data"), base / "base_data")
@@ -403,19 +449,42 @@ def test_unwritable_base_dir_is_one_line(run_base, tmp_path, monkeypatch, script
 def test_ctrl_c_is_one_line_and_the_run_resumes(run_base):
     # unbuffered: the step lines arrive as they are printed, so the signal lands early in the run
     env = dict(os.environ, NANOCHAT_BASE_DIR=str(run_base), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "scripts.base_train", *TINY_TRAIN, "--run", "r", "--num-iterations", "400", "--save-every", "5",
-           "--eval-every", "-1", "--resume", "latest"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.base_train",
+        *TINY_TRAIN,
+        "--run",
+        "r",
+        "--num-iterations",
+        "400",
+        "--save-every",
+        "5",
+        "--eval-every",
+        "-1",
+        "--resume",
+        "latest",
+    ]
     # SIGINT back to its default in the child: a shell running these tests in the background ignores it, and a
     # Python started with SIGINT ignored never raises KeyboardInterrupt
-    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     for line in p.stdout:
         if line.startswith("step 00012"):
             break
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
-    assert err.strip().splitlines() == ["interrupted: every checkpoint written so far is complete; continue from the newest with --resume latest"]
+    assert err.strip().splitlines() == [
+        "interrupted: every checkpoint written so far is complete; continue from the newest with --resume latest"
+    ]
     run_dir = os.path.join(run_base, "runs", "r")
     last = ckpt.latest_step(run_dir)
     assert 10 <= last < 400 and not [f for f in os.listdir(run_dir) if f.startswith(".tmp-")]
@@ -430,7 +499,19 @@ def test_ctrl_c_is_one_line_and_the_run_resumes(run_base):
 
 def test_kill_9_anywhere_then_resume_equals_an_uninterrupted_run(run_base):
     env = dict(os.environ, NANOCHAT_BASE_DIR=str(run_base), OMP_NUM_THREADS="1")
-    args = [*TINY_TRAIN, "--arch", "nag", "--num-iterations", "300", "--save-every", "7", "--eval-every", "10", "--nag-gate-log-every", "5"]
+    args = [
+        *TINY_TRAIN,
+        "--arch",
+        "nag",
+        "--num-iterations",
+        "300",
+        "--save-every",
+        "7",
+        "--eval-every",
+        "10",
+        "--nag-gate-log-every",
+        "5",
+    ]
 
     def cmd(run, *extra):
         return [sys.executable, "-m", "scripts.base_train", *args, "--run", run, *extra]
@@ -439,8 +520,14 @@ def test_kill_9_anywhere_then_resume_equals_an_uninterrupted_run(run_base):
     rng = random.Random(0)
     phases = []
     while len(phases) < 5:
-        p = subprocess.Popen(cmd("killed", "--resume", "latest"), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            cmd("killed", "--resume", "latest"),
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         if rng.random() < 0.2:
             time.sleep(rng.uniform(0.5, 2.5))  # during start-up: imports, the lock, the checks, the first writes
         else:
@@ -452,7 +539,9 @@ def test_kill_9_anywhere_then_resume_equals_an_uninterrupted_run(run_base):
         p.send_signal(signal.SIGKILL)
         out = p.communicate()[0].strip().splitlines()
         phases.append(out[-1][:30] if out else "(start-up)")
-    final = subprocess.run(cmd("killed", "--resume", "latest"), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    final = subprocess.run(
+        cmd("killed", "--resume", "latest"), cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert final.returncode == 0, final.stdout + final.stderr
     straight, killed = (os.path.join(run_base, "runs", r) for r in ("straight", "killed"))
     a = torch.load(os.path.join(straight, "model_000300.pt"), weights_only=False)["model"]
@@ -468,6 +557,7 @@ def test_kill_9_anywhere_then_resume_equals_an_uninterrupted_run(run_base):
 
 def test_dataset_with_an_unwritable_base_dir_is_one_line(tmp_path, monkeypatch, script_error):
     from nanochat import dataset
+
     (tmp_path / "file").write_text("not a directory")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "file" / "base"))
     assert "cannot create the base dir" in script_error(dataset.main, "--offline")

@@ -45,8 +45,12 @@ def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path, bad):
     path = tmp_path / run_dir.METRICS
     with open(path, "w") as f:
         f.write(json.dumps({"step": 0}) + "\n\n" + bad + "\n" + json.dumps({"step": 1}) + "\n")
-    for read in (run_dir.read_metrics, run_dir.metrics_lines, lambda p: run_dir.rows_with(p, "step"),
-                 lambda p: run_dir.keep_history(p, 0)):
+    for read in (
+        run_dir.read_metrics,
+        run_dir.metrics_lines,
+        lambda p: run_dir.rows_with(p, "step"),
+        lambda p: run_dir.keep_history(p, 0),
+    ):
         with pytest.raises(UserError) as e:
             read(str(path))
         # the file's own line number, blank lines counted
@@ -65,7 +69,9 @@ def test_keep_history_moves_the_rows_past_the_step_aside(tmp_path, capsys):
     run_dir.keep_history(path, 3)
     assert [s for s, _ in run_dir.metrics_lines(path)] == [0, 1, 2, 3]
     bak = f"{path}.bak-3"
-    assert [line for line in open(bak)] == [json.dumps({"step": s, "train_loss": 5.0 - s}) + "\n" for s in (4, 5)] + [TORN + "\n"]
+    assert [line for line in open(bak)] == [json.dumps({"step": s, "train_loss": 5.0 - s}) + "\n" for s in (4, 5)] + [
+        TORN + "\n"
+    ]
     assert "3 earlier row(s) of metrics.jsonl past step 3 kept in metrics.jsonl.bak-3" in capsys.readouterr().out
     run_dir.keep_history(path, 3)  # nothing past the step: nothing moves
     assert len(open(bak).readlines()) == 3
@@ -75,19 +81,32 @@ def test_keep_history_moves_the_rows_past_the_step_aside(tmp_path, capsys):
     assert [json.loads(line)["step"] for line in open(bak).readlines()[3:]] == [4]
     # a fresh start (step 0) keeps nothing: it writes its own step-0 row
     run_dir.keep_history(path, 0)
-    assert run_dir.metrics_lines(path) == [] and [json.loads(line)["step"] for line in open(f"{path}.bak-0")] == [0, 1, 2, 3]
+    assert run_dir.metrics_lines(path) == [] and [json.loads(line)["step"] for line in open(f"{path}.bak-0")] == [
+        0,
+        1,
+        2,
+        3,
+    ]
 
 
 def test_headline_gives_the_evaluated_figures_to_every_digit(tmp_path, monkeypatch):
     """runcpu.sh's last lines: val bpb and (partial) CORE as repr gives them, so that LOG can compare bit for bit."""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
-    partial = {"val_bpb": 1.7308320840377482, "core_metric": None, "partial_core": -0.010354302974157079, "num_tasks_scored": 18}
+    partial = {
+        "val_bpb": 1.7308320840377482,
+        "core_metric": None,
+        "partial_core": -0.010354302974157079,
+        "num_tasks_scored": 18,
+    }
     full = {"val_bpb": 0.9, "core_metric": 0.25, "partial_core": 0.25, "num_tasks_scored": 22}
     for name, ev in (("cpu-gpt", partial), ("full", full), ("bare", None)):
         (tmp_path / "runs" / name).mkdir(parents=True)
         if ev:
             (tmp_path / "runs" / name / run_dir.EVAL_JSON).write_text(json.dumps(ev))
-    assert run_dir.headline("cpu-gpt") == "cpu-gpt: val bpb 1.7308320840377482, partial CORE -0.010354302974157079 (18 tasks)"
+    assert (
+        run_dir.headline("cpu-gpt")
+        == "cpu-gpt: val bpb 1.7308320840377482, partial CORE -0.010354302974157079 (18 tasks)"
+    )
     assert run_dir.headline("full") == "full: val bpb 0.9, CORE 0.25 (22 tasks)"
     assert run_dir.headline("bare") == "bare: val bpb None, partial CORE None"
     with pytest.raises(UserError, match="no run directory"):

@@ -67,7 +67,7 @@ def test_each_cached_step_gives_the_full_forwards_last_logits(name):
         full = model(seq)[0]  # one forward over the whole row: position t's logits see positions 0..t
         cache = KVCache.for_model(model)
         steps = [model(seq[:, :10], logits_at=LAST, cache=cache)]  # the prefill: the prompt in one forward
-        steps += [model(seq[:, t:t + 1], logits_at=LAST, cache=cache) for t in range(10, 64)]
+        steps += [model(seq[:, t : t + 1], logits_at=LAST, cache=cache) for t in range(10, 64)]
     assert cache.pos == 64
     got = torch.cat(steps)
     assert got.shape == (55, 128)
@@ -103,14 +103,24 @@ def test_seeds_top_k_and_modes():
 
 
 def test_utf8_stream_prints_only_complete_characters():
-    pieces = [b"a", "é".encode()[:1], "é".encode()[1:] + "🙂".encode()[:2], "🙂".encode()[2:3], "🙂".encode()[3:], b"\xe6"]
+    pieces = [
+        b"a",
+        "é".encode()[:1],
+        "é".encode()[1:] + "🙂".encode()[:2],
+        "🙂".encode()[2:3],
+        "🙂".encode()[3:],
+        b"\xe6",
+    ]
     stream = Utf8Stream(lambda i: pieces[i])
     assert [stream.push(i) for i in range(len(pieces))] == ["a", "", "é", "", "🙂", ""]
     assert stream.finish() == "\ufffd"  # an unfinished character at the end
 
 
 def test_prompt_file_format():
-    assert sample.split_prompts("\n\nThe first\nspans two lines  \n\n \nThe second\n") == ["The first\nspans two lines", "The second"]
+    assert sample.split_prompts("\n\nThe first\nspans two lines  \n\n \nThe second\n") == [
+        "The first\nspans two lines",
+        "The second",
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -139,7 +149,10 @@ def runs(tiny_base_dir, tmp_path_factory):
     base = linked_base(tiny_base_dir, tmp_path_factory.mktemp("sample_base"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
-        base_train.main(TINY_TRAIN + ["--arch", "nag", "--mod-rate", "0.25", "--run", "nag", "--num-iterations", "2", "--eval-every", "-1"])
+        base_train.main(
+            TINY_TRAIN
+            + ["--arch", "nag", "--mod-rate", "0.25", "--run", "nag", "--num-iterations", "2", "--eval-every", "-1"]
+        )
         base_train.main(TINY_TRAIN + ["--arch", "gpt", "--run", "gpt", "--num-iterations", "1", "--eval-every", "-1"])
         yield base
 
@@ -153,14 +166,18 @@ def test_script_streams_and_matches_the_uncached_path(runs):
     prompt = "Document 3. The model"
     results, out = run_sample("--run", "nag", "--prompt", prompt, "--max-tokens", "12", "--temperature", "0")
     text = out.text()
-    assert text.startswith("sampling ") and "(nag)" in text and "KV cache | MoD both at rate 0.25, thresholds from training" in text
+    assert (
+        text.startswith("sampling ")
+        and "(nag)" in text
+        and "KV cache | MoD both at rate 0.25, thresholds from training" in text
+    )
     assert "MoD: skipped attn" in text
     (r,) = results
     assert r["tokens"] == 12 and r["end"] == "max tokens" and f"{prompt}{r['completion']}\n" in text
     # streamed: the completion arrives in pieces (one per complete character run), each flushed at once
     start = out.events.index(prompt)
     end = out.events.index("\n", start)
-    pieces = out.events[start + 2:end]  # after the prompt and its flush
+    pieces = out.events[start + 2 : end]  # after the prompt and its flush
     assert len([p for p in pieces if p]) >= 4
     assert all(p is None for p in pieces[1::2]) and "".join(p for p in pieces if p) == r["completion"]
     again, _ = run_sample("--run", "nag", "--prompt", prompt, "--max-tokens", "12", "--temperature", "0", "--no-cache")
@@ -170,44 +187,101 @@ def test_script_streams_and_matches_the_uncached_path(runs):
 def test_script_seeds_prompt_sources_and_mod_rate(runs, tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("The model\nof the data\n\nThe layer\n")
-    argv = ["--run", "nag", "--prompt", "-", "--prompt-file", str(path), "--max-tokens", "6", "--temperature", "1", "--num-samples", "2"]
+    argv = [
+        "--run",
+        "nag",
+        "--prompt",
+        "-",
+        "--prompt-file",
+        str(path),
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "1",
+        "--num-samples",
+        "2",
+    ]
     a, _ = run_sample(*argv, stdin="Document 1.\n")
-    assert [(r["prompt"], r["seed"]) for r in a] == [(p, s) for p in ("Document 1.", "The model\nof the data", "The layer") for s in (42, 43)]
+    assert [(r["prompt"], r["seed"]) for r in a] == [
+        (p, s) for p in ("Document 1.", "The model\nof the data", "The layer") for s in (42, 43)
+    ]
     b, _ = run_sample(*argv, stdin="Document 1.\n")
     assert a == b
     c, _ = run_sample(*argv, "--seed", "7", stdin="Document 1.\n")
     assert [r["completion"] for r in c] != [r["completion"] for r in a]
     # another skip rate: thresholds calibrated on train tokens, then per token
-    _, out = run_sample("--run", "nag", "--prompt", "The", "--max-tokens", "8", "--mod-rate", "0.5", "--mod-blocks", "mlp",
-                        "--mod-calib-tokens", "512")
-    assert "MoD mlp at rate 0.5, thresholds calibrated on 512 train tokens" in out.text() and "MoD: skipped mlp" in out.text()
+    _, out = run_sample(
+        "--run",
+        "nag",
+        "--prompt",
+        "The",
+        "--max-tokens",
+        "8",
+        "--mod-rate",
+        "0.5",
+        "--mod-blocks",
+        "mlp",
+        "--mod-calib-tokens",
+        "512",
+    )
+    assert (
+        "MoD mlp at rate 0.5, thresholds calibrated on 512 train tokens" in out.text()
+        and "MoD: skipped mlp" in out.text()
+    )
     # a prompt that leaves less room than --max-tokens
-    results, out = run_sample("--run", "gpt", "--prompt", " ".join(["the"] * 60), "--max-tokens", "10", "--temperature", "0")
+    results, out = run_sample(
+        "--run", "gpt", "--prompt", " ".join(["the"] * 60), "--max-tokens", "10", "--temperature", "0"
+    )
     room = int(re.search(r"the context of 64 leaves room for (\d+) more", out.text()).group(1))
     assert 1 <= room < 10 and (results[0]["tokens"], results[0]["end"]) == (room, "context full")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--run", "never-trained", "--prompt", "a"], "does not exist"),
-    (["--run", "gpt", "--step", "5", "--prompt", "a"], "no complete checkpoint for step 5"),
-    (["--run", "gpt"], "no prompt: give --prompt"),
-    (["--run", "gpt", "--prompt", " "], "prompt 1 is empty"),
-    (["--run", "gpt", "--prompt", "the " * 80], "more than the model's context of 64"),
-    (["--run", "gpt", "--prompt", "a", "--temperature", "-1"], "--temperature must be >= 0 (0: greedy)"),
-    (["--run", "gpt", "--prompt", "a", "--temperature", "nan"], "--temperature must be >= 0 (0: greedy)"),
-    (["--run", "gpt", "--prompt", "a", "--top-k", "0"], "--top-k must be positive"),
-    (["--run", "gpt", "--prompt", "a", "--mod-rate", "0.2"], "has no score to skip tokens by"),
-    (["--run", "nag", "--prompt", "a", "--mod-rate", "0.95"], "--mod-rate must be in [0, 0.95)"),
-    (["--run", "gpt", "--prompt", "-", "--prompt-file", "-"], "stdin can be read once"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--run", "never-trained", "--prompt", "a"], "does not exist"),
+        (["--run", "gpt", "--step", "5", "--prompt", "a"], "no complete checkpoint for step 5"),
+        (["--run", "gpt"], "no prompt: give --prompt"),
+        (["--run", "gpt", "--prompt", " "], "prompt 1 is empty"),
+        (["--run", "gpt", "--prompt", "the " * 80], "more than the model's context of 64"),
+        (["--run", "gpt", "--prompt", "a", "--temperature", "-1"], "--temperature must be >= 0 (0: greedy)"),
+        (["--run", "gpt", "--prompt", "a", "--temperature", "nan"], "--temperature must be >= 0 (0: greedy)"),
+        (["--run", "gpt", "--prompt", "a", "--top-k", "0"], "--top-k must be positive"),
+        (["--run", "gpt", "--prompt", "a", "--mod-rate", "0.2"], "has no score to skip tokens by"),
+        (["--run", "nag", "--prompt", "a", "--mod-rate", "0.95"], "--mod-rate must be in [0, 0.95)"),
+        (["--run", "gpt", "--prompt", "-", "--prompt-file", "-"], "stdin can be read once"),
+    ],
+)
 def test_script_errors_are_one_line(runs, script_error, argv, message):
     assert message in script_error(sample.main, *argv)
 
 
 def test_bench_sample_prints_both_modes(capsys):
     from scripts.bench import sample as bench_sample
-    rows = bench_sample.main(["--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--vocab-size", "128",
-                              "--prompt-tokens", "8", "--max-tokens", "16", "--repeats", "1", "--arch", "gpt,nag,nag-mod", "--json"])
+
+    rows = bench_sample.main(
+        [
+            "--depth",
+            "2",
+            "--model-dim",
+            "64",
+            "--head-dim",
+            "32",
+            "--max-seq-len",
+            "64",
+            "--vocab-size",
+            "128",
+            "--prompt-tokens",
+            "8",
+            "--max-tokens",
+            "16",
+            "--repeats",
+            "1",
+            "--arch",
+            "gpt,nag,nag-mod",
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert "uncached tok/s" in out and "speed-up" in out and out.strip().splitlines()[-1].startswith("[{")
     assert [r["model"] for r in rows] == ["gpt", "nag", "nag-mod"]

@@ -21,8 +21,10 @@ from nanochat import dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEEDRUN = os.path.join(REPO, "speedrun.sh")
-needs_venv = pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".venv", "bin", "python")),
-                                reason="a real (non-dry) speedrun sources runs/setup_env.sh, which would install .venv")
+needs_venv = pytest.mark.skipif(
+    not os.path.exists(os.path.join(REPO, ".venv", "bin", "python")),
+    reason="a real (non-dry) speedrun sources runs/setup_env.sh, which would install .venv",
+)
 
 
 def speedrun(base, *args):
@@ -44,11 +46,14 @@ def test_dry_run_published_plan(tmp_path):
     base = tmp_path / "never_created"
     r = speedrun(base, "--dry-run", "--gpus", "8", "--base-dir", str(base))
     assert r.returncode == 0, r.stdout + r.stderr
-    rows = {m[0]: m[1:] for m in re.findall(r"^(\w+-published)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+(\S+)", r.stdout, re.M)}
+    rows = {
+        m[0]: m[1:]
+        for m in re.findall(r"^(\w+-published)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+(\S+)", r.stdout, re.M)
+    }
     num = lambda s: int(s.replace(",", ""))
     gpt, nag = rows["gpt-published"], rows["nag-published"]
     assert num(gpt[2]) == 9474 and num(nag[2]) == 9425
-    assert num(gpt[3]) == 9474 * 2 ** 20 == 9_934_209_024 and num(nag[3]) == 9425 * 2 ** 20
+    assert num(gpt[3]) == 9474 * 2**20 == 9_934_209_024 and num(nag[3]) == 9425 * 2**20
     for row in (gpt, nag):
         assert num(row[0]) > 350e6 and abs(float(row[4]) / 3e19 - 1) < 1e-3
         assert num(row[1]) * num(row[3]) == pytest.approx(float(row[4]), rel=1e-4)
@@ -63,7 +68,8 @@ def test_dry_run_published_plan(tmp_path):
 
 def test_data_budget_arithmetic():
     from scripts import speedrun as sr
-    for tokens in (9474 * 2 ** 20, 9425 * 2 ** 20, 10 ** 8, 3 * 10 ** 11):
+
+    for tokens in (9474 * 2**20, 9425 * 2**20, 10**8, 3 * 10**11):
         shards = dataset.shards_for(tokens)
         assert dataset.expected_epochs(tokens, shards) <= 1 / dataset.DATA_MARGIN + 1e-9  # the margin is left over
         assert dataset.expected_epochs(tokens, shards - 1) > dataset.expected_epochs(tokens, shards)
@@ -75,6 +81,7 @@ def plan_in_process(base, *args):
     """scripts.speedrun's plan (what speedrun.sh prints first) in this process: (stderr, stdout). The shell around it
     is tested by the dry runs above and below; here only the planning's own rules are."""
     from scripts import speedrun as speedrun_py
+
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
@@ -92,15 +99,22 @@ def test_bad_input_in_the_shell_is_one_line_error(tmp_path):
     assert "unknown preset 'gpt5'" in one_line_error(speedrun(tmp_path, "--dry-run", "--preset", "gpt5"))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--preset", "gpt5"], "unknown preset 'gpt5'"),
-    (["--arch", "gpt,bert"], "unknown arch 'bert'"),
-    (["--preset", "run6", "--arch", "gpt,gpt-recipe"], "--arch gpt,gpt-recipe names one arch twice with --preset run6"),
-    (["--gpus", "3"], "not a multiple"),  # 2^20 tokens per step do not split over 3 × 16 × 2048
-    (["--flops", "1e12", "--arch", "gpt"], "0 steps"),  # below one step of 2^20 tokens
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+        (["--arch", "gpt,bert"], "unknown arch 'bert'"),
+        (
+            ["--preset", "run6", "--arch", "gpt,gpt-recipe"],
+            "--arch gpt,gpt-recipe names one arch twice with --preset run6",
+        ),
+        (["--gpus", "3"], "not a multiple"),  # 2^20 tokens per step do not split over 3 × 16 × 2048
+        (["--flops", "1e12", "--arch", "gpt"], "0 steps"),  # below one step of 2^20 tokens
+    ],
+)
 def test_bad_input_is_one_line_error(tmp_path, monkeypatch, script_error, args, message):
     from scripts import speedrun as speedrun_py
+
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("NANOCHAT_OFFLINE", raising=False)
     assert message in script_error(speedrun_py.main, "--dry-run", *args)
@@ -112,7 +126,9 @@ def test_disk_is_checked_before_any_download(tmp_path):
     # stops it, with one line, before any data is fetched
     r = speedrun(tmp_path, "--gpus", "8", "--arch", "gpt", "--base-dir", str(tmp_path))
     assert r.returncode == 1
-    assert re.search(r"^error: (not enough disk|torch sees \d CUDA device)", r.stdout + r.stderr, re.M), r.stdout + r.stderr
+    assert re.search(r"^error: (not enough disk|torch sees \d CUDA device)", r.stdout + r.stderr, re.M), (
+        r.stdout + r.stderr
+    )
     assert not (tmp_path / "base_data").exists() and not (tmp_path / "tokenizer").exists()
 
 
@@ -140,6 +156,7 @@ def fake_gpu_node(tmp_path, monkeypatch):
 
 def torch_sees_cuda():
     import torch
+
     return torch.cuda.is_available()
 
 
@@ -154,6 +171,7 @@ def test_gpu_node_with_cpu_torch_stops_before_any_stage(tmp_path, fake_gpu_node)
 
 def test_speedrun_plan_checks_torch_not_just_nvidia_smi(tmp_path, fake_gpu_node, script_error):
     from scripts import speedrun as speedrun_py
+
     base = tmp_path / "base"
     err = script_error(speedrun_py.main, "--base-dir", str(base))
     assert "torch sees 0 CUDA device(s), 8 needed" in err and "nvidia-smi lists 8 GPU(s)" in err
@@ -173,6 +191,7 @@ def test_preflight_fails_when_no_cuda_test_ran():
 
 def test_tokenizer_of_another_size_is_refused(tiny_base_dir, tmp_path, monkeypatch, script_error):
     from scripts import speedrun as speedrun_py
+
     base = tmp_path / "base"
     base.mkdir()
     # 512 tokens; the published preset wants 32,768
@@ -185,11 +204,14 @@ def test_tokenizer_of_another_size_is_refused(tiny_base_dir, tmp_path, monkeypat
 def write_bundle(root):
     """A one-task CORE bundle, so base_eval never reaches for the network."""
     (root / "eval_data").mkdir(parents=True)
-    (root / "core.yaml").write_text("icl_tasks:\n-\n  label: tiny_lm\n  dataset_uri: tiny_lm.jsonl\n"
-                                    "  num_fewshot: [0]\n  icl_task_type: language_modeling\n")
+    (root / "core.yaml").write_text(
+        "icl_tasks:\n-\n  label: tiny_lm\n  dataset_uri: tiny_lm.jsonl\n"
+        "  num_fewshot: [0]\n  icl_task_type: language_modeling\n"
+    )
     (root / "eval_meta_data.csv").write_text("Eval Task,Task Category,Random baseline\ntiny_lm,tiny,0.0\n")
-    (root / "eval_data" / "tiny_lm.jsonl").write_text("".join(
-        json.dumps({"context": f"Document {i}. The", "continuation": " model"}) + "\n" for i in range(4)))
+    (root / "eval_data" / "tiny_lm.jsonl").write_text(
+        "".join(json.dumps({"context": f"Document {i}. The", "continuation": " model"}) + "\n" for i in range(4))
+    )
     return str(root)
 
 
@@ -204,8 +226,19 @@ def test_tiny_pipeline_skips_finished_stages_and_resumes(tiny_base_dir, tmp_path
     for name in ("base_data", "tokenizer"):  # the session's offline corpus and vocab-512 tokenizer
         os.symlink(os.path.join(tiny_base_dir, name), base / name)
     # 13 steps per run, checkpoints at 5, 10 and 13
-    args = ["--preset", "tiny", "--base-dir", str(base), "--eval-bundle", write_bundle(tmp_path / "bundle"),
-            "--flops", "3e9", "--", "--save-every", "5"]
+    args = [
+        "--preset",
+        "tiny",
+        "--base-dir",
+        str(base),
+        "--eval-bundle",
+        write_bundle(tmp_path / "bundle"),
+        "--flops",
+        "3e9",
+        "--",
+        "--save-every",
+        "5",
+    ]
     runs = {arch: base / "runs" / f"{arch}-tiny" for arch in ("gpt", "nag")}
 
     first = speedrun(base, *args)
@@ -265,6 +298,7 @@ def plan_of(capsys, *argv):
     """(the plan on stderr, the plan file's assignments: a value or, for an array, a list). The file is data: every
     line one plain assignment of quoted values, nothing that runs; nothing goes to stdout."""
     from scripts import speedrun as sr
+
     fd, path = tempfile.mkstemp(prefix="speedrun-plan.")
     os.close(fd)
     cut = argv.index("--") if "--" in argv else len(argv)  # speedrun's own flags end at --
@@ -280,7 +314,9 @@ def plan_of(capsys, *argv):
         key, value = line.split("=", 1)
         assert re.fullmatch(r"(export )?[A-Z_]+", key), line
         sh[key] = shlex.split(value[1:-1]) if value.startswith("(") else shlex.split(value)[0]
-        assert line == f"{key}=" + (f"({' '.join(map(shlex.quote, sh[key]))})" if value.startswith("(") else shlex.quote(sh[key]))
+        assert line == f"{key}=" + (
+            f"({' '.join(map(shlex.quote, sh[key]))})" if value.startswith("(") else shlex.quote(sh[key])
+        )
     return out.err, sh
 
 
@@ -300,19 +336,32 @@ def test_extra_flags_without_tag_get_runs_of_their_own(tmp_path, capsys):
     err, sh = plan_of(capsys, *common, "--", "--nag-mod-floor", "0")
     assert sh["TRAIN_DONE"] == ["1"] and re.search(r"^  train nag-published-nag-mod-floor0 +\[done, skip\]", err, re.M)
     # flags that change how a run is saved or logged, not what it learns, keep the name; --tag always wins
-    assert plan_of(capsys, *common, "--", "--save-every", "5", "--nag-gate-log-every", "10")[1]["RUNS"] == ["nag-published"]
-    assert plan_of(capsys, *common, "--tag", "nofloor", "--", "--nag-mod-floor", "0")[1]["RUNS"] == ["nag-published-nofloor"]
+    assert plan_of(capsys, *common, "--", "--save-every", "5", "--nag-gate-log-every", "10")[1]["RUNS"] == [
+        "nag-published"
+    ]
+    assert plan_of(capsys, *common, "--tag", "nofloor", "--", "--nag-mod-floor", "0")[1]["RUNS"] == [
+        "nag-published-nofloor"
+    ]
     assert not (base / "base_data").exists()
 
 
 def test_derived_tags():
     from scripts.speedrun import MAX_TAG, derived_tag
+
     assert derived_tag(["--nag-mod-floor", "0"]) == derived_tag(["--nag-mod-floor=0"]) == "nag-mod-floor0"
-    assert derived_tag(["--nag-renorm", "predicted", "--depth", "32", "--save-every", "5"]) == "nag-renorm-predicted_depth32"
+    assert (
+        derived_tag(["--nag-renorm", "predicted", "--depth", "32", "--save-every", "5"])
+        == "nag-renorm-predicted_depth32"
+    )
     assert derived_tag(["--save-every", "5", "--no-compile"]) == ""
     long = ["--matrix-lr", "0.02", "--embedding-lr", "0.3", "--unembedding-lr", "0.008", "--nag-mod-floor"]
     a, b = derived_tag(long + ["1e-6"]), derived_tag(long + ["1e-7"])
-    assert a != b and len(a) <= MAX_TAG and a.startswith("matrix-lr0.02_embedding-lr0.3") and a == derived_tag(long + ["1e-6"])
+    assert (
+        a != b
+        and len(a) <= MAX_TAG
+        and a.startswith("matrix-lr0.02_embedding-lr0.3")
+        and a == derived_tag(long + ["1e-6"])
+    )
     assert all(c.isalnum() or c in "._-" for c in derived_tag(["--eval-bundle", "/a b/c"]))
 
 
@@ -327,7 +376,7 @@ def test_seeds_plan_every_run_and_their_total(tmp_path, capsys):
     err, sh = plan_of(capsys, *common, "--seeds", "1,2")
     runs = ["gpt-published-s1", "nag-published-s1", "gpt-published-s2", "nag-published-s2"]
     assert sh["RUNS"] == runs and sh["TRAIN_DONE"] == sh["EVAL_DONE"] == ["0"] * 4
-    plans = [json.loads(line[len("PLAN "):]) for line in err.splitlines() if line.startswith("PLAN ")]
+    plans = [json.loads(line[len("PLAN ") :]) for line in err.splitlines() if line.startswith("PLAN ")]
     assert [(p["run"], p["seed"], p["data_seed"]) for p in plans] == [(r, int(r[-1]), int(r[-1])) for r in runs]
     for i, run in enumerate(runs):
         assert re.search(rf"^{run} +[\d,]+ ", err, re.M)  # a row of the plan table
@@ -335,17 +384,31 @@ def test_seeds_plan_every_run_and_their_total(tmp_path, capsys):
             assert re.search(rf"^  {stage} {run} +\[to do\]$", err, re.M)
         # the seeds after the user's flags, the run's own name last
         seed = run[-1]
-        assert sh_commands(sh, i)["train"][-8:] == ["--seed", seed, "--data-seed", seed, "--run", run, "--resume", "latest"]
+        assert sh_commands(sh, i)["train"][-8:] == [
+            "--seed",
+            seed,
+            "--data-seed",
+            seed,
+            "--run",
+            run,
+            "--resume",
+            "latest",
+        ]
         assert sh_commands(sh, i)["eval"][:2] == ["--run", run]
     assert sh["COMPARE_RUNS"] == ["--a", *runs[0::2], "--b", *runs[1::2]]
     assert sh["REPORT"] == str(base / "reports" / "gpt-published-seeds-1-2_vs_nag-published-seeds-1-2")
     # the cost of all four runs: twice the pair's
     hours = lambda text, pattern: (lambda m: int(m[1]) * 60 + int(m[2]))(re.search(pattern, text, re.M))
     pair = hours(one_err, r"^training time: ≈ (\d+)h(\d+)m")
-    assert abs(hours(err, r"^seeds 1,2: 4 runs \(2 × gpt,nag\), ≈ (\d+)h(\d+)m of training on 8 × H100") - 2 * pair) <= 1
+    assert (
+        abs(hours(err, r"^seeds 1,2: 4 runs \(2 × gpt,nag\), ≈ (\d+)h(\d+)m of training on 8 × H100") - 2 * pair) <= 1
+    )
     assert abs(hours(err, r"^training time: ≈ (\d+)h(\d+)m .*, all 4 runs$") - 2 * pair) <= 1
     # without --seeds nothing changes: the same names, no seed flags, the pair's report
-    assert one["RUNS"] == ["gpt-published", "nag-published"] and "--seed" not in sh_commands(one, 0)["train"] + sh_commands(one, 1)["train"]
+    assert (
+        one["RUNS"] == ["gpt-published", "nag-published"]
+        and "--seed" not in sh_commands(one, 0)["train"] + sh_commands(one, 1)["train"]
+    )
     assert one["COMPARE_RUNS"] == ["gpt-published", "nag-published"]
     assert one["REPORT"] == str(base / "reports" / "gpt-published_vs_nag-published")
     assert not re.search(r"^seeds", one_err, re.M)
@@ -354,16 +417,25 @@ def test_seeds_plan_every_run_and_their_total(tmp_path, capsys):
 def test_group_report_is_found_current(tmp_path, capsys, monkeypatch):
     from scripts import compare
     from tests.test_compare import eval_record, write_run
+
     base = tmp_path / "base"
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     common = ["--dry-run", "--preset", "tiny", "--base-dir", str(base), "--seeds", "1,2"]
     err, sh = plan_of(capsys, *common)
     assert sh["REPORT"] == str(base / "reports" / "gpt-tiny-seeds-1-2_vs_nag-tiny-seeds-1-2")
-    steps = {p["run"]: p["num_iterations"] for p in (json.loads(line[5:]) for line in err.splitlines() if line.startswith("PLAN "))}
+    steps = {
+        p["run"]: p["num_iterations"]
+        for p in (json.loads(line[5:]) for line in err.splitlines() if line.startswith("PLAN "))
+    }
     for i, run in enumerate(sh["RUNS"]):  # finished runs of both seeds, evaluated after their last checkpoint
         seed, step = int(run[-1]), steps[run]
-        run_dir = write_run(base / "runs", run, [eval_record(step, 1.30 - i % 2 / 100 + seed / 100, seed=seed)], arch=run[:3],
-                            args={"seed": seed, "data_seed": seed})
+        run_dir = write_run(
+            base / "runs",
+            run,
+            [eval_record(step, 1.30 - i % 2 / 100 + seed / 100, seed=seed)],
+            arch=run[:3],
+            args={"seed": seed, "data_seed": seed},
+        )
         fake_checkpoint(run_dir, step, 1)
         os.utime(os.path.join(run_dir, "eval.json"))
     err, sh = plan_of(capsys, *common)
@@ -378,15 +450,25 @@ def test_group_report_is_found_current(tmp_path, capsys, monkeypatch):
     assert plan_of(capsys, *common)[1]["REPORT_DONE"] == "0"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--seeds", "1,x"], "--seeds takes different non-negative integers separated by commas, like 1,2,3; got '1,x'"),
-    (["--seeds", "1,2,1"], "got '1,2,1'"),
-    (["--seeds=-1"], "got '-1'"),
-    (["--seeds", "1,2", "--", "--seed", "3"], "--seeds sets --seed and --data-seed of every run; drop --seed from the base_train flags after --"),
-    (["--seeds", "1", "--", "--data-seed=3"], "drop --data-seed from"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--seeds", "1,x"],
+            "--seeds takes different non-negative integers separated by commas, like 1,2,3; got '1,x'",
+        ),
+        (["--seeds", "1,2,1"], "got '1,2,1'"),
+        (["--seeds=-1"], "got '-1'"),
+        (
+            ["--seeds", "1,2", "--", "--seed", "3"],
+            "--seeds sets --seed and --data-seed of every run; drop --seed from the base_train flags after --",
+        ),
+        (["--seeds", "1", "--", "--data-seed=3"], "drop --data-seed from"),
+    ],
+)
 def test_bad_seeds_are_one_line_errors(tmp_path, script_error, args, message):
     from scripts import speedrun as sr
+
     assert message in script_error(sr.main, "--dry-run", "--base-dir", str(tmp_path), *args)
 
 
@@ -397,8 +479,20 @@ def test_a_failed_run_leaves_the_others_to_go_on(tiny_base_dir, tmp_path, capsys
     for name in ("base_data", "tokenizer"):
         os.symlink(os.path.join(tiny_base_dir, name), base / name)
     # seed 1's run is busy (another process holds its lock): its training fails at once; seed 2's trains 2 steps
-    args = ["--preset", "tiny", "--arch", "gpt", "--seeds", "1,2", "--flops", "5e8", "--base-dir", str(base),
-            "--eval-bundle", write_bundle(tmp_path / "bundle")]
+    args = [
+        "--preset",
+        "tiny",
+        "--arch",
+        "gpt",
+        "--seeds",
+        "1,2",
+        "--flops",
+        "5e8",
+        "--base-dir",
+        str(base),
+        "--eval-bundle",
+        write_bundle(tmp_path / "bundle"),
+    ]
     (base / "runs" / "gpt-tiny-s1").mkdir(parents=True)
     with open(base / "runs" / "gpt-tiny-s1" / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -406,7 +500,9 @@ def test_a_failed_run_leaves_the_others_to_go_on(tiny_base_dir, tmp_path, capsys
     assert r.returncode == 1, r.stdout[-3000:]
     out = r.stdout
     stages = re.findall(r"^=== \[[\d:]+\] (.*) ===$", out, re.M)
-    assert stages[2:] == ["train gpt-tiny-s1", "train gpt-tiny-s2", "evaluate gpt-tiny-s1", "evaluate gpt-tiny-s2"], stages
+    assert stages[2:] == ["train gpt-tiny-s1", "train gpt-tiny-s2", "evaluate gpt-tiny-s1", "evaluate gpt-tiny-s2"], (
+        stages
+    )
     assert "gpt-tiny-s1 is in use by another process" in out and "skipped: its training failed" in out
     assert (base / "runs" / "gpt-tiny-s2" / "eval.json").exists()
     config = json.load(open(base / "runs" / "gpt-tiny-s2" / "config.json"))
@@ -417,14 +513,18 @@ def test_a_failed_run_leaves_the_others_to_go_on(tiny_base_dir, tmp_path, capsys
     assert sh["TRAIN_DONE"] == ["0", "1"] and sh["EVAL_DONE"] == ["0", "1"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
-    (["--nnodes", "2", "--rdzv-endpoint", "node0"], "needs --rdzv-endpoint HOST:PORT"),
-    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29500"], "--node-rank in 0..nnodes-1"),
-    (["--max-restarts", "-1"], "--max-restarts >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "2", "--rdzv-endpoint", "node0"], "needs --rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29500"], "--node-rank in 0..nnodes-1"),
+        (["--max-restarts", "-1"], "--max-restarts >= 0"),
+    ],
+)
 def test_bad_node_flags_are_one_line_errors(tmp_path, script_error, args, message):
     from scripts import speedrun as sr
+
     assert message in script_error(sr.main, "--dry-run", "--base-dir", str(tmp_path), *args)
 
 
@@ -436,21 +536,34 @@ def test_several_nodes_plan_launch_and_roles(tmp_path, capsys, monkeypatch):
     err, node0 = plan_of(capsys, *common, *nodes, "--node-rank", "0")
     # one node: torchrun on its own; two: the c10d rendezvous at node 0; restarts either way; evaluation on node 0 alone
     assert one["LAUNCH"] == ["torchrun", "--standalone", "--nproc_per_node=8", "--max-restarts=2", "-m"]
-    assert node0["LAUNCH"] == ["torchrun", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=nanochat",
-                               "--nproc_per_node=8", "--max-restarts=2", "-m"]
+    assert node0["LAUNCH"] == [
+        "torchrun",
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node0:29500",
+        "--rdzv-id=nanochat",
+        "--nproc_per_node=8",
+        "--max-restarts=2",
+        "-m",
+    ]
     assert node0["EVAL_LAUNCH"] == ["torchrun", "--standalone", "--nproc_per_node=8", "--max-restarts=0", "-m"]
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in node0  # the setting every torchrun launch gets
-    plans = [json.loads(line[len("PLAN "):]) for line in err.splitlines() if line.startswith("PLAN ")]
+    plans = [json.loads(line[len("PLAN ") :]) for line in err.splitlines() if line.startswith("PLAN ")]
     assert [p["world_size"] for p in plans] == [16, 16] and "on 16 × H100" in err
     assert node0["DATA_DONE"] == "0" and node0["PAIR"] == "1"
     # node 1 trains, nothing else: data, tokenizer, evaluations, analysis and report are node 0's
     _, node1 = plan_of(capsys, *common, *nodes, "--node-rank", "1")
-    assert node1["LAUNCH"] == node0["LAUNCH"] and node1["TRAIN_DONE"] == ["0", "0"] and sh_commands(node1, 0) == sh_commands(node0, 0)
+    assert (
+        node1["LAUNCH"] == node0["LAUNCH"]
+        and node1["TRAIN_DONE"] == ["0", "0"]
+        and sh_commands(node1, 0) == sh_commands(node0, 0)
+    )
     assert node1["DATA_DONE"] == node1["TOK_DONE"] == "1" and node1["EVAL_DONE"] == ["1", "1"] and node1["PAIR"] == "0"
 
 
 def test_other_nodes_wait_for_node0s_data(tiny_base_dir, tmp_path, capsys, monkeypatch):
     from scripts import speedrun as sr
+
     monkeypatch.setattr(sr.time, "sleep", lambda s: None)
     monkeypatch.setattr(sr, "NODE_WAIT_S", 60)
     args = ["--preset", "tiny", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29500"]
@@ -458,7 +571,9 @@ def test_other_nodes_wait_for_node0s_data(tiny_base_dir, tmp_path, capsys, monke
     with pytest.raises(SystemExit) as e:
         sr.main([*args, "--base-dir", str(tmp_path / "empty"), *two_ranks])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 1 and err[-1].startswith("error: node 1: node 0 has not prepared the data and tokenizer"), err[-3:]
+    assert e.value.code == 1 and err[-1].startswith("error: node 1: node 0 has not prepared the data and tokenizer"), (
+        err[-3:]
+    )
     assert "node 1: waiting for node 0's data and tokenizer" in err[-2]
     base = tmp_path / "ready"
     base.mkdir()
@@ -471,6 +586,7 @@ def sh_commands(sh, i):
     """The base_train and base_eval flags of run i as speedrun.sh's own lines expand them (the lines that start
     each launch, run by bash with the plan's variables and a launcher that prints its arguments)."""
     lines = open(SPEEDRUN).read().splitlines()
+
     def command(marker):
         start = next(k for k, line in enumerate(lines) if marker in line)
         text = lines[start].split(marker, 1)[1]
@@ -478,14 +594,19 @@ def sh_commands(sh, i):
             start += 1
             text = text[:-1] + lines[start].strip()
         return text.split("; then")[0].strip()  # the command's own arguments, up to the end of its line(s)
-    assign = "\n".join(f"{k}=({' '.join(shlex.quote(v) for v in vs)})" if isinstance(vs, list) else f"{k}={shlex.quote(vs)}"
-                       for k, vs in sh.items())
+
+    assign = "\n".join(
+        f"{k}=({' '.join(shlex.quote(v) for v in vs)})" if isinstance(vs, list) else f"{k}={shlex.quote(vs)}"
+        for k, vs in sh.items()
+    )
     # the run's seed flags, as speedrun.sh reads them
     seed_line = next(line.strip() for line in lines if "read -r -a SEED" in line)
     out = {}
     for name, marker in (("train", 'scripts.base_train -- '), ("eval", 'scripts.base_eval -- ')):
         script = f"{assign}\ni={i}\n{seed_line}\nprintf '%s\\n' {command(marker)}"
-        out[name] = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+        out[name] = subprocess.run(
+            ["bash", "-c", script], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
     return out
 
 
@@ -493,8 +614,23 @@ def test_speedrun_sh_runs_the_commands_the_plan_made(tmp_path, capsys):
     """The base_train and base_eval lines written out in speedrun.sh give exactly the flags speedrun planned each run
     with (train_args / eval_args), extra flags after -- and seeds included."""
     from scripts import speedrun as sr
-    argv = ["--dry-run", "--gpus", "8", "--base-dir", str(tmp_path / "b"), "--seeds", "3,4", "--flops", "1e18",
-            "--eval-bundle", str(tmp_path), "--", "--nag-mod-floor", "1e-7"]
+
+    argv = [
+        "--dry-run",
+        "--gpus",
+        "8",
+        "--base-dir",
+        str(tmp_path / "b"),
+        "--seeds",
+        "3,4",
+        "--flops",
+        "1e18",
+        "--eval-bundle",
+        str(tmp_path),
+        "--",
+        "--nag-mod-floor",
+        "1e-7",
+    ]
     _, sh = plan_of(capsys, *argv)
     args = sr.parse(argv)
     for i, (arch, seed) in enumerate(sr.runs(args)):
@@ -507,9 +643,12 @@ def test_seed_lists_follow_one_rule():
     """speedrun.sh's --seeds, runcpu.sh's SEEDS and the experiments' --seeds all go through parse_seeds: "1, 2" (which
     speedrun once took as 1,2 while runcpu refused it) and a repeated seed are refused alike."""
     from nanochat.common import UserError, parse_seeds
+
     assert parse_seeds("3,1,2") == [3, 1, 2]
     for bad in ("1, 2", " 1,2", "1,1", "1,2,1", "1,,2", "", "-1", "1.0", "１"):
-        with pytest.raises(UserError, match=r"takes different non-negative integers separated by commas, like 1,2,3; got "):
+        with pytest.raises(
+            UserError, match=r"takes different non-negative integers separated by commas, like 1,2,3; got "
+        ):
             parse_seeds(bad)
 
 
@@ -517,6 +656,7 @@ def test_other_archs_train_beside_the_pair(tmp_path, capsys):
     """--arch may name any arch of nag/archs.py besides the pair's roles (a depth sweep's extra arms): each trains on the
     same budget, seeds and data order under its own name; the analysis and the report stay the pair's."""
     from nag.archs import ARCHS
+
     common = ["--dry-run", "--gpus", "8", "--base-dir", str(tmp_path / "b"), "--seeds", "1,2"]
     _, pair = plan_of(capsys, *common)
     err, sh = plan_of(capsys, *common, "--arch", "gpt-recipe,nag,gpt")

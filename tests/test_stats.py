@@ -52,7 +52,9 @@ def test_bootstrap_is_deterministic_for_a_seed():
     a, b = synthetic_pair(300, 0.4, 0.02, seed=3)
     assert stats.paired_bootstrap(a, b, seed=7) == stats.paired_bootstrap(a, b, seed=7)
     # another seed draws other resamples (the verdicts are discrete, so compare the whole result, p included)
-    assert stats.paired_bootstrap(a, b, n_resamples=500, seed=7) != stats.paired_bootstrap(a, b, n_resamples=500, seed=8)
+    assert stats.paired_bootstrap(a, b, n_resamples=500, seed=7) != stats.paired_bootstrap(
+        a, b, n_resamples=500, seed=8
+    )
 
 
 def test_bootstrap_refuses_unpaired_or_non_binary_input():
@@ -72,17 +74,33 @@ def records_of(verdicts):
 def test_core_delta_point_estimate_is_the_core_score_exactly(tmp_path, write_eval_bundle):
     # two different tiny models scored by evaluate_core on the same items: the interval's point estimates
     # are its CORE numbers to the last bit, and the delta is their difference
-    data = {"mc": mixed_items("multiple_choice", 30), "wino": mixed_items("schema", 25), "lam": mixed_items("language_modeling", 20)}
-    root = write_eval_bundle(tmp_path / "b", [("mc", "multiple_choice", 1, 25, data["mc"]), ("wino", "schema", 0, 50, data["wino"]),
-                                              ("lam", "language_modeling", 0, 0, data["lam"])])
-    outs = [evaluate_core(TinyCausalLM(seq_len=96, seed=s), ByteTokenizer(), "cpu", root, log=lambda line: None) for s in (0, 1)]
+    data = {
+        "mc": mixed_items("multiple_choice", 30),
+        "wino": mixed_items("schema", 25),
+        "lam": mixed_items("language_modeling", 20),
+    }
+    root = write_eval_bundle(
+        tmp_path / "b",
+        [
+            ("mc", "multiple_choice", 1, 25, data["mc"]),
+            ("wino", "schema", 0, 50, data["wino"]),
+            ("lam", "language_modeling", 0, 0, data["lam"]),
+        ],
+    )
+    outs = [
+        evaluate_core(TinyCausalLM(seq_len=96, seed=s), ByteTokenizer(), "cpu", root, log=lambda line: None)
+        for s in (0, 1)
+    ]
     cols = [{k: [r[k] for r in out["records"]] for k in ("task", "idx", "correct")} for out in outs]
     r = stats.core_delta_interval(cols[0], cols[1], outs[0]["settings"])
     assert r["core_a"] == outs[0]["partial_core"] and r["core_b"] == outs[1]["partial_core"]
     assert r["delta"] == outs[1]["partial_core"] - outs[0]["partial_core"] != 0
     for label in data:
         t = r["tasks"][label]
-        assert t["centered_a"] == outs[0]["tasks"][label]["centered"] and t["centered_b"] == outs[1]["tasks"][label]["centered"]
+        assert (
+            t["centered_a"] == outs[0]["tasks"][label]["centered"]
+            and t["centered_b"] == outs[1]["tasks"][label]["centered"]
+        )
         assert t["ci"][0] <= t["delta"] <= t["ci"][1] and t["n"] == len(data[label])
     assert r["ci"][0] <= r["delta"] <= r["ci"][1]
 
@@ -101,7 +119,9 @@ def test_core_delta_interval_resamples_within_tasks():
     # identical runs: 0 inside the interval, p = 1; deterministic per seed
     same = stats.core_delta_interval(records_of(a), records_of(a), meta)
     assert same["delta"] == 0 and same["ci"] == (0.0, 0.0) and same["p"] == 1.0
-    assert stats.core_delta_interval(records_of(a), records_of(b), meta, seed=3) == stats.core_delta_interval(records_of(a), records_of(b), meta, seed=3)
+    assert stats.core_delta_interval(records_of(a), records_of(b), meta, seed=3) == stats.core_delta_interval(
+        records_of(a), records_of(b), meta, seed=3
+    )
     with pytest.raises(ValueError, match="task hard: the two runs did not score the same examples"):
         stats.core_delta_interval(records_of(a), records_of({**b, "hard": b["hard"][:-1]}), meta)
 
@@ -128,7 +148,9 @@ def test_min_detectable_difference():
     assert stats.min_detectable_core_diff(sizes, dict.fromkeys(sizes, 0))[1] == pytest.approx(se / 2)
     assert stats.min_detectable_core_diff({"t": 1000}, {"t": 50})[1] == pytest.approx(2 * se)
     # measured discordance (paired runs agree on most items) replaces the independent-runs variance
-    assert stats.min_detectable_core_diff({"t": 1000}, {"t": 0}, discordance=0.1)[1] == pytest.approx(math.sqrt(0.1 / 1000))
+    assert stats.min_detectable_core_diff({"t": 1000}, {"t": 0}, discordance=0.1)[1] == pytest.approx(
+        math.sqrt(0.1 / 1000)
+    )
 
 
 def test_too_few_units_gives_the_reason_instead_of_an_interval():
@@ -152,9 +174,11 @@ def simulated_groups(rng, k, n, paired, delta, sd_seed=0.01, sd_pair=0.008, sd_b
     seed noise, part of it shared by the runs of one seed pair when paired, and each run's own batch noise."""
     batch, gain = rng.normal(0, sd_batch, n), rng.normal(0, sd_gain, n)
     common = rng.normal(0, sd_pair, k)
+
     def group(shift, g):
         s = (common if paired else rng.normal(0, sd_pair, k)) + rng.normal(0, sd_seed, k)
         return (1.0 + shift + s[:, None] + batch + g + rng.normal(0, sd_run, (k, n))) * math.log(2)
+
     return group(0, 0 * gain), group(delta, gain), np.ones(n)
 
 
@@ -192,7 +216,9 @@ def test_group_of_one_is_evaluation_noise_only():
     assert r["eval_only"] and r["df"] == math.inf and r["seed_sd"] == {"a": None, "b": None, "d": None}
     # then it is the paired bootstrap over batches: the same spread as bpb_delta_interval's
     ref = stats.bpb_delta_interval(a[0], b[0], nbytes, n_resamples=2000)
-    assert r["delta"] == pytest.approx(ref["delta"]) and r["se"] * 3.92 == pytest.approx(ref["ci"][1] - ref["ci"][0], rel=0.1)
+    assert r["delta"] == pytest.approx(ref["delta"]) and r["se"] * 3.92 == pytest.approx(
+        ref["ci"][1] - ref["ci"][0], rel=0.1
+    )
 
 
 def test_replicates_reproduce_each_runs_value():
@@ -214,6 +240,6 @@ def test_t_distribution_and_runs_needed():
     assert stats.t_cdf(0.0, 3) == pytest.approx(0.5) and stats.t_cdf(-2.776, 4) == pytest.approx(0.025, abs=1e-4)
     assert 2 * (1 - stats.t_cdf(100, 1)) == pytest.approx(1 - 2 * math.atan(100) / math.pi, rel=1e-5)  # Cauchy: exact
     # n = 2 (1.96 + 0.84)^2 sigma^2 / delta^2 per arm; paired on the pair differences, half of it
-    assert stats.runs_needed(0.01, 0.0148, paired=False) == math.ceil(2 * 2.8016 ** 2 * 0.01 ** 2 / 0.0148 ** 2)
+    assert stats.runs_needed(0.01, 0.0148, paired=False) == math.ceil(2 * 2.8016**2 * 0.01**2 / 0.0148**2)
     assert stats.runs_needed(0.02, 0.01, paired=True) == 32 and stats.runs_needed(0.02, 0.01, paired=False) == 63
     assert stats.runs_needed(None, 0.01, paired=False) is None

@@ -48,7 +48,12 @@ def test_breakdown_adds_up_to_the_step_time(run_base, monkeypatch, capsys):
     """A run with every part slowed down: each row's parts (eval and save aside) are its step time, time put into a
     part lands in that part, and the rows together cover the wall clock between optimizer steps."""
     ends = []
-    real_step, real_loader, real_eval, real_save = MuonAdamW.step, base_train.data_loader, base_train.evaluate_bpb_shared, ckpt.save_checkpoint
+    real_step, real_loader, real_eval, real_save = (
+        MuonAdamW.step,
+        base_train.data_loader,
+        base_train.evaluate_bpb_shared,
+        ckpt.save_checkpoint,
+    )
 
     def slow_step(self, *args, **kwargs):
         time.sleep(OPTIM_S)
@@ -60,11 +65,14 @@ def test_breakdown_adds_up_to_the_step_time(run_base, monkeypatch, capsys):
         if split != "train":
             return batches
         return (time.sleep(DATA_S) or b for b in batches)
+
     monkeypatch.setattr(MuonAdamW, "step", slow_step)
     monkeypatch.setattr(base_train, "data_loader", slow_loader)
     monkeypatch.setattr(base_train, "evaluate_bpb_shared", lambda *a: time.sleep(EVAL_S) or real_eval(*a))
     monkeypatch.setattr(ckpt, "save_checkpoint", lambda *a: time.sleep(SAVE_S) or real_save(*a))
-    run_dir = base_train.main(TINY_TRAIN + ["--run", "bd", "--num-iterations", "8", "--eval-every", "4", "--save-every", "3"])
+    run_dir = base_train.main(
+        TINY_TRAIN + ["--run", "bd", "--num-iterations", "8", "--eval-every", "4", "--save-every", "3"]
+    )
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][1:]
     assert [r["step"] for r in rows] == list(range(1, 9))
     for r in rows:
@@ -83,4 +91,6 @@ def test_breakdown_adds_up_to_the_step_time(run_base, monkeypatch, capsys):
     measured = ends[6] - ends[0]
     assert abs(covered - measured) < 0.03 + 0.05 * measured, (covered, measured)  # < a save: one left out would show
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 0000")]
-    assert all(re.search(r" \| (data|fwd\+bwd|optim|sync\+log|eval|save) \d+% \| ", line) for line in lines if "tok/s" in line)
+    assert all(
+        re.search(r" \| (data|fwd\+bwd|optim|sync\+log|eval|save) \d+% \| ", line) for line in lines if "tok/s" in line
+    )

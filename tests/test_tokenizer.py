@@ -1,4 +1,5 @@
 """The BPE tokenizer: specials, round trips, save and load, training, and the tok_* scripts."""
+
 import os
 import shutil
 
@@ -112,6 +113,7 @@ def test_train_is_deterministic():
 
 def test_tok_train_and_tok_eval_scripts(tiny_base_dir, tmp_path, monkeypatch, capsys):
     from scripts import tok_eval, tok_train
+
     shutil.copytree(os.path.join(tiny_base_dir, "base_data"), tmp_path / "base_data")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     tok_train.main(["--vocab-size", "300", "--max-chars", "20000", "--doc-cap", "500"])
@@ -125,6 +127,7 @@ def test_tok_train_and_tok_eval_scripts(tiny_base_dir, tmp_path, monkeypatch, ca
 
 def test_tok_train_text_iterator_caps(tiny_base_dir, monkeypatch):
     from scripts.tok_train import text_iterator
+
     monkeypatch.setenv("NANOCHAT_BASE_DIR", tiny_base_dir)
     texts = list(text_iterator(max_chars=1000, doc_cap=50))
     assert all(len(t) <= 50 for t in texts)
@@ -133,6 +136,7 @@ def test_tok_train_text_iterator_caps(tiny_base_dir, monkeypatch):
 
 def test_tok_train_without_data_is_one_line_error(tmp_path, monkeypatch, capsys):
     from scripts import tok_train
+
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     with pytest.raises(SystemExit) as e:
         tok_train.main(["--vocab-size", "300"])

@@ -27,15 +27,32 @@ OPTIONAL = ("transformers", "safetensors", "lm_eval", "wandb", "tensorboard", "t
 def metric_rows():
     """Rows shaped as base_train writes them: the initial one (None losses), plain steps with the step-time breakdown,
     and steps with val bpb, NAG gate telemetry (from a real model) and MoD skip rates."""
-    model = NAGGPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), nag=NAGConfig(alpha_warmup_tokens=0))
+    model = NAGGPT(
+        GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32),
+        nag=NAGConfig(alpha_warmup_tokens=0),
+    )
     model.init_weights()
     gate = model.gate_telemetry(torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)))
-    mod = {**skip_summary({("attn", 0): 0.25, ("mlp", 0): 0.5, ("attn", 1): 0.125, ("mlp", 1): 0.375}), "flops_per_token": 123456}
-    rows = [{"step": 0, "tokens": 0, "flops": 0, "train_loss": None, "lr_mult": 0.5, "tok_per_sec": None, "val_bpb": 3.25}]
+    mod = {
+        **skip_summary({("attn", 0): 0.25, ("mlp", 0): 0.5, ("attn", 1): 0.125, ("mlp", 1): 0.375}),
+        "flops_per_token": 123456,
+    }
+    rows = [
+        {"step": 0, "tokens": 0, "flops": 0, "train_loss": None, "lr_mult": 0.5, "tok_per_sec": None, "val_bpb": 3.25}
+    ]
     for step in range(1, 5):
-        row = {"step": step, "tokens": step * 256, "flops": step * 256 * 30_000_000_000_000_123, "train_loss": 6.0 - step / 3,
-               "lr_mult": 1.0, "data_kept": 0.9912345678901234, "data_epoch": 0, "tok_per_sec": 1234.5 + step,
-               "elapsed": 0.1 * step, "time": {"data": 0.01 * step, "fwd_bwd": 0.08, "optim": 0.011, "sync_log": 0.0004}}
+        row = {
+            "step": step,
+            "tokens": step * 256,
+            "flops": step * 256 * 30_000_000_000_000_123,
+            "train_loss": 6.0 - step / 3,
+            "lr_mult": 1.0,
+            "data_kept": 0.9912345678901234,
+            "data_epoch": 0,
+            "tok_per_sec": 1234.5 + step,
+            "elapsed": 0.1 * step,
+            "time": {"data": 0.01 * step, "fwd_bwd": 0.08, "optim": 0.011, "sync_log": 0.0004},
+        }
         if step % 2 == 0:
             row.update(val_bpb=3.0 - step / 10, gate=gate, mod=mod)
         rows.append(row)
@@ -55,6 +72,7 @@ def tensorboard_scalars(log_dir):
     and the config text."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
+
     acc = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     got = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
@@ -75,7 +93,9 @@ def test_parse_log_to_checks_names_and_packages(monkeypatch):
     assert tracking.parse_log_to("") == [] and tracking.parse_log_to(None) == []
     monkeypatch.setitem(sys.modules, "tensorboard", sys.modules.get("tensorboard") or object())  # importable here
     assert tracking.parse_log_to(" tensorboard,,tensorboard ") == ["tensorboard"]
-    with pytest.raises(UserError, match=r"^--log-to takes a comma-separated subset of tensorboard, wandb, trackio, got 'tensorbord'$"):
+    with pytest.raises(
+        UserError, match=r"^--log-to takes a comma-separated subset of tensorboard, wandb, trackio, got 'tensorbord'$"
+    ):
         tracking.parse_log_to("tensorbord,wandb")
     for kind in tracking.KINDS:  # None in sys.modules: `import` raises ImportError, as for a package not installed
         with monkeypatch.context() as m:
@@ -92,7 +112,11 @@ def test_flatten_names_every_number():
     assert values["time/fwd_bwd"] == 0.08 and values["train_loss"] == rows[2]["train_loss"]
     assert values["gate/branches/0.attn/u_mean"] == rows[2]["gate"]["branches"][0]["u_mean"]  # branches by name
     assert values["gate/gain_by_depth_quartile/3"] == rows[2]["gate"]["gain_by_depth_quartile"][3]
-    assert values["mod/skip/1.mlp"] == 0.375 and values["mod/skip_attn"] == 0.1875 and values["mod/flops_per_token"] == 123456
+    assert (
+        values["mod/skip/1.mlp"] == 0.375
+        and values["mod/skip_attn"] == 0.1875
+        and values["mod/flops_per_token"] == 123456
+    )
     assert not any(k.endswith("/name") for k in values)
     _, first = tracking.scalars(rows[0])
     assert "train_loss" not in first and first["val_bpb"] == 3.25  # None is no point
@@ -119,7 +143,14 @@ def test_tensorboard_reads_back_metrics_jsonl(tmp_path):
     got, text = tensorboard_scalars(os.path.join(run_dir, "tensorboard"))
     assert "run nag-tb" in text and '"num_params": 123' in text
     assert got == metrics_as_scalars(rows)  # every number of every row, to float32 (metrics.jsonl keeps the double)
-    assert {"train_loss", "val_bpb", "time/data", "gate/dead_relative", "gate/branches/1.mlp/gain_abs_mean", "mod/skip_mlp"} <= set(got)
+    assert {
+        "train_loss",
+        "val_bpb",
+        "time/data",
+        "gate/dead_relative",
+        "gate/branches/1.mlp/gain_abs_mean",
+        "mod/skip_mlp",
+    } <= set(got)
 
 
 def test_training_with_log_to_tensorboard(run_base):
@@ -128,14 +159,34 @@ def test_training_with_log_to_tensorboard(run_base):
     pytest.importorskip("tensorboard")
     from conftest import TINY_TRAIN
     from scripts import base_train
+
     if "--log-to" not in base_train.build_parser().format_help():
         pytest.skip("base_train has no --log-to yet")
-    run_dir = base_train.main(TINY_TRAIN + ["--num-iterations", "4", "--eval-every", "2", "--save-every", "4",
-                                            "--nag-gate-log-every", "2", "--arch", "nag", "--run", "nag-tb", "--log-to", "tensorboard"])
+    run_dir = base_train.main(
+        TINY_TRAIN
+        + [
+            "--num-iterations",
+            "4",
+            "--eval-every",
+            "2",
+            "--save-every",
+            "4",
+            "--nag-gate-log-every",
+            "2",
+            "--arch",
+            "nag",
+            "--run",
+            "nag-tb",
+            "--log-to",
+            "tensorboard",
+        ]
+    )
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     got, text = tensorboard_scalars(os.path.join(run_dir, "tensorboard"))
-    assert got == metrics_as_scalars(rows) and "time/fwd_bwd" in got and "gate/dead_relative" in got and "val_bpb" in got
+    assert (
+        got == metrics_as_scalars(rows) and "time/fwd_bwd" in got and "gate/dead_relative" in got and "val_bpb" in got
+    )
     assert "run nag-tb" in text and '"log_to": "tensorboard"' in text
 
 
@@ -148,7 +199,9 @@ def test_wandb_offline_without_a_key_writes_its_run_folder(tmp_path, monkeypatch
     assert not tracking.wandb_has_key()
     run_dir = str(tmp_path / "runs" / "gpt-wb")
     rows = write_metrics(run_dir, metric_rows())
-    trackers = tracking.open_trackers(tracking.parse_log_to("wandb"), "gpt-wb", run_dir, {"args": {"arch": "gpt"}}, "nag-chat")
+    trackers = tracking.open_trackers(
+        tracking.parse_log_to("wandb"), "gpt-wb", run_dir, {"args": {"arch": "gpt"}}, "nag-chat"
+    )
     for row in rows:
         trackers.log(row)
     trackers.close()
@@ -156,7 +209,11 @@ def test_wandb_offline_without_a_key_writes_its_run_folder(tmp_path, monkeypatch
     runs = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
     assert len(runs) == 1, os.listdir(os.path.join(run_dir, "wandb"))
     data = open(runs[0], "rb").read()
-    missing = [k for k in ("gpt-wb", "train_loss", "time/fwd_bwd", "gate/dead_relative", "mod/skip_attn") if k.encode() not in data]
+    missing = [
+        k
+        for k in ("gpt-wb", "train_loss", "time/fwd_bwd", "gate/dead_relative", "mod/skip_attn")
+        if k.encode() not in data
+    ]
     assert not missing, (missing, len(data))
     # every file of it under the run dir: the service's debug logs too, none in the user's ~/.cache
     assert glob.glob(os.path.join(run_dir, "wandb", "logs", "core-debug-*.log"))
@@ -183,7 +240,9 @@ def test_trackio_gets_the_same_values_and_a_failed_start_is_one_line(tmp_path, m
 
     monkeypatch.setitem(sys.modules, "trackio", FakeTrackio)
     rows = metric_rows()
-    trackers = tracking.open_trackers(tracking.parse_log_to("trackio"), "nag-tr", str(tmp_path), {"seed": 1}, "nag-chat")
+    trackers = tracking.open_trackers(
+        tracking.parse_log_to("trackio"), "nag-tr", str(tmp_path), {"seed": 1}, "nag-chat"
+    )
     for row in rows:
         trackers.log(row)
     trackers.close()
@@ -202,20 +261,30 @@ def test_trackio_gets_the_same_values_and_a_failed_start_is_one_line(tmp_path, m
 
     FakeTrackio.init = staticmethod(unreachable)
     monkeypatch.setitem(tracking.BACKENDS, "wandb", lambda *a: Opened())
-    with pytest.raises(UserError, match=r"^--log-to trackio: cannot start the tracker \(ConnectionError: no route to host\)$"):
+    with pytest.raises(
+        UserError, match=r"^--log-to trackio: cannot start the tracker \(ConnectionError: no route to host\)$"
+    ):
         tracking.open_trackers(["wandb", "trackio"], "nag-tr", str(tmp_path), {}, "nag-chat")
     assert calls == [("closed",)]
 
 
 def test_core_path_imports_no_optional_package():
     """Training, evaluation and sampling import none of the [hf] / [track] extras (checked in a fresh interpreter)."""
-    code = ("import sys, pkgutil, importlib, nanochat, nag\n"
-            "mods = [f'nanochat.{m.name}' for m in pkgutil.iter_modules(nanochat.__path__) if m.name != 'hf']\n"
-            "mods += [f'nag.{m.name}' for m in pkgutil.iter_modules(nag.__path__)]\n"
-            "mods += ['scripts.base_train', 'scripts.base_eval', 'scripts.sample', 'scripts.export_hf']\n"
-            "for m in mods: importlib.import_module(m)\n"
-            f"print(sorted(p for p in {OPTIONAL!r} if p in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+    code = (
+        "import sys, pkgutil, importlib, nanochat, nag\n"
+        "mods = [f'nanochat.{m.name}' for m in pkgutil.iter_modules(nanochat.__path__) if m.name != 'hf']\n"
+        "mods += [f'nag.{m.name}' for m in pkgutil.iter_modules(nag.__path__)]\n"
+        "mods += ['scripts.base_train', 'scripts.base_eval', 'scripts.sample', 'scripts.export_hf']\n"
+        "for m in mods: importlib.import_module(m)\n"
+        f"print(sorted(p for p in {OPTIONAL!r} if p in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

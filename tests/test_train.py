@@ -32,8 +32,9 @@ def read_metrics(run_dir):
 
 @pytest.mark.parametrize("arch", ["gpt", "nag"])
 def test_tiny_run_learns_and_records(run_base, arch):
-    run_dir = train("--arch", arch, "--run", "r", "--num-iterations", "24", "--eval-every", "12",
-                    "--nag-gate-log-every", "6")
+    run_dir = train(
+        "--arch", arch, "--run", "r", "--num-iterations", "24", "--eval-every", "12", "--nag-gate-log-every", "6"
+    )
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(25))
     losses = [r["train_loss"] for r in rows[1:]]
@@ -47,7 +48,10 @@ def test_tiny_run_learns_and_records(run_base, arch):
     assert cfg["total_flops"] == cfg["flops_per_token"] * 24 * 256
     assert cfg["git_commit"] and cfg["args"]["depth"] == 2 and cfg["optimizer"]["groups"]
     from importlib import metadata  # the versions the run trained with, as installed
-    assert cfg["versions"]["torch"] == metadata.version("torch") and cfg["versions"]["numpy"] == metadata.version("numpy")
+
+    assert cfg["versions"]["torch"] == metadata.version("torch") and cfg["versions"]["numpy"] == metadata.version(
+        "numpy"
+    )
     assert set(cfg["versions"]) == {"torch", "triton", "numpy", "pyarrow", "tiktoken", "rustbpe"}
     assert os.path.exists(os.path.join(run_dir, "model_000024.pt"))
     if arch == "nag":
@@ -82,9 +86,13 @@ def test_nonfinite_guard_names_step_and_params(run_base, script_error, monkeypat
         def poison(g):
             backward_calls["n"] += 1
             return g * float("nan") if backward_calls["n"] == 3 else g
+
         p.register_hook(poison)
+
     monkeypatch.setattr(GPT, "init_weights", init_with_poison)
-    err = script_error(tiny_main, "--arch", arch, "--run", "r", "--num-iterations", "6", "--save-every", "2", "--eval-every", "100")
+    err = script_error(
+        tiny_main, "--arch", arch, "--run", "r", "--num-iterations", "6", "--save-every", "2", "--eval-every", "100"
+    )
     assert "step 3" in err and param in err
     run_dir = os.path.join(run_base, "runs", "r")
     assert sorted(f for f in os.listdir(run_dir) if f.startswith("model_")) == ["model_000002.pt"]
@@ -118,25 +126,38 @@ def test_data_seed_is_recorded_resumed_and_a_setting(run_base, script_error, cap
 
 def test_bad_inputs_one_line_and_nothing_overwritten(run_base, script_error):
     assert "--depth must be positive" in script_error(tiny_main, "--depth", "0", "--run", "a", "--num-iterations", "2")
-    assert "not a multiple" in script_error(tiny_main, "--run", "a", "--num-iterations", "2", "--total-batch-size", "300")
-    assert "no complete checkpoint for step 7" in script_error(tiny_main, "--run", "a", "--num-iterations", "2", "--resume", "7")
+    assert "not a multiple" in script_error(
+        tiny_main, "--run", "a", "--num-iterations", "2", "--total-batch-size", "300"
+    )
+    assert "no complete checkpoint for step 7" in script_error(
+        tiny_main, "--run", "a", "--num-iterations", "2", "--resume", "7"
+    )
     assert "budget gives 0 steps" in script_error(tiny_main, "--run", "a", "--target-flops", "10")
     run_dir = train("--run", "taken", "--num-iterations", "2", "--eval-every", "100")
     before = mtimes(run_dir)
     assert "--resume latest" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2")
-    assert "cannot resume" in script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2",
-                                        "--model-dim", "96")
+    assert "cannot resume" in script_error(
+        tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2", "--model-dim", "96"
+    )
     # the same total batch in more micro-steps would read other data shards: refused, not silently different, and
     # the first line says so (it once suggested --change-settings, which a second line then refused)
     for extra in ([], ["--change-settings"]):
-        err = script_error(tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2", "--device-batch-size", "2", *extra)
-        assert "its data was cut into 1 shards" in err and "keep --device-batch-size 4" in err and "change-settings" not in err
+        err = script_error(
+            tiny_main, "--run", "taken", "--num-iterations", "2", "--resume", "2", "--device-batch-size", "2", *extra
+        )
+        assert (
+            "its data was cut into 1 shards" in err
+            and "keep --device-batch-size 4" in err
+            and "change-settings" not in err
+        )
     from nanochat.tokenizer import Tokenizer
+
     real_vocab = Tokenizer.get_vocab_size
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Tokenizer, "get_vocab_size", lambda self: real_vocab(self) - 1)
-        assert "does not match the tokenizer" in script_error(tiny_main, "--run", "taken", "--num-iterations", "3",
-                                                              "--resume", "2", "--change-settings")
+        assert "does not match the tokenizer" in script_error(
+            tiny_main, "--run", "taken", "--num-iterations", "3", "--resume", "2", "--change-settings"
+        )
     assert before == mtimes(run_dir)
 
 
@@ -149,11 +170,13 @@ def test_missing_tokenizer_says_how_to_make_one(tmp_path, monkeypatch, script_er
 def test_nag_impl_flag_reaches_the_model(run_base, monkeypatch):
     import nag.model
     from nag.functional import nag_branch
+
     asked = []
 
     def spy(impl):
         asked.append(impl)
         return nag_branch  # the real fused kernel is tested in test_nag_kernels / test_nag_model
+
     monkeypatch.setattr(nag.model, "branch_function", spy)
     train("--arch", "nag", "--run", "impl", "--num-iterations", "1", "--eval-every", "100", "--nag-impl", "fused")
     assert set(asked) == {"fused"}
@@ -167,6 +190,7 @@ def test_nag_impl_flag_reaches_the_model(run_base, monkeypatch):
 
 class ToyGPT(GPT):
     """A registered arch that base_train has never heard of: a flag, a telemetry row and its own meta."""
+
     arch = "toy"
 
     @classmethod
@@ -181,14 +205,19 @@ class ToyGPT(GPT):
         return {"toy_scale": self.scale}
 
 
-TOY = archs.ArchSpec(ToyGPT, add_args=lambda p: p.add_argument("--toy-scale", type=float, default=1.0),
-                     init_kwargs=lambda args: {"scale": args.toy_scale},
-                     telemetry=lambda model, step, idx, args: ({"scale": model.scale}, f"  toy | scale {model.scale}"))
+TOY = archs.ArchSpec(
+    ToyGPT,
+    add_args=lambda p: p.add_argument("--toy-scale", type=float, default=1.0),
+    init_kwargs=lambda args: {"scale": args.toy_scale},
+    telemetry=lambda model, step, idx, args: ({"scale": model.scale}, f"  toy | scale {model.scale}"),
+)
 
 
 def test_a_registered_arch_trains_without_touching_base_train(run_base, monkeypatch):
     monkeypatch.setitem(archs.ARCHS, "toy", TOY)
-    run_dir = train("--arch", "toy", "--toy-scale", "2.5", "--run", "toy", "--num-iterations", "3", "--eval-every", "-1")
+    run_dir = train(
+        "--arch", "toy", "--toy-scale", "2.5", "--run", "toy", "--num-iterations", "3", "--eval-every", "-1"
+    )
     rows = read_metrics(run_dir)
     assert [r["gate"]["scale"] for r in rows[1:]] == [2.5] * 3
     model, meta = archs.load_model(str(run_dir))
@@ -196,7 +225,9 @@ def test_a_registered_arch_trains_without_touching_base_train(run_base, monkeypa
 
 
 def test_unknown_arch_is_one_line(run_base, script_error):
-    assert f"unknown arch 'bert' (expected one of: {', '.join(archs.ARCHS)})" in script_error(tiny_main, "--arch", "bert", "--run", "a", "--num-iterations", "2")
+    assert f"unknown arch 'bert' (expected one of: {', '.join(archs.ARCHS)})" in script_error(
+        tiny_main, "--arch", "bert", "--run", "a", "--num-iterations", "2"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -225,6 +256,7 @@ def test_prefetch_changes_no_batch_and_resumes_exactly(run_base, monkeypatch, on
     that fetches each when it needs it, bit for bit; the checkpoint holds the loader state after the micro-batches
     consumed (not after the one fetched ahead), so a resume from it continues exactly."""
     from nanochat import checkpoint_manager as ckpt
+
     common = ["--total-batch-size", "512", "--num-iterations", "8", "--save-every", "4", "--eval-every", "100"]
     fetched, at_save = [0], {}
     real_loader, real_save = base_train.data_loader, ckpt.save_checkpoint
@@ -236,11 +268,13 @@ def test_prefetch_changes_no_batch_and_resumes_exactly(run_base, monkeypatch, on
     def noting_save(run_dir, step, *args):
         at_save[(os.path.basename(run_dir), step)] = fetched[0]
         return real_save(run_dir, step, *args)
+
     monkeypatch.setattr(base_train, "data_loader", counting_loader)
     monkeypatch.setattr(ckpt, "save_checkpoint", noting_save)
     ahead = train(*common, "--run", "ahead")
     fetched[0] = 0
     from nanochat.dataloader import MicroBatches
+
     fetch_ahead = MicroBatches.fetch_ahead
     monkeypatch.setattr(MicroBatches, "fetch_ahead", lambda self, micro: None)  # each fetched when it is needed
     plain = train(*common, "--run", "plain")
@@ -264,6 +298,7 @@ def test_log_every_4_logs_every_fourth_step_and_sigterm_still_saves(run_base, mo
     from nanochat import checkpoint_manager as ckpt
     from nanochat.distributed import EXIT_PREEMPTED
     from nanochat.optim import MuonAdamW
+
     common = ["--num-iterations", "10", "--save-every", "0", "--eval-every", "100"]
     every1 = read_metrics(train(*common, "--run", "one"))
     four = train(*common, "--run", "four", "--log-every", "4")
@@ -281,6 +316,7 @@ def test_log_every_4_logs_every_fourth_step_and_sigterm_still_saves(run_base, mo
         if calls[0] == 5:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(self, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(MuonAdamW, "step", step_then_sigterm)
         with pytest.raises(SystemExit) as stopped:
@@ -304,9 +340,13 @@ def test_log_every_still_stops_on_a_nonfinite_step(run_base, script_error, monke
         def poison(g):
             backward_calls[0] += 1
             return g * float("nan") if backward_calls[0] == 3 else g
+
         dict(self.named_parameters())[param].register_hook(poison)
+
     monkeypatch.setattr(GPT, "init_weights", init_with_poison)
-    err = script_error(tiny_main, "--run", "r", "--num-iterations", "8", "--save-every", "2", "--eval-every", "100", "--log-every", "4")
+    err = script_error(
+        tiny_main, "--run", "r", "--num-iterations", "8", "--save-every", "2", "--eval-every", "100", "--log-every", "4"
+    )
     assert "non-finite gradient at step 3" in err and param in err and "seen during step 4" in err
     run_dir = os.path.join(run_base, "runs", "r")
     assert sorted(f for f in os.listdir(run_dir) if f.startswith("model_")) == ["model_000002.pt"]
@@ -331,9 +371,16 @@ print("unset", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 def test_training_process_sets_the_allocator_unless_the_user_did():
     import subprocess
     import sys
+
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    out = subprocess.run([sys.executable, "-c", ALLOC_CHECK], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", ALLOC_CHECK],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env=dict(env, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "user None\n" in out.stdout and "unset expandable_segments:True\n" in out.stdout, out.stdout[-2000:]
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # importing base_train (this test session did) changes nothing

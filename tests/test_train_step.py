@@ -48,7 +48,9 @@ def meta_loader(batch, seq_len, vocab):
 
 
 def meta_run(flags):
-    args = base_train.parse_args(TINY_TRAIN + flags + ["--num-iterations", "6", "--eval-every", "-1", "--log-every", str(LOG_EVERY)])
+    args = base_train.parse_args(
+        TINY_TRAIN + flags + ["--num-iterations", "6", "--eval-every", "-1", "--log-every", str(LOG_EVERY)]
+    )
     plan = plan_for(args, 512, 1)
     model = plan.model
     model.to_empty(device=META)
@@ -56,10 +58,29 @@ def meta_run(flags):
     model.set_compute_dtype(torch.float32)
     optimizer = MetaGather(plan.optimizer_groups(args), rank=0, world_size=2, compile=False)
     batches = MicroBatches([meta_loader(args.device_batch_size, args.max_seq_len, 512) for _ in range(plan.grad_accum)])
-    return base_train.Run(args=args, plan=plan, record={}, run_dir=None, device=META, device_type="meta", rank=0, world_size=1,
-                          is_ddp=False, model=model, optimizer=optimizer, forward=model, eval_forward=model, ddp=None,
-                          batches=batches, start=0, elapsed=0.0, tokenizer=None, token_bytes=None, trackers=None,
-                          stop=types.SimpleNamespace(requested=False))
+    return base_train.Run(
+        args=args,
+        plan=plan,
+        record={},
+        run_dir=None,
+        device=META,
+        device_type="meta",
+        rank=0,
+        world_size=1,
+        is_ddp=False,
+        model=model,
+        optimizer=optimizer,
+        forward=model,
+        eval_forward=model,
+        ddp=None,
+        batches=batches,
+        start=0,
+        elapsed=0.0,
+        tokenizer=None,
+        token_bytes=None,
+        trackers=None,
+        stop=types.SimpleNamespace(requested=False),
+    )
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -76,6 +97,7 @@ def test_the_training_step_runs_on_the_meta_device_with_one_read_per_logged_step
         if caller in ("train_step", "take"):
             values[1] = 0.0
         return values
+
     monkeypatch.setattr(step_timer, "read_values", fake_read)
 
     run = meta_run(flags)
@@ -97,7 +119,9 @@ def test_the_training_step_runs_on_the_meta_device_with_one_read_per_logged_step
     # a logged step: its loss and checks once, plus what the model measured over the step
     for logged_step in (1, 3):
         now = [c for c in per_step[logged_step] if c != "take"]
-        assert now.count("train_step") == 1 and len(now) == 1 + extra_reads + (arch == "nag" and logged_step == 3), per_step
+        assert now.count("train_step") == 1 and len(now) == 1 + extra_reads + (arch == "nag" and logged_step == 3), (
+            per_step
+        )
         assert per_step[logged_step].count("take") == 1  # the unlogged step before it, read during this one
     assert ("collect_telemetry" in per_step[3]) == (arch == "nag")  # step 4: the gate telemetry's cadence
 
@@ -122,14 +146,20 @@ def test_a_host_read_in_the_meta_step_is_caught(monkeypatch):
 
 # ----- the device-side veto: MuonAdamW.step(gate) -----
 
+
 def optimizer_and_grads(seed, world_size=1, compile=False):
     g = torch.Generator().manual_seed(seed)
     mats = [torch.nn.Parameter(torch.randn(16, 8, generator=g)) for _ in range(3)]
     small = [torch.nn.Parameter(torch.randn(5, generator=g)), torch.nn.Parameter(torch.randn(4, 3, generator=g))]
     opt = (MetaGather if world_size > 1 else MuonAdamW)(
-        [dict(kind="muon", params=mats, lr=0.02, momentum=0.95, weight_decay=0.1),
-         dict(kind="adamw", params=small, lr=0.01, betas=(0.8, 0.95), weight_decay=0.01)],
-        rank=0, world_size=world_size, compile=compile)
+        [
+            dict(kind="muon", params=mats, lr=0.02, momentum=0.95, weight_decay=0.1),
+            dict(kind="adamw", params=small, lr=0.01, betas=(0.8, 0.95), weight_decay=0.01),
+        ],
+        rank=0,
+        world_size=world_size,
+        compile=compile,
+    )
     params = mats + small
     grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(3)]
     return opt, params, grads

@@ -47,19 +47,45 @@ def run_copy(trained, tmp_path, monkeypatch):
 # item 2: one rule for the numbers
 
 
-@pytest.mark.parametrize("main, argv, message", [
-    # --matrix-lr -1 was refused, --scalar-lr -1 trained without a word (the recipe's LRs are read by gpt-recipe only)
-    (base_train.main, ["--depth", "2", "--dry-run", "1", "--scalar-lr", "-1"], "--scalar-lr must be positive; got -1"),
-    (base_train.main, ["--depth", "2", "--dry-run", "1", "--arch", "gpt-recipe", "--scalar-lr", "0"], "--scalar-lr must be positive; got 0"),
-    (base_train.main, ["--depth", "2", "--dry-run", "1", "--arch", "nag", "--nag-gate-log-every=-5"],
-     "--nag-gate-log-every must be >= 0 (0: never); got -5"),
-    # --max-per-task 0 meant "all items" while every other count refused 0: -1 is all, as elsewhere
-    (base_eval.main, ["--run", "nope", "--max-per-task", "0"], "--max-per-task must be a positive number, or -1 (all items); got 0"),
-    (compare.main, ["a", "b", "--ema", "1.5"], "--ema must be in [0, 1); got 1.5"),
-    (analysis.run.main, ["a", "--step=-3"], "--step must be >= 0, or -1 (the latest checkpoint); got -3"),
-    (sample.main, ["--run", "nope", "--prompt", "a", "--step=-2"], "--step must be >= 0, or -1 (the latest checkpoint); got -2"),
-    (export_hf.main, ["--run", "nope", "--out", "x", "--step=-2"], "--step must be >= 0, or -1 (the latest checkpoint); got -2"),
-])
+@pytest.mark.parametrize(
+    "main, argv, message",
+    [
+        # --matrix-lr -1 was refused, --scalar-lr -1 trained without a word (the recipe's LRs are read by gpt-recipe only)
+        (
+            base_train.main,
+            ["--depth", "2", "--dry-run", "1", "--scalar-lr", "-1"],
+            "--scalar-lr must be positive; got -1",
+        ),
+        (
+            base_train.main,
+            ["--depth", "2", "--dry-run", "1", "--arch", "gpt-recipe", "--scalar-lr", "0"],
+            "--scalar-lr must be positive; got 0",
+        ),
+        (
+            base_train.main,
+            ["--depth", "2", "--dry-run", "1", "--arch", "nag", "--nag-gate-log-every=-5"],
+            "--nag-gate-log-every must be >= 0 (0: never); got -5",
+        ),
+        # --max-per-task 0 meant "all items" while every other count refused 0: -1 is all, as elsewhere
+        (
+            base_eval.main,
+            ["--run", "nope", "--max-per-task", "0"],
+            "--max-per-task must be a positive number, or -1 (all items); got 0",
+        ),
+        (compare.main, ["a", "b", "--ema", "1.5"], "--ema must be in [0, 1); got 1.5"),
+        (analysis.run.main, ["a", "--step=-3"], "--step must be >= 0, or -1 (the latest checkpoint); got -3"),
+        (
+            sample.main,
+            ["--run", "nope", "--prompt", "a", "--step=-2"],
+            "--step must be >= 0, or -1 (the latest checkpoint); got -2",
+        ),
+        (
+            export_hf.main,
+            ["--run", "nope", "--out", "x", "--step=-2"],
+            "--step must be >= 0, or -1 (the latest checkpoint); got -2",
+        ),
+    ],
+)
 def test_every_number_flag_follows_one_rule(tmp_path, monkeypatch, script_error, main, argv, message):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     assert script_error(main, *argv) == f"error: {message}"
@@ -68,11 +94,17 @@ def test_every_number_flag_follows_one_rule(tmp_path, monkeypatch, script_error,
 def parsers():
     """The parsers of the six commands; compare and analysis build theirs inside main: caught as they parse."""
     import argparse
-    built = {"base_train": base_train.build_parser(), "base_eval": base_eval.build_parser(), "sample": sample.build_parser(),
-             "export_hf": export_hf.build_parser()}
+
+    built = {
+        "base_train": base_train.build_parser(),
+        "base_eval": base_eval.build_parser(),
+        "sample": sample.build_parser(),
+        "export_hf": export_hf.build_parser(),
+    }
 
     def catch(self, args=None, namespace=None):
         raise Caught(self)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(argparse.ArgumentParser, "parse_args", catch)
         for name, main in (("compare", compare.main), ("analysis", analysis.run.main)):
@@ -93,8 +125,13 @@ NOT_COUNTS = {"seed", "data_seed", "nag_alpha_init_power", "mod_rate"}
 def test_no_number_flag_escapes_the_rule():
     """Every int or float flag of the six commands is parsed by one of nanochat/common.py's number types."""
     from nanochat.common import Number
-    loose = [f"{tool} {a.option_strings[0]}" for tool, p in parsers().items() for a in p._actions
-             if a.type in (int, float) and a.dest not in NOT_COUNTS]
+
+    loose = [
+        f"{tool} {a.option_strings[0]}"
+        for tool, p in parsers().items()
+        for a in p._actions
+        if a.type in (int, float) and a.dest not in NOT_COUNTS
+    ]
     assert loose == []
     typed = [a for p in parsers().values() for a in p._actions if isinstance(a.type, Number)]
     assert len(typed) > 40
@@ -119,8 +156,10 @@ def test_an_edited_report_moves_to_replaced_instead_of_being_overwritten(tmp_pat
     compare.main(["a", "b", "--out", str(out)])  # the same inputs: before, report.md was rewritten without a trace
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
     (stamp,) = os.listdir(out / "replaced")
-    assert notes == [f"note: report.md in {out} changed since `python -m scripts.compare` wrote it (an edit is never "
-                     f"overwritten); kept in {out / 'replaced' / stamp}/"]
+    assert notes == [
+        f"note: report.md in {out} changed since `python -m scripts.compare` wrote it (an edit is never "
+        f"overwritten); kept in {out / 'replaced' / stamp}/"
+    ]
     assert os.listdir(out / "replaced" / stamp) == ["report.md"]
     assert (out / "replaced" / stamp / "report.md").read_text() == "my notes on the pair\n"
     assert "# `a` vs `b`" in (out / "report.md").read_text()
@@ -139,6 +178,7 @@ def test_an_analysis_folder_keeps_an_edit_too(tmp_path, capsys):
             open(os.path.join(tmp, "analysis.json"), "w").write("{}\n")
             run_files.publish(tmp, folder, "analysis", inputs, aside)
         return aside
+
     assert make("one\n") == []
     open(os.path.join(folder, "analysis.md"), "a").write("my remark\n")
     assert make("two\n") == ["analysis.md"]
@@ -165,7 +205,10 @@ def test_a_damaged_checkpoint_meta_is_one_line(run_copy, script_error, damage):
     """A meta json that parses but is no object was an AttributeError traceback in every reader."""
     open(os.path.join(run_copy, "meta_000004.json"), "w").write(damage)
     err = script_error(base_eval.main, "--run", run_copy, *SMALL_BPB)
-    assert f"the newest checkpoint of {run_copy}, step 4, is damaged (meta_000004.json is not" in err and "pass --step 2" in err
+    assert (
+        f"the newest checkpoint of {run_copy}, step 4, is damaged (meta_000004.json is not" in err
+        and "pass --step 2" in err
+    )
 
 
 def test_a_meta_without_arch_or_model_config_is_one_line(run_copy, script_error):
@@ -173,20 +216,46 @@ def test_a_meta_without_arch_or_model_config_is_one_line(run_copy, script_error)
     path = os.path.join(run_copy, "meta_000004.json")
     open(path, "w").write("{}")
     err = script_error(base_train.main, *TRAIN, "--run", run_copy, "--resume", "latest")
-    assert err == f"error: {path} lacks the checkpoint's arch or model config: the file is damaged; the previous complete step is 2"
+    assert (
+        err
+        == f"error: {path} lacks the checkpoint's arch or model config: the file is damaged; the previous complete step is 2"
+    )
 
 
-def test_a_full_disk_while_writing_an_analysis_or_report_is_one_line(run_copy, tmp_path, monkeypatch, capsys, script_error):
+def test_a_full_disk_while_writing_an_analysis_or_report_is_one_line(
+    run_copy, tmp_path, monkeypatch, capsys, script_error
+):
     """The figure writer's OSError (errno 28) was a traceback; now one line naming the folder, and nothing half-made."""
+
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(analysis.run, "make_figures", full)
     out = tmp_path / "reports" / "an"
     with pytest.raises(SystemExit) as e:
-        analysis.run.main([run_copy, "--tokens", "256", "--clusters", "2", "--state-sample", "16", "--device-batch-size", "4",
-                           "--device-type", "cpu", "--out", str(out)])
+        analysis.run.main(
+            [
+                run_copy,
+                "--tokens",
+                "256",
+                "--clusters",
+                "2",
+                "--state-sample",
+                "16",
+                "--device-batch-size",
+                "4",
+                "--device-type",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the pass's progress line
-    assert e.value.code == 1 and err == f"error: cannot write the results to {out} (No space left on device): nothing of them was kept; free space and run the command again"
+    assert (
+        e.value.code == 1
+        and err
+        == f"error: cannot write the results to {out} (No space left on device): nothing of them was kept; free space and run the command again"
+    )
     assert os.listdir(tmp_path / "reports") == []  # neither the folder nor its staging folder
     # compare's report goes through the same staging folder
     monkeypatch.setattr(analysis.compare.pair, "write_report", full)
@@ -209,7 +278,10 @@ def test_a_flag_the_arch_ignores_never_blocks_its_resume(run_copy, capsys):
     out = capsys.readouterr().out
     assert "note: --no-smear, --scalar-lr apply only with a recipe arch" in out and "resumed from step 2" in out
     config = json.load(open(os.path.join(run_copy, "config.json")))
-    assert all("--no-smear" not in s.get("changes", {}) and "--scalar-lr" not in s.get("changes", {}) for s in config["segments"])
+    assert all(
+        "--no-smear" not in s.get("changes", {}) and "--scalar-lr" not in s.get("changes", {})
+        for s in config["segments"]
+    )
     assert config["fp8_layers"] == 0  # what trained in fp8 (compare's precision): nothing, without --fp8
 
 
@@ -218,15 +290,19 @@ def test_precision_is_what_the_run_trained(tmp_path, monkeypatch, script_error):
     compute_dtype and fp8_layers, and float32 is named float32 (it was "bf16" whatever the device)."""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     runs = tmp_path / "runs"
-    for name, extra in (("c8", {"compute_dtype": "float32", "fp8_layers": 0}), ("c32", {"compute_dtype": "float32", "fp8_layers": 0}),
-                        ("g8", {"compute_dtype": "bfloat16", "fp8_layers": 12})):
+    for name, extra in (
+        ("c8", {"compute_dtype": "float32", "fp8_layers": 0}),
+        ("c32", {"compute_dtype": "float32", "fp8_layers": 0}),
+        ("g8", {"compute_dtype": "bfloat16", "fp8_layers": 12}),
+    ):
         run_dir = write_run(runs, name, [eval_record(6, 1.30)], args={"fp8": name.endswith("8")})
         config = json.load(open(os.path.join(run_dir, "config.json")))
         json.dump({**config, **extra}, open(os.path.join(run_dir, "config.json"), "w"))
     assert compare.main(["c8", "c32"]).endswith("report.md")  # before: refused as an fp8 run against a bf16 one
     assert script_error(compare.main, "g8", "c32") == (
         "error: `g8` trained with fp8 matmuls (--fp8), `c32` in float32: their gap would mix the precision into the "
-        "architecture's; compare runs of one precision, or pass --mixed-precision")
+        "architecture's; compare runs of one precision, or pass --mixed-precision"
+    )
 
 
 def test_base_eval_leaves_no_empty_pending_folder(run_copy):
@@ -235,10 +311,20 @@ def test_base_eval_leaves_no_empty_pending_folder(run_copy):
     assert sorted(os.listdir(os.path.join(run_copy, "eval"))) == ["step_000004.json", "step_000004_core_tasks.csv"]
 
 
-@pytest.mark.parametrize("run, why", [(".hidden", "starts with a letter or digit"), ("-x", "starts with a letter or digit"),
-                                      ("_x", "starts with a letter or digit"), ("scratch/.x", "starts with a letter or digit"),
-                                      ("a\nb", "holds a control character"), ("a\x1b[2Jb", "holds a control character")])
-def test_a_run_name_starts_with_a_letter_or_digit_and_holds_no_control_character(tmp_path, monkeypatch, script_error, run, why):
+@pytest.mark.parametrize(
+    "run, why",
+    [
+        (".hidden", "starts with a letter or digit"),
+        ("-x", "starts with a letter or digit"),
+        ("_x", "starts with a letter or digit"),
+        ("scratch/.x", "starts with a letter or digit"),
+        ("a\nb", "holds a control character"),
+        ("a\x1b[2Jb", "holds a control character"),
+    ],
+)
+def test_a_run_name_starts_with_a_letter_or_digit_and_holds_no_control_character(
+    tmp_path, monkeypatch, script_error, run, why
+):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     err = script_error(base_train.main, "--depth", "2", "--dry-run", "1", f"--run={run}")
     assert err.startswith(f"error: {run!r} is not a run name: ") and why in err

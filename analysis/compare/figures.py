@@ -22,12 +22,14 @@ def save_figure(fig, ax, out_dir, name, caption, figures):
     atomic_write_bytes(os.path.join(out_dir, name), buf.getvalue())
     figures[name] = caption
     import matplotlib.pyplot as plt  # imported by make_figures after choosing the Agg backend
+
     plt.close(fig)
 
 
 def make_figures(runs, out_dir, beta, pairs=()):
     """{file name: caption} of the figures written into out_dir."""
     import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
@@ -45,8 +47,18 @@ def make_figures(runs, out_dir, beta, pairs=()):
     ax.legend()
     save_figure(fig, ax, out_dir, "train_loss_vs_flops.png", "Train loss vs training FLOPs", figures)
 
-    val_points = [(r, c, [(row["flops"], row["val_bpb"]) for row in r["metrics"] if row.get("val_bpb") is not None and row.get("flops") is not None])
-                  for r, c in zip(runs, colors)]
+    val_points = [
+        (
+            r,
+            c,
+            [
+                (row["flops"], row["val_bpb"])
+                for row in r["metrics"]
+                if row.get("val_bpb") is not None and row.get("flops") is not None
+            ],
+        )
+        for r, c in zip(runs, colors)
+    ]
     if any(pts for _, _, pts in val_points):  # runs trained with --eval-every -1 log no val bpb: no empty figure
         fig, ax = plt.subplots(figsize=(8, 5))
         for r, c, pts in val_points:
@@ -65,17 +77,29 @@ def make_figures(runs, out_dir, beta, pairs=()):
             steps = [row["step"] for row in rows]
             quartiles = list(zip(*[row["gate"]["gain_by_depth_quartile"] for row in rows]))
             for q, vals in enumerate(quartiles):
-                ax.plot(steps, vals, color=plt.cm.viridis(q / max(1, len(quartiles) - 1)), linestyle=styles[k % 4],
-                        label=f"{r['name']} depth quartile {q + 1}")
-        ax.set(xlabel="step", ylabel="mean realised gain |g|", title="NAG realised gain by depth quartile (1 = shallowest)")
+                ax.plot(
+                    steps,
+                    vals,
+                    color=plt.cm.viridis(q / max(1, len(quartiles) - 1)),
+                    linestyle=styles[k % 4],
+                    label=f"{r['name']} depth quartile {q + 1}",
+                )
+        ax.set(
+            xlabel="step", ylabel="mean realised gain |g|", title="NAG realised gain by depth quartile (1 = shallowest)"
+        )
         ax.legend(fontsize=8)
         save_figure(fig, ax, out_dir, "gate_gain_by_depth.png", "NAG realised gain by depth quartile", figures)
 
         fig, ax = plt.subplots(figsize=(8, 5))
         for k, (r, rows) in enumerate(gated):
             g = rows[-1]["gate"]
-            ax.step([row["step"] for row in rows], [row["gate"]["dead_branches"] for row in rows], where="post",
-                    color=colors[runs.index(r)], label=f"{r['name']} (of {g.get('num_branches', '?')}, |g| < {g.get('dead_threshold', '?')})")
+            ax.step(
+                [row["step"] for row in rows],
+                [row["gate"]["dead_branches"] for row in rows],
+                where="post",
+                color=colors[runs.index(r)],
+                label=f"{r['name']} (of {g.get('num_branches', '?')}, |g| < {g.get('dead_threshold', '?')})",
+            )
         ax.set(xlabel="step", ylabel="dead branches", title="NAG dead branches (mean |g| below threshold)")
         most = max(row["gate"]["dead_branches"] for _, rows in gated for row in rows)
         ax.set_ylim(-0.2, most + 1)  # counts: integer ticks, and a line at 0 stays visible above the axis
@@ -92,6 +116,7 @@ def make_figures(runs, out_dir, beta, pairs=()):
 def forest_plot(pairs, out_dir, figures):
     """Per-task and CORE deltas against the first run with their 95% intervals, one row per task."""
     import matplotlib.pyplot as plt
+
     pairs = [ps for ps in pairs if ps["core"] is not None]
     if not pairs:
         return
@@ -105,15 +130,26 @@ def forest_plot(pairs, out_dir, figures):
         bare = [(x, yy) for x, yy in zip(rows, y) if x.get("too_few")]  # too few items: the delta, hollow, no bar
         if shown:
             err = [[x["delta"] - x["ci"][0] for x, _ in shown], [x["ci"][1] - x["delta"] for x, _ in shown]]
-            ax.errorbar([x["delta"] for x, _ in shown], [yy for _, yy in shown], xerr=err, fmt="o", color=color, capsize=3)
+            ax.errorbar(
+                [x["delta"] for x, _ in shown], [yy for _, yy in shown], xerr=err, fmt="o", color=color, capsize=3
+            )
         if bare:
             ax.plot([x["delta"] for x, _ in bare], [yy for _, yy in bare], "o", color=color, markerfacecolor="none")
-        ax.plot(rows[-1]["delta"], y[-1], "D", color=color, markersize=9, markerfacecolor="none" if r.get("too_few") else color,
-                label=f"{ps['b']['name']} − {ps['a']['name']}")  # the aggregate stands out
+        ax.plot(
+            rows[-1]["delta"],
+            y[-1],
+            "D",
+            color=color,
+            markersize=9,
+            markerfacecolor="none" if r.get("too_few") else color,
+            label=f"{ps['b']['name']} − {ps['a']['name']}",
+        )  # the aggregate stands out
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(labels)), labels[::-1])
-    ax.set(xlabel=f"Δ centred accuracy (95% CI; hollow: fewer than {stats.MIN_UNITS} items, no interval)",
-           title="CORE deltas per task against the first run")
+    ax.set(
+        xlabel=f"Δ centred accuracy (95% CI; hollow: fewer than {stats.MIN_UNITS} items, no interval)",
+        title="CORE deltas per task against the first run",
+    )
     ax.legend(fontsize=8)
     save_figure(fig, ax, out_dir, "core_deltas.png", "CORE deltas per task with 95% intervals", figures)
 
@@ -122,6 +158,7 @@ def step_plot(runs, out_dir, figures):
     """base_eval's val bpb and CORE at every evaluated step, one point per step; a partial CORE is hollow."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
     if not several_steps(runs):
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -136,21 +173,38 @@ def step_plot(runs, out_dir, figures):
             for step, (score, n, full), cut in core:
                 right.plot(step, score, "o", color=color, markerfacecolor=color if full else "none")
                 if not full:
-                    right.annotate(f"{n}/{NUM_CORE_TASKS}" + (" interrupted" if cut else ""), (step, score), fontsize=7,
-                                   textcoords="offset points", xytext=(4, 4))
+                    right.annotate(
+                        f"{n}/{NUM_CORE_TASKS}" + (" interrupted" if cut else ""),
+                        (step, score),
+                        fontsize=7,
+                        textcoords="offset points",
+                        xytext=(4, 4),
+                    )
     left.set(xlabel="step", ylabel="val bits per byte", title="val bpb (base_eval) per evaluated step")
-    right.set(xlabel="step", ylabel="CORE (centred)", title=f"CORE per evaluated step (hollow: partial, tasks of {NUM_CORE_TASKS})")
+    right.set(
+        xlabel="step",
+        ylabel="CORE (centred)",
+        title=f"CORE per evaluated step (hollow: partial, tasks of {NUM_CORE_TASKS})",
+    )
     for ax in (left, right):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if ax.lines:
             ax.legend(fontsize=8)
     right.grid(alpha=0.3)
-    save_figure(fig, left, out_dir, "eval_vs_step.png", "val bpb and CORE at every evaluated step (hollow: partial CORE)", figures)
+    save_figure(
+        fig,
+        left,
+        out_dir,
+        "eval_vs_step.png",
+        "val bpb and CORE at every evaluated step (hollow: partial CORE)",
+        figures,
+    )
 
 
 def step_time_plot(runs, out_dir, figures):
     """One stacked bar per run: the mean share of each part of a logged step."""
     import matplotlib.pyplot as plt
+
     shares = [(r, time_shares(r)) for r in runs]
     shares = [(r, s) for r, s in shares if s]
     if not shares:
@@ -166,14 +220,21 @@ def step_time_plot(runs, out_dir, figures):
                 ax.text(i, b + v / 2, f"{v:.0f}%", ha="center", va="center", fontsize=8, color="white")
         bottom = [b + v for b, v in zip(bottom, h)]
     ax.set_xticks(list(x), [r["name"] for r, _ in shares])
-    ax.set(ylabel="share of a logged step's time (%)", ylim=(0, 100), title="Where the step time went (mean over logged steps)")
+    ax.set(
+        ylabel="share of a logged step's time (%)",
+        ylim=(0, 100),
+        title="Where the step time went (mean over logged steps)",
+    )
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1, 0.5))
-    save_figure(fig, ax, out_dir, "step_time.png", "Step time breakdown: mean share of each part per logged step", figures)
+    save_figure(
+        fig, ax, out_dir, "step_time.png", "Step time breakdown: mean share of each part per logged step", figures
+    )
 
 
 def mod_curve_plot(runs, out_dir, figures):
     """base_eval --mod-rate: val bpb against the target skip rate and against the forward FLOPs executed."""
     import matplotlib.pyplot as plt
+
     curves = mod_curves(runs)
     if not curves:
         return
@@ -188,4 +249,6 @@ def mod_curve_plot(runs, out_dir, figures):
     b.invert_xaxis()
     a.legend(fontsize=8)
     b.grid(alpha=0.3)
-    save_figure(fig, a, out_dir, "mod_curve.png", "MoD inference trade-off: val bpb vs skip rate and vs FLOPs executed", figures)
+    save_figure(
+        fig, a, out_dir, "mod_curve.png", "MoD inference trade-off: val bpb vs skip rate and vs FLOPs executed", figures
+    )

@@ -39,7 +39,11 @@ def read_inputs(out_dir):
 def report_is_current(out_dir, run_dirs):
     """Whether out_dir holds a report of these runs as they are evaluated now (speedrun skips the stage then)."""
     old = read_inputs(out_dir)
-    return os.path.isfile(os.path.join(out_dir, "report.md")) and old is not None and old.get("runs") == report_inputs(run_dirs)["runs"]
+    return (
+        os.path.isfile(os.path.join(out_dir, "report.md"))
+        and old is not None
+        and old.get("runs") == report_inputs(run_dirs)["runs"]
+    )
 
 
 def repeated_run(runs):
@@ -57,8 +61,11 @@ def check_distinct(runs):
     """A run given twice compares it with itself: every delta 0, every interval empty. Refused in one line."""
     r = repeated_run(runs)
     if r is not None:
-        raise UserError(f"`{r['name']}` is compared with itself ({r['dir']}): give two different runs" if len(runs) == 2 else
-                        f"`{r['name']}` is given twice ({r['dir']}): give each run once")
+        raise UserError(
+            f"`{r['name']}` is compared with itself ({r['dir']}): give two different runs"
+            if len(runs) == 2
+            else f"`{r['name']}` is given twice ({r['dir']}): give each run once"
+        )
 
 
 # config.json's compute_dtype, as a report says it
@@ -72,8 +79,11 @@ def precision(run):
     cfg = run["config"]
     layers, dtype = cfg.get("fp8_layers"), cfg.get("compute_dtype")
     if not (isinstance(layers, int) and isinstance(dtype, str)):
-        raise earlier_version(os.path.join(run["dir"], CONFIG), "a run's config without its fp8 layers and compute "
-                              "dtype", "compare it with the version that trained it")
+        raise earlier_version(
+            os.path.join(run["dir"], CONFIG),
+            "a run's config without its fp8 layers and compute dtype",
+            "compare it with the version that trained it",
+        )
     return "fp8" if layers > 0 else DTYPE_NAMES.get(dtype, dtype)
 
 
@@ -85,8 +95,10 @@ def check_precision(runs, mixed):
         first = next((r for r in runs if precision(r) == "fp8"), runs[0])
         other = next(r for r in runs if precision(r) != precision(first))
         how = "with fp8 matmuls (--fp8)" if precision(first) == "fp8" else f"in {precision(first)}"
-        raise UserError(f"`{first['name']}` trained {how}, `{other['name']}` in {precision(other)}: their gap would mix the "
-                        "precision into the architecture's; compare runs of one precision, or pass --mixed-precision")
+        raise UserError(
+            f"`{first['name']}` trained {how}, `{other['name']}` in {precision(other)}: their gap would mix the "
+            "precision into the architecture's; compare runs of one precision, or pass --mixed-precision"
+        )
 
 
 def distinct_names(runs):
@@ -125,5 +137,7 @@ def check_report_folder(out_dir, inputs):
             elif o != n:
                 changes.append(f"an earlier evaluation of {n['dir']}")
         what = "; ".join(changes)
-    raise UserError(f"{out_dir} holds a report of other inputs ({what}); pass --out DIR to write this one elsewhere, "
-                    f"or --out {out_dir} to replace it (the earlier report then moves to {os.path.join(out_dir, 'replaced')}/)")
+    raise UserError(
+        f"{out_dir} holds a report of other inputs ({what}); pass --out DIR to write this one elsewhere, "
+        f"or --out {out_dir} to replace it (the earlier report then moves to {os.path.join(out_dir, 'replaced')}/)"
+    )

@@ -11,10 +11,39 @@ from nanochat.common import UserError, get_base_dir, atomic_write_bytes
 from nanochat.core_eval import NUM_CORE_TASKS
 from nanochat.run_dir import load_run, read_manifest, folder_name, claim_folder, staging, publish
 from nanochat import stats
-from analysis.compare.runs import versions_note, N_RESAMPLES, BPB_DEPENDS_ON, mod_curves, several_steps, pair_differences, check_same_items
-from analysis.compare.inputs import TOOL, report_inputs, distinct_names, check_distinct, run_step, default_out_dir, check_report_folder, check_precision
-from analysis.compare.tables import (items_text, verdict_sentence, difference_lines, summary_section, measured_section, config_section,
-                                     core_section, significance_section, steps_section, step_time_section, mod_section, notes_section)
+from analysis.compare.runs import (
+    versions_note,
+    N_RESAMPLES,
+    BPB_DEPENDS_ON,
+    mod_curves,
+    several_steps,
+    pair_differences,
+    check_same_items,
+)
+from analysis.compare.inputs import (
+    TOOL,
+    report_inputs,
+    distinct_names,
+    check_distinct,
+    run_step,
+    default_out_dir,
+    check_report_folder,
+    check_precision,
+)
+from analysis.compare.tables import (
+    items_text,
+    verdict_sentence,
+    difference_lines,
+    summary_section,
+    measured_section,
+    config_section,
+    core_section,
+    significance_section,
+    steps_section,
+    step_time_section,
+    mod_section,
+    notes_section,
+)
 from analysis.compare.figures import make_figures
 
 
@@ -61,22 +90,33 @@ def pair_stats(a, b):
         out["verdicts"].append(f"{both}: no interval, the runs differ in {'; '.join(refuse)}")
     elif va.get("bytes") != vb.get("bytes"):
         unknown = [label for label in BPB_DEPENDS_ON if label in out["unknown"]]
-        why = (f"{', '.join(unknown)} not recorded" if unknown else
-               "with the same tokenizer, val data, val tokens and processes: another --device-batch-size or sequence length")
-        out["verdicts"].append(f"{both}: no interval, the runs' val batches differ ({len(va['nats'])} vs {len(vb['nats'])} batches, "
-                                f"other byte counts; {why})")
+        why = (
+            f"{', '.join(unknown)} not recorded"
+            if unknown
+            else "with the same tokenizer, val data, val tokens and processes: another --device-batch-size or sequence length"
+        )
+        out["verdicts"].append(
+            f"{both}: no interval, the runs' val batches differ ({len(va['nats'])} vs {len(vb['nats'])} batches, "
+            f"other byte counts; {why})"
+        )
     else:
         r = stats.bpb_delta_interval(va["nats"], vb["nats"], va["bytes"], n_resamples=N_RESAMPLES, seed=0)
         r["too_few"] = stats.too_few_units(r["batches"], "batches")
         out["bpb"] = r
-        out["verdicts"].append(verdict_sentence(a["name"], b["name"], "val bpb", r, f"on {r['batches']} shared val batches (lower is better)"))
+        out["verdicts"].append(
+            verdict_sentence(
+                a["name"], b["name"], "val bpb", r, f"on {r['batches']} shared val batches (lower is better)"
+            )
+        )
     return out
 
 
 def analysis_link(runs):
     """The folder of `python -m analysis` of these runs at the steps they are compared at (its default, named by
     them), or None: an analysis of other steps or other run directories is not theirs."""
-    folder = os.path.join(get_base_dir(), "reports", "analysis_" + folder_name([(os.path.basename(r["dir"]), run_step(r)) for r in runs]))
+    folder = os.path.join(
+        get_base_dir(), "reports", "analysis_" + folder_name([(os.path.basename(r["dir"]), run_step(r)) for r in runs])
+    )
     m = read_manifest(folder)
     want = [{"dir": os.path.realpath(r["dir"]), "step": run_step(r)} for r in runs]
     ok = m is not None and m["tool"] == "analysis" and isinstance(m["inputs"], dict) and m["inputs"].get("runs") == want
@@ -104,7 +144,9 @@ def compare(run_args, out_dir=None, beta=0.95, force=False, mixed_precision=Fals
         publish(tmp, out_dir, TOOL, inputs, aside)
     warnings = [f"warning: {line}" for ps in pairs for line in difference_lines(ps)]
     versions = [f"note: {versions_note(runs)}"] if versions_note(runs) else []
-    for line in warnings + [v for ps in pairs for v in ps["verdicts"]] + [n for r in runs for n in r["read_notes"]] + versions:
+    for line in (
+        warnings + [v for ps in pairs for v in ps["verdicts"]] + [n for r in runs for n in r["read_notes"]] + versions
+    ):
         print(line)
     path = os.path.join(out_dir, "report.md")
     print(f"\nreport with figures: {path}")
@@ -115,16 +157,25 @@ def write_report(runs, pairs, beta, tmp, out_dir):
     """report.md and its figures into tmp (links relative to out_dir, where they go); prints the summary table."""
     figures = make_figures(runs, tmp, beta, pairs)
     title = " vs ".join(f"`{r['name']}`" for r in runs)
-    parts = [f"# {title}", "\n".join(f"- `{r['name']}` ({r['config'].get('arch', '?')}): {r['dir']}" for r in runs),
-             summary_section(runs, beta), measured_section(runs, pairs), config_section(runs), core_section(runs)]
+    parts = [
+        f"# {title}",
+        "\n".join(f"- `{r['name']}` ({r['config'].get('arch', '?')}): {r['dir']}" for r in runs),
+        summary_section(runs, beta),
+        measured_section(runs, pairs),
+        config_section(runs),
+        core_section(runs),
+    ]
     if pairs:
         parts.append(significance_section(pairs))
         if "core_deltas.png" in figures:
             parts[-1] += f"\n![{figures['core_deltas.png']}](core_deltas.png)\n"
     if several_steps(runs):
         parts.append(steps_section(runs, figures))
-    curves = [f"![{cap}]({name})" for name, cap in figures.items()
-              if not name.startswith(("gate_", "core_deltas", "mod_", "eval_vs_step", "step_time"))]
+    curves = [
+        f"![{cap}]({name})"
+        for name, cap in figures.items()
+        if not name.startswith(("gate_", "core_deltas", "mod_", "eval_vs_step", "step_time"))
+    ]
     parts.append("## Training curves\n\n" + "\n\n".join(curves))
     gates = [f"![{cap}]({name})" for name, cap in figures.items() if name.startswith("gate_")]
     if gates:

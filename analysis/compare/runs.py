@@ -47,7 +47,9 @@ def flat_config(config):
     for group in opt.pop("groups", []):
         out.update({f"optimizer.{group['name']}.{k}": v for k, v in group.items() if k not in ("name", "num_params")})
     for k, v in opt.items():
-        out.update({f"optimizer.{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {f"optimizer.{k}": v})
+        out.update(
+            {f"optimizer.{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {f"optimizer.{k}": v}
+        )
     return out
 
 
@@ -93,8 +95,13 @@ MEASURED_WITH = {
     "val tokens": ("eval", "split_tokens"),
     "evaluation processes": ("eval", "world_size"),
 }
-KEY_NAMES = {"data_train": "data_train fingerprint", "data_val": "data_val fingerprint", "tokenizer": "tokenizer fingerprint",
-             "split_tokens": "split_tokens", "world_size": "world_size"}
+KEY_NAMES = {
+    "data_train": "data_train fingerprint",
+    "data_val": "data_val fingerprint",
+    "tokenizer": "tokenizer fingerprint",
+    "split_tokens": "split_tokens",
+    "world_size": "world_size",
+}
 FINGERPRINTS = ("tokenizer", "data_train", "data_val")
 # differences that make two val bpb numbers measure different things: no interval between them
 BPB_DEPENDS_ON = ("training data", "tokenizer", "val data", "val tokens", "evaluation processes")
@@ -167,8 +174,12 @@ def check_same_items(a, b):
             items_a = dict(zip(zip(cols_a["task"], cols_a["idx"]), cols_a["item"]))
             items_b = dict(zip(zip(cols_b["task"], cols_b["idx"]), cols_b["item"]))
             if items_a != items_b:
-                label = next(t for t, i in sorted(set(items_a) | set(items_b)) if items_a.get((t, i)) != items_b.get((t, i)))
+                label = next(
+                    t for t, i in sorted(set(items_a) | set(items_b)) if items_a.get((t, i)) != items_b.get((t, i))
+                )
                 diff = f"the items of task {label} differ (another eval bundle?)"
     if diff:
-        raise UserError(f"`{a['name']}` and `{b['name']}` were evaluated on different CORE items or settings ({diff}); "
-                        "evaluate both with the same bundle and --max-per-task")
+        raise UserError(
+            f"`{a['name']}` and `{b['name']}` were evaluated on different CORE items or settings ({diff}); "
+            "evaluate both with the same bundle and --max-per-task"
+        )

@@ -10,8 +10,21 @@ from nanochat.core_eval import NUM_CORE_TASKS
 from nanochat.step_timer import PHASES, LABELS
 from nanochat import stats
 from nag.archs import is_nag_arch
-from analysis.compare.runs import (versions_note, N_RESAMPLES, MEASURED_WITH, KEY_NAMES, FINGERPRINTS, ema, loss_curve, last_logged, flat_config,
-                                   core_value, time_shares, mod_curves, measured_with)
+from analysis.compare.runs import (
+    versions_note,
+    N_RESAMPLES,
+    MEASURED_WITH,
+    KEY_NAMES,
+    FINGERPRINTS,
+    ema,
+    loss_curve,
+    last_logged,
+    flat_config,
+    core_value,
+    time_shares,
+    mod_curves,
+    measured_with,
+)
 
 
 # ---------------------------------------------------------------------------
@@ -59,7 +72,11 @@ def core_cells(ev):
 
 def items_text(task_stats):
     sizes = {t["n"] for t in task_stats.values()}
-    return f"{sizes.pop()} items per task" if len(sizes) == 1 else f"{sum(t['n'] for t in task_stats.values()):,} items over {len(task_stats)} tasks"
+    return (
+        f"{sizes.pop()} items per task"
+        if len(sizes) == 1
+        else f"{sum(t['n'] for t in task_stats.values()):,} items over {len(task_stats)} tasks"
+    )
 
 
 def p_text(p):
@@ -106,20 +123,22 @@ def summary_column(run, beta, first_flops):
     }
     if first_flops:  # how well the pair is FLOP-matched
         col["FLOPs vs first run"] = f"{100 * (end.get('flops', 0) / first_flops - 1):+.2f}%"
-    col.update({
-        "FLOPs / token": fmt_count(cfg.get("flops_per_token")),
-        "params": fmt_count(cfg.get("num_params")),
-        "matmul params": fmt_count(cfg.get("num_scaling_params")),
-        "batch (tokens)": fmt_count(cfg.get("total_batch_size")),
-        f"final train loss (EMA β={beta:g})": fmt(ema(losses, beta)[-1] if losses else None),
-        "final val bpb (training log)": f"{val_bpb:.4f} (step {val_step:,})" if val_step is not None else "—",
-        "training time": f"{end['elapsed']:,.0f} s" if end.get("elapsed") is not None else "—",
-        "eval step (base_eval)": f"{ev['step']:,}" if isinstance(ev.get("step"), int) else "no eval.json",
-        "val bpb (base_eval)": fmt(ev.get("val_bpb")),
-        "train bpb (base_eval)": fmt(ev.get("train_bpb")),
-        "CORE": core,
-        "partial CORE (tasks scored)": partial,
-    })
+    col.update(
+        {
+            "FLOPs / token": fmt_count(cfg.get("flops_per_token")),
+            "params": fmt_count(cfg.get("num_params")),
+            "matmul params": fmt_count(cfg.get("num_scaling_params")),
+            "batch (tokens)": fmt_count(cfg.get("total_batch_size")),
+            f"final train loss (EMA β={beta:g})": fmt(ema(losses, beta)[-1] if losses else None),
+            "final val bpb (training log)": f"{val_bpb:.4f} (step {val_step:,})" if val_step is not None else "—",
+            "training time": f"{end['elapsed']:,.0f} s" if end.get("elapsed") is not None else "—",
+            "eval step (base_eval)": f"{ev['step']:,}" if isinstance(ev.get("step"), int) else "no eval.json",
+            "val bpb (base_eval)": fmt(ev.get("val_bpb")),
+            "train bpb (base_eval)": fmt(ev.get("train_bpb")),
+            "CORE": core,
+            "partial CORE (tasks scored)": partial,
+        }
+    )
     return col
 
 
@@ -138,14 +157,20 @@ def difference_lines(ps):
         what = "; ".join(f"{label} ({text})" for label, text in ps["differ"].items())
         lines.append(f"`{b}` vs `{a}` differ in {what}")
         if "training data" in ps["differ"]:
-            lines.append(f"`{b}` and `{a}` were trained on different data: their differences mix the architecture with the corpus")
+            lines.append(
+                f"`{b}` and `{a}` were trained on different data: their differences mix the architecture with the corpus"
+            )
         if "training processes" in ps["differ"]:
-            lines.append(f"`{b}` and `{a}` were trained with different numbers of processes: NAG gate telemetry and the "
-                         "training log's val bpb are measured per process count and do not compare exactly")
+            lines.append(
+                f"`{b}` and `{a}` were trained with different numbers of processes: NAG gate telemetry and the "
+                "training log's val bpb are measured per process count and do not compare exactly"
+            )
     if ps["unknown"]:
         runs = sorted({n for names in ps["unknown"].values() for n in names})
-        lines.append(f"not recorded for {', '.join(f'`{n}`' for n in runs)} (written before compare could check them): "
-                     f"{', '.join(ps['unknown'])}; compare cannot tell whether `{b}` and `{a}` share them")
+        lines.append(
+            f"not recorded for {', '.join(f'`{n}`' for n in runs)} (written before compare could check them): "
+            f"{', '.join(ps['unknown'])}; compare cannot tell whether `{b}` and `{a}` share them"
+        )
     return lines
 
 
@@ -177,7 +202,10 @@ def config_section(runs):
         return out + "One run: nothing to compare.\n"
     if not diff:
         return out + "The runs have identical CLI arguments and model configs.\n"
-    return out + table(["setting", *[f"`{r['name']}`" for r in runs]], [[f"`{k}`", *[value_cell(f.get(k)) for f in flats]] for k in diff])
+    return out + table(
+        ["setting", *[f"`{r['name']}`" for r in runs]],
+        [[f"`{k}`", *[value_cell(f.get(k)) for f in flats]] for k in diff],
+    )
 
 
 def core_section(runs):
@@ -209,8 +237,13 @@ def core_section(runs):
     common = [t for t in labels if all(ev is not None and t in ev["tasks"] for ev in evals)]
     if common and len(runs) > 1:
         means = [sum(ev["tasks"][t]["centered"] for t in common) / len(common) for ev in evals]
-        rows.append([f"**mean over the {len(common)} tasks all runs scored**", *[f"{m:+.4f}" for m in means],
-                     *[f"{m - means[0]:+.4f}" for m in means[1:]]])
+        rows.append(
+            [
+                f"**mean over the {len(common)} tasks all runs scored**",
+                *[f"{m:+.4f}" for m in means],
+                *[f"{m - means[0]:+.4f}" for m in means[1:]],
+            ]
+        )
     out += table(header, rows)
     if base is None and len(runs) > 1:
         out += f"\n\nDeltas are against `{runs[0]['name']}`, which has no CORE results, so none are shown."
@@ -222,18 +255,28 @@ def significance_section(pairs):
     for ps in pairs:
         a, b = ps["a"]["name"], ps["b"]["name"]
         out.append(f"### `{b}` vs `{a}`")
-        out.append("\n".join(f"- {s}" for s in ps["verdicts"] + [f"no interval: {n}" for n in ps["no_interval"]]) or "Nothing to compare.")
+        out.append(
+            "\n".join(f"- {s}" for s in ps["verdicts"] + [f"no interval: {n}" for n in ps["no_interval"]])
+            or "Nothing to compare."
+        )
         r = ps["core"]
         if r is None:
             continue
-        rows = [[f"`{label}`", *interval_cells(t), f"{t['se_a']:.4f}", f"{t['se_b']:.4f}", t["n"]] for label, t in r["tasks"].items()]
+        rows = [
+            [f"`{label}`", *interval_cells(t), f"{t['se_a']:.4f}", f"{t['se_b']:.4f}", t["n"]]
+            for label, t in r["tasks"].items()
+        ]
         rows.append([f"**{r['label']}**", *interval_cells(r), "", "", ""])
-        out.append(table(["task", f"Δ centred (`{b}` − `{a}`)", "95% CI", "p", f"SE `{a}`", f"SE `{b}`", "items"], rows))
-        out.append(f"\\* the 95% interval excludes 0. Items are resampled within each task ({N_RESAMPLES:,} resamples, seed 0), "
-                   f"where a task has at least {stats.MIN_UNITS} (the aggregate: all items together); "
-                   f"SE is one run's standard error of the centred accuracy. With these items and how often the two runs "
-                   f"disagree, the smallest {r['label']} difference found 80% of the time at the 5% level is "
-                   f"±{r['mde']:.4f} (SE {r['se']:.4f}).")
+        out.append(
+            table(["task", f"Δ centred (`{b}` − `{a}`)", "95% CI", "p", f"SE `{a}`", f"SE `{b}`", "items"], rows)
+        )
+        out.append(
+            f"\\* the 95% interval excludes 0. Items are resampled within each task ({N_RESAMPLES:,} resamples, seed 0), "
+            f"where a task has at least {stats.MIN_UNITS} (the aggregate: all items together); "
+            f"SE is one run's standard error of the centred accuracy. With these items and how often the two runs "
+            f"disagree, the smallest {r['label']} difference found 80% of the time at the 5% level is "
+            f"±{r['mde']:.4f} (SE {r['se']:.4f})."
+        )
     return "\n\n".join(out) + "\n"
 
 
@@ -262,8 +305,10 @@ def step_time_section(runs, figures):
     if not any(s for _, s in shares):
         return ""
     rows = [[LABELS[p]] + [f"{100 * s[p]:.1f}%" if s else "—" for _, s in shares] for p in PHASES]
-    text = ("## Step time\n\nMean share of each part of a logged step (metrics.jsonl `time`, docs/runs.md); `save` is the "
-            "checkpoint written after the previous row.\n\n" + table(["part"] + [f"`{r['name']}`" for r, _ in shares], rows))
+    text = (
+        "## Step time\n\nMean share of each part of a logged step (metrics.jsonl `time`, docs/runs.md); `save` is the "
+        "checkpoint written after the previous row.\n\n" + table(["part"] + [f"`{r['name']}`" for r, _ in shares], rows)
+    )
     if "step_time.png" in figures:
         text += f"\n\n![{figures['step_time.png']}](step_time.png)"
     return text + "\n"
@@ -273,19 +318,49 @@ def mod_section(runs, figures):
     curves = mod_curves(runs)
     if not curves:
         return ""
+
     def delta(p, key):  # a point's cost against full depth, paired on the same val batches / CORE items
         if f"{key}_delta" not in p:
             return "—"
         lo, hi = p[f"{key}_delta_ci"]
         return f"{p[f'{key}_delta']:+.4f} ({lo:+.4f} … {hi:+.4f})"
 
-    rows = [[f"`{r['name']}`", c["blocks"], f"{100 * p['rate']:.0f}%", fmt(p["val_bpb"]), delta(p, "val_bpb"), f"{100 * p.get('skip_attn', 0):.1f}%",
-             f"{100 * p.get('skip_mlp', 0):.1f}%", f"{100 * p['flops_frac']:.1f}%", fmt(p.get("core")), delta(p, "core")]
-            for r, c in curves for p in c["points"]]
-    text = ("## Mixture-of-Depths at inference\n\nThresholds calibrated on train-split tokens at each rate, then fixed "
-            "(base_eval --mod-rate). Δ: against the same model at full depth, with a 95% interval over the shared val "
-            "batches / CORE items.\n\n" + table(["run", "blocks", "target", "val bpb", "Δ val bpb", "skipped attn", "skipped mlp",
-                                                   "forward FLOPs", "CORE", "Δ CORE"], rows))
+    rows = [
+        [
+            f"`{r['name']}`",
+            c["blocks"],
+            f"{100 * p['rate']:.0f}%",
+            fmt(p["val_bpb"]),
+            delta(p, "val_bpb"),
+            f"{100 * p.get('skip_attn', 0):.1f}%",
+            f"{100 * p.get('skip_mlp', 0):.1f}%",
+            f"{100 * p['flops_frac']:.1f}%",
+            fmt(p.get("core")),
+            delta(p, "core"),
+        ]
+        for r, c in curves
+        for p in c["points"]
+    ]
+    text = (
+        "## Mixture-of-Depths at inference\n\nThresholds calibrated on train-split tokens at each rate, then fixed "
+        "(base_eval --mod-rate). Δ: against the same model at full depth, with a 95% interval over the shared val "
+        "batches / CORE items.\n\n"
+        + table(
+            [
+                "run",
+                "blocks",
+                "target",
+                "val bpb",
+                "Δ val bpb",
+                "skipped attn",
+                "skipped mlp",
+                "forward FLOPs",
+                "CORE",
+                "Δ CORE",
+            ],
+            rows,
+        )
+    )
     if "mod_curve.png" in figures:
         text += f"\n\n![{figures['mod_curve.png']}](mod_curve.png)\n"
     return text
@@ -304,7 +379,9 @@ def history_notes(runs):
                 seen.setdefault("not recorded" if value is None else str(value), step)
             if len(seen) > 1:
                 where = ", ".join(f"{v} at step {step}" for v, step in seen.items())
-                lines.append(f"`{r['name']}`: its evaluated steps differ in {KEY_NAMES[key]} ({where}); its val bpb over steps mixes them.")
+                lines.append(
+                    f"`{r['name']}`: its evaluated steps differ in {KEY_NAMES[key]} ({where}); its val bpb over steps mixes them."
+                )
     return lines
 
 
@@ -314,8 +391,10 @@ def notes_section(runs, figures):
         name, ev = r["name"], r["eval"]
         if ev is None:
             where = name if os.path.normpath(run_path(name)) == r["dir"] else r["dir"]
-            lines.append(f"`{name}` has no eval.json: its CORE and base_eval bpb are not shown "
-                         f"(run `python -m scripts.base_eval --run {where}`).")
+            lines.append(
+                f"`{name}` has no eval.json: its CORE and base_eval bpb are not shown "
+                f"(run `python -m scripts.base_eval --run {where}`)."
+            )
             continue
         if ev.get("tasks") and ev.get("core_metric") is None:
             missing = ", ".join(ev.get("missing_tasks") or []) or "none"
@@ -323,20 +402,28 @@ def notes_section(runs, figures):
             if ev.get("interrupted"):  # base_eval resumes it at the first task not reached
                 left = ", ".join(ev.get("interrupted_tasks") or []) or "not recorded"
                 why = f"the CORE evaluation was interrupted (tasks not reached: {left}; rerun base_eval to resume it): "
-            lines.append(f"`{name}`: {why}CORE was scored on {ev.get('num_tasks_scored')} of {NUM_CORE_TASKS} tasks, so only a "
-                         f"partial CORE is shown (missing: {missing}).")
+            lines.append(
+                f"`{name}`: {why}CORE was scored on {ev.get('num_tasks_scored')} of {NUM_CORE_TASKS} tasks, so only a "
+                f"partial CORE is shown (missing: {missing})."
+            )
         if not ev.get("tasks") and ev.get("core_error"):
             lines.append(f"`{name}`: CORE was not evaluated ({ev['core_error']}).")
         if ev.get("step") != r["metrics"][-1]["step"]:
-            lines.append(f"`{name}`: eval.json is of step {ev.get('step')}, the training log ends at step {r['metrics'][-1]['step']}.")
+            lines.append(
+                f"`{name}`: eval.json is of step {ev.get('step')}, the training log ends at step {r['metrics'][-1]['step']}."
+            )
         if (ev.get("max_per_task") or -1) > 0 and ev.get("tasks"):
-            lines.append(f"`{name}`: CORE used at most {ev['max_per_task']} examples per task, a subset of the full protocol.")
+            lines.append(
+                f"`{name}`: CORE used at most {ev['max_per_task']} examples per task, a subset of the full protocol."
+            )
     lines += history_notes(runs)
     if versions_note(runs):
         lines.append(versions_note(runs) + ".")
     limits = {json.dumps(r["eval"].get("max_per_task")) for r in runs if r["eval"] and r["eval"].get("tasks")}
     if len(limits) > 1:
         lines.append("The runs' CORE scores used different --max-per-task limits and do not compare exactly.")
-    if not any(name.startswith("gate_") for name in figures) and any(is_nag_arch(r["config"].get("arch")) for r in runs):
+    if not any(name.startswith("gate_") for name in figures) and any(
+        is_nag_arch(r["config"].get("arch")) for r in runs
+    ):
         lines.append("No gate telemetry in the NAG runs' metrics.jsonl (trained with --nag-gate-log-every 0?).")
     return "## Notes\n\n" + "\n".join(f"- {line}" for line in lines) + "\n" if lines else ""

@@ -14,11 +14,30 @@ from transformers import PretrainedConfig
 class NagChatConfig(PretrainedConfig):
     model_type = "nag_chat"
     # the names transformers' tools look for (lm-eval reads max_position_embeddings as the context length)
-    attribute_map = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
-                     "num_key_value_heads": "n_kv_head", "max_position_embeddings": "sequence_len"}
+    attribute_map = {
+        "hidden_size": "n_embd",
+        "num_hidden_layers": "n_layer",
+        "num_attention_heads": "n_head",
+        "num_key_value_heads": "n_kv_head",
+        "max_position_embeddings": "sequence_len",
+    }
 
-    def __init__(self, arch="gpt", vocab_size=32768, sequence_len=2048, n_layer=12, n_head=6, n_kv_head=6, n_embd=768,
-                 window_pattern="L", nag=None, alpha_warmup=1.0, mod=None, recipe=None, **kwargs):
+    def __init__(
+        self,
+        arch="gpt",
+        vocab_size=32768,
+        sequence_len=2048,
+        n_layer=12,
+        n_head=6,
+        n_kv_head=6,
+        n_embd=768,
+        window_pattern="L",
+        nag=None,
+        alpha_warmup=1.0,
+        mod=None,
+        recipe=None,
+        **kwargs,
+    ):
         # gpt, nag, gpt-router, gpt-recipe, nag-recipe, gpt-lns, gpt-peri or gpt-layerrope (nag/archs.py)
         self.arch = arch
         self.vocab_size = vocab_size

@@ -223,8 +223,9 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config):
         super().__init__(config)
         if config.arch not in ("gpt", "nag", "gpt-router") + RECIPE_ARCHS + RIVAL_ARCHS:
-            raise ValueError(f"unknown arch {config.arch!r} (gpt, nag, gpt-router, gpt-recipe, nag-recipe, "
-                             f"{', '.join(RIVAL_ARCHS)})")
+            raise ValueError(
+                f"unknown arch {config.arch!r} (gpt, nag, gpt-router, gpt-recipe, nag-recipe, {', '.join(RIVAL_ARCHS)})"
+            )
         d, L = config.n_embd, config.n_layer
         self.is_nag = config.arch in ("nag", "nag-recipe")
         self.parts = dict(config.recipe or {}) if config.arch in RECIPE_ARCHS else {}
@@ -241,11 +242,18 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
             self.gates = nn.ModuleList([NAGBlockGates(d, config.nag["directions"]) for _ in range(L)])
             self.log_gain_encode = nn.Parameter(torch.zeros(1))
             if config.mod is not None:  # X_l, the learned output of a skipped sub-layer
-                self.mod_base = nn.ParameterDict({f"{k}_{i}": nn.Parameter(torch.zeros(d))
-                                                  for i in range(L) for k in ("attn", "mlp") if self.covers[k]})
+                self.mod_base = nn.ParameterDict(
+                    {
+                        f"{k}_{i}": nn.Parameter(torch.zeros(d))
+                        for i in range(L)
+                        for k in ("attn", "mlp")
+                        if self.covers[k]
+                    }
+                )
         if config.arch == "gpt-router":
-            self.routers = nn.ModuleDict({f"{k}_{i}": nn.Linear(d, 1, bias=True) for i in range(L) for k in ("attn", "mlp")
-                                          if self.covers[k]})
+            self.routers = nn.ModuleDict(
+                {f"{k}_{i}": nn.Linear(d, 1, bias=True) for i in range(L) for k in ("attn", "mlp") if self.covers[k]}
+            )
         if config.arch == "gpt-layerrope":
             self.layerrope = LayerRoPE(d)
         if config.mod is not None:  # [attention, mlp 0, mlp 1, ...]: the evaluation thresholds, fixed
@@ -416,8 +424,17 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
 
     # ----- forward -----
 
-    def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None, labels=None, use_cache=None,
-                logits_to_keep=0, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        cache=None,
+        past_key_values=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         """Logits (B, T, V) and, with labels, the mean next-token loss (labels are input_ids; -100 is ignored).
         Other inputs of transformers' models (position_ids, inputs_embeds, ...) are not taken: positions follow
         attention_mask. cache (past_key_values before transformers 5.2x): a DynamicCache, which this forward extends."""
@@ -427,8 +444,10 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
         positions, masks = self.attention_inputs(T, past, attention_mask, input_ids.device)
         # no sliding window: the long layers would see more than in training
         if int(positions.max()) >= self.config.sequence_len:
-            raise ValueError(f"position {int(positions.max())} is past the context: the model was trained on {self.config.sequence_len} "
-                             "positions, which a prompt and its new tokens must fit")
+            raise ValueError(
+                f"position {int(positions.max())} is past the context: the model was trained on {self.config.sequence_len} "
+                "positions, which a prompt and its new tokens must fit"
+            )
         dtype = self.wte.weight.dtype
         cos_sin = self.rotary(positions, dtype)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep > 0 else slice(None)
@@ -446,6 +465,9 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
             logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1).to(logits.device),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)),
+                labels[:, 1:].reshape(-1).to(logits.device),
+                ignore_index=-100,
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})

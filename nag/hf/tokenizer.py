@@ -33,7 +33,9 @@ CHECK_TEXTS = [
 def byte_alphabet():
     """The printable stand-in for each byte (0-255) that `tokenizers`' ByteLevel uses: printable Latin-1 bytes
     stand for themselves, the others for the characters from U+0100 on, in byte order."""
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    )
     out, shifted = {}, 0
     for b in range(256):
         if b in printable:
@@ -56,7 +58,7 @@ def merge_of(ranks, token, rank):
         if best is None:
             raise ValueError(f"token {token!r} (rank {rank}) is not a merge of two lower-ranked tokens")
         i = best[1]
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
     return parts
 
 
@@ -65,6 +67,7 @@ def backend_tokenizer(enc):
     added as special (never split, skipped by decode(skip_special_tokens=True))."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
+
     alphabet = byte_alphabet()
 
     def chars(bs):
@@ -77,8 +80,12 @@ def backend_tokenizer(enc):
     vocab = {chars(t): r for t, r in ordered}
     merges = [tuple(chars(p) for p in merge_of(ranks, t, r)) for t, r in ordered if len(t) > 1]
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(enc._pat_str), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(enc._pat_str), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     specials = sorted(enc._special_tokens.items(), key=lambda kv: kv[1])
     tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name, _ in specials])
@@ -98,8 +105,16 @@ def hf_tokenizer(enc, model_max_length):
     """A PreTrainedTokenizerFast that adds <|bos|> in front of a text (add_special_tokens, the default), as every
     document started in training; <|bos|> is also its eos (the model starts a new document: a sample is over)."""
     from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast(tokenizer_object=backend_tokenizer(enc), bos_token=BOS, eos_token=BOS, pad_token=PAD,
-                                   add_bos_token=True, model_max_length=model_max_length, clean_up_tokenization_spaces=False)
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend_tokenizer(enc),
+        bos_token=BOS,
+        eos_token=BOS,
+        pad_token=PAD,
+        add_bos_token=True,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def id_mismatches(enc, tok, texts=CHECK_TEXTS):

@@ -45,8 +45,13 @@ def parse(argv=None):
     p.add_argument("--kv-heads", type=int, default=0, help="GQA: key/value heads (default: --heads)")
     p.add_argument("--head-dim", type=int, default=128 if on_cuda else 16)
     p.add_argument("--windows", type=str, default="L,S", help="L = the whole row, S = half of it (as --window-pattern)")
-    p.add_argument("--attn", type=str, default="auto", choices=fa.CHOICES,
-                   help="which kernels: auto = SDPA and every other that loads; NAME = SDPA and NAME; sdpa = SDPA alone")
+    p.add_argument(
+        "--attn",
+        type=str,
+        default="auto",
+        choices=fa.CHOICES,
+        help="which kernels: auto = SDPA and every other that loads; NAME = SDPA and NAME; sdpa = SDPA alone",
+    )
     p.add_argument("--steps", type=int, default=10 if on_cuda else 2)
     p.add_argument("--warmup", type=int, default=3 if on_cuda else 1)
     p.add_argument("--compile", action="store_true", help="also the chosen kernel compiled, against eager, S window")
@@ -119,10 +124,13 @@ def pick_kernels(requested, device, dtype):
 def compile_check(kernel, inputs, dy, window, eager, args, device):
     """The S-window call under torch.compile (fullgraph first) against eager: same output and gradients?"""
     import torch._dynamo
+
     out = {"kernel": kernel, "window": window}
     for fullgraph in (True, False):
         torch._dynamo.reset()
-        fn = torch.compile(lambda q, k, v: fa.causal_attention(q, k, v, window, kernel), fullgraph=fullgraph, dynamic=False)
+        fn = torch.compile(
+            lambda q, k, v: fa.causal_attention(q, k, v, window, kernel), fullgraph=fullgraph, dynamic=False
+        )
         try:
             t0 = time.perf_counter()
             got = forward_backward(fn, inputs, dy)
@@ -148,8 +156,11 @@ def run(args):
     windows = [w.strip().upper() for w in args.windows.split(",") if w.strip()]
     if not windows or any(w not in ("L", "S") for w in windows):
         raise UserError(f"--windows takes L and S (got {args.windows!r})")
-    print(f"attention: {kernel} ({reason}) | timing {', '.join(kernels)} | {device.type} {dtype} | batch {B} × {T} tokens, "
-          f"{H} heads ({KV} kv) × {D}" + "".join(f"\n  {k} not run: {why}" for k, why in skipped.items()), flush=True)
+    print(
+        f"attention: {kernel} ({reason}) | timing {', '.join(kernels)} | {device.type} {dtype} | batch {B} × {T} tokens, "
+        f"{H} heads ({KV} kv) × {D}" + "".join(f"\n  {k} not run: {why}" for k, why in skipped.items()),
+        flush=True,
+    )
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dy = (torch.randn(B, T, h, D, generator=g, device=device, dtype=dtype) for h in (H, KV, KV, H))
@@ -157,7 +168,9 @@ def run(args):
     compile_at = "S" if "S" in windows else windows[-1]  # the call that passes a window
     for name in windows:
         window = T if name == "L" else T // 2
-        ref = forward_backward(lambda *x: attend("sdpa-mask", *x, window), [t.to(ref_dtype) for t in (q, k, v)], dy.to(ref_dtype))
+        ref = forward_backward(
+            lambda *x: attend("sdpa-mask", *x, window), [t.to(ref_dtype) for t in (q, k, v)], dy.to(ref_dtype)
+        )
         masked = name == "S" and device.type == "cuda"  # only there does sdpa run another path than the mask
         outs, by_kernel = {}, {}
         flops = attention_flops(B, T, H, D, window)
@@ -166,38 +179,75 @@ def run(args):
             outs[kern] = forward_backward(fn, (q, k, v), dy)
             fwd = timed(lambda: fn(q, k, v), args.steps, args.warmup, device)
             both = timed(lambda: forward_backward(fn, (q, k, v), dy), args.steps, args.warmup, device)
-            row = {"kernel": kern, "window": name, "window_tokens": window, "fwd_ms": fwd, "fwd_bwd_ms": both,
-                   "tflops": 3.5 * flops / (both / 1e3) / 1e12,  # backward ≈ 2.5 × forward
-                   "err_out": max_diff(outs[kern][:1], ref[:1]), "err_grad": max_diff(outs[kern][1:], ref[1:])}
+            row = {
+                "kernel": kern,
+                "window": name,
+                "window_tokens": window,
+                "fwd_ms": fwd,
+                "fwd_bwd_ms": both,
+                "tflops": 3.5 * flops / (both / 1e3) / 1e12,  # backward ≈ 2.5 × forward
+                "err_out": max_diff(outs[kern][:1], ref[:1]),
+                "err_grad": max_diff(outs[kern][1:], ref[1:]),
+            }
             rows.append(row)
             by_kernel[kern] = row
-            print(f"{name} (window {window}) {kern:9s}  fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms  {row['tflops']:6.3g} TFLOP/s  "
-                  f"vs reference: out {row['err_out']:.2e}, grads {row['err_grad']:.2e}", flush=True)
+            print(
+                f"{name} (window {window}) {kern:9s}  fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms  {row['tflops']:6.3g} TFLOP/s  "
+                f"vs reference: out {row['err_out']:.2e}, grads {row['err_grad']:.2e}",
+                flush=True,
+            )
         base = by_kernel["sdpa-mask" if masked else "sdpa"]  # the trusted path: every other one's error is held to its
         for kern in [k for k in by_kernel if k != base["kernel"]]:
             other = "sdpa-mask" if kern == "sdpa" else "sdpa"  # differences and speed against SDPA as the model runs it
             a, b, row = outs[kern], outs[other], by_kernel[kern]
-            d = {"kernel": kern, "vs": other, "window": name, "out": max_diff(a[:1], b[:1]), "grad_q": max_diff(a[1:2], b[1:2]),
-                 "grad_k": max_diff(a[2:3], b[2:3]), "grad_v": max_diff(a[3:], b[3:]),
-                 "speedup": by_kernel[other]["fwd_bwd_ms"] / row["fwd_bwd_ms"],
-                 "agree": all(row[e] <= SLACK * base[e] + 1e-3 for e in ("err_out", "err_grad"))}
+            d = {
+                "kernel": kern,
+                "vs": other,
+                "window": name,
+                "out": max_diff(a[:1], b[:1]),
+                "grad_q": max_diff(a[1:2], b[1:2]),
+                "grad_k": max_diff(a[2:3], b[2:3]),
+                "grad_v": max_diff(a[3:], b[3:]),
+                "speedup": by_kernel[other]["fwd_bwd_ms"] / row["fwd_bwd_ms"],
+                "agree": all(row[e] <= SLACK * base[e] + 1e-3 for e in ("err_out", "err_grad")),
+            }
             diffs.append(d)
-            print(f"{name} {kern} − {other}: out {d['out']:.2e}, grad q {d['grad_q']:.2e} k {d['grad_k']:.2e} v {d['grad_v']:.2e} | "
-                  f"{kern} {d['speedup']:.2f}× as fast | {'agree' if d['agree'] else 'DISAGREE'}", flush=True)
+            print(
+                f"{name} {kern} − {other}: out {d['out']:.2e}, grad q {d['grad_q']:.2e} k {d['grad_k']:.2e} v {d['grad_v']:.2e} | "
+                f"{kern} {d['speedup']:.2f}× as fast | {'agree' if d['agree'] else 'DISAGREE'}",
+                flush=True,
+            )
         if args.compile and name == compile_at:
             compiled = compile_check(kernel, (q, k, v), dy, window, outs[kernel], args, device)
             # compiled may differ from eager by rounding, not by more than the kernel's own error
             eager = by_kernel[kernel]
-            compiled["ok"] = compiled.get("max_diff_vs_eager", float("inf")) <= SLACK * max(eager["err_out"], eager["err_grad"]) + 1e-3
-            print(f"compiled {compiled['kernel']}, window {window}: " + (
-                f"fullgraph {compiled['fullgraph']}, compile {compiled['compile_s']:.1f} s, {compiled['fwd_bwd_ms']:.3f} ms, "
-                f"max diff vs eager {compiled['max_diff_vs_eager']:.2e}" if "compile_s" in compiled else f"failed: {compiled['error']}"), flush=True)
+            compiled["ok"] = (
+                compiled.get("max_diff_vs_eager", float("inf"))
+                <= SLACK * max(eager["err_out"], eager["err_grad"]) + 1e-3
+            )
+            print(
+                f"compiled {compiled['kernel']}, window {window}: "
+                + (
+                    f"fullgraph {compiled['fullgraph']}, compile {compiled['compile_s']:.1f} s, {compiled['fwd_bwd_ms']:.3f} ms, "
+                    f"max diff vs eager {compiled['max_diff_vs_eager']:.2e}"
+                    if "compile_s" in compiled
+                    else f"failed: {compiled['error']}"
+                ),
+                flush=True,
+            )
     ok = all(d["agree"] for d in diffs) and (compiled is None or compiled["ok"])
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype).replace("torch.", ""),
-              "shape": {"batch": B, "seq_len": T, "heads": H, "kv_heads": KV, "head_dim": D},
-              "attention": {"requested": args.attn, "kernel": kernel, "reason": reason},
-              "kernels": {**{k: "timed" for k in kernels}, **skipped}, "results": rows, "vs_sdpa": diffs,
-              "fa3_vs_sdpa": [d for d in diffs if d["kernel"] == "fa3"], "compile": compiled, "ok": ok}
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": {"batch": B, "seq_len": T, "heads": H, "kv_heads": KV, "head_dim": D},
+        "attention": {"requested": args.attn, "kernel": kernel, "reason": reason},
+        "kernels": {**{k: "timed" for k in kernels}, **skipped},
+        "results": rows,
+        "vs_sdpa": diffs,
+        "fa3_vs_sdpa": [d for d in diffs if d["kernel"] == "fa3"],
+        "compile": compiled,
+        "ok": ok,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -208,7 +258,10 @@ def main(argv=None):
     with exit_on_user_error():
         result = run(parse(argv))
     if not result["ok"]:
-        print("error: a kernel disagrees with SDPA beyond rounding, or compiled with eager (figures above)", file=sys.stderr)
+        print(
+            "error: a kernel disagrees with SDPA beyond rounding, or compiled with eager (figures above)",
+            file=sys.stderr,
+        )
         raise SystemExit(1)
     return result
 

@@ -42,9 +42,19 @@ class ByteTokenizer:
 
 def tiny_random_gpt(vocab_size, depth, dim, seq_len, device, seed=0):
     from nanochat.gpt import GPT, GPTConfig
+
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(sequence_len=seq_len, vocab_size=vocab_size, n_layer=depth, n_head=max(1, dim // 64),
-                          n_kv_head=max(1, dim // 64), n_embd=dim), device=device)
+    model = GPT(
+        GPTConfig(
+            sequence_len=seq_len,
+            vocab_size=vocab_size,
+            n_layer=depth,
+            n_head=max(1, dim // 64),
+            n_kv_head=max(1, dim // 64),
+            n_embd=dim,
+        ),
+        device=device,
+    )
     model.init_weights()
     with torch.no_grad():  # the output projections start at zero and lm_head near it: give the logits some shape
         for name, p in model.named_parameters():
@@ -56,16 +66,30 @@ def tiny_random_gpt(vocab_size, depth, dim, seq_len, device, seed=0):
 
 def main():
     parser = argparse.ArgumentParser(description="CORE scoring: batched vs one at a time")
-    parser.add_argument("--eval-bundle", default=None, help="eval bundle directory (default: <base_dir>/eval_bundle, downloaded once)")
+    parser.add_argument(
+        "--eval-bundle", default=None, help="eval bundle directory (default: <base_dir>/eval_bundle, downloaded once)"
+    )
     parser.add_argument("--tasks", default="copa,piqa,winograd,lambada_openai", help="comma-separated task labels")
     parser.add_argument("--max-per-task", type=int, default=100, help="items per task (after the 1337 shuffle)")
-    parser.add_argument("--tokenizer", choices=["byte", "trained"], default="byte", help="byte-level, or the trained tokenizer of the base dir")
+    parser.add_argument(
+        "--tokenizer",
+        choices=["byte", "trained"],
+        default="byte",
+        help="byte-level, or the trained tokenizer of the base dir",
+    )
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512, help="model context; longer prompts are left-cropped")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per batched forward")
-    parser.add_argument("--max-tokens", type=int, default=None, help="padded tokens per batched forward (default: by device)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared machine; 0: torch default)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="padded tokens per batched forward (default: by device)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: steadier timings on a shared machine; 0: torch default)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each path; the best is reported")
     parser.add_argument("--device-type", default="", help="cuda|cpu|mps (empty = autodetect)")
     args = parser.parse_args()
@@ -77,16 +101,24 @@ def main():
         tokenizer = ByteTokenizer()
     else:
         from nanochat.tokenizer import get_tokenizer
+
         tokenizer = get_tokenizer()
     model = tiny_random_gpt(tokenizer.get_vocab_size(), args.depth, args.dim, args.seq_len, device)
     args.eval_bundle = ensure_eval_bundle(args.eval_bundle)
     tasks = {t["label"]: t for t in load_core_tasks(args.eval_bundle)}
-    print(f"device {device}, torch threads {torch.get_num_threads()}, tokenizer {args.tokenizer}, "
-          f"GPT depth {args.depth} dim {args.dim} seq_len {args.seq_len}, batch {args.batch_size} rows / {args.max_tokens or 'default'} tokens")
+    print(
+        f"device {device}, torch threads {torch.get_num_threads()}, tokenizer {args.tokenizer}, "
+        f"GPT depth {args.depth} dim {args.dim} seq_len {args.seq_len}, batch {args.batch_size} rows / {args.max_tokens or 'default'} tokens"
+    )
 
     # warm-up: first calls pay for allocations and kernel choice
-    score_examples(model, tokenizer, [{"query": "warm up", "choices": ["a", "b"], "gold": 0}], device,
-                   {"task_type": "multiple_choice", "num_fewshot": 0, "continuation_delimiter": " "})
+    score_examples(
+        model,
+        tokenizer,
+        [{"query": "warm up", "choices": ["a", "b"], "gold": 0}],
+        device,
+        {"task_type": "multiple_choice", "num_fewshot": 0, "continuation_delimiter": " "},
+    )
 
     print(f"{'task':<16} {'n':>4} {'batched s':>10} {'one-by-one s':>13} {'speed-up':>9} {'rescored':>9}  verdicts")
     total_b = total_o = 0.0
@@ -101,13 +133,21 @@ def main():
             continue
         data = load_task_data(path, task["task_type"])
         random.Random(1337).shuffle(data)
-        data = data[:args.max_per_task] if args.max_per_task > 0 else data
+        data = data[: args.max_per_task] if args.max_per_task > 0 else data
         meta = {k: task[k] for k in ("task_type", "num_fewshot", "continuation_delimiter")}
         tb = to = float("inf")
         for _ in range(args.repeats):  # interleaved, best of N: other load on the machine only adds time
             t0 = time.perf_counter()
-            batched = score_examples(model, tokenizer, data, device, meta, batched=True,
-                                     batch_size=args.batch_size, max_tokens=args.max_tokens)
+            batched = score_examples(
+                model,
+                tokenizer,
+                data,
+                device,
+                meta,
+                batched=True,
+                batch_size=args.batch_size,
+                max_tokens=args.max_tokens,
+            )
             t1 = time.perf_counter()
             single = score_examples(model, tokenizer, data, device, meta, batched=False)
             t2 = time.perf_counter()
@@ -116,11 +156,15 @@ def main():
         all_same &= same
         total_b, total_o = total_b + tb, total_o + to
         rescored = sum(v["rescored"] for v in batched)
-        print(f"{label:<16} {len(data):>4} {tb:>10.2f} {to:>13.2f} {to / tb:>8.1f}x {rescored:>9}  "
-              f"{'identical' if same else 'DIFFERENT'} (acc {sum(v['correct'] for v in batched) / len(data):.3f})")
+        print(
+            f"{label:<16} {len(data):>4} {tb:>10.2f} {to:>13.2f} {to / tb:>8.1f}x {rescored:>9}  "
+            f"{'identical' if same else 'DIFFERENT'} (acc {sum(v['correct'] for v in batched) / len(data):.3f})"
+        )
     if total_b > 0:
-        print(f"{'all':<16} {'':>4} {total_b:>10.2f} {total_o:>13.2f} {total_o / total_b:>8.1f}x {'':>9}  "
-              f"{'all identical' if all_same else 'SOME DIFFERENT'}")
+        print(
+            f"{'all':<16} {'':>4} {total_b:>10.2f} {total_o:>13.2f} {total_o / total_b:>8.1f}x {'':>9}  "
+            f"{'all identical' if all_same else 'SOME DIFFERENT'}"
+        )
     return 0 if all_same else 1
 
 

@@ -43,15 +43,71 @@ OUTPUTS = ("results.json", "summary.md", "logs.tar.gz")
 QUICK_BUDGET, FULL_BUDGET = 420, 2400  # seconds; a borrowed slot gives a command 10 minutes, its start-up included
 PLANNED = 0.75  # the quick stages' expected times fit this share of its budget: the rest is room for a slower machine
 CACHE = "compile_cache"  # in the work folder: the Inductor and Triton caches every stage but a cold one shares
-PUBLISHED_SHAPE = ["--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
-D24 = ["--depth", "24", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16", "--vocab-size", "32768"]
-D20 = ["--depth", "20", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32", "--vocab-size", "32768"]
+PUBLISHED_SHAPE = [
+    "--model-dim",
+    "640",
+    "--head-dim",
+    "128",
+    "--max-seq-len",
+    "2048",
+    "--device-batch-size",
+    "16",
+    "--vocab-size",
+    "32768",
+]
+D24 = [
+    "--depth",
+    "24",
+    "--head-dim",
+    "128",
+    "--max-seq-len",
+    "2048",
+    "--device-batch-size",
+    "16",
+    "--vocab-size",
+    "32768",
+]
+D20 = [
+    "--depth",
+    "20",
+    "--head-dim",
+    "128",
+    "--max-seq-len",
+    "2048",
+    "--device-batch-size",
+    "32",
+    "--vocab-size",
+    "32768",
+]
 TIMED = ["--steps", "10", "--warmup", "3"]
 # base_train itself, NAG-MoD at 20 % skipped with --fp8, at the published width (depth 8, as step):
 # 3 steps of one micro-batch, no evaluation, the one checkpoint at the end; compiled as base_train
 # compiles on CUDA (its default)
-FP8_MOD = ["--arch", "nag", "--depth", "8", "--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16",
-           "--total-batch-size", str(16 * 2048), "--num-iterations", "3", "--fp8", "--mod-rate", "0.2", "--eval-every", "-1", "--save-every", "0"]
+FP8_MOD = [
+    "--arch",
+    "nag",
+    "--depth",
+    "8",
+    "--model-dim",
+    "640",
+    "--head-dim",
+    "128",
+    "--max-seq-len",
+    "2048",
+    "--device-batch-size",
+    "16",
+    "--total-batch-size",
+    str(16 * 2048),
+    "--num-iterations",
+    "3",
+    "--fp8",
+    "--mod-rate",
+    "0.2",
+    "--eval-every",
+    "-1",
+    "--save-every",
+    "0",
+]
 # the base_train stage's corpus: this many of the standard library's docs (~1,300 documents, ~1 MB of text)
 OFFLINE_DOCS = 200
 ROWS_PER_PROGRAM = "1,2,4,8,16,32"  # the fused backward's sweep (nag.kernels.BACKWARD_ROWS_PER_PROGRAM is the default)
@@ -75,7 +131,16 @@ class Stage:
 
 
 def bench_train(name, what, timeout, expect, *argv, cold=False):
-    cmd = [sys.executable, "-m", "scripts.bench.train", *argv, *TIMED, *(["--fresh-cache"] if cold else []), "--json", "{json}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scripts.bench.train",
+        *argv,
+        *TIMED,
+        *(["--fresh-cache"] if cold else []),
+        "--json",
+        "{json}",
+    ]
     return Stage(name, what, cmd, timeout, expect, step_figures, cold=cold)
 
 
@@ -83,56 +148,249 @@ def stages(quick, eval_bundle=None):
     py = sys.executable
     out = [
         # the CUDA variants alone: the sm_90 build report (test_kernels_build_for_hopper) needs no GPU and runs on a CPU
-        Stage("kernel_tests", "fused-kernel CUDA tests: vs the reference, leading dims, failure 1, custom ops, inductor compile",
-              [py, "-m", "scripts.bench.gpu_checks", "--kernel-tests", "{json}"], 150, 75, kernel_figures),
-        bench_train("step", "GPT vs NAG-fused, published shape (640 wide, 16 × 2048) at depth 8, compiled whole: step time, memory",
-                    150, 90, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on"),
-        bench_train("mfu", "GPT d20-like (20 × 1280, 32 × 2048), compiled whole: MFU", 120, 70, *D20, "--arch", "gpt", "--compile", "on"),
+        Stage(
+            "kernel_tests",
+            "fused-kernel CUDA tests: vs the reference, leading dims, failure 1, custom ops, inductor compile",
+            [py, "-m", "scripts.bench.gpu_checks", "--kernel-tests", "{json}"],
+            150,
+            75,
+            kernel_figures,
+        ),
+        bench_train(
+            "step",
+            "GPT vs NAG-fused, published shape (640 wide, 16 × 2048) at depth 8, compiled whole: step time, memory",
+            150,
+            90,
+            "--depth",
+            "8",
+            *PUBLISHED_SHAPE,
+            "--arch",
+            "gpt,nag:fused",
+            "--compile",
+            "on",
+        ),
+        bench_train(
+            "mfu",
+            "GPT d20-like (20 × 1280, 32 × 2048), compiled whole: MFU",
+            120,
+            70,
+            *D20,
+            "--arch",
+            "gpt",
+            "--compile",
+            "on",
+        ),
         # every kernel that loads here (FA4 if the gpu extra is installed, FA3 only from a cached hub copy: no network)
-        Stage("attention", "attention alone, every kernel that loads (SDPA flash and cuDNN, FA4, FA3), 16 × 2048, 5 heads × 128, bf16, "
-              "windows L and S (S: the kernel's own window or flex_attention against a dense mask)",
-              [py, "-m", "scripts.bench.attention", "--compile", "--json", "{json}"], 60, 30, attention_figures),
-        Stage("branch_op", "branch op alone, 16 × 2048 rows × 640, bf16: GB/s against a copy; the fused backward by rows per program",
-              [py, "-m", "scripts.bench.nag", "--sections", "op", "--impls", "reference,compiled,fused",
-               "--op-rows", str(16 * 2048), "--op-dim", "640", "--op-rows-per-program", ROWS_PER_PROGRAM, "--json", "{json}"],
-              90, 45, op_figures),
+        Stage(
+            "attention",
+            "attention alone, every kernel that loads (SDPA flash and cuDNN, FA4, FA3), 16 × 2048, 5 heads × 128, bf16, "
+            "windows L and S (S: the kernel's own window or flex_attention against a dense mask)",
+            [py, "-m", "scripts.bench.attention", "--compile", "--json", "{json}"],
+            60,
+            30,
+            attention_figures,
+        ),
+        Stage(
+            "branch_op",
+            "branch op alone, 16 × 2048 rows × 640, bf16: GB/s against a copy; the fused backward by rows per program",
+            [
+                py,
+                "-m",
+                "scripts.bench.nag",
+                "--sections",
+                "op",
+                "--impls",
+                "reference,compiled,fused",
+                "--op-rows",
+                str(16 * 2048),
+                "--op-dim",
+                "640",
+                "--op-rows-per-program",
+                ROWS_PER_PROGRAM,
+                "--json",
+                "{json}",
+            ],
+            90,
+            45,
+            op_figures,
+        ),
     ]
     if quick:
         return out
     out += [
         # the one cold stage: every compile seconds figure elsewhere is with the run's warm caches
-        bench_train("depth", "GPT vs NAG-fused at depth 4 (with step: per-layer cost, carried to 64), empty caches: cold compile, model and optimizer",
-                    180, 100, "--depth", "4", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on", cold=True),
-        bench_train("blocks", "GPT vs NAG-fused at depth 8, each block compiled on its own (compare with step)",
-                    120, 60, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "blocks"),
-        bench_train("host_reads", "GPT vs NAG-fused at depth 8, base_train's one host read per step vs two (the finite check read "
-                    "before the update is queued, as before)", 150, 70, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused",
-                    "--compile", "on", "--host-reads", "1,2"),
-        bench_train("fp8", "fp8 vs bf16 (base_train --fp8), GPT vs NAG-fused at the published shape, depth 8: step time, MFU",
-                    180, 90, "--depth", "8", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "on", "--precision", "bf16,fp8"),
-        bench_train("fp8_d24", "fp8 vs bf16 at nanochat's d24 (24 × 1536, 16 × 2048), GPT vs NAG-fused: step time, MFU",
-                    300, 150, *D24, "--arch", "gpt,nag:fused", "--compile", "on", "--precision", "bf16,fp8"),
-        bench_train("published_gpt", "GPT at the published shape, depth 64, compiled whole",
-                    420, 200, "--depth", "64", *PUBLISHED_SHAPE, "--arch", "gpt", "--compile", "on"),
-        bench_train("published_nag", "NAG-fused at the published shape, depth 64, compiled whole",
-                    480, 240, "--depth", "64", *PUBLISHED_SHAPE, "--arch", "nag:fused", "--compile", "on"),
-        bench_train("published_blocks", "GPT vs NAG-fused at depth 64, each block compiled on its own",
-                    240, 100, "--depth", "64", *PUBLISHED_SHAPE, "--arch", "gpt,nag:fused", "--compile", "blocks"),
+        bench_train(
+            "depth",
+            "GPT vs NAG-fused at depth 4 (with step: per-layer cost, carried to 64), empty caches: cold compile, model and optimizer",
+            180,
+            100,
+            "--depth",
+            "4",
+            *PUBLISHED_SHAPE,
+            "--arch",
+            "gpt,nag:fused",
+            "--compile",
+            "on",
+            cold=True,
+        ),
+        bench_train(
+            "blocks",
+            "GPT vs NAG-fused at depth 8, each block compiled on its own (compare with step)",
+            120,
+            60,
+            "--depth",
+            "8",
+            *PUBLISHED_SHAPE,
+            "--arch",
+            "gpt,nag:fused",
+            "--compile",
+            "blocks",
+        ),
+        bench_train(
+            "host_reads",
+            "GPT vs NAG-fused at depth 8, base_train's one host read per step vs two (the finite check read "
+            "before the update is queued, as before)",
+            150,
+            70,
+            "--depth",
+            "8",
+            *PUBLISHED_SHAPE,
+            "--arch",
+            "gpt,nag:fused",
+            "--compile",
+            "on",
+            "--host-reads",
+            "1,2",
+        ),
+        bench_train(
+            "fp8",
+            "fp8 vs bf16 (base_train --fp8), GPT vs NAG-fused at the published shape, depth 8: step time, MFU",
+            180,
+            90,
+            "--depth",
+            "8",
+            *PUBLISHED_SHAPE,
+            "--arch",
+            "gpt,nag:fused",
+            "--compile",
+            "on",
+            "--precision",
+            "bf16,fp8",
+        ),
+        bench_train(
+            "fp8_d24",
+            "fp8 vs bf16 at nanochat's d24 (24 × 1536, 16 × 2048), GPT vs NAG-fused: step time, MFU",
+            300,
+            150,
+            *D24,
+            "--arch",
+            "gpt,nag:fused",
+            "--compile",
+            "on",
+            "--precision",
+            "bf16,fp8",
+        ),
+        bench_train(
+            "published_gpt",
+            "GPT at the published shape, depth 64, compiled whole",
+            420,
+            200,
+            "--depth",
+            "64",
+            *PUBLISHED_SHAPE,
+            "--arch",
+            "gpt",
+            "--compile",
+            "on",
+        ),
+        bench_train(
+            "published_nag",
+            "NAG-fused at the published shape, depth 64, compiled whole",
+            480,
+            240,
+            "--depth",
+            "64",
+            *PUBLISHED_SHAPE,
+            "--arch",
+            "nag:fused",
+            "--compile",
+            "on",
+        ),
+        bench_train(
+            "published_blocks",
+            "GPT vs NAG-fused at depth 64, each block compiled on its own",
+            240,
+            100,
+            "--depth",
+            "64",
+            *PUBLISHED_SHAPE,
+            "--arch",
+            "gpt,nag:fused",
+            "--compile",
+            "blocks",
+        ),
         # MoD is eager (data-dependent shapes): time saved against FLOPs saved, with the MLP path free of host syncs
-        Stage("mod", "NAG-MoD at 20 / 40 % skipped vs full depth, width 640, depth 8: time saved for FLOPs saved",
-              [py, "-m", "scripts.bench.mod", "--depth", "8", *PUBLISHED_SHAPE, "--rates", "0,0.2,0.4", "--blocks", "attn,mlp,both",
-               "--steps", "10", "--warmup", "3"], 240, 90, writes_json=False),
+        Stage(
+            "mod",
+            "NAG-MoD at 20 / 40 % skipped vs full depth, width 640, depth 8: time saved for FLOPs saved",
+            [
+                py,
+                "-m",
+                "scripts.bench.mod",
+                "--depth",
+                "8",
+                *PUBLISHED_SHAPE,
+                "--rates",
+                "0,0.2,0.4",
+                "--blocks",
+                "attn,mlp,both",
+                "--steps",
+                "10",
+                "--warmup",
+                "3",
+            ],
+            240,
+            90,
+            writes_json=False,
+        ),
         # base_train itself (not a benchmark's copy of its step): --fp8 with MoD's packed, data-dependent token
         # counts on CUDA's _scaled_mm, which checks its shapes (the CPU's does not), and under base_train's
         # torch.compile
-        Stage("fp8_mod", "base_train --fp8 --mod-rate 0.2 (NAG-MoD, both blocks), 3 steps at the published width (640, 16 × 2048), "
-              "depth 8, compiled as base_train compiles, an offline corpus: each step's time, skip rates",
-              [py, "-m", "scripts.bench.gpu_checks", "--base-train", "{json}", "--vocab-size", "32768", *FP8_MOD], 300, 150, train_figures),
+        Stage(
+            "fp8_mod",
+            "base_train --fp8 --mod-rate 0.2 (NAG-MoD, both blocks), 3 steps at the published width (640, 16 × 2048), "
+            "depth 8, compiled as base_train compiles, an offline corpus: each step's time, skip rates",
+            [py, "-m", "scripts.bench.gpu_checks", "--base-train", "{json}", "--vocab-size", "32768", *FP8_MOD],
+            300,
+            150,
+            train_figures,
+        ),
     ]
     if eval_bundle:
-        out.append(Stage("core_batching", "CORE scoring batched vs one at a time on the GPU",
-                         [py, "-m", "scripts.bench.core", "--eval-bundle", eval_bundle, "--depth", "12", "--dim", "768",
-                          "--seq-len", "2048", "--threads", "0"], 300, 120, writes_json=False))
+        out.append(
+            Stage(
+                "core_batching",
+                "CORE scoring batched vs one at a time on the GPU",
+                [
+                    py,
+                    "-m",
+                    "scripts.bench.core",
+                    "--eval-bundle",
+                    eval_bundle,
+                    "--depth",
+                    "12",
+                    "--dim",
+                    "768",
+                    "--seq-len",
+                    "2048",
+                    "--threads",
+                    "0",
+                ],
+                300,
+                120,
+                writes_json=False,
+            )
+        )
     return out
 
 
@@ -152,9 +410,16 @@ def run_stages(stage_list, work, budget, out=None, env=None):
         left = deadline - time.time()
         if os.path.exists(os.path.join(work, st.name + ".json")):
             os.remove(os.path.join(work, st.name + ".json"))  # an earlier run's figures must not stand in
-        print(f"=== {st.name}: {st.what} (limit {min(st.timeout, max(left, 0)):.0f} s, expected {st.expect:.0f} s) ===", flush=True)
+        print(
+            f"=== {st.name}: {st.what} (limit {min(st.timeout, max(left, 0)):.0f} s, expected {st.expect:.0f} s) ===",
+            flush=True,
+        )
         if left < st.expect:
-            result, seconds, note = "SKIPPED", 0.0, f"not started: {max(left, 0):.0f} s of the {budget:.0f} s budget left, it expects {st.expect:.0f} s"
+            result, seconds, note = (
+                "SKIPPED",
+                0.0,
+                f"not started: {max(left, 0):.0f} s of the {budget:.0f} s budget left, it expects {st.expect:.0f} s",
+            )
         else:
             ok, seconds, note = run_stage(st, work, min(st.timeout, left))
             result = "ok" if ok else "FAILED"
@@ -164,8 +429,16 @@ def run_stages(stage_list, work, budget, out=None, env=None):
         line = f"| {st.name} | {result} | {seconds:.0f} | {note} |"
         with open(os.path.join(out, "summary.md"), "a") as f:
             f.write(line + "\n")
-        status[st.name] = {"result": result, "ok": result == "ok", "seconds": round(seconds, 1), "note": note, "what": st.what,
-                           "limit_s": st.timeout, "expect_s": st.expect, "cold": st.cold}
+        status[st.name] = {
+            "result": result,
+            "ok": result == "ok",
+            "seconds": round(seconds, 1),
+            "note": note,
+            "what": st.what,
+            "limit_s": st.timeout,
+            "expect_s": st.expect,
+            "cold": st.cold,
+        }
         collect(work, out, status, env)
         print(line, flush=True)
     return failed
@@ -174,7 +447,10 @@ def run_stages(stage_list, work, budget, out=None, env=None):
 def collect(work, out, status, env=None):
     """out/results.json (the machine, and each stage's status and figures) and out/logs.tar.gz (every log in work),
     each written whole under a temporary name and renamed, so a run killed at any point leaves the last complete pair."""
-    results = {"env": env, "stages": {name: {**s, "figures": load(work, name) if s["ok"] else None} for name, s in status.items()}}
+    results = {
+        "env": env,
+        "stages": {name: {**s, "figures": load(work, name) if s["ok"] else None} for name, s in status.items()},
+    }
     tmp = os.path.join(out, ".results.json.tmp")
     with open(tmp, "w") as f:
         json.dump(results, f, indent=1)
@@ -191,7 +467,10 @@ def stage_env(st, work):
     """The stage process's environment: the run's shared compiler caches, none for a cold stage (bench_train's
     --fresh-cache gives each of its variants empty ones)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    caches = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(work, CACHE, "inductor"), "TRITON_CACHE_DIR": os.path.join(work, CACHE, "triton")}
+    caches = {
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(work, CACHE, "inductor"),
+        "TRITON_CACHE_DIR": os.path.join(work, CACHE, "triton"),
+    }
     for k, v in caches.items():
         if st.cold:
             env.pop(k, None)
@@ -209,7 +488,9 @@ def run_stage(st, out, limit):
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=stage_env(st, out), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=stage_env(st, out), start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -254,8 +535,21 @@ def kernel_tests(json_path):
     if importlib.util.find_spec("pytest") is None:
         sys.exit(f"error: kernel tests: no pytest for {sys.executable}")
     xml = json_path + ".xml"
-    rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_nag_kernels.py",
-                         "-k", "cuda", f"--junitxml={xml}"], cwd=REPO).returncode
+    rc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_nag_kernels.py",
+            "-k",
+            "cuda",
+            f"--junitxml={xml}",
+        ],
+        cwd=REPO,
+    ).returncode
     tests = []
     if os.path.exists(xml):
         for case in ET.parse(xml).getroot().iter("testcase"):
@@ -268,10 +562,24 @@ def kernel_tests(json_path):
     cuda_skipped = sum(t["result"] == "skipped" and "cuda" in t["name"].lower() for t in tests)
     ok = rc == 0 and cuda_passed > 0 and cuda_skipped == 0
     with open(json_path, "w") as f:
-        json.dump({"pytest_exit": rc, **count, "cuda_passed": cuda_passed, "cuda_skipped": cuda_skipped, "ok": ok, "tests": tests}, f, indent=1)
+        json.dump(
+            {
+                "pytest_exit": rc,
+                **count,
+                "cuda_passed": cuda_passed,
+                "cuda_skipped": cuda_skipped,
+                "ok": ok,
+                "tests": tests,
+            },
+            f,
+            indent=1,
+        )
     if not ok:
-        print(f"error: kernel tests: pytest exit {rc}, {cuda_passed} CUDA test(s) passed, {cuda_skipped} skipped, "
-              f"{count['failure'] + count['error']} failed", file=sys.stderr)
+        print(
+            f"error: kernel tests: pytest exit {rc}, {cuda_passed} CUDA test(s) passed, {cuda_skipped} skipped, "
+            f"{count['failure'] + count['error']} failed",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 
@@ -286,17 +594,24 @@ def pair_tokenizer(vocab_size):
     import tiktoken
     from nanochat.common import UserError
     from nanochat.tokenizer import Tokenizer, SPECIAL_TOKENS, SPLIT_PATTERN
+
     pairs = vocab_size - len(SPECIAL_TOKENS) - 256
     if not 0 <= pairs <= 256 * 256:
-        raise UserError(f"--vocab-size {vocab_size}: a tokenizer of byte pairs has {256 + len(SPECIAL_TOKENS)} to "
-                        f"{256 + 256 * 256 + len(SPECIAL_TOKENS)} tokens")
+        raise UserError(
+            f"--vocab-size {vocab_size}: a tokenizer of byte pairs has {256 + len(SPECIAL_TOKENS)} to "
+            f"{256 + 256 * 256 + len(SPECIAL_TOKENS)} tokens"
+        )
     printable = range(32, 127)
     order = [bytes([a, b]) for a in printable for b in printable]
     order += [bytes([a, b]) for a in range(256) for b in range(256) if not (a in printable and b in printable)]
     ranks = {bytes([i]): i for i in range(256)}
     ranks.update((token, 256 + i) for i, token in enumerate(order[:pairs]))
     specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
-    return Tokenizer(tiktoken.Encoding(name="gpu_checks_pairs", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials))
+    return Tokenizer(
+        tiktoken.Encoding(
+            name="gpu_checks_pairs", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+        )
+    )
 
 
 def base_train_stage(json_path, argv):
@@ -307,8 +622,9 @@ def base_train_stage(json_path, argv):
     skipped no token with --mod-rate."""
     from nanochat.dataset import build_offline_corpus
     from nanochat.run_dir import metrics_path, metrics_lines, read_config
+
     i = argv.index("--vocab-size")
-    vocab, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
+    vocab, argv = int(argv[i + 1]), argv[:i] + argv[i + 2 :]
     base = tempfile.mkdtemp(prefix="gpu_checks_base_")
     try:
         build_offline_corpus(os.path.join(base, "base_data"), num_train_shards=1, max_docs=OFFLINE_DOCS)
@@ -317,8 +633,14 @@ def base_train_stage(json_path, argv):
         cmd = [sys.executable, "-m", "scripts.base_train", "--run", run_dir, *argv]
         print("$ " + " ".join(cmd), flush=True)
         t0 = time.time()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, NANOCHAT_BASE_DIR=base), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=dict(os.environ, NANOCHAT_BASE_DIR=base),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         lines = []
         for line in proc.stdout:  # into the stage's log as it comes
             print(line, end="", flush=True)
@@ -333,17 +655,39 @@ def base_train_stage(json_path, argv):
     for row in rows:
         if row.get("step") and row.get("tok_per_sec"):
             mod = row.get("mod", {})
-            steps.append({"step": row["step"], "ms": 1000 * (row["tokens"] - tokens) / row["tok_per_sec"], "train_loss": row["train_loss"],
-                          "skip_attn": mod.get("skip_attn"), "skip_mlp": mod.get("skip_mlp"), "mfu": row.get("mfu")})
+            steps.append(
+                {
+                    "step": row["step"],
+                    "ms": 1000 * (row["tokens"] - tokens) / row["tok_per_sec"],
+                    "train_loss": row["train_loss"],
+                    "skip_attn": mod.get("skip_attn"),
+                    "skip_mlp": mod.get("skip_mlp"),
+                    "mfu": row.get("mfu"),
+                }
+            )
             tokens = row["tokens"]
     peak = next((float(l.split()[2]) for l in lines if l.startswith("peak memory ")), None)
-    d = {"base_train_exit": rc, "seconds": seconds, "argv": argv, "vocab_size": vocab, "fp8_layers": config.get("fp8_layers"),
-         "attention": (config.get("attention") or {}).get("kernel"), "peak_mem_gib": peak, "steps": steps}
+    d = {
+        "base_train_exit": rc,
+        "seconds": seconds,
+        "argv": argv,
+        "vocab_size": vocab,
+        "fp8_layers": config.get("fp8_layers"),
+        "attention": (config.get("attention") or {}).get("kernel"),
+        "peak_mem_gib": peak,
+        "steps": steps,
+    }
     with open(json_path, "w") as f:
         json.dump(d, f, indent=1)
-    why = (f"base_train exit {rc}: {lines[-1] if lines else ''}" if rc != 0 else
-           "--fp8 ran no layer in fp8" if "--fp8" in argv and not d["fp8_layers"] else
-           "--mod-rate skipped no token" if "--mod-rate" in argv and not any(s["skip_mlp"] or s["skip_attn"] for s in steps) else None)
+    why = (
+        f"base_train exit {rc}: {lines[-1] if lines else ''}"
+        if rc != 0
+        else "--fp8 ran no layer in fp8"
+        if "--fp8" in argv and not d["fp8_layers"]
+        else "--mod-rate skipped no token"
+        if "--mod-rate" in argv and not any(s["skip_mlp"] or s["skip_attn"] for s in steps)
+        else None
+    )
     if why:
         sys.exit(f"error: base_train stage: {why}")
 
@@ -354,13 +698,18 @@ def base_train_stage(json_path, argv):
 
 def kernel_figures(d):
     skipped = [t["name"] for t in d["tests"] if t["result"] == "skipped"]
-    return f"{d['passed']} passed ({d['cuda_passed']} CUDA), {d['skipped']} skipped" + (f": {', '.join(skipped)}" if skipped else "")
+    return f"{d['passed']} passed ({d['cuda_passed']} CUDA), {d['skipped']} skipped" + (
+        f": {', '.join(skipped)}" if skipped else ""
+    )
 
 
 def attention_figures(d):
     cells = [f"{r['kernel']} {r['window']} {r['fwd_bwd_ms']:.2f} ms" for r in d["results"]]
-    cells += [f"{x['window']}: {x.get('kernel', 'fa3')} {x['speedup']:.2f}× as fast as {x.get('vs', 'sdpa')}, |difference| out "
-              f"{x['out']:.1e}, grads {max(x['grad_q'], x['grad_k'], x['grad_v']):.1e}" for x in d.get("vs_sdpa", d["fa3_vs_sdpa"])]
+    cells += [
+        f"{x['window']}: {x.get('kernel', 'fa3')} {x['speedup']:.2f}× as fast as {x.get('vs', 'sdpa')}, |difference| out "
+        f"{x['out']:.1e}, grads {max(x['grad_q'], x['grad_k'], x['grad_v']):.1e}"
+        for x in d.get("vs_sdpa", d["fa3_vs_sdpa"])
+    ]
     skipped = {k: why for k, why in d.get("kernels", {}).items() if why != "timed"}
     if skipped:
         cells.append("not run: " + ", ".join(f"{k} ({why})" for k, why in skipped.items()))
@@ -368,15 +717,24 @@ def attention_figures(d):
         cells.append(f"FA3 not run: {d['attention']['reason']}")
     c = d.get("compile")
     if c:
-        cells.append(f"{c['kernel']} compiled: " + (f"{'fullgraph' if c['fullgraph'] else 'graph break'}, {c['compile_s']:.0f} s, "
-                                                    f"{c['fwd_bwd_ms']:.2f} ms" if "compile_s" in c else f"failed: {c['error']}"))
+        cells.append(
+            f"{c['kernel']} compiled: "
+            + (
+                f"{'fullgraph' if c['fullgraph'] else 'graph break'}, {c['compile_s']:.0f} s, {c['fwd_bwd_ms']:.2f} ms"
+                if "compile_s" in c
+                else f"failed: {c['error']}"
+            )
+        )
     return "fwd+bwd " + "; ".join(cells)
 
 
 def op_figures(d):
     op = d["op"]
-    cells = [f"{impl} fwd {r['forward_gbps']:.0f} GB/s ({100 * r['forward_of_copy']:.0f}%), bwd {r['backward_gbps']:.0f} GB/s "
-             f"({100 * r['backward_of_copy']:.0f}%)" for impl, r in op["impls"].items()]
+    cells = [
+        f"{impl} fwd {r['forward_gbps']:.0f} GB/s ({100 * r['forward_of_copy']:.0f}%), bwd {r['backward_gbps']:.0f} GB/s "
+        f"({100 * r['backward_of_copy']:.0f}%)"
+        for impl, r in op["impls"].items()
+    ]
     sweep = op.get("rows_per_program")
     if sweep:
         cells.append(rows_per_program_figures(sweep))
@@ -385,9 +743,11 @@ def op_figures(d):
 
 def rows_per_program_figures(sweep):
     gbps = sweep["backward_gbps"]
-    return (f"fused backward alone by rows per program: best {sweep['best']} ({gbps[str(sweep['best'])]:.0f} GB/s), "
-            f"{sweep['gain_over_default']:.3f}× the default {sweep['default']} ({gbps[str(sweep['default'])]:.0f} GB/s); "
-            + ", ".join(f"{k}: {v:.0f}" for k, v in gbps.items()))
+    return (
+        f"fused backward alone by rows per program: best {sweep['best']} ({gbps[str(sweep['best'])]:.0f} GB/s), "
+        f"{sweep['gain_over_default']:.3f}× the default {sweep['default']} ({gbps[str(sweep['default'])]:.0f} GB/s); "
+        + ", ".join(f"{k}: {v:.0f}" for k, v in gbps.items())
+    )
 
 
 def train_figures(d):
@@ -396,26 +756,35 @@ def train_figures(d):
         return "no step logged"
     times = ", ".join(f"{x['ms']:.0f}" for x in s[1:])
     skip = lambda k: ", ".join(f"{100 * x[k]:.0f}" for x in s if x[k] is not None) or "-"
-    return (f"{len(s)} steps, fp8 on {d['fp8_layers']} layers, attention {d['attention']}: step 1 {s[0]['ms'] / 1000:.1f} s (compiles), "
-            f"then {times} ms; skipped % attn {skip('skip_attn')}, mlp {skip('skip_mlp')}"
-            + (f"; MFU {100 * s[-1]['mfu']:.1f}%" if s[-1].get("mfu") else "") + (f"; peak {d['peak_mem_gib']:.1f} GiB" if d["peak_mem_gib"] else ""))
+    return (
+        f"{len(s)} steps, fp8 on {d['fp8_layers']} layers, attention {d['attention']}: step 1 {s[0]['ms'] / 1000:.1f} s (compiles), "
+        f"then {times} ms; skipped % attn {skip('skip_attn')}, mlp {skip('skip_mlp')}"
+        + (f"; MFU {100 * s[-1]['mfu']:.1f}%" if s[-1].get("mfu") else "")
+        + (f"; peak {d['peak_mem_gib']:.1f} GiB" if d["peak_mem_gib"] else "")
+    )
 
 
 def compile_figures(r):
     """What a variant compiled in its first step and how long it took, the model and the optimizer apart."""
-    return (f"model {r['model_compile_s']:.0f} s ({r['model_graphs']} graph(s)), "
-            f"optimizer {r['optim_compile_s']:.0f} s ({r['optim_graphs']} graph(s)"
-            + (f": {', '.join(r['optim_compiled'])}" if r["optim_compiled"] and r["optim_graphs"] else "") + ")"
-            + (f", {r['later_graphs']} recompiled later" if r["later_graphs"] else ""))
+    return (
+        f"model {r['model_compile_s']:.0f} s ({r['model_graphs']} graph(s)), "
+        f"optimizer {r['optim_compile_s']:.0f} s ({r['optim_graphs']} graph(s)"
+        + (f": {', '.join(r['optim_compiled'])}" if r["optim_compiled"] and r["optim_graphs"] else "")
+        + ")"
+        + (f", {r['later_graphs']} recompiled later" if r["later_graphs"] else "")
+    )
 
 
 def step_figures(d):
     rs = d["results"]
-    cells = [f"{r['arch']}{' fp8' if r.get('precision') == 'fp8' else ''}{' (2 host reads)' if r.get('host_reads') == 2 else ''} "
-             f"{r['step_ms']:.1f} ms"
-             + (f" (fwd+bwd {r['fwd_bwd_ms']:.1f}, optimizer {r['optim_ms']:.1f})" if "optim_ms" in r else "")
-             + f", {r['peak_mem_gib']:.1f} GiB, compile{' (cold)' if r['fresh_cache'] else ''} {compile_figures(r)}"
-             + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "") for r in rs]
+    cells = [
+        f"{r['arch']}{' fp8' if r.get('precision') == 'fp8' else ''}{' (2 host reads)' if r.get('host_reads') == 2 else ''} "
+        f"{r['step_ms']:.1f} ms"
+        + (f" (fwd+bwd {r['fwd_bwd_ms']:.1f}, optimizer {r['optim_ms']:.1f})" if "optim_ms" in r else "")
+        + f", {r['peak_mem_gib']:.1f} GiB, compile{' (cold)' if r['fresh_cache'] else ''} {compile_figures(r)}"
+        + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
+        for r in rs
+    ]
     cells += [f"{q['what']}: {q['step_time']:.3f}× time, {q['peak_mem']:.3f}× memory" for q in d["ratios"]]
     return f"depth {rs[0]['depth']} × {rs[0]['dim']}: " + "; ".join(cells)
 
@@ -448,56 +817,79 @@ def headline(out):
     g64 = result(load(out, "published_gpt"), "gpt")
     n64 = result(load(out, "published_nag"), "nag:fused")
     if g8 and n8:
-        lines.append(f"- NAG / GPT at the published shape (640 wide, 16 × 2048 tokens, compiled whole), depth 8: "
-                     f"step time {n8['step_ms'] / g8['step_ms']:.3f}×, peak memory {n8['peak_mem_gib'] / g8['peak_mem_gib']:.3f}× "
-                     f"(GPT {g8['step_ms']:.1f} ms, {g8['peak_mem_gib']:.1f} GiB)")
+        lines.append(
+            f"- NAG / GPT at the published shape (640 wide, 16 × 2048 tokens, compiled whole), depth 8: "
+            f"step time {n8['step_ms'] / g8['step_ms']:.3f}×, peak memory {n8['peak_mem_gib'] / g8['peak_mem_gib']:.3f}× "
+            f"(GPT {g8['step_ms']:.1f} ms, {g8['peak_mem_gib']:.1f} GiB)"
+        )
     if g8 and n8 and g4 and n4:
         t = {a: to_depth(lo, hi, "step_ms") for a, lo, hi in (("gpt", g4, g8), ("nag", n4, n8))}
         m = {a: to_depth(lo, hi, "peak_mem_gib") for a, lo, hi in (("gpt", g4, g8), ("nag", n4, n8))}
         flops = to_depth(g4, g8, "flops_per_token")
-        lines.append(f"- the same at 64 blocks, carried linearly from depths 4 and 8 (per-layer cost = the difference / 4): "
-                     f"step time {t['nag'] / t['gpt']:.3f}× (GPT {t['gpt']:.0f} ms, NAG {t['nag']:.0f} ms), "
-                     f"peak memory {m['nag'] / m['gpt']:.3f}× (GPT {m['gpt']:.1f} GiB, NAG {m['nag']:.1f} GiB)"
-                     + (f", GPT MFU {100 * flops * g8['tokens_per_step'] / (t['gpt'] / 1e3) / g8['peak_flops']:.1f}%" if g8.get("peak_flops") else ""))
+        lines.append(
+            f"- the same at 64 blocks, carried linearly from depths 4 and 8 (per-layer cost = the difference / 4): "
+            f"step time {t['nag'] / t['gpt']:.3f}× (GPT {t['gpt']:.0f} ms, NAG {t['nag']:.0f} ms), "
+            f"peak memory {m['nag'] / m['gpt']:.3f}× (GPT {m['gpt']:.1f} GiB, NAG {m['nag']:.1f} GiB)"
+            + (
+                f", GPT MFU {100 * flops * g8['tokens_per_step'] / (t['gpt'] / 1e3) / g8['peak_flops']:.1f}%"
+                if g8.get("peak_flops")
+                else ""
+            )
+        )
     if g64 and n64:
-        lines.append(f"- measured at 64 blocks: step time {n64['step_ms'] / g64['step_ms']:.3f}× (GPT {g64['step_ms']:.0f} ms, "
-                     f"NAG {n64['step_ms']:.0f} ms), peak memory {n64['peak_mem_gib'] / g64['peak_mem_gib']:.3f}×"
-                     + (f", GPT MFU {100 * g64['mfu']:.1f}%" if "mfu" in g64 else ""))
+        lines.append(
+            f"- measured at 64 blocks: step time {n64['step_ms'] / g64['step_ms']:.3f}× (GPT {g64['step_ms']:.0f} ms, "
+            f"NAG {n64['step_ms']:.0f} ms), peak memory {n64['peak_mem_gib'] / g64['peak_mem_gib']:.3f}×"
+            + (f", GPT MFU {100 * g64['mfu']:.1f}%" if "mfu" in g64 else "")
+        )
     attn = load(out, "attention")
     for x in (attn or {}).get("fa3_vs_sdpa", []):
         ms = {r["kernel"]: r["fwd_bwd_ms"] for r in attn["results"] if r["window"] == x["window"]}
-        lines.append(f"- attention alone, window {x['window']}, 16 × 2048, 5 heads × 128: FA3 {ms['fa3']:.2f} ms, SDPA {ms['sdpa']:.2f} ms "
-                     f"forward + backward ({x['speedup']:.2f}×); outputs differ by at most {x['out']:.1e}")
+        lines.append(
+            f"- attention alone, window {x['window']}, 16 × 2048, 5 heads × 128: FA3 {ms['fa3']:.2f} ms, SDPA {ms['sdpa']:.2f} ms "
+            f"forward + backward ({x['speedup']:.2f}×); outputs differ by at most {x['out']:.1e}"
+        )
     op = (load(out, "branch_op") or {}).get("op")
     if op and "fused" in op["impls"]:
         f = op["impls"]["fused"]
-        lines.append(f"- branch op, fused, {op['rows']:,} rows × {op['dim']} {op['dtype']}: forward {f['forward_gbps']:.0f} GB/s "
-                     f"({100 * f['forward_of_copy']:.0f}% of copy), backward {f['backward_gbps']:.0f} GB/s "
-                     f"({100 * f['backward_of_copy']:.0f}% of copy); copy {op['copy_gbps']:.0f} GB/s")
+        lines.append(
+            f"- branch op, fused, {op['rows']:,} rows × {op['dim']} {op['dtype']}: forward {f['forward_gbps']:.0f} GB/s "
+            f"({100 * f['forward_of_copy']:.0f}% of copy), backward {f['backward_gbps']:.0f} GB/s "
+            f"({100 * f['backward_of_copy']:.0f}% of copy); copy {op['copy_gbps']:.0f} GB/s"
+        )
     if op and op.get("rows_per_program"):
         lines.append(f"- {rows_per_program_figures(op['rows_per_program'])} (GB/s; nag.kernels' default left as it is)")
     d20 = result(mfu, "gpt")
     if d20:
-        lines.append(f"- GPT d20-like (20 × {d20['dim']}, {d20['tokens_per_step']:,} tokens per step), compiled: "
-                     + (f"MFU {100 * d20['mfu']:.1f}%, " if "mfu" in d20 else "") + f"{d20['step_ms']:.0f} ms per step")
+        lines.append(
+            f"- GPT d20-like (20 × {d20['dim']}, {d20['tokens_per_step']:,} tokens per step), compiled: "
+            + (f"MFU {100 * d20['mfu']:.1f}%, " if "mfu" in d20 else "")
+            + f"{d20['step_ms']:.0f} ms per step"
+        )
     fm = load(out, "fp8_mod")
     if fm and len(fm["steps"]) > 1:
-        lines.append(f"- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8: {len(fm['steps'])} steps ran, "
-                     f"{min(x['ms'] for x in fm['steps'][1:]):.0f} ms per step after the first ({fm['steps'][0]['ms'] / 1000:.0f} s), "
-                     f"{fm['fp8_layers']} layers in fp8")
+        lines.append(
+            f"- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8: {len(fm['steps'])} steps ran, "
+            f"{min(x['ms'] for x in fm['steps'][1:]):.0f} ms per step after the first ({fm['steps'][0]['ms'] / 1000:.0f} s), "
+            f"{fm['fp8_layers']} layers in fp8"
+        )
     cold = [r for r in (g4, n4, g8, n8, d20, g64, n64) if r and r["fresh_cache"]]
     if cold:
-        lines.append("- cold compile (empty caches; first step minus a timed one): "
-                     + "; ".join(f"depth {r['depth']} × {r['dim']} {r['arch']}: {compile_figures(r)}" for r in cold))
+        lines.append(
+            "- cold compile (empty caches; first step minus a timed one): "
+            + "; ".join(f"depth {r['depth']} × {r['dim']} {r['arch']}: {compile_figures(r)}" for r in cold)
+        )
     for depth, per_block_run, wholes in ((8, blocks, (g8, n8)), (64, load(out, "published_blocks"), (g64, n64))):
         for arch, whole in zip(archs, wholes):
             per_block = result(per_block_run, arch, "blocks")
             if per_block and whole:
                 ratio = per_block["step_ms"] / whole["step_ms"]
-                lines.append(f"- {arch} compiled per block / whole, depth {depth}: step time {ratio:.3f}× "
-                             f"({'within' if ratio <= 1.02 else 'outside'} 2%), peak memory {per_block['peak_mem_gib'] / whole['peak_mem_gib']:.3f}×, "
-                             f"model compile {per_block['model_compile_s']:.0f} s ({per_block['model_graphs']} graph(s)) vs "
-                             f"{whole['model_compile_s']:.0f} s, the run's caches shared")
+                lines.append(
+                    f"- {arch} compiled per block / whole, depth {depth}: step time {ratio:.3f}× "
+                    f"({'within' if ratio <= 1.02 else 'outside'} 2%), peak memory {per_block['peak_mem_gib'] / whole['peak_mem_gib']:.3f}×, "
+                    f"model compile {per_block['model_compile_s']:.0f} s ({per_block['model_graphs']} graph(s)) vs "
+                    f"{whole['model_compile_s']:.0f} s, the run's caches shared"
+                )
     return lines or ["- no figures: every benchmark stage failed"]
 
 
@@ -508,10 +900,18 @@ def environment():
     from nanochat.common import nvidia_smi
     import torch
     import triton
-    env = {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-           "cudnn": torch.backends.cudnn.version(), "python": sys.version.split()[0],
-           "gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-           "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2 ** 30, "gpus": torch.cuda.device_count()}
+
+    env = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": sys.version.split()[0],
+        "gpu": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
+        "gpus": torch.cuda.device_count(),
+    }
     _, env["driver"], env["driver_cuda"] = nvidia_smi()  # the driver's version and the newest CUDA it runs
     return env
 
@@ -521,17 +921,27 @@ def dry_run(plan, budget):
     for st in plan:
         print(f"{st.name:16s} {st.timeout:5.0f} s {st.expect:6.0f} s  {'empty' if st.cold else 'shared':6s}  {st.what}")
     expected = sum(st.expect for st in plan)
-    print(f"expected {expected:.0f} s in all, {100 * expected / budget:.0f}% of the {budget:.0f} s budget (planned: at most "
-          f"{100 * PLANNED:.0f}% for --quick); a stage starts only while its expected time is left, else it is SKIPPED")
+    print(
+        f"expected {expected:.0f} s in all, {100 * expected / budget:.0f}% of the {budget:.0f} s budget (planned: at most "
+        f"{100 * PLANNED:.0f}% for --quick); a stage starts only while its expected time is left, else it is SKIPPED"
+    )
     print(f"writes {len(OUTPUTS)} files, all at the top of $OUT (else --out), none in a folder: {', '.join(OUTPUTS)}")
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"the stages a first GPU slot must answer, in {QUICK_BUDGET // 60} minutes on one GPU")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"the stages a first GPU slot must answer, in {QUICK_BUDGET // 60} minutes on one GPU",
+    )
     p.add_argument("--out", type=str, default="", help="output folder ($OUT wins when set; default gpu_checks/)")
-    p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for the whole run, positive (default {QUICK_BUDGET} with --quick, else {FULL_BUDGET})")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds for the whole run, positive (default {QUICK_BUDGET} with --quick, else {FULL_BUDGET})",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the stages and stop (no GPU needed)")
     p.add_argument("--kernel-tests", type=str, default=None, help=argparse.SUPPRESS)
     # JSON, then base_train's flags
@@ -567,6 +977,7 @@ def main(argv=None):
         return kernel_tests(args.kernel_tests)
     if args.base_train is not None:
         from nanochat.common import exit_on_user_error
+
         with exit_on_user_error():
             return base_train_stage(args.base_train[0], args.base_train[1:])
     if why := refusal(args):
@@ -577,9 +988,13 @@ def main(argv=None):
     if args.dry_run:
         return dry_run(plan, budget)
     import torch
+
     if not torch.cuda.is_available():
-        print(f"error: no GPU: torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'}) at {sys.executable} sees no "
-              f"CUDA device; run this on a GPU node, with PYTHON= pointing at a CUDA build of torch if .venv has none", file=sys.stderr)
+        print(
+            f"error: no GPU: torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'}) at {sys.executable} sees no "
+            f"CUDA device; run this on a GPU node, with PYTHON= pointing at a CUDA build of torch if .venv has none",
+            file=sys.stderr,
+        )
         sys.exit(1)
     out = os.environ.get("OUT") or args.out or "gpu_checks"
     os.makedirs(out, exist_ok=True)
@@ -592,10 +1007,15 @@ def main(argv=None):
     with open(os.path.join(work, "env.json"), "w") as f:
         json.dump(env, f, indent=1)
     with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write(f"# GPU checks{' (quick)' if args.quick else ''}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
-                f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; "
-                f"budget {budget:.0f} s\n\n| stage | result | seconds | figures |\n|---|---|---:|---|\n")
-    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, driver {env['driver']}; writing {out}", flush=True)
+        f.write(
+            f"# GPU checks{' (quick)' if args.quick else ''}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+            f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; "
+            f"budget {budget:.0f} s\n\n| stage | result | seconds | figures |\n|---|---|---:|---|\n"
+        )
+    print(
+        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, driver {env['driver']}; writing {out}",
+        flush=True,
+    )
     failed = run_stages(plan, work, budget - (time.time() - t_start), out, env)  # the budget counts from the start
     with open(os.path.join(out, "summary.md"), "a") as f:
         f.write("\n## Headline figures\n\n" + "\n".join(headline(work)) + "\n")

@@ -36,8 +36,17 @@ from nag import kernels  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 64, 32
 # pointer arguments that are fp32 whatever the input dtype; every other pointer has the input's dtype
-FP32_POINTERS = {"log_norm_ptr", "new_log_norm_ptr", "grad_new_log_norm_ptr", "coef_ptr", "beta_raw_ptr",
-                 "alpha_ptr", "scale_ptr", "part_weights_ptr", "part_scalars_ptr"}
+FP32_POINTERS = {
+    "log_norm_ptr",
+    "new_log_norm_ptr",
+    "grad_new_log_norm_ptr",
+    "coef_ptr",
+    "beta_raw_ptr",
+    "alpha_ptr",
+    "scale_ptr",
+    "part_weights_ptr",
+    "part_scalars_ptr",
+}
 
 
 def build(kernel, dim, channels, dtype, renorm):
@@ -60,9 +69,15 @@ def build(kernel, dim, channels, dtype, renorm):
             signature[name] = "fp32"
         else:
             signature[name] = "constexpr"
-    constexprs = dict(BLOCK_D=block_d, BLOCK_C=block_c, PREDICTED=renorm == "predicted", HAS_SCALE=True,
-                      ORTHO_EPS=kernels.ORTHO_EPS, RMS_EPS=kernels.RMS_EPS,
-                      ROWS_PER_PROGRAM=kernels.BACKWARD_ROWS_PER_PROGRAM)  # the backward's, at a full micro-batch
+    constexprs = dict(
+        BLOCK_D=block_d,
+        BLOCK_C=block_c,
+        PREDICTED=renorm == "predicted",
+        HAS_SCALE=True,
+        ORTHO_EPS=kernels.ORTHO_EPS,
+        RMS_EPS=kernels.RMS_EPS,
+        ROWS_PER_PROGRAM=kernels.BACKWARD_ROWS_PER_PROGRAM,
+    )  # the backward's, at a full micro-batch
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
@@ -75,7 +90,9 @@ def inspect(compiled):
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
         sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     num_warps = compiled.metadata.num_warps
@@ -87,9 +104,15 @@ def inspect(compiled):
         width = next((m for m in ("128", "64", "U16", "U8", "S16", "S8") if "." + m in modifiers), "32")
         widths[op][width] += 1
     static_shared = int(re.search(r"SHARED:(\d+)", usage).group(1))
-    return dict(registers=registers, local=int(re.search(r"LOCAL:(\d+)", usage).group(1)),
-                shared=static_shared + compiled.metadata.shared, num_warps=num_warps, blocks_per_sm=blocks,
-                loads=dict(widths["LDG"]), stores=dict(widths["STG"]))
+    return dict(
+        registers=registers,
+        local=int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+        shared=static_shared + compiled.metadata.shared,
+        num_warps=num_warps,
+        blocks_per_sm=blocks,
+        loads=dict(widths["LDG"]),
+        stores=dict(widths["STG"]),
+    )
 
 
 def report(dims=(640, 768), dtypes=("bf16", "fp32"), channels=32):
@@ -108,17 +131,23 @@ def accesses(counts):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="sm_90 builds of the fused NAG kernels: registers, spills, access widths")
+    parser = argparse.ArgumentParser(
+        description="sm_90 builds of the fused NAG kernels: registers, spills, access widths"
+    )
     parser.add_argument("--dims", default="640,768", help="comma-separated row widths D")
     args = parser.parse_args()
     dims = [int(d) for d in args.dims.split(",")]
     rows = report(dims)
     print(f"triton {triton.__version__}, target sm_{HOPPER.arch}, C = 32 directions")
-    print(f"{'kernel':22s} {'D':>4s} {'dtype':5s} {'renorm':9s} {'regs':>4s} {'spill B':>7s} {'smem B':>6s} "
-          f"{'warps':>5s} {'blocks/SM':>9s}  loads (count×width)       stores")
+    print(
+        f"{'kernel':22s} {'D':>4s} {'dtype':5s} {'renorm':9s} {'regs':>4s} {'spill B':>7s} {'smem B':>6s} "
+        f"{'warps':>5s} {'blocks/SM':>9s}  loads (count×width)       stores"
+    )
     for r in rows:
-        print(f"{r['kernel']:22s} {r['dim']:4d} {r['dtype']:5s} {r['renorm']:9s} {r['registers']:4d} {r['local']:7d} "
-              f"{r['shared']:6d} {r['num_warps']:5d} {r['blocks_per_sm']:9d}  {accesses(r['loads']):25s} {accesses(r['stores'])}")
+        print(
+            f"{r['kernel']:22s} {r['dim']:4d} {r['dtype']:5s} {r['renorm']:9s} {r['registers']:4d} {r['local']:7d} "
+            f"{r['shared']:6d} {r['num_warps']:5d} {r['blocks_per_sm']:9d}  {accesses(r['loads']):25s} {accesses(r['stores'])}"
+        )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from nanochat.common import exit_on_user_error
 from nanochat.dataloader import data_loader
 from nanochat.tokenizer import get_tokenizer
 
-PUBLISHED = {"tokens_per_step": 2 ** 20, "seconds_per_step": 1.1, "ranks": 8}  # docs/reproduce.md: the published run
+PUBLISHED = {"tokens_per_step": 2**20, "seconds_per_step": 1.1, "ranks": 8}  # docs/reproduce.md: the published run
 NEED_PER_RANK = PUBLISHED["tokens_per_step"] / PUBLISHED["seconds_per_step"] / PUBLISHED["ranks"]  # ≈ 119,156 tokens/s
 
 
@@ -46,22 +46,36 @@ def bench(tokenizer, B, T, batches, tokenizer_threads, device):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Train-loader tokens/s per process against what a training rank needs.")
-    p.add_argument("--shapes", type=lambda s: [parse_shape(x) for x in s.split(",")], default=[(16, 2048), (16, 256)],
-                   help="comma list of BxT (device batch × sequence length)")
+    p.add_argument(
+        "--shapes",
+        type=lambda s: [parse_shape(x) for x in s.split(",")],
+        default=[(16, 2048), (16, 256)],
+        help="comma list of BxT (device batch × sequence length)",
+    )
     p.add_argument("--batches", type=int, default=100, help="timed batches per shape, after the first")
-    p.add_argument("--tokenizer-threads", type=int, default=4, help="threads of the tokenizer (the loader's default: 4)")
-    p.add_argument("--device", type=str, default="cpu", help="where batches go (cuda: pinned memory, non-blocking copies)")
+    p.add_argument(
+        "--tokenizer-threads", type=int, default=4, help="threads of the tokenizer (the loader's default: 4)"
+    )
+    p.add_argument(
+        "--device", type=str, default="cpu", help="where batches go (cuda: pinned memory, non-blocking copies)"
+    )
     args = p.parse_args(argv)
     with exit_on_user_error():
         tokenizer = get_tokenizer()
-        print(f"need per rank (published run): 2^20 tokens / {PUBLISHED['seconds_per_step']} s per step / {PUBLISHED['ranks']} ranks "
-              f"= {NEED_PER_RANK:,.0f} tokens/s")
+        print(
+            f"need per rank (published run): 2^20 tokens / {PUBLISHED['seconds_per_step']} s per step / {PUBLISHED['ranks']} ranks "
+            f"= {NEED_PER_RANK:,.0f} tokens/s"
+        )
         results = []
         for B, T in args.shapes:
             first, rate = bench(tokenizer, B, T, args.batches, args.tokenizer_threads, args.device)
-            results.append({"B": B, "T": T, "first_batch_s": first, "tokens_per_s": rate, "x_need": rate / NEED_PER_RANK})
-            print(f"B × T = {B} × {T}: {rate:,.0f} tokens/s ({rate / NEED_PER_RANK:.1f}× the need; "
-                  f"{1e3 * B * T / rate:.1f} ms per batch) | first batch {first:.2f} s (fills the buffer)")
+            results.append(
+                {"B": B, "T": T, "first_batch_s": first, "tokens_per_s": rate, "x_need": rate / NEED_PER_RANK}
+            )
+            print(
+                f"B × T = {B} × {T}: {rate:,.0f} tokens/s ({rate / NEED_PER_RANK:.1f}× the need; "
+                f"{1e3 * B * T / rate:.1f} ms per batch) | first batch {first:.2f} s (fills the buffer)"
+            )
         return results
 
 

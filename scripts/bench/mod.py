@@ -43,6 +43,7 @@ def parse(argv=None):
 
 def build(args, mod):
     from nag.model import NAGConfig
+
     kwargs = {"nag": NAGConfig(alpha_warmup_tokens=0)} if args.arch == "nag" else {}
     if mod is not None or args.arch == "gpt-router":
         kwargs["mod"] = mod or ModConfig(rate=0.0)
@@ -72,8 +73,12 @@ class Variant:
     def result(self):
         m = self.model.step_metrics().get("mod", {})
         times = sorted(self.times)
-        return {"step_ms": 1000 * times[len(times) // 2], "flops": m.get("flops_per_token", self.model.estimate_flops()),
-                "skip_attn": m.get("skip_attn", 0.0), "skip_mlp": m.get("skip_mlp", 0.0)}
+        return {
+            "step_ms": 1000 * times[len(times) // 2],
+            "flops": m.get("flops_per_token", self.model.estimate_flops()),
+            "skip_attn": m.get("skip_attn", 0.0),
+            "skip_mlp": m.get("skip_mlp", 0.0),
+        }
 
 
 def layer_bench(args, rates):
@@ -86,8 +91,10 @@ def layer_bench(args, rates):
     x = torch.randn(B, T, D, generator=g, requires_grad=True)
     saved, full = savable_flops(model), model.estimate_flops()
     # a sub-layer's own FLOPs: what a skip saves, plus (attention) the keys and values every token still makes
-    per_layer = {"attn": saved[("attn", 0)] + 6 * (block.attn.c_k.weight.numel() + block.attn.c_v.weight.numel()),
-                 "mlp": saved[("mlp", 0)]}
+    per_layer = {
+        "attn": saved[("attn", 0)] + 6 * (block.attn.c_k.weight.numel() + block.attn.c_v.weight.numel()),
+        "mlp": saved[("mlp", 0)],
+    }
     variants = {("attn", None): lambda: block.attn(x, cos_sin, None), ("mlp", None): lambda: block.mlp(x)}
     for rate in rates:
         execute = torch.rand(B, T, generator=g) >= rate
@@ -100,14 +107,18 @@ def layer_bench(args, rates):
             fn().square().sum().backward()
             if i >= 2:
                 times[k].append(time.perf_counter() - t0)
-    print(f"one sub-layer alone, forward + backward, median of {args.layer_repeats} (a whole training step is {full:,} FLOPs/token)")
+    print(
+        f"one sub-layer alone, forward + backward, median of {args.layer_repeats} (a whole training step is {full:,} FLOPs/token)"
+    )
     for kind in ("attn", "mlp"):
         ref = sorted(times[(kind, None)])[args.layer_repeats // 2]
         print(f"  {kind:4s} full  | {1000 * ref:8.1f} ms")
         for rate in rates:
             t = sorted(times[(kind, rate)])[args.layer_repeats // 2]
-            print(f"  {kind:4s} {100 * rate:3.0f}%  | {1000 * t:8.1f} ms | FLOPs saved {100 * rate * saved[(kind, 0)] / per_layer[kind]:5.1f}% "
-                  f"| time saved {100 * (1 - t / ref):5.1f}%")
+            print(
+                f"  {kind:4s} {100 * rate:3.0f}%  | {1000 * t:8.1f} ms | FLOPs saved {100 * rate * saved[(kind, 0)] / per_layer[kind]:5.1f}% "
+                f"| time saved {100 * (1 - t / ref):5.1f}%"
+            )
 
 
 def main(argv=None):
@@ -128,15 +139,22 @@ def main(argv=None):
                 v.times.append(dt)
             elif i == args.warmup - 1:
                 v.model.step_metrics()  # drop the warm-up's skip rates
-    print(f"{args.arch} d{args.depth} dim {args.model_dim} | batch {args.device_batch_size}×{args.max_seq_len} | "
-          f"CPU threads {torch.get_num_threads()} | median of {args.steps} steps, variants interleaved")
-    print(f"{'blocks':6s} {'rate':>5s} | {'ms/step':>9s} | {'FLOPs/token':>12s} | {'skip attn':>9s} {'skip mlp':>8s} | "
-          f"{'FLOPs saved':>11s} | {'time saved':>10s}")
+    print(
+        f"{args.arch} d{args.depth} dim {args.model_dim} | batch {args.device_batch_size}×{args.max_seq_len} | "
+        f"CPU threads {torch.get_num_threads()} | median of {args.steps} steps, variants interleaved"
+    )
+    print(
+        f"{'blocks':6s} {'rate':>5s} | {'ms/step':>9s} | {'FLOPs/token':>12s} | {'skip attn':>9s} {'skip mlp':>8s} | "
+        f"{'FLOPs saved':>11s} | {'time saved':>10s}"
+    )
     rows = [(b, r, variants[(b, r)].result()) for b, r in keys]
     ref = rows[0][2]
     for b, rate, r in rows:
-        print(f"{b:6s} {100 * rate:4.0f}% | {r['step_ms']:9.1f} | {r['flops']:12,d} | {100 * r['skip_attn']:8.1f}% {100 * r['skip_mlp']:7.1f}% | "
-              f"{100 * (1 - r['flops'] / ref['flops']):10.1f}% | {100 * (1 - r['step_ms'] / ref['step_ms']):9.1f}%", flush=True)
+        print(
+            f"{b:6s} {100 * rate:4.0f}% | {r['step_ms']:9.1f} | {r['flops']:12,d} | {100 * r['skip_attn']:8.1f}% {100 * r['skip_mlp']:7.1f}% | "
+            f"{100 * (1 - r['flops'] / ref['flops']):10.1f}% | {100 * (1 - r['step_ms'] / ref['step_ms']):9.1f}%",
+            flush=True,
+        )
     return rows
 
 

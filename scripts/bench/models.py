@@ -21,14 +21,21 @@ def build(cls, config, device="cpu", **kwargs):
 def shape_config(args):
     """The GPTConfig of a benchmark's shape flags (--depth, --model-dim, --head-dim, --max-seq-len, --vocab-size)."""
     heads = args.model_dim // args.head_dim
-    return GPTConfig(sequence_len=args.max_seq_len, vocab_size=args.vocab_size, n_layer=args.depth, n_head=heads,
-                     n_kv_head=heads, n_embd=args.model_dim)
+    return GPTConfig(
+        sequence_len=args.max_seq_len,
+        vocab_size=args.vocab_size,
+        n_layer=args.depth,
+        n_head=heads,
+        n_kv_head=heads,
+        n_embd=args.model_dim,
+    )
 
 
 def train_config(train_argv, vocab_size):
     """The GPTConfig that base_train's flags in train_argv give (its defaults fill in the rest)."""
     from nanochat.plan import model_config_from_args
     from nag.train_flags import parse_args  # here: the benchmarks that take no base_train flags load none of it
+
     return model_config_from_args(parse_args(train_argv), vocab_size)
 
 

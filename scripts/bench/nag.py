@@ -49,17 +49,30 @@ def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=str, default="small,published" if on_cuda else "small")
     p.add_argument("--impls", type=str, default="reference,compiled,fused" if on_cuda else "reference,compiled")
-    p.add_argument("--compile", type=str, default="on" if on_cuda else "off", choices=["off", "on", "both"],
-                   help="torch.compile the whole model in the step benchmark (the targets are for compiled models)")
+    p.add_argument(
+        "--compile",
+        type=str,
+        default="on" if on_cuda else "off",
+        choices=["off", "on", "both"],
+        help="torch.compile the whole model in the step benchmark (the targets are for compiled models)",
+    )
     p.add_argument("--steps", type=int, default=10 if on_cuda else 3)
     p.add_argument("--warmup", type=int, default=3 if on_cuda else 1)
     p.add_argument("--vocab-size", type=int, default=32768 if on_cuda else 4096)
-    p.add_argument("--sections", type=str, default=",".join(SECTIONS),
-                   help="comma list of the parts to run: steps (1), op (2), activations (3), launches (4)")
+    p.add_argument(
+        "--sections",
+        type=str,
+        default=",".join(SECTIONS),
+        help="comma list of the parts to run: steps (1), op (2), activations (3), launches (4)",
+    )
     p.add_argument("--op-rows", type=int, default=16 * 2048 if on_cuda else 2048)
     p.add_argument("--op-dim", type=int, default=640)
-    p.add_argument("--op-rows-per-program", type=str, default="",
-                   help="comma list: time the fused backward alone at each number of rows per program (e.g. 1,2,4,8,16,32)")
+    p.add_argument(
+        "--op-rows-per-program",
+        type=str,
+        default="",
+        help="comma list: time the fused backward alone at each number of rows per program (e.g. 1,2,4,8,16,32)",
+    )
     p.add_argument("--json", type=str, default="", help="also write the figures of the sections run here")
     return p.parse_args()
 
@@ -85,6 +98,7 @@ def copy_bandwidth(device, device_type, nbytes):
 
 def bench_op(args, impls):
     from nag.model import branch_function
+
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device_type)
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
@@ -105,15 +119,26 @@ def bench_op(args, impls):
     # backward reads those inputs + both output grads and writes the four input grads
     fwd_bytes = N * (3 * D * esize + C * esize + 2 * 4)
     bwd_bytes = N * (3 * D * esize + C * esize + 4) + N * (3 * D * esize + C * esize + 2 * 4)
-    bw = copy_bandwidth(device, device_type, 2 ** 30 if device_type == "cuda" else 2 ** 26)
-    print(f"\nbranch op: {N:,} rows × D={D}, C={C}, {str(dtype).replace('torch.', '')} on {device_type}; "
-          f"measured copy bandwidth {bw / 1e9:,.1f} GB/s")
-    figures = {"rows": N, "dim": D, "directions": C, "dtype": str(dtype).replace("torch.", ""), "device": device_type,
-               "copy_gbps": bw / 1e9, "impls": {}}
+    bw = copy_bandwidth(device, device_type, 2**30 if device_type == "cuda" else 2**26)
+    print(
+        f"\nbranch op: {N:,} rows × D={D}, C={C}, {str(dtype).replace('torch.', '')} on {device_type}; "
+        f"measured copy bandwidth {bw / 1e9:,.1f} GB/s"
+    )
+    figures = {
+        "rows": N,
+        "dim": D,
+        "directions": C,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": device_type,
+        "copy_gbps": bw / 1e9,
+        "impls": {},
+    }
     iters = 20 if device_type == "cuda" else 3
     for impl in impls:
         if impl == "fused" and device_type != "cuda":
-            print("  fused: skipped on CPU (Triton runs in its interpreter here); `python -m scripts.bench.kernel_report` shows its sm_90 build")
+            print(
+                "  fused: skipped on CPU (Triton runs in its interpreter here); `python -m scripts.bench.kernel_report` shows its sm_90 build"
+            )
             continue
         fn = branch_function(impl)
         args_ = (res, log_norm, out, logits, coef, beta, alpha, 1e-6, "measured")
@@ -123,12 +148,21 @@ def bench_op(args, impls):
         def fwd_bwd():
             d, s = fn(*args_)
             torch.autograd.backward((d, s), (g_dir, g_ln))
+
         t_all = timed(fwd_bwd, iters, device_type)
         t_bwd = max(t_all - t_fwd, 1e-9)
-        print(f"  {impl:9s} forward {1e3 * t_fwd:8.3f} ms ({fwd_bytes / t_fwd / 1e9:8.1f} GB/s, {100 * fwd_bytes / t_fwd / bw:5.1f}% of copy) | "
-              f"backward {1e3 * t_bwd:8.3f} ms ({bwd_bytes / t_bwd / 1e9:8.1f} GB/s, {100 * bwd_bytes / t_bwd / bw:5.1f}% of copy)")
-        figures["impls"][impl] = {"forward_ms": 1e3 * t_fwd, "forward_gbps": fwd_bytes / t_fwd / 1e9, "forward_of_copy": fwd_bytes / t_fwd / bw,
-                                  "backward_ms": 1e3 * t_bwd, "backward_gbps": bwd_bytes / t_bwd / 1e9, "backward_of_copy": bwd_bytes / t_bwd / bw}
+        print(
+            f"  {impl:9s} forward {1e3 * t_fwd:8.3f} ms ({fwd_bytes / t_fwd / 1e9:8.1f} GB/s, {100 * fwd_bytes / t_fwd / bw:5.1f}% of copy) | "
+            f"backward {1e3 * t_bwd:8.3f} ms ({bwd_bytes / t_bwd / 1e9:8.1f} GB/s, {100 * bwd_bytes / t_bwd / bw:5.1f}% of copy)"
+        )
+        figures["impls"][impl] = {
+            "forward_ms": 1e3 * t_fwd,
+            "forward_gbps": fwd_bytes / t_fwd / 1e9,
+            "forward_of_copy": fwd_bytes / t_fwd / bw,
+            "backward_ms": 1e3 * t_bwd,
+            "backward_gbps": bwd_bytes / t_bwd / 1e9,
+            "backward_of_copy": bwd_bytes / t_bwd / bw,
+        }
     if args.op_rows_per_program:
         values = [int(k) for k in args.op_rows_per_program.split(",") if k.strip()]
         backward = (g_dir, g_ln, res, out, logits, coef, beta, alpha, None, 1e-6, "measured")
@@ -140,6 +174,7 @@ def sweep_rows_per_program(backward, values, nbytes, bw, iters, device_type):
     """The fused backward alone (its row kernel and the gate kernel that sums the partials) at each number of rows per
     program, against the default nag.kernels picks for these rows: GB/s each, the best value and its gain."""
     from nag import kernels
+
     default = kernels._rows_per_program(backward[2].size(0))
     op = torch.ops.nag.fused_branch_backward.default
     print(f"  fused backward alone by rows per program (the default here: {default}):")
@@ -148,11 +183,17 @@ def sweep_rows_per_program(backward, values, nbytes, bw, iters, device_type):
         with torch.no_grad():
             t = timed(lambda: op(*backward, k), iters, device_type)
         gbps[k] = nbytes / t / 1e9
-        print(f"    {k:3d} rows per program {1e3 * t:8.3f} ms ({gbps[k]:8.1f} GB/s, {100 * nbytes / t / bw:5.1f}% of copy)")
+        print(
+            f"    {k:3d} rows per program {1e3 * t:8.3f} ms ({gbps[k]:8.1f} GB/s, {100 * nbytes / t / bw:5.1f}% of copy)"
+        )
     best = max(gbps, key=gbps.get)
     print(f"    best {best} rows per program: {gbps[best] / gbps[default]:.3f}× the default's GB/s")
-    return {"default": default, "best": best, "gain_over_default": gbps[best] / gbps[default],
-            "backward_gbps": {str(k): v for k, v in gbps.items()}}
+    return {
+        "default": default,
+        "best": best,
+        "gain_over_default": gbps[best] / gbps[default],
+        "backward_gbps": {str(k): v for k, v in gbps.items()},
+    }
 
 
 def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled):
@@ -163,8 +204,20 @@ def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from scripts.bench import models
-    config = models.train_config(["--depth", str(depth), "--model-dim", str(dim), "--max-seq-len", str(seq_len),
-                                  "--head-dim", str(math.gcd(dim, 128))], vocab_size)  # the published 128 if D allows
+
+    config = models.train_config(
+        [
+            "--depth",
+            str(depth),
+            "--model-dim",
+            str(dim),
+            "--max-seq-len",
+            str(seq_len),
+            "--head-dim",
+            str(math.gcd(dim, 128)),
+        ],
+        vocab_size,
+    )  # the published 128 if D allows
     model = models.variant(variant, config, device)
     model.set_compute_dtype(torch.bfloat16)
     idx = torch.randint(0, vocab_size, (1, seq_len), device=device)
@@ -175,14 +228,19 @@ def saved_activations(variant, depth, seq_len, dim, vocab_size, device, compiled
             fw, bw = min_cut_rematerialization_partition(joint, inputs, compiler="inductor", **kwargs)
             for node in bw.graph.nodes:
                 val = node.meta.get("val")
-                if node.op == "placeholder" and not node.name.startswith("tangents") and isinstance(val, torch.Tensor) \
-                        and seq_len in val.shape:
+                if (
+                    node.op == "placeholder"
+                    and not node.name.startswith("tangents")
+                    and isinstance(val, torch.Tensor)
+                    and seq_len in val.shape
+                ):
                     sizes.append(val.numel() * val.element_size())
             return fw, bw
 
         def backend(gm, example_inputs):
-            return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-                                         partition_fn=partition)
+            return aot_module_simplified(
+                gm, example_inputs, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g, partition_fn=partition
+            )
 
         torch._dynamo.reset()
         torch.compile(model, backend=backend, dynamic=False, fullgraph=True)(idx, idx)
@@ -216,8 +274,10 @@ def activation_memory(args, impls):
         cells = []
         for compiled in (False, True):
             b = per_layer[variant, compiled] = activations_per_layer(variant, D, args.vocab_size, device, compiled)
-            cells.append(f"{'compiled' if compiled else 'eager'} {b:8,.0f} B ({b / (2 * D):4.1f} rows, "
-                         f"{b / per_layer['gpt', compiled]:.3f}× gpt)")
+            cells.append(
+                f"{'compiled' if compiled else 'eager'} {b:8,.0f} B ({b / (2 * D):4.1f} rows, "
+                f"{b / per_layer['gpt', compiled]:.3f}× gpt)"
+            )
         print(f"  {variant:13s} " + " | ".join(cells))
     return per_layer
 
@@ -245,6 +305,7 @@ class LaunchCounter(TorchDispatchMode):
         if func.namespace == "nag":
             # a custom op of nag.kernels launches nothing itself: count what its Python body runs
             from torch._library.custom_ops import _maybe_get_opdef
+
             with self:
                 return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
@@ -263,6 +324,7 @@ class LaunchCounter(TorchDispatchMode):
         self.depth -= 1
         if self.depth == 0:
             from nag import kernels
+
             for k, v in self.saved.items():
                 setattr(kernels, k, v)
         return super().__exit__(*exc)
@@ -270,6 +332,7 @@ class LaunchCounter(TorchDispatchMode):
     def count_kernels(self):
         from triton.runtime.jit import KernelInterface
         from nag import kernels
+
         counter = self
 
         class Counted:
@@ -284,11 +347,14 @@ class LaunchCounter(TorchDispatchMode):
                         return self.kernel[grid](*args, **kwargs)
                     finally:
                         counter.in_launch = False
+
                 return launch
 
         # the launch helpers look their kernels up in the module at call time; the kernels are the
         # *_kernel functions (the other @triton.jit functions are helpers they call)
-        self.saved = {k: v for k, v in vars(kernels).items() if isinstance(v, KernelInterface) and k.endswith("_kernel")}
+        self.saved = {
+            k: v for k, v in vars(kernels).items() if isinstance(v, KernelInterface) and k.endswith("_kernel")
+        }
         for k, v in self.saved.items():
             setattr(kernels, k, Counted(v))
 
@@ -299,8 +365,13 @@ def count_launches(impl, device="cpu", rows=6, dim=96, channels=8):
     depend on the number of rows, so a few interpreted rows give the figure of a full micro-batch."""
     from nag.model import NAGGPT, NAGConfig
     from nanochat.gpt import GPTConfig
-    model = NAGGPT(GPTConfig(sequence_len=rows, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=dim),
-                   nag=NAGConfig(directions=channels), impl=impl, device=device)
+
+    model = NAGGPT(
+        GPTConfig(sequence_len=rows, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=dim),
+        nag=NAGConfig(directions=channels),
+        impl=impl,
+        device=device,
+    )
     model.init_weights()
     br = model.gates[0].mlp_branch
     gen = torch.Generator().manual_seed(0)
@@ -308,11 +379,16 @@ def count_launches(impl, device="cpu", rows=6, dim=96, channels=8):
     log_norm = torch.zeros(rows, 1, device=device).requires_grad_()
     out = torch.randn(rows, dim, generator=gen).to(device, torch.bfloat16).requires_grad_()
     mod_logits = torch.randn(rows, channels, generator=gen).to(device, torch.bfloat16).requires_grad_()
-    grads = [torch.randn(rows, dim, generator=gen).to(device, torch.bfloat16), torch.randn(rows, 1, generator=gen).to(device)]
+    grads = [
+        torch.randn(rows, dim, generator=gen).to(device, torch.bfloat16),
+        torch.randn(rows, 1, generator=gen).to(device),
+    ]
     with LaunchCounter() as forward:
         new_dir, new_log_norm = model.branch_update(br, res_dir, log_norm, out, mod_logits)
     with LaunchCounter() as backward:
-        torch.autograd.grad((new_dir, new_log_norm), (res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, br.alpha), grads)
+        torch.autograd.grad(
+            (new_dir, new_log_norm), (res_dir, log_norm, out, mod_logits, br.coef, br.beta_raw, br.alpha), grads
+        )
     return forward, backward
 
 
@@ -324,14 +400,22 @@ def launches(args, impls):
         if impl == "compiled":
             continue  # Inductor decides its own launches; not counted here
         fwd, bwd = count_launches(impl)
-        figures[impl] = {"forward": fwd.total, "backward": bwd.total, "forward_ops": fwd.triton + fwd.aten,
-                         "backward_ops": bwd.triton + bwd.aten}
-        print(f"  {impl:9s} forward {fwd.total:3d} ({len(fwd.triton)} Triton) | backward {bwd.total:3d} ({len(bwd.triton)} Triton)"
-              f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * (fwd.total + bwd.total):,}")
+        figures[impl] = {
+            "forward": fwd.total,
+            "backward": bwd.total,
+            "forward_ops": fwd.triton + fwd.aten,
+            "backward_ops": bwd.triton + bwd.aten,
+        }
+        print(
+            f"  {impl:9s} forward {fwd.total:3d} ({len(fwd.triton)} Triton) | backward {bwd.total:3d} ({len(bwd.triton)} Triton)"
+            f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * (fwd.total + bwd.total):,}"
+        )
         if impl == "fused":
             before = FUSED_LAUNCHES_BEFORE
-            print(f"            before folding (commit 9716561): forward {before['forward']} | backward {before['backward']}"
-                  f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * sum(before.values()):,}")
+            print(
+                f"            before folding (commit 9716561): forward {before['forward']} | backward {before['backward']}"
+                f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * sum(before.values()):,}"
+            )
             figures[impl]["before"] = before
         print(f"            forward: {' '.join(fwd.triton + fwd.aten)}")
         print(f"            backward: {' '.join(bwd.triton + bwd.aten)}")
@@ -347,13 +431,31 @@ def main():
     figures = {}
     if "steps" in sections:
         from scripts.bench import train as bench_train
+
         for shape in args.shapes.split(","):
             if shape not in SHAPES:
                 sys.exit(f"error: unknown shape {shape!r} (choose from {', '.join(SHAPES)})")
             depth, dim, head_dim, seq, batch = SHAPES[shape]
-            argv = ["--depth", str(depth), "--model-dim", str(dim), "--head-dim", str(head_dim), "--max-seq-len", str(seq),
-                    "--device-batch-size", str(batch), "--vocab-size", str(args.vocab_size), "--steps", str(args.steps),
-                    "--warmup", str(args.warmup), "--compile", args.compile]
+            argv = [
+                "--depth",
+                str(depth),
+                "--model-dim",
+                str(dim),
+                "--head-dim",
+                str(head_dim),
+                "--max-seq-len",
+                str(seq),
+                "--device-batch-size",
+                str(batch),
+                "--vocab-size",
+                str(args.vocab_size),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--compile",
+                args.compile,
+            ]
             print(f"\n=== {shape}: {depth} blocks × dim {dim}, seq {seq}, batch {batch} ===", flush=True)
             variants = ["gpt"] + [f"nag:{i}" for i in impls]
             results = bench_train.benchmark(bench_train.parse(argv), variants, argv)
@@ -363,7 +465,9 @@ def main():
         figures["op"] = bench_op(args, impls)
     if "activations" in sections:
         per_layer = activation_memory(args, impls)
-        figures["activations"] = [{"variant": v, "compiled": c, "bytes_per_token_per_layer": b} for (v, c), b in per_layer.items()]
+        figures["activations"] = [
+            {"variant": v, "compiled": c, "bytes_per_token_per_layer": b} for (v, c), b in per_layer.items()
+        ]
     if "launches" in sections:
         figures["launches"] = launches(args, impls)
     if args.json:

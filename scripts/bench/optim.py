@@ -30,7 +30,12 @@ from nanochat.optim import MuonAdamW
 
 H100_BYTES_PER_S = 3.35e12  # SXM HBM3 bandwidth
 H100_BF16_FLOPS = peak_flops_of("NVIDIA H100 80GB HBM3")  # the dense bf16 peak, from nanochat/common.py's table
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default}
+MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.baddbmm.default,
+}
 FREE = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default}
 OVERWRITE = {"copy_", "_foreach_copy_", "fill_", "zero_"}  # in place, but the old value is not read
 
@@ -60,7 +65,7 @@ class Count(TorchDispatchMode):
             return out
         read = written = 0
         bound = func._schema.arguments
-        values = list(args) + [kwargs.get(a.name) for a in bound[len(args):]]
+        values = list(args) + [kwargs.get(a.name) for a in bound[len(args) :]]
         for arg, value in zip(bound, values):
             mutated = arg.alias_info is not None and arg.alias_info.is_write
             if mutated:
@@ -93,8 +98,13 @@ class Counted(MuonAdamW):
         return torch.bfloat16
 
     def all_gather(self, out, inp):
-        self.counter.add(1, read=nbytes(inp), written=nbytes(out), roofline_s=(nbytes(inp) + nbytes(out)) / H100_BYTES_PER_S,
-                         kind="all-gather")
+        self.counter.add(
+            1,
+            read=nbytes(inp),
+            written=nbytes(out),
+            roofline_s=(nbytes(inp) + nbytes(out)) / H100_BYTES_PER_S,
+            kind="all-gather",
+        )
         return Done()
 
     def step_muon(self, group, gate=None):
@@ -106,6 +116,7 @@ class Counted(MuonAdamW):
         def counted_finish():  # the gathered matrices copied into the weights: the all-gather's part
             self.counter.kind = "all-gather"
             finish()
+
         return counted_finish
 
     def step_adamw(self, group, gate=None):
@@ -132,6 +143,7 @@ def plan_groups(preset, arch):
     from nag.archs import plan_for
     from nag.presets import get_preset
     from nag.train_flags import parse_args
+
     args = parse_args(["--preset", preset, "--arch", arch])
     plan = plan_for(args, get_preset(preset)["vocab"], 1)  # the groups do not depend on the process count
     return plan.optimizer_groups(args), plan
@@ -141,7 +153,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="published", help="the model shape: a base_train preset (nag/presets.py)")
     p.add_argument("--arch", default="gpt,nag", help="comma list of archs (nag/archs.py)")
-    p.add_argument("--world-size", type=int, default=8, help="ranks the sharded optimizer is cut over (rank 0 is counted)")
+    p.add_argument(
+        "--world-size", type=int, default=8, help="ranks the sharded optimizer is cut over (rank 0 is counted)"
+    )
     p.add_argument("--json", default="", help="also write the figures to this file")
     args = p.parse_args(argv)
     results = []
@@ -149,22 +163,40 @@ def main(argv=None):
         groups, plan = plan_groups(args.preset, arch)
         for layout, world in (("replicated", 1), ("sharded", args.world_size)):
             totals, state = count_step(groups, 0, world)
-            results.append({"arch": arch, "layout": layout, "world_size": world, "state_bytes": state, "by_kind": totals,
-                            **{k: sum(t[k] for t in totals.values()) for k in ("ops", "bytes", "flops", "roofline_s")}})
-        print(f"{arch}: --preset {args.preset}, d{plan.config.n_layer} × {plan.config.n_embd}, "
-              f"{sum(p.numel() for g in groups for p in g['params']):,} params; one step on rank 0 of {args.world_size}")
+            results.append(
+                {
+                    "arch": arch,
+                    "layout": layout,
+                    "world_size": world,
+                    "state_bytes": state,
+                    "by_kind": totals,
+                    **{k: sum(t[k] for t in totals.values()) for k in ("ops", "bytes", "flops", "roofline_s")},
+                }
+            )
+        print(
+            f"{arch}: --preset {args.preset}, d{plan.config.n_layer} × {plan.config.n_embd}, "
+            f"{sum(p.numel() for g in groups for p in g['params']):,} params; one step on rank 0 of {args.world_size}"
+        )
     print()
-    print("| arch | layout | aten ops | GB read+written | TFLOP | roofline ms (H100) | optimizer state GB | Muon / AdamW / gather GB |")
+    print(
+        "| arch | layout | aten ops | GB read+written | TFLOP | roofline ms (H100) | optimizer state GB | Muon / AdamW / gather GB |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in results:
-        kinds = " / ".join(f"{r['by_kind'].get(k, {}).get('bytes', 0) / 1e9:.1f}" for k in ("muon", "adamw", "all-gather"))
-        print(f"| {r['arch']} | {r['layout']} ({r['world_size']}) | {r['ops']:,} | {r['bytes'] / 1e9:.1f} | {r['flops'] / 1e12:.2f} | "
-              f"{r['roofline_s'] * 1e3:.1f} | {r['state_bytes'] / 1e9:.2f} | {kinds} |")
+        kinds = " / ".join(
+            f"{r['by_kind'].get(k, {}).get('bytes', 0) / 1e9:.1f}" for k in ("muon", "adamw", "all-gather")
+        )
+        print(
+            f"| {r['arch']} | {r['layout']} ({r['world_size']}) | {r['ops']:,} | {r['bytes'] / 1e9:.1f} | {r['flops'] / 1e12:.2f} | "
+            f"{r['roofline_s'] * 1e3:.1f} | {r['state_bytes'] / 1e9:.2f} | {kinds} |"
+        )
     print()
     for rep, sh in zip(results[::2], results[1::2]):
-        print(f"{rep['arch']}: sharded / replicated per rank: bytes 1/{rep['bytes'] / sh['bytes']:.1f}, "
-              f"FLOPs 1/{rep['flops'] / sh['flops']:.1f}, roofline 1/{rep['roofline_s'] / sh['roofline_s']:.1f}, "
-              f"state 1/{rep['state_bytes'] / sh['state_bytes']:.1f}")
+        print(
+            f"{rep['arch']}: sharded / replicated per rank: bytes 1/{rep['bytes'] / sh['bytes']:.1f}, "
+            f"FLOPs 1/{rep['flops'] / sh['flops']:.1f}, roofline 1/{rep['roofline_s'] / sh['roofline_s']:.1f}, "
+            f"state 1/{rep['state_bytes'] / sh['state_bytes']:.1f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "world_size": args.world_size, "results": results}, f, indent=1)

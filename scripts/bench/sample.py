@@ -32,7 +32,9 @@ ARCHS = ("gpt", "nag", "nag-mod")
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=str, default="gpt,nag", help=f"random-weight models, any of {','.join(ARCHS)}")
-    p.add_argument("--run", type=str, action="append", default=[], help="a checkpoint instead (repeatable; its latest step)")
+    p.add_argument(
+        "--run", type=str, action="append", default=[], help="a checkpoint instead (repeatable; its latest step)"
+    )
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--model-dim", type=int, default=256)
     p.add_argument("--head-dim", type=int, default=64)
@@ -49,6 +51,7 @@ def parse(argv=None):
 
 def build(args, arch, device):
     from nag.model import NAGConfig
+
     kwargs = {} if arch == "gpt" else {"nag": NAGConfig(alpha_warmup_tokens=0)}
     if arch == "nag-mod":
         kwargs["mod"] = ModConfig("both", args.mod_rate)
@@ -57,7 +60,7 @@ def build(args, arch, device):
     with torch.no_grad():
         for block in model.blocks:
             for lin in (block.attn.c_proj, block.mlp.c_proj):
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g, device=device) * args.model_dim ** -0.5)
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g, device=device) * args.model_dim**-0.5)
     if arch == "nag-mod":
         calibrate(model, iter([(random_tokens(args, (8, args.max_seq_len), seed, device),) for seed in range(4)]), 4)
     model.eval()
@@ -89,8 +92,15 @@ def bench(name, model, args, device):
             times[use_cache].append(dt)
     n = len(outs[True])
     rate = {c: n / sorted(t)[len(t) // 2] for c, t in times.items()}
-    return {"model": name, "prompt_tokens": len(prompt), "tokens": n, "uncached_tok_s": rate[False], "cached_tok_s": rate[True],
-            "speedup": rate[True] / rate[False], "same_tokens": outs[True] == outs[False]}
+    return {
+        "model": name,
+        "prompt_tokens": len(prompt),
+        "tokens": n,
+        "uncached_tok_s": rate[False],
+        "cached_tok_s": rate[True],
+        "speedup": rate[True] / rate[False],
+        "same_tokens": outs[True] == outs[False],
+    }
 
 
 def main(argv=None):
@@ -100,6 +110,7 @@ def main(argv=None):
     if args.run:
         from nag.archs import load_model
         from nanochat.run_dir import resolve_run_dir
+
         for run in args.run:
             model, meta = load_model(resolve_run_dir(run), None, device)
             if "tokens" in meta:
@@ -111,15 +122,20 @@ def main(argv=None):
                 raise SystemExit(f"error: --arch takes {', '.join(ARCHS)} (got {arch!r})")
             named_models.append((arch, build(args, arch, device)))
     shape = named_models[0][1].config
-    print(f"{shape.n_layer} layers × {shape.n_embd}, seq {shape.sequence_len}, vocab {shape.vocab_size} | prompt {args.prompt_tokens} "
-          f"tokens, {args.max_tokens} generated, greedy | {device.type}, {torch.get_num_threads()} thread(s), median of {args.repeats}")
+    print(
+        f"{shape.n_layer} layers × {shape.n_embd}, seq {shape.sequence_len}, vocab {shape.vocab_size} | prompt {args.prompt_tokens} "
+        f"tokens, {args.max_tokens} generated, greedy | {device.type}, {torch.get_num_threads()} thread(s), median of {args.repeats}"
+    )
     print(f"{'model':24s} | {'uncached tok/s':>14s} | {'cached tok/s':>12s} | {'speed-up':>8s} | same tokens")
     rows = []
     for name, model in named_models:
         r = bench(name, model, args, device)
         rows.append(r)
-        print(f"{name:24s} | {r['uncached_tok_s']:14.1f} | {r['cached_tok_s']:12.1f} | {r['speedup']:7.2f}x | "
-              f"{'yes' if r['same_tokens'] else 'NO'}", flush=True)
+        print(
+            f"{name:24s} | {r['uncached_tok_s']:14.1f} | {r['cached_tok_s']:12.1f} | {r['speedup']:7.2f}x | "
+            f"{'yes' if r['same_tokens'] else 'NO'}",
+            flush=True,
+        )
     if args.json:
         print(json.dumps(rows))
     return rows

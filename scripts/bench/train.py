@@ -34,8 +34,15 @@ from scripts.bench import models
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", type=str, default="gpt,nag", help="comma list of gpt, nag, or nag:IMPL (reference|compiled|fused)")
-    p.add_argument("--compile", type=str, default="off", help="comma list of off, on (whole model), blocks (each block on its own); both = off,on")
+    p.add_argument(
+        "--arch", type=str, default="gpt,nag", help="comma list of gpt, nag, or nag:IMPL (reference|compiled|fused)"
+    )
+    p.add_argument(
+        "--compile",
+        type=str,
+        default="off",
+        help="comma list of off, on (whole model), blocks (each block on its own); both = off,on",
+    )
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--model-dim", type=int, default=-1, help="-1: depth × 64, as base_train")
     p.add_argument("--head-dim", type=int, default=64)
@@ -43,14 +50,26 @@ def parse(argv=None):
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--device-batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, at least one (compilation happens in the first)")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first, at least one (compilation happens in the first)"
+    )
     p.add_argument("--device-type", type=str, default="")
     p.add_argument("--json", type=str, default="", help="also write the results here")
-    p.add_argument("--fresh-cache", action="store_true", help="empty Inductor and Triton caches in every process (cold compile seconds)")
-    p.add_argument("--precision", type=str, default="bf16", help="comma list of bf16, fp8 (base_train --fp8: nanochat/fp8.py)")
-    p.add_argument("--host-reads", type=str, default="1",
-                   help="comma list of host reads per step: 1 = base_train's (the finite flags veto the update on the device, "
-                        "read with the loss), 2 = the flags read before the update is queued (the order before)")
+    p.add_argument(
+        "--fresh-cache",
+        action="store_true",
+        help="empty Inductor and Triton caches in every process (cold compile seconds)",
+    )
+    p.add_argument(
+        "--precision", type=str, default="bf16", help="comma list of bf16, fp8 (base_train --fp8: nanochat/fp8.py)"
+    )
+    p.add_argument(
+        "--host-reads",
+        type=str,
+        default="1",
+        help="comma list of host reads per step: 1 = base_train's (the finite flags veto the update on the device, "
+        "read with the loss), 2 = the flags read before the update is queued (the order before)",
+    )
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -71,10 +90,22 @@ def run_variant(args, variant, mode, precision="bf16", reads=1):
     from nanochat.common import peak_flops
     from nanochat import optim
     from nanochat.nonfinite import finite_flags
+
     device_type = args.device_type or autodetect_device_type()
     device = torch.device(device_type)
-    config = models.train_config(["--depth", str(args.depth), "--model-dim", str(args.model_dim),
-                                  "--head-dim", str(args.head_dim), "--max-seq-len", str(args.max_seq_len)], args.vocab_size)
+    config = models.train_config(
+        [
+            "--depth",
+            str(args.depth),
+            "--model-dim",
+            str(args.model_dim),
+            "--head-dim",
+            str(args.head_dim),
+            "--max-seq-len",
+            str(args.max_seq_len),
+        ],
+        args.vocab_size,
+    )
     model = models.variant(variant, config, device)
     model.set_compute_dtype(compute_dtype_for(device_type))
     fp8_layers = model.set_fp8(precision == "fp8")
@@ -153,25 +184,42 @@ def run_variant(args, variant, mode, precision="bf16", reads=1):
     sync()
     dt = (time.time() - t0) / args.steps
     tok_per_sec = B * T / dt
-    result = {"arch": variant, "compile": mode, "precision": precision, "fp8_layers": len(fp8_layers), "host_reads": reads, "step_ms": 1000 * dt, "tok_per_sec": tok_per_sec,
-              "fwd_bwd_ms": 1000 * split["fwd_bwd"] / args.steps, "optim_ms": 1000 * split["optim"] / args.steps,
-              "first_step_s": first_fwd_bwd_s + first_optim_s, "fresh_cache": args.fresh_cache,
-              "model_compile_s": max(first_fwd_bwd_s - split["fwd_bwd"] / args.steps, 0.0), "model_graphs": model_graphs,
-              "optim_compile_s": max(first_optim_s - split["optim"] / args.steps, 0.0), "optim_graphs": optim_graphs,
-              # the update functions behind its graphs
-              "optim_compiled": sorted(fn.__name__ for fn in getattr(optim, "COMPILED", {})),
-              # recompiles past the first step: 0
-              "later_graphs": counters["stats"]["unique_graphs"] - model_graphs - optim_graphs,
-              "first_loss": first_loss, "last_loss": last_loss,
-              "params": sum(p.numel() for p in model.parameters()), "flops_per_token": model.estimate_flops(),
-              "device": device_type, "depth": args.depth, "dim": model.config.n_embd, "tokens_per_step": B * T}
+    result = {
+        "arch": variant,
+        "compile": mode,
+        "precision": precision,
+        "fp8_layers": len(fp8_layers),
+        "host_reads": reads,
+        "step_ms": 1000 * dt,
+        "tok_per_sec": tok_per_sec,
+        "fwd_bwd_ms": 1000 * split["fwd_bwd"] / args.steps,
+        "optim_ms": 1000 * split["optim"] / args.steps,
+        "first_step_s": first_fwd_bwd_s + first_optim_s,
+        "fresh_cache": args.fresh_cache,
+        "model_compile_s": max(first_fwd_bwd_s - split["fwd_bwd"] / args.steps, 0.0),
+        "model_graphs": model_graphs,
+        "optim_compile_s": max(first_optim_s - split["optim"] / args.steps, 0.0),
+        "optim_graphs": optim_graphs,
+        # the update functions behind its graphs
+        "optim_compiled": sorted(fn.__name__ for fn in getattr(optim, "COMPILED", {})),
+        # recompiles past the first step: 0
+        "later_graphs": counters["stats"]["unique_graphs"] - model_graphs - optim_graphs,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "params": sum(p.numel() for p in model.parameters()),
+        "flops_per_token": model.estimate_flops(),
+        "device": device_type,
+        "depth": args.depth,
+        "dim": model.config.n_embd,
+        "tokens_per_step": B * T,
+    }
     if device_type == "cuda":
-        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_flops"] = peak_flops("cuda")
         if result["peak_flops"]:
             result["mfu"] = model.estimate_flops() * tok_per_sec / result["peak_flops"]
     else:
-        result["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB → GiB
+        result["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB
     return result
 
 
@@ -187,7 +235,9 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv[1:], "results": results, "ratios": ratios(results)}, f, indent=1)
-    if len(results) < len(archs) * len(compile_modes(args.compile)) * len(listed(args.precision, PRECISIONS, "--precision")) * len(listed(args.host_reads, READS, "--host-reads")):
+    if len(results) < len(archs) * len(compile_modes(args.compile)) * len(
+        listed(args.precision, PRECISIONS, "--precision")
+    ) * len(listed(args.host_reads, READS, "--host-reads")):
         sys.exit(1)  # a variant failed (its error is printed above)
 
 
@@ -218,17 +268,31 @@ def benchmark(args, archs, argv):
     if bad:
         sys.exit(f"error: unknown arch {bad} (choose from {', '.join(VARIANTS)})")
     results = []
-    combos = [(mode, arch, precision, reads) for mode in compile_modes(args.compile) for arch in archs
-              for precision in listed(args.precision, PRECISIONS, "--precision") for reads in listed(args.host_reads, READS, "--host-reads")]
+    combos = [
+        (mode, arch, precision, reads)
+        for mode in compile_modes(args.compile)
+        for arch in archs
+        for precision in listed(args.precision, PRECISIONS, "--precision")
+        for reads in listed(args.host_reads, READS, "--host-reads")
+    ]
     for mode, arch, precision, reads in combos:
-        cmd = [sys.executable, "-m", "scripts.bench.train", "--worker", f"{arch}@{mode}@{precision}@{reads}"] + list(argv)
+        cmd = [sys.executable, "-m", "scripts.bench.train", "--worker", f"{arch}@{mode}@{precision}@{reads}"] + list(
+            argv
+        )
         env = dict(os.environ)
         cache = tempfile.mkdtemp(prefix="bench_train_cache_") if args.fresh_cache else None
         if cache:
-            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+            env.update(
+                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache, "triton")
+            )
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                                 cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+            out = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            )
         finally:
             if cache:
                 shutil.rmtree(cache, ignore_errors=True)
@@ -236,14 +300,19 @@ def benchmark(args, archs, argv):
         if line is None:
             print(f"{arch} compile={mode}: failed\n{out.stderr[-2000:]}", flush=True)
             continue
-        r = json.loads(line[len("RESULT "):])
+        r = json.loads(line[len("RESULT ") :])
         results.append(r)
-        print(f"{arch:13s} {LABELS[mode]} {precision} {reads} read(s) | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
-              f"peak {r['peak_mem_gib']:.2f} GiB | compile: model {r['model_compile_s']:.1f} s ({r['model_graphs']} graph(s)), "
-              f"optimizer {r['optim_compile_s']:.1f} s ({r['optim_graphs']})"
-              + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""), flush=True)
+        print(
+            f"{arch:13s} {LABELS[mode]} {precision} {reads} read(s) | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
+            f"peak {r['peak_mem_gib']:.2f} GiB | compile: model {r['model_compile_s']:.1f} s ({r['model_graphs']} graph(s)), "
+            f"optimizer {r['optim_compile_s']:.1f} s ({r['optim_graphs']})"
+            + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""),
+            flush=True,
+        )
     if results:
-        print(f"config: depth {args.depth}, dim {results[0]['dim']}, batch {args.device_batch_size}×{args.max_seq_len}, device {results[0]['device']}")
+        print(
+            f"config: depth {args.depth}, dim {results[0]['dim']}, batch {args.device_batch_size}×{args.max_seq_len}, device {results[0]['device']}"
+        )
     return results
 
 
@@ -270,14 +339,27 @@ def ratios(results):
         if same and r is not same:
             what = f"{r['precision']}, {r['host_reads']} host read(s) / bf16, 1"
             out.append((f"{r['arch']} {what} ({NAMES[r['compile']]})", r, same))
-    return [{"what": what, "step_time": r["step_ms"] / base["step_ms"], "peak_mem": r["peak_mem_gib"] / base["peak_mem_gib"],
-             "model_compile_s": [r["model_compile_s"], base["model_compile_s"]]} for what, r, base in out]
+    return [
+        {
+            "what": what,
+            "step_time": r["step_ms"] / base["step_ms"],
+            "peak_mem": r["peak_mem_gib"] / base["peak_mem_gib"],
+            "model_compile_s": [r["model_compile_s"], base["model_compile_s"]],
+        }
+        for what, r, base in out
+    ]
 
 
 def print_ratios(results):
     for q in ratios(results):
-        print(f"{q['what']}: step time {q['step_time']:.3f}×, peak memory {q['peak_mem']:.3f}×"
-              + (f", model compile {q['model_compile_s'][0]:.1f} s vs {q['model_compile_s'][1]:.1f} s" if q["what"].endswith("whole") else ""))
+        print(
+            f"{q['what']}: step time {q['step_time']:.3f}×, peak memory {q['peak_mem']:.3f}×"
+            + (
+                f", model compile {q['model_compile_s'][0]:.1f} s vs {q['model_compile_s'][1]:.1f} s"
+                if q["what"].endswith("whole")
+                else ""
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,16 @@ import traceback
 import torch
 
 from nanochat import checkpoint_manager as ckpt
-from nanochat.common import (UserError, exit_on_user_error, get_base_dir, ensure_writable_dir, atomic_write_json,
-                             base_dir_path, parse_seeds, seed_flags)
+from nanochat.common import (
+    UserError,
+    exit_on_user_error,
+    get_base_dir,
+    ensure_writable_dir,
+    atomic_write_json,
+    base_dir_path,
+    parse_seeds,
+    seed_flags,
+)
 from nanochat import stats
 from nanochat.gpt import GPT
 from nanochat.plan import PLANNED_MFU, model_config_from_args, planned_seconds
@@ -58,8 +66,13 @@ DEFAULT_ARCHS = ",".join((BASELINE, NAGGPT.arch))  # --archs' default: the paper
 # 80 / 60 / 40 / 30 / 20 give that block size (16 x 1280 ... 40 x 768), so the pair itself is the ratio-10 end.
 SCALES = {
     "cpu": {"preset": "demo", "reference": (4, 256), "depths": [2, 4, 8], "flops": 1e13, "head_dim": 64},
-    "published": {"preset": "published", "reference": (64, 640), "depths": [16, 20, 25, 32, 40, 64], "flops": 3e19,
-                  "head_dim": 128},
+    "published": {
+        "preset": "published",
+        "reference": (64, 640),
+        "depths": [16, 20, 25, 32, 40, 64],
+        "flops": 3e19,
+        "head_dim": 128,
+    },
 }
 MAX_PARAM_MISMATCH = 0.15  # tested: every depth's blocks within 15% of the reference's
 PLAN_KEYS = ("num_params", "flops_per_token", "num_iterations", "total_tokens", "total_flops")
@@ -73,8 +86,9 @@ def parse_archs(text):
     if bad:
         raise UserError(f"unknown arch {bad[0]!r} in --archs {text} (expected some of: {', '.join(ARCHS)})")
     if BASELINE not in archs or len(archs) < 2 or len(set(archs)) != len(archs):
-        raise UserError(f"--archs takes {BASELINE} (every gap is against it) and at least one other arch, each once; "
-                        f"got {text!r}")
+        raise UserError(
+            f"--archs takes {BASELINE} (every gap is against it) and at least one other arch, each once; got {text!r}"
+        )
     return [BASELINE] + [a for a in archs if a != BASELINE]
 
 
@@ -87,9 +101,27 @@ def train_argv(scale, arch, depth, dim, flops, run, seed=None):
     """base_train's flags of one run; a seed's flags (seed_flags) give every arm of that seed one init and data
     order."""
     s = SCALES[scale]
-    return ["--preset", s["preset"], "--arch", arch, "--depth", str(depth), "--model-dim", str(dim),
-            "--head-dim", str(s["head_dim"]), "--target-flops", f"{flops:g}", "--save-every", "-1", *seed_flags(seed),
-            "--run", run, "--resume", "latest"]
+    return [
+        "--preset",
+        s["preset"],
+        "--arch",
+        arch,
+        "--depth",
+        str(depth),
+        "--model-dim",
+        str(dim),
+        "--head-dim",
+        str(s["head_dim"]),
+        "--target-flops",
+        f"{flops:g}",
+        "--save-every",
+        "-1",
+        *seed_flags(seed),
+        "--run",
+        run,
+        "--resume",
+        "latest",
+    ]
 
 
 def baseline_block_params(scale, depth, dim, vocab):
@@ -120,15 +152,28 @@ def plan_sweep(scale, depths, flops, vocab, nproc, seeds=None, archs=None):
     rows = []
     for depth in depths:
         dim, params = width_for(scale, depth, target, vocab)
-        row = {"depth": depth, "dim": dim, "aspect_ratio": dim / depth, "block_params": params,
-               "block_params_vs_reference": params / target, "runs": {}}
+        row = {
+            "depth": depth,
+            "dim": dim,
+            "aspect_ratio": dim / depth,
+            "block_params": params,
+            "block_params_vs_reference": params / target,
+            "runs": {},
+        }
         for arch in archs:
             args = train_flags.parse_args(train_argv(scale, arch, depth, dim, flops, "x"))
             rec = plan_for(args, vocab, nproc).record(args)
             row["runs"][arch] = {k: rec[k] for k in PLAN_KEYS}
         rows.append(row)
-    return {"scale": scale, "archs": archs, "reference": {"depth": ref_depth, "dim": ref_dim, "block_params": target},
-            "flops_per_run": flops, "nproc": nproc, "seeds": seeds, "depths": rows}
+    return {
+        "scale": scale,
+        "archs": archs,
+        "reference": {"depth": ref_depth, "dim": ref_dim, "block_params": target},
+        "flops_per_run": flops,
+        "nproc": nproc,
+        "seeds": seeds,
+        "depths": rows,
+    }
 
 
 def hours(flops, gpus):
@@ -137,15 +182,25 @@ def hours(flops, gpus):
 
 def plan_table(plan):
     published = plan["scale"] == "published"
-    lines = ["| depth | dim | width/depth | block params (vs ref) | arch | params | FLOPs/token | steps | tokens | "
-             "FLOPs |" + (" est. hours |" if published else ""),
-             "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|" + ("---:|" if published else "")]
+    lines = [
+        "| depth | dim | width/depth | block params (vs ref) | arch | params | FLOPs/token | steps | tokens | "
+        "FLOPs |" + (" est. hours |" if published else ""),
+        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|" + ("---:|" if published else ""),
+    ]
     for row in plan["depths"]:
         for arch, r in row["runs"].items():
-            cells = [row["depth"], row["dim"], f"{row['aspect_ratio']:.0f}",
-                     f"{row['block_params']:,} ({row['block_params_vs_reference']:.2f}x)", arch, f"{r['num_params']:,}",
-                     f"{r['flops_per_token']:,}", f"{r['num_iterations']:,}", f"{r['total_tokens']:,}",
-                     f"{r['total_flops']:.3g}"]
+            cells = [
+                row["depth"],
+                row["dim"],
+                f"{row['aspect_ratio']:.0f}",
+                f"{row['block_params']:,} ({row['block_params_vs_reference']:.2f}x)",
+                arch,
+                f"{r['num_params']:,}",
+                f"{r['flops_per_token']:,}",
+                f"{r['num_iterations']:,}",
+                f"{r['total_tokens']:,}",
+                f"{r['total_flops']:.3g}",
+            ]
             if published:
                 cells.append(f"{hours(r['total_flops'], plan['nproc']):.1f}")
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -153,8 +208,9 @@ def plan_table(plan):
     arm_flops = {a: len(seeds) * sum(row["runs"][a]["total_flops"] for row in plan["depths"]) for a in archs}
     total = sum(arm_flops.values())
     runs = len(seeds) * len(plan["depths"]) * len(archs)
-    each = (f" ({len(plan['depths'])} depths × {len(archs)} archs × seeds {seeds_text(seeds)})" if plan.get("seeds")
-            else "")
+    each = (
+        f" ({len(plan['depths'])} depths × {len(archs)} archs × seeds {seeds_text(seeds)})" if plan.get("seeds") else ""
+    )
     foot = f"\n{runs} runs{each}, {total:.3g} FLOPs in all"
     if published:
         n = plan["nproc"]
@@ -184,21 +240,47 @@ def speedrun_cmd(row, flops, extra, seeds, archs):
     trains the sweep's default arms, its own default pair, without --arch."""
     s = SCALES["published"]
     arms = [] if archs == parse_archs(DEFAULT_ARCHS) else ["--arch", ",".join(archs)]
-    return ["bash", "speedrun.sh", "--preset", s["preset"], *arms, "--tag", f"d{row['depth']}", "--flops", f"{flops:g}",
-            *(["--seeds", seeds_text(seeds)] if seeds else []), *extra,
-            "--", "--depth", str(row["depth"]), "--model-dim", str(row["dim"]), "--head-dim", str(s["head_dim"])]
+    return [
+        "bash",
+        "speedrun.sh",
+        "--preset",
+        s["preset"],
+        *arms,
+        "--tag",
+        f"d{row['depth']}",
+        "--flops",
+        f"{flops:g}",
+        *(["--seeds", seeds_text(seeds)] if seeds else []),
+        *extra,
+        "--",
+        "--depth",
+        str(row["depth"]),
+        "--model-dim",
+        str(row["dim"]),
+        "--head-dim",
+        str(s["head_dim"]),
+    ]
 
 
 def commands(plan, extra):
     """What the sweep runs: base_train per run on a CPU, speedrun.sh per depth at the published scale."""
     flops, seeds, archs = plan["flops_per_run"], plan.get("seeds"), plan["archs"]
     if plan["scale"] == "published":
-        return [" ".join(speedrun_cmd(row, flops, extra, seeds, archs)) + "   # runs " +
-                " ".join(run_name("published", arch, row["depth"], seed) for seed in seeds or [None] for arch in archs)
-                for row in plan["depths"]]
-    return ["python -m scripts.base_train " + " ".join(train_argv("cpu", arch, row["depth"], row["dim"], flops,
-                                                                  run_name("cpu", arch, row["depth"], seed), seed))
-            for row in plan["depths"] for seed in seeds or [None] for arch in archs]
+        return [
+            " ".join(speedrun_cmd(row, flops, extra, seeds, archs))
+            + "   # runs "
+            + " ".join(run_name("published", arch, row["depth"], seed) for seed in seeds or [None] for arch in archs)
+            for row in plan["depths"]
+        ]
+    return [
+        "python -m scripts.base_train "
+        + " ".join(
+            train_argv("cpu", arch, row["depth"], row["dim"], flops, run_name("cpu", arch, row["depth"], seed), seed)
+        )
+        for row in plan["depths"]
+        for seed in seeds or [None]
+        for arch in archs
+    ]
 
 
 def has_bpb(run_dir, step):
@@ -215,8 +297,10 @@ def check_reusable(row, base, seed, archs):
             old = read_config(run_dir)
             width = old.get("model_config", {}).get("n_embd")
             if (old.get("num_iterations"), width) != (steps, row["dim"]):
-                raise UserError(f"{run_dir} holds a run of other settings ({old.get('num_iterations')} steps at width "
-                                f"{width}, this sweep plans {steps} at {row['dim']}); move it away to rerun this depth")
+                raise UserError(
+                    f"{run_dir} holds a run of other settings ({old.get('num_iterations')} steps at width "
+                    f"{width}, this sweep plans {steps} at {row['dim']}); move it away to rerun this depth"
+                )
 
 
 def run_cpu(row, flops, base, archs, seed=None):
@@ -232,13 +316,17 @@ def run_cpu(row, flops, base, archs, seed=None):
         done = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, steps)
         what = f"depth {row['depth']} {arch}" + (f" seed {seed}" if seed is not None else "")
         if not (done and has_bpb(run_dir, steps)):
-            print(f"{what}: {'evaluating' if done else f'training {steps} steps'} (log: {log_path})", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{what}: {'evaluating' if done else f'training {steps} steps'} (log: {log_path})",
+                file=sys.stderr,
+                flush=True,
+            )
         with open(log_path, "a") as log, contextlib.redirect_stdout(log):
             try:
                 if not done:
-                    base_train.train(train_flags.parse_args(train_argv("cpu", arch, row["depth"], row["dim"], flops,
-                                                                       run, seed)))
+                    base_train.train(
+                        train_flags.parse_args(train_argv("cpu", arch, row["depth"], row["dim"], flops, run, seed))
+                    )
                 if not has_bpb(run_dir, steps):
                     preset_eval = get_preset(SCALES["cpu"]["preset"])["eval"]  # the demo's 65,536 tokens, as runcpu.sh
                     eval_args = ["--run", run, "--eval", "bpb", *preset_eval]
@@ -298,8 +386,11 @@ def seed_gaps(row, scale, archs, evaluated):
     """Several seeds at one depth: the group comparison of each arm's runs with GPT's (as compare --a/--b computes
     it). One bootstrap over the shared val batches serves every arm: a resample depends on the batches alone."""
     k = len(evaluated)
-    runs = [{"name": run_name(scale, arch, row["depth"], seed), "eval": evs[arch]}
-            for arch in archs for seed, evs in evaluated.items()]
+    runs = [
+        {"name": run_name(scale, arch, row["depth"], seed), "eval": evs[arch]}
+        for arch in archs
+        for seed, evs in evaluated.items()
+    ]
     nats, nbytes = bpb_inputs(runs)  # one line if a run lacks per-batch losses or was evaluated on other val tokens
     values, reps = stats.bpb_replicates(nats, nbytes, seed=0)
     arm = {arch: slice(i * k, (i + 1) * k) for i, arch in enumerate(archs)}
@@ -308,10 +399,14 @@ def seed_gaps(row, scale, archs, evaluated):
     for arch in archs[1:]:
         r = stats.group_delta(values[base], values[arm[arch]], reps[:, base], reps[:, arm[arch]], paired=True)
         gaps[arch] = {"gap": r["delta"], "ci": r["ci"]}
-    return {"bpb": {a: float(values[s].mean()) for a, s in arm.items()}, "gaps": gaps, "batches": int(nbytes.size),
-            "interval": "seeds and val batches, paired by seed",
-            "runs": {a: values[s].tolist() for a, s in arm.items()},
-            "mean_ci": {a: group_mean_ci(values[s], reps[:, s]) for a, s in arm.items()}}
+    return {
+        "bpb": {a: float(values[s].mean()) for a, s in arm.items()},
+        "gaps": gaps,
+        "batches": int(nbytes.size),
+        "interval": "seeds and val batches, paired by seed",
+        "runs": {a: values[s].tolist() for a, s in arm.items()},
+        "mean_ci": {a: group_mean_ci(values[s], reps[:, s]) for a, s in arm.items()},
+    }
 
 
 def label(arch):
@@ -324,34 +419,44 @@ def gap_label(arch):
 
 def results_table(rows, archs):
     others = archs[1:]
-    lines = ["| depth | dim | width/depth | seeds | " + " | ".join(f"{label(a)} val bpb" for a in archs) + " | "
-             + " | ".join(f"{gap_label(a)} | 95% interval" for a in others) + " |",
-             "|---:|---:|---:|---|" + "---:|" * len(archs) + "---:|---|" * len(others)]
+    lines = [
+        "| depth | dim | width/depth | seeds | "
+        + " | ".join(f"{label(a)} val bpb" for a in archs)
+        + " | "
+        + " | ".join(f"{gap_label(a)} | 95% interval" for a in others)
+        + " |",
+        "|---:|---:|---:|---|" + "---:|" * len(archs) + "---:|---|" * len(others),
+    ]
     for r in rows:
         head = f"| {r['depth']} | {r['dim']} | {r['aspect_ratio']:.0f} |"
         if "gaps" in r:
             bpbs = " | ".join(f"{r['bpb'][a]:.4f}" for a in archs)
-            gaps = " | ".join(f"{g['gap']:+.4f} | {g['ci'][0]:+.4f} … {g['ci'][1]:+.4f}"
-                              for g in (r["gaps"][a] for a in others))
+            gaps = " | ".join(
+                f"{g['gap']:+.4f} | {g['ci'][0]:+.4f} … {g['ci'][1]:+.4f}" for g in (r["gaps"][a] for a in others)
+            )
             lines.append(f"{head} {seeds_text(r['seeds'])} | {bpbs} | {gaps} |")
         else:
             lines.append(f"{head} - |" + " - |" * len(archs) + " - | not evaluated |" * len(others))
     return "\n".join(lines)
 
 
-INTERVALS = ("With one seed per depth the values are that seed's runs and each gap's 95% interval resamples the val "
-             "batches the arm's run and GPT's share (evaluation noise only). With several, the values are means over "
-             "the seeds whose every arm is evaluated (column seeds) and the interval of each mean gap holds training "
-             "noise (seeds) and evaluation noise, paired by seed: stats.group_delta, as "
-             "`python -m scripts.compare --a ... --b ...` (docs/comparisons.md).")
+INTERVALS = (
+    "With one seed per depth the values are that seed's runs and each gap's 95% interval resamples the val "
+    "batches the arm's run and GPT's share (evaluation noise only). With several, the values are means over "
+    "the seeds whose every arm is evaluated (column seeds) and the interval of each mean gap holds training "
+    "noise (seeds) and evaluation noise, paired by seed: stats.group_delta, as "
+    "`python -m scripts.compare --a ... --b ...` (docs/comparisons.md)."
+)
 
 
 def plot(rows, archs, path):
     """Left: each arm's gap to GPT against depth with its interval (faint: each seed's); right: every arm's val bpb
     against depth (faint: each run; with seeds, the mean's interval). An arm keeps its colour in both."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = [r for r in rows if "gaps" in r]
     depths = [r["depth"] for r in rows]
     seeds = any(len(r["seeds"]) > 1 for r in rows)
@@ -361,27 +466,52 @@ def plot(rows, archs, path):
         dodge = 1.03 ** (i - len(archs) / 2)  # arms side by side on the log axis, their error bars apart
         x = [d * dodge for d in depths]
         gaps = [r["gaps"][arch] for r in rows]
-        ax1.errorbar(x, [g["gap"] for g in gaps], yerr=yerr([g["gap"] for g in gaps], [g["ci"] for g in gaps]),
-                     marker="o", capsize=4, color=f"C{i}", label=gap_label(arch))
+        ax1.errorbar(
+            x,
+            [g["gap"] for g in gaps],
+            yerr=yerr([g["gap"] for g in gaps], [g["ci"] for g in gaps]),
+            marker="o",
+            capsize=4,
+            color=f"C{i}",
+            label=gap_label(arch),
+        )
         for xi, r in zip(x, rows):  # each seed's gap (one seed: the point itself)
-            ax1.plot([xi] * len(r["seeds"]), [b - a for a, b in zip(r["runs"][base], r["runs"][arch])], "o",
-                     color=f"C{i}", alpha=0.25)
+            ax1.plot(
+                [xi] * len(r["seeds"]),
+                [b - a for a, b in zip(r["runs"][base], r["runs"][arch])],
+                "o",
+                color=f"C{i}",
+                alpha=0.25,
+            )
     ax1.axhline(0, color="gray", lw=0.8)
-    ax1.set(xscale="log", xlabel="depth × width (block parameters held)",
-            ylabel="arm - GPT val bpb (below 0: arm better)",
-            title="gap to GPT (faint: each seed), 95% interval" if seeds else "gap to GPT against depth, 95% interval")
+    ax1.set(
+        xscale="log",
+        xlabel="depth × width (block parameters held)",
+        ylabel="arm - GPT val bpb (below 0: arm better)",
+        title="gap to GPT (faint: each seed), 95% interval" if seeds else "gap to GPT against depth, 95% interval",
+    )
     ax1.legend()
     for i, arch in enumerate(archs):
         with_ci = [r for r in rows if "mean_ci" in r]  # several seeds: the mean's interval
         ax2.plot(depths, [r["bpb"][arch] for r in rows], marker="o", color=f"C{i}", label=label(arch))
-        ax2.errorbar([r["depth"] for r in with_ci], [r["bpb"][arch] for r in with_ci],
-                     yerr=yerr([r["bpb"][arch] for r in with_ci], [r["mean_ci"][arch] for r in with_ci]), fmt="none",
-                     ecolor=f"C{i}", capsize=4)
+        ax2.errorbar(
+            [r["depth"] for r in with_ci],
+            [r["bpb"][arch] for r in with_ci],
+            yerr=yerr([r["bpb"][arch] for r in with_ci], [r["mean_ci"][arch] for r in with_ci]),
+            fmt="none",
+            ecolor=f"C{i}",
+            capsize=4,
+        )
         for r in rows:
             ax2.plot([r["depth"]] * len(r["runs"][arch]), r["runs"][arch], "o", color=f"C{i}", alpha=0.25)
-    ax2.set(xscale="log", xlabel="depth × width", ylabel="val bpb",
-            title=("val bpb (faint: each run; line: the mean over seeds)" if seeds else
-                   "val bpb of each run (one FLOP budget)"))
+    ax2.set(
+        xscale="log",
+        xlabel="depth × width",
+        ylabel="val bpb",
+        title=(
+            "val bpb (faint: each run; line: the mean over seeds)" if seeds else "val bpb of each run (one FLOP budget)"
+        ),
+    )
     ax2.legend()
     for ax in (ax1, ax2):
         ax.set_xticks(depths, [f"{r['depth']}\n×{r['dim']}" for r in rows])
@@ -413,33 +543,46 @@ def vocab_size(scale, base):
         return get_preset("published")["vocab"]
     if has_tokenizer(base):
         from nanochat.tokenizer import get_tokenizer
+
         return get_tokenizer().get_vocab_size()
     return get_preset(SCALES["cpu"]["preset"])["vocab"]  # a dry run before the tokenizer exists
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="FLOP-matched arms (GPT, NAG, ...) across depths at a fixed block size",
-                                epilog="--scale published: further flags go to speedrun.sh (e.g. --eval-bundle DIR)")
+    p = argparse.ArgumentParser(
+        description="FLOP-matched arms (GPT, NAG, ...) across depths at a fixed block size",
+        epilog="--scale published: further flags go to speedrun.sh (e.g. --eval-bundle DIR)",
+    )
     p.add_argument("--scale", default="cpu", help="cpu or published")
     p.add_argument("--depths", default="", help="comma-separated depths (default: the scale's)")
-    p.add_argument("--archs", default=DEFAULT_ARCHS,
-                   help=f"comma-separated arms, {BASELINE} among them (every gap is against it); any of: "
-                        f"{', '.join(ARCHS)}")
+    p.add_argument(
+        "--archs",
+        default=DEFAULT_ARCHS,
+        help=f"comma-separated arms, {BASELINE} among them (every gap is against it); any of: {', '.join(ARCHS)}",
+    )
     p.add_argument("--flops", type=float, default=None, help="FLOP budget of every run (default: the scale's)")
     p.add_argument("--gpus", type=int, default=8, help="published: processes per run (the plan's hours)")
-    p.add_argument("--seeds", default=None,
-                   help="comma-separated seeds, e.g. 1,2,3: every arm once per seed (runs named -s<seed>, on that "
-                        "seed's init and data order); gaps of the means")
-    p.add_argument("--base-dir", default=None,
-                   help="data, tokenizer, runs and the report (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds, e.g. 1,2,3: every arm once per seed (runs named -s<seed>, on that "
+        "seed's init and data order); gaps of the means",
+    )
+    p.add_argument(
+        "--base-dir",
+        default=None,
+        help="data, tokenizer, runs and the report (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)",
+    )
     p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is trained or written")
     return p
 
 
 def main(argv=None):
     args, extra = build_parser().parse_known_args(argv)
-    with exit_on_user_error(interrupted="interrupted: finished runs and evaluations are kept; the same command "
-                            "resumes the sweep (an unfinished run from its newest checkpoint)"):
+    with exit_on_user_error(
+        interrupted="interrupted: finished runs and evaluations are kept; the same command "
+        "resumes the sweep (an unfinished run from its newest checkpoint)"
+    ):
         if args.scale not in SCALES:
             raise UserError(f"unknown --scale {args.scale!r} (expected cpu or published)")
         if args.scale == "cpu" and extra:
@@ -464,8 +607,10 @@ def main(argv=None):
         print(plan_table(plan), file=sys.stderr, flush=True)
         extra = ["--gpus", str(args.gpus), *extra] if args.scale == "published" else []
         if args.dry_run:
-            print("\n".join(["", "commands:", *commands(plan, extra), "dry run: nothing was trained or written"]),
-                  file=sys.stderr)
+            print(
+                "\n".join(["", "commands:", *commands(plan, extra), "dry run: nothing was trained or written"]),
+                file=sys.stderr,
+            )
             return plan
         if args.scale == "cpu":
             for row in plan["depths"]:
@@ -484,8 +629,10 @@ def main(argv=None):
         atomic_write_json(os.path.join(out_dir, "depth_sweep.json"), {"plan": plan, "results": rows})
         gaps = ", ".join(gap_label(a) for a in archs[1:])
         with open(os.path.join(out_dir, "depth_sweep.md"), "w") as f:
-            f.write(f"# Depth sweep ({args.scale})\n\nPlan:\n\n{plan_table(plan)}\n\nResults (val bpb, base_eval):\n\n"
-                    f"{text}\n\n{INTERVALS}\n\n![{gaps} gap against depth](depth_gap.png)\n")
+            f.write(
+                f"# Depth sweep ({args.scale})\n\nPlan:\n\n{plan_table(plan)}\n\nResults (val bpb, base_eval):\n\n"
+                f"{text}\n\n{INTERVALS}\n\n![{gaps} gap against depth](depth_gap.png)\n"
+            )
         print(text)
         print(f"report: {os.path.join(out_dir, 'depth_sweep.md')}", file=sys.stderr)
         if failed:

@@ -40,8 +40,20 @@ ARCH = NAGGPT.arch  # the published NAG model: the failures are its own
 # The CPU scale, from the search in docs/failures.md: 8 blocks × 128 on the tiny preset's batch (256 tokens per
 # step). A high matrix LR (= gate LR in the broken runs) stands in for width: a gate's logit moves ~d·lr per step,
 # d = 640 published. Failure 1 needs u to underflow, so it gets twice failure 2's LR and twice the steps.
-CPU = ["--preset", "tiny", "--depth", "8", "--model-dim", "128", "--nag-gate-log-every", "10",
-       "--eval-every", "100000", "--save-every", "50"]
+CPU = [
+    "--preset",
+    "tiny",
+    "--depth",
+    "8",
+    "--model-dim",
+    "128",
+    "--nag-gate-log-every",
+    "10",
+    "--eval-every",
+    "100000",
+    "--save-every",
+    "50",
+]
 CPU_STEPS = {"fail1": 200, "fail2": 100}
 CPU_MATRIX_LR = {"fail1": 64.0, "fail2": 32.0}
 CPU_WARMUP_TOKENS = 2560  # 10 steps of 256 tokens (published: ~300 of 9,400 steps)
@@ -66,18 +78,43 @@ def settings(scale):
         if case == "fail1":
             broken += FAIL1_EXTRA[scale]
             more = ", C = 8" if scale == "cpu" else ", embedding LR 0.3, unembedding LR 0.008"
-            out += [(case, "broken", f"floor 0, gate LR = matrix LR {lr:g}, no warm-up{more}",
-                     ["--nag-mod-floor", "0", *broken]),
-                    (case, "fixed", f"floor {FLOOR:g}, gate LR = matrix LR {lr:g}, no warm-up{more}",
-                     ["--nag-mod-floor", f"{FLOOR:g}", *broken])]
+            out += [
+                (
+                    case,
+                    "broken",
+                    f"floor 0, gate LR = matrix LR {lr:g}, no warm-up{more}",
+                    ["--nag-mod-floor", "0", *broken],
+                ),
+                (
+                    case,
+                    "fixed",
+                    f"floor {FLOOR:g}, gate LR = matrix LR {lr:g}, no warm-up{more}",
+                    ["--nag-mod-floor", f"{FLOOR:g}", *broken],
+                ),
+            ]
         else:
-            fixed = ["--matrix-lr", f"{lr:g}", "--nag-gate-lr", f"{lr / 12:.4g}",
-                     "--nag-alpha-warmup-tokens", str(warm)]
-            out += [(case, "broken", f"floor {FLOOR:g}, gate LR = matrix LR {lr:g}, no warm-up",
-                     ["--nag-mod-floor", f"{FLOOR:g}", *broken]),
-                    (case, "fixed",
-                     f"floor {FLOOR:g}, gate LR {lr / 12:.4g} = matrix LR {lr:g} / 12, warm-up {warm:,} tokens",
-                     ["--nag-mod-floor", f"{FLOOR:g}", *fixed])]
+            fixed = [
+                "--matrix-lr",
+                f"{lr:g}",
+                "--nag-gate-lr",
+                f"{lr / 12:.4g}",
+                "--nag-alpha-warmup-tokens",
+                str(warm),
+            ]
+            out += [
+                (
+                    case,
+                    "broken",
+                    f"floor {FLOOR:g}, gate LR = matrix LR {lr:g}, no warm-up",
+                    ["--nag-mod-floor", f"{FLOOR:g}", *broken],
+                ),
+                (
+                    case,
+                    "fixed",
+                    f"floor {FLOOR:g}, gate LR {lr / 12:.4g} = matrix LR {lr:g} / 12, warm-up {warm:,} tokens",
+                    ["--nag-mod-floor", f"{FLOOR:g}", *fixed],
+                ),
+            ]
     return out
 
 
@@ -85,8 +122,19 @@ def cpu_run(case, role, flags, seed):
     """(run name, base_train argv) of one tiny run. Its seed sets the init only (--seed): each run has its own
     verdict, and a data seed would change what these runs have always trained."""
     name = f"fail-{case}-{role}-s{seed}"
-    return name, CPU + ["--num-iterations", str(CPU_STEPS[case]), "--arch", ARCH, "--run", name, "--seed", str(seed),
-                        "--resume", "latest", *flags]
+    return name, CPU + [
+        "--num-iterations",
+        str(CPU_STEPS[case]),
+        "--arch",
+        ARCH,
+        "--run",
+        name,
+        "--seed",
+        str(seed),
+        "--resume",
+        "latest",
+        *flags,
+    ]
 
 
 def run_cpu(case, role, flags, seed, base):
@@ -157,8 +205,11 @@ def cpu_plan(seeds, base):
     have_tokenizer = has_tokenizer(base)
     # the base dir's tokenizer, or the one prepare_cpu_data would train (the demo's vocab, as runcpu.sh)
     vocab = get_tokenizer().get_vocab_size() if have_tokenizer else get_preset("demo")["vocab"]
-    data = ("present" if list_parquet_files(os.path.join(base, "base_data")) else
-            "to build (the offline corpus, as runcpu.sh)")
+    data = (
+        "present"
+        if list_parquet_files(os.path.join(base, "base_data"))
+        else "to build (the offline corpus, as runcpu.sh)"
+    )
     tokenizer = f"{vocab:,} tokens" + ("" if have_tokenizer else ", to train")
     rows, commands = [], []
     for case, role, label, flags in settings("cpu"):
@@ -176,10 +227,15 @@ def cpu_plan(seeds, base):
             rows.append(f"| {name} | {plan.num_iterations:,} | {params:,} | {status} | {label} |")
             commands.append(f"python -m scripts.base_train {' '.join(argv)}")
     runs = os.path.dirname(run_dir)  # where every run of the base dir lives
-    lines = [f"failures --scale cpu: {len(seeds) * 4} runs in {runs}; data {data}; tokenizer {tokenizer}",
-             "| run | steps | params | status | settings |", "|---|---:|---:|---|---|", *rows]
-    return "\n".join([*lines, "", "base_train flags of each run:", *commands,
-                      "dry run: nothing was trained or written"])
+    lines = [
+        f"failures --scale cpu: {len(seeds) * 4} runs in {runs}; data {data}; tokenizer {tokenizer}",
+        "| run | steps | params | status | settings |",
+        "|---|---:|---:|---|---|",
+        *rows,
+    ]
+    return "\n".join(
+        [*lines, "", "base_train flags of each run:", *commands, "dry run: nothing was trained or written"]
+    )
 
 
 def published(dry_run, extra, base):
@@ -187,15 +243,27 @@ def published(dry_run, extra, base):
     rows = []
     for case, role, label, flags in settings("published"):
         tag = f"{case}-{role}"
-        cmd = ["bash", "speedrun.sh", "--preset", "published", "--arch", ARCH, "--tag", tag, *extra,
-               *(["--dry-run"] if dry_run else []), "--", *flags]
+        cmd = [
+            "bash",
+            "speedrun.sh",
+            "--preset",
+            "published",
+            "--arch",
+            ARCH,
+            "--tag",
+            tag,
+            *extra,
+            *(["--dry-run"] if dry_run else []),
+            "--",
+            *flags,
+        ]
         print(" ".join(cmd), file=sys.stderr)
         if dry_run:  # speedrun.sh's plan, made here (its plan file is speedrun.sh's only)
             speedrun.main(cmd[2:])
             continue
         proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
         sys.stderr.write(proc.stderr)
-        errors = [line[len("error: "):] for line in proc.stderr.splitlines() if line.startswith("error: non-finite")]
+        errors = [line[len("error: ") :] for line in proc.stderr.splitlines() if line.startswith("error: non-finite")]
         if proc.returncode and not errors:
             raise UserError(f"the {tag} run failed for another reason (see above); rerun to resume it")
         run_dir = run_path(f"{ARCH}-published-{tag}", base)  # speedrun's name: <arch>-<preset>-<tag>
@@ -205,16 +273,21 @@ def published(dry_run, extra, base):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="NAG's two failure cases beside their fixed twins, with verdicts",
-                                epilog="--scale published: further flags go to speedrun.sh (e.g. --gpus 8)")
+    p = argparse.ArgumentParser(
+        description="NAG's two failure cases beside their fixed twins, with verdicts",
+        epilog="--scale published: further flags go to speedrun.sh (e.g. --gpus 8)",
+    )
     p.add_argument("--scale", default="cpu", help="cpu or published")
     p.add_argument("--seeds", default=None, help="cpu: comma-separated seeds (default 1)")
-    p.add_argument("--base-dir", default=None,
-                   help="data, tokenizer and runs (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)")
+    p.add_argument(
+        "--base-dir", default=None, help="data, tokenizer and runs (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)"
+    )
     p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is trained or written")
     args, extra = p.parse_known_args(argv)
-    with exit_on_user_error(interrupted="interrupted: finished runs are kept; the same command resumes (an unfinished "
-                            "run from its newest checkpoint)"):
+    with exit_on_user_error(
+        interrupted="interrupted: finished runs are kept; the same command resumes (an unfinished "
+        "run from its newest checkpoint)"
+    ):
         base = base_dir_path(args.base_dir)
         os.environ["NANOCHAT_BASE_DIR"] = base  # for base_train here and speedrun.sh below
         if args.scale == "published":
