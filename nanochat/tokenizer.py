@@ -166,3 +166,28 @@ def get_token_bytes(device="cpu"):
         return torch.load(path, map_location=device)
     except Exception as e:
         raise UserError(f"cannot load {path} ({type(e).__name__}); re-run `python -m scripts.tok_train`") from None
+
+
+def train_texts(max_chars, doc_cap):
+    """Train documents, each cut to doc_cap characters, until max_chars characters in total."""
+    from nanochat.dataset import parquets_iter_batched  # here: encoding text needs no dataset code
+
+    seen = 0
+    for texts in parquets_iter_batched("train"):
+        for text in texts:
+            text = text[:doc_cap]
+            if seen + len(text) > max_chars:
+                text = text[: max_chars - seen]
+            seen += len(text)
+            yield text
+            if seen >= max_chars:
+                return
+
+
+def train_tokenizer(vocab_size, max_chars, doc_cap=10_000):
+    """A BPE tokenizer trained on the train split and saved to the base dir's tokenizer/; returns it."""
+    if max_chars < 1 or doc_cap < 1:
+        raise UserError("--max-chars and --doc-cap must be positive")
+    tokenizer = Tokenizer.train_from_iterator(train_texts(max_chars, doc_cap), vocab_size)
+    tokenizer.save(get_tokenizer_dir())
+    return tokenizer

@@ -6,26 +6,11 @@ Train the BPE tokenizer on the train split and save it to <base_dir>/tokenizer/.
 """
 
 import argparse
-import os
 import time
 
-from nanochat.common import UserError, exit_on_user_error
+from nanochat.common import exit_on_user_error
 from nanochat.dataset import parquets_iter_batched
-from nanochat.tokenizer import Tokenizer, get_tokenizer_dir
-
-
-def text_iterator(max_chars, doc_cap):
-    """Train documents, each cut to doc_cap characters, until max_chars characters in total."""
-    seen = 0
-    for texts in parquets_iter_batched("train"):
-        for text in texts:
-            text = text[:doc_cap]
-            if seen + len(text) > max_chars:
-                text = text[: max_chars - seen]
-            seen += len(text)
-            yield text
-            if seen >= max_chars:
-                return
+from nanochat.tokenizer import get_tokenizer_dir, train_tokenizer
 
 
 def main(argv=None):
@@ -35,13 +20,10 @@ def main(argv=None):
     parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size, special tokens included")
     args = parser.parse_args(argv)
     with exit_on_user_error():
-        if args.max_chars < 1 or args.doc_cap < 1:
-            raise UserError("--max-chars and --doc-cap must be positive")
         t0 = time.time()
-        tokenizer = Tokenizer.train_from_iterator(text_iterator(args.max_chars, args.doc_cap), args.vocab_size)
+        tokenizer = train_tokenizer(args.vocab_size, args.max_chars, args.doc_cap)
         train_time = time.time() - t0
         out_dir = get_tokenizer_dir()
-        tokenizer.save(out_dir)
         print(f"trained a {tokenizer.get_vocab_size():,}-token vocabulary in {train_time:.1f}s, saved to {out_dir}")
 
         # sanity: the round trip is exact, and compression is that of a BPE (well above 1 byte per token)

@@ -10,21 +10,20 @@ import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# a command's public entries: its flags into a namespace, its work from one, its command line
-ENTRIES = {"main", "parse_args", "build_parser", "train", "evaluate"}
+# what a driver may call of a command: its work (from flags read through nag/train_flags.py or the command's own
+# parser) and its command line; a driver or benchmark reads base_train's flags through the library, never the command
+ENTRIES = {"main", "train", "evaluate"}
 DRIVERS = ("scripts/speedrun.py", "scripts/experiments/")
 BENCHMARKS = ("scripts/bench/",)
 # every use one file under scripts/ may make of another module there: (files, module, names; None: any name)
 ALLOWED = [
     (DRIVERS, "scripts.base_train", ENTRIES),
-    (DRIVERS, "scripts.base_eval", ENTRIES),
-    (DRIVERS, "scripts.tok_train", ENTRIES),
+    (DRIVERS, "scripts.base_eval", ENTRIES | {"build_parser"}),  # evaluate's namespace: its flags are its own
     (DRIVERS, "scripts.speedrun", {"main"}),  # failures.py runs speedrun's plan in-process
     (DRIVERS, "scripts.experiments", None),  # the drivers' shared set-up, not a command
     (BENCHMARKS, "scripts.bench.models", None),  # the benchmarks' shared library, not a command
     # a GPU's state as check_cuda reads it (gpu_checks now takes it from nanochat.common)
     (BENCHMARKS, "scripts.check_cuda", {"nvidia_smi"}),
-    (BENCHMARKS, "scripts.base_train", {"parse_args"}),  # a benchmark shapes its model with base_train's flags
     # its step timing
     (("scripts/bench/nag.py",), "scripts.bench.train", {"benchmark", "parse", "ratios", "print_ratios"}),
 ]
@@ -192,14 +191,15 @@ def test_the_command_checker_catches_what_it_should(tmp_path):
             "scripts/compare.py": "from scripts.base_train import make_plan\n",  # a command's internals
             # an entry, but not from a driver
             "scripts/sample.py": "from scripts import base_train\nbase_train.train(None)\n",
-            # a driver's entry: fine
-            "scripts/speedrun.py": "from scripts import base_train\nbase_train.parse_args([])\ndef plan(): pass\n",
+            # a driver's entry: fine; its flags: through nag/train_flags.py
+            "scripts/speedrun.py": "from scripts import base_train\nbase_train.train(None)\nbase_train.parse_args([])\n"
+            "def plan(): pass\n",
             "scripts/experiments/__init__.py": "from scripts import base_train\nbase_train.main([])\n",  # fine
             "scripts/experiments/sweep.py": "import scripts.base_train\nscripts.base_train.make_plan()\n"
             "from scripts.experiments import prepare\nfrom scripts.speedrun import main\n"
             "from scripts import speedrun as s\ns.plan()\n",
             "scripts/bench/__init__.py": "",
-            "scripts/bench/models.py": "from scripts.base_train import parse_args\n",  # fine
+            "scripts/bench/models.py": "from scripts.base_train import parse_args\n",  # nag/train_flags.py's now
             "scripts/bench/train.py": "from scripts.bench import models\nfrom scripts.base_train import build_parser\n"
             "def benchmark(): pass\ndef run_variant(): pass\n",
             "scripts/bench/nag.py": "from . import train as bench_train\nbench_train.benchmark()\nbench_train.run_variant()\n"
@@ -217,6 +217,8 @@ def test_the_command_checker_catches_what_it_should(tmp_path):
             "scripts/sample.py:1",
             "scripts/experiments/sweep.py:1",
             "scripts/experiments/sweep.py:5",
+            "scripts/speedrun.py:1",
+            "scripts/bench/models.py:1",
             "scripts/bench/train.py:2",
             "scripts/bench/nag.py:1",
             "scripts/bench/gpu.py:1",

@@ -126,7 +126,7 @@ def test_tok_train_and_tok_eval_scripts(tiny_base_dir, tmp_path, monkeypatch, ca
 
 
 def test_tok_train_text_iterator_caps(tiny_base_dir, monkeypatch):
-    from scripts.tok_train import text_iterator
+    from nanochat.tokenizer import train_texts as text_iterator
 
     monkeypatch.setenv("NANOCHAT_BASE_DIR", tiny_base_dir)
     texts = list(text_iterator(max_chars=1000, doc_cap=50))

@@ -6,9 +6,8 @@ The entries are train, evaluate and main. Shared here: the CPU data and tokenize
 import os
 
 from nanochat.dataset import build_offline_corpus, list_parquet_files
-from nanochat.tokenizer import has_tokenizer
+from nanochat.tokenizer import has_tokenizer, train_tokenizer
 from nag.presets import get_preset
-from scripts import tok_train
 
 CPU_TOKENIZER_CHARS = 20_000_000  # runs/runcpu.sh's tokenizer: its vocab is the demo preset's
 
@@ -19,5 +18,4 @@ def prepare_cpu_data(base):
     if not list_parquet_files(os.path.join(base, "base_data")):
         build_offline_corpus(data_dir=os.path.join(base, "base_data"))
     if not has_tokenizer(base):
-        # tok_train's entry: training a tokenizer has no library function yet (nanochat/tokenizer.py's owner asked)
-        tok_train.main(["--vocab-size", str(get_preset("demo")["vocab"]), "--max-chars", str(CPU_TOKENIZER_CHARS)])
+        train_tokenizer(get_preset("demo")["vocab"], CPU_TOKENIZER_CHARS)
