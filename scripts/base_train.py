@@ -56,7 +56,7 @@ from nanochat.dataloader import data_loader, MicroBatches
 from nanochat.loss_eval import evaluate_bpb_shared, held_batches, shared_batches
 from nanochat.gpt import GPTConfig
 from nanochat.optim import MuonAdamW
-from nanochat.plan import lr_multiplier, momentum_at, muon_weight_decay
+from nanochat.plan import Plan, lr_multiplier, momentum_at, muon_weight_decay
 from nanochat.nonfinite import NonFiniteError, finite_flags, graded_names, check_finite, check_finite_late
 from nanochat import fp8
 from nanochat import resume
@@ -113,17 +113,16 @@ def freeze_heap():
 
 @dataclass
 class Run:
-    """What the training loop works with, once set up."""
+    """What the training loop works with, once set up: nanochat's shape (plain functions over one record), not a
+    Trainer class, so that one step reads top to bottom in this file (docs/design.md §3)."""
 
     args: argparse.Namespace
-    plan: object  # nanochat.plan.Plan
+    plan: Plan
     record: dict  # config.json
     run_dir: str
     device: torch.device
-    device_type: str
     rank: int
     world_size: int
-    is_ddp: bool
     model: torch.nn.Module
     optimizer: MuonAdamW
     forward: object  # the model under DDP and torch.compile, as training calls it
@@ -140,6 +139,14 @@ class Run:
     peak_flops: float = None  # the GPU's peak, for MFU (None: unknown, or no GPU)
     eval_steps: int = 0  # val batches per evaluation (0: no evaluation)
     val_batches: list = field(default_factory=list)  # read and tokenized once, the same at every evaluation
+
+    @property
+    def device_type(self):
+        return self.device.type
+
+    @property
+    def is_ddp(self):
+        return self.ddp is not None
 
     @property
     def metrics_path(self):
@@ -380,10 +387,8 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
         record=record,
         run_dir=run_dir,
         device=device,
-        device_type=device_type,
         rank=rank,
         world_size=world_size,
-        is_ddp=is_ddp,
         model=model,
         optimizer=optimizer,
         forward=forward,
