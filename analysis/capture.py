@@ -305,11 +305,12 @@ def _attach_nag(model, acc, handles):
 
 
 @torch.no_grad()
-def capture(model, batches, num_batches, bos, cfg=None, progress=None):
-    """Run model over num_batches (inputs, targets, ...) batches, observing it; returns the Accumulator."""
+def capture(model, batches, num_batches, bos, cfg=None, progress=None, accumulator=None):
+    """Run model over num_batches (inputs, targets, ...) batches, observing it; returns the Accumulator (of the
+    class `accumulator`, an Accumulator subclass, if given: analysis/arms.py adds per-block rotation)."""
     cfg = cfg or CaptureConfig()
     device = model.lm_head.weight.device
-    acc = Accumulator(model, cfg, device)
+    acc = (accumulator or Accumulator)(model, cfg, device)
     detach = attach(model, acc)
     try:
         for b in range(num_batches):

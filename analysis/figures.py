@@ -213,7 +213,8 @@ def confidence(runs, out_dir, made):
         fig,
         out_dir,
         "confidence.png",
-        "Confidence: tokens ranked by final norm (solid) or by −entropy (dashed), in deciles; AUROC for top-1 correctness",
+        "Confidence: tokens ranked by final norm (solid) or by "
+        "−entropy (dashed), in deciles; AUROC for top-1 correctness",
         made,
     )
 

@@ -59,7 +59,8 @@ def rows():
         (
             "total variance, first → last state",
             lambda r: (
-                f"{_num(r['spectrum']['total_variance'][0], '.3g')} → {_num(r['spectrum']['total_variance'][-1], '.3g')}"
+                f"{_num(r['spectrum']['total_variance'][0], '.3g')} → "
+                f"{_num(r['spectrum']['total_variance'][-1], '.3g')}"
             ),
             "no clear trend",
             "falls with depth",
@@ -67,7 +68,8 @@ def rows():
         (
             "effective rank, first → last",
             lambda r: (
-                f"{_num(r['spectrum']['effective_rank'][0], '.3g')} → {_num(r['spectrum']['effective_rank'][-1], '.3g')}"
+                f"{_num(r['spectrum']['effective_rank'][0], '.3g')} → "
+                f"{_num(r['spectrum']['effective_rank'][-1], '.3g')}"
             ),
             "rises late",
             "flat",
@@ -75,7 +77,8 @@ def rows():
         (
             "participation ratio, first → last",
             lambda r: (
-                f"{_num(r['spectrum']['participation_ratio'][0], '.3g')} → {_num(r['spectrum']['participation_ratio'][-1], '.3g')}"
+                f"{_num(r['spectrum']['participation_ratio'][0], '.3g')} → "
+                f"{_num(r['spectrum']['participation_ratio'][-1], '.3g')}"
             ),
             "rises late",
             "flat",

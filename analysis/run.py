@@ -52,7 +52,9 @@ SETTINGS = ("tokens", "clusters", "state_sample", "token_sample", "device_batch_
 def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m analysis",
-        description="Residual geometry, attention sinks and confidence of checkpoints: analysis.json + figures + analysis.md.",
+        description=(
+            "Residual geometry, attention sinks and confidence of checkpoints: analysis.json + figures + analysis.md."
+        ),
     )
     p.add_argument(
         "runs", nargs="+", metavar="RUN", help="run name under $NANOCHAT_BASE_DIR/runs, or a path to a run directory"

@@ -203,11 +203,13 @@ class NAGGPT(GPT):
         return super().num_scaling_params() + self.gate_vector_params()
 
     def gate_vector_params(self):
-        """The gate parameters that are not matrices (m_down's bias, coef, β_raw, α): in S, but no matmul (no FLOPs)."""
+        """The gate parameters that are not matrices (m_down's bias, coef, β_raw, α): in S, but no matmul (no
+        FLOPs)."""
         return sum(p.numel() for p in self.gates.parameters() if p.ndim != 2)
 
     def estimate_flops(self, skip=None):
-        """Training FLOPs per token; with MoD, less what the skips save (at the target rate unless skip gives the realised ones)."""
+        """Training FLOPs per token; with MoD, less what the skips save (at the target rate unless skip gives the
+        realised ones)."""
         return flops_with_skips(self, super().estimate_flops(), self.mod, skip)
 
     def branches(self):
@@ -294,7 +296,8 @@ class NAGGPT(GPT):
         return self.end_forward((res_dir, log_norm), T, targets, loss_reduction, logits_at, cache)
 
     def logits_from_hidden(self, hidden, at=None):
-        """hidden: (direction, log-norm). The cosine with each unit-RMS lm_head row, times the carried norm; no soft-cap."""
+        """hidden: (direction, log-norm). The cosine with each unit-RMS lm_head row, times the carried norm; no
+        soft-cap."""
         res_dir, log_norm = hidden if at is None else (hidden[0][at], hidden[1][at])
         return self.lm_head(res_dir).float() / self.config.n_embd * log_norm.exp()
 
@@ -334,8 +337,8 @@ class NAGGPT(GPT):
     def nonfinite_origin(self, idx):
         """Where a non-finite step started (failure 1), from a no-grad forward over idx (the last micro-batch; the
         weights are still those of the failed step). The first branch in update order whose smallest u makes the
-        backward of u^β, β·u^(β−1), overflow: u = 0 with β < 1, or, as β falls towards 0, any u below ~1e-38 (fp32
-        and bf16 share the range). Failing that, the deepest branch with a non-finite gate gradient: the backward
+        backward of u^β, β·u^(β−1), overflow: u = 0 with β < 1, or, as β falls towards 0, any u below ~1e-38
+        (fp32 and bf16 share the range). Failing that, the deepest branch with a non-finite gate gradient: the backward
         runs from the loss, so a NaN born in a branch spreads to every earlier one."""
         t = self.gate_telemetry(idx)
         branches = t["branches"]
@@ -439,5 +442,6 @@ class NAGGPT(GPT):
         return (
             f"  gates | dead {t['dead_relative']}/{t['num_branches']} (mean m < {t['dead_relative_threshold']:g}), "
             f"{t['dead_walkthrough']} (mean |g| < {t['dead_walkthrough_threshold']:g}) | "
-            f"|g| by depth quartile {q} | α {t['alpha_min']:.3f}..{t['alpha_max']:.3f} | at floor {100 * t['floor_frac_mean']:.2f}%"
+            f"|g| by depth quartile {q} | α {t['alpha_min']:.3f}..{t['alpha_max']:.3f} | at floor "
+            f"{100 * t['floor_frac_mean']:.2f}%"
         )

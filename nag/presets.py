@@ -5,8 +5,8 @@ Each comes with the matching base_eval and analysis arguments that speedrun.sh p
 
 A preset is a list of flags placed before the command line's own, so any flag given
 after it wins. A preset marked "gpu" is refused where torch sees no CUDA device (unless
---device-type cpu is given), and trains only with a tokenizer of its "vocab". The published preset reproduces the FLOP-matched pair of the NAG
-walkthrough (docs/reproduce.md has every value with its source).
+--device-type cpu is given), and trains only with a tokenizer of its "vocab". The published preset reproduces the
+FLOP-matched pair of the NAG walkthrough (docs/reproduce.md has every value with its source).
 """
 
 from nanochat.common import UserError

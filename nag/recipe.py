@@ -4,10 +4,11 @@ NAG on today's nanochat recipe (docs/design.md §10).
 NAGGPT (nag/model.py) with the recipe's parts (nanochat/recipe.py),
 each decided against the paper's equations:
 
-- value embeddings and quarter windows live inside a sub-layer's f (its attention), which NAG leaves as it is: carried over;
+- value embeddings and quarter windows live inside a sub-layer's f (its attention), which NAG leaves as it is: carried
+over;
 - smear, x0 lambdas and backout are additive writes to the residual sum, which NAG replaces: adapted as eq. 7 writes,
-  R ← ρ·(R̄ + w) with w a vector of RMS ~1 (the previous token's R̄, R̄₀, −R̄_mid), then the direction renormalised
-  and its gain carried into the log-norm s (eqs. 16–17): R̄ ← N(R̄ + w), s ← s + log RMS(R̄ + w);
+  R ← ρ·(R̄ + w) with w a vector of RMS ~1 (the previous token's R̄, R̄₀, −R̄_mid), then the direction
+  renormalised and its gain carried into the log-norm s (eqs. 16–17): R̄ ← N(R̄ + w), s ← s + log RMS(R̄ + w);
 - resid lambdas scale R alone, which moves s by log r_i and leaves R̄ as it is: the product of all of them is one
   token-independent offset of s_L, which log G_encode already learns (eq. 18): left out.
 
@@ -23,7 +24,8 @@ from nag.model import GATE_LR, NAGGPT, NAGConfig, TEMP_GAIN_LR
 
 
 def renormalised(y, log_norm):
-    """(direction, log-norm) of ρ·y, ρ = exp(log_norm): y back to RMS 1, its RMS carried into the log-norm (eqs. 16-17)."""
+    """(direction, log-norm) of ρ·y, ρ = exp(log_norm): y back to RMS 1, its RMS carried into the log-norm (eqs.
+    16-17)."""
     rms = y.float().square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)
     return (y.float() / rms).to(y.dtype), log_norm + torch.log(rms)
 
@@ -48,7 +50,8 @@ class NAGRecipeGPT(RecipeParts, NAGGPT):
         self.init_recipe()
 
     def num_scaling_params(self):
-        """NAG's S (nag/model.py) with the ve gates, which live in the blocks; the smear gate stays out, as in nanochat."""
+        """NAG's S (nag/model.py) with the ve gates, which live in the blocks; the smear gate stays out, as in
+        nanochat."""
         return super().num_scaling_params() - (self.smear_gate.weight.numel() if self.recipe.smear else 0)
 
     def optimizer_groups(

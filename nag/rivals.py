@@ -6,11 +6,13 @@ branch output), on the baseline of nanochat/gpt.py, whose norms are parameter-fr
 
     gpt-lns        x ← x + F(N(x) / √l)                  l = 1..L, the block's 1-based index; no parameters
     gpt-peri       x ← x + g ⊙ N(F(N(x)))                 a learned gain g (init 1) on each output norm
-    gpt-layerrope  x ← x + γ_l^write ⊙ F(γ_l^read ⊙ N(x))  one shared gain per site, turned by depth (depth_gains)
+    gpt-layerrope  x ← x + γ_l^write ⊙ F(γ_l^read ⊙ N(x))  one shared gain per site, turned by depth
+    (depth_gains)
 
 LayerRoPE (arXiv:2610.09179) has four sites (attn and MLP read, attn and MLP write); each holds one gain γ (d) and
-four scalars (α, β, α_rot, β_rot), and block l (0-based) uses γ_l = γ ⊙_c exp(r(l) + iθ(l, j)) on the channel pairs
-(γ_2j, γ_2j+1) as complex numbers, r(l) = α + β·log(l+1), θ(l, j) = exp(α_rot + β_rot·log(l+1))·b^(−2j/d).
+four scalars (α, β, α_rot, β_rot), and block l (0-based) uses γ_l = γ ⊙_c exp(r(l) + iθ(l, j)) on the channel
+pairs (γ_2j, γ_2j+1) as complex numbers, r(l) = α + β·log(l+1), θ(l, j) = exp(α_rot +
+β_rot·log(l+1))·b^(−2j/d).
 
 The papers' models replace the gains their norms already have; the baseline's norms have none, so Peri-LN adds 2·L·d
 parameters and LayerRoPE 4·d + 16. A branch's write happens inside its attention / MLP module (RivalAttention,
@@ -77,9 +79,9 @@ def written(y, out_gain, gain):
 
 
 def depth_gains(gamma, depth, base, n_layer):
-    """γ_l of every block l = 0..n_layer-1, (n_layer, d) in fp32: the pairs (γ_2j, γ_2j+1) times exp(r(l) + iθ(l, j))
-    as complex numbers. depth: (α, β, α_rot, β_rot); base: b, a 0-d tensor. θ(0, j) = exp(α_rot)·b^(−2j/d) is not 0:
-    the first block's gain is turned too."""
+    """γ_l of every block l = 0..n_layer-1, (n_layer, d) in fp32: the pairs (γ_2j, γ_2j+1) times exp(r(l) + iθ(l,
+    j)) as complex numbers. depth: (α, β, α_rot, β_rot); base: b, a 0-d tensor. θ(0, j) = exp(α_rot)·b^(−2j/d)
+    is not 0: the first block's gain is turned too."""
     g = gamma.float()
     d = g.size(0)
     alpha, beta, alpha_rot, beta_rot = depth.float().unbind()
@@ -215,8 +217,8 @@ class PeriGPT(RivalGPT):
 
 
 class LayerRoPE(nn.Module):
-    """LayerRoPE's parameters: per site a gain γ (d) and depth scalars (α, β, α_rot, β_rot); the base b is a buffer so
-    that it travels with the weights (the Hugging Face export carries weights, not the checkpoint's meta)."""
+    """LayerRoPE's parameters: per site a gain γ (d) and depth scalars (α, β, α_rot, β_rot); the base b is a buffer
+    so that it travels with the weights (the Hugging Face export carries weights, not the checkpoint's meta)."""
 
     def __init__(self, n_embd, device=None):
         super().__init__()

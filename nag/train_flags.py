@@ -74,7 +74,10 @@ def add_model_args(p):
     g.add_argument(
         "--fp8",
         action="store_true",
-        help="fp8 matmuls in training for the linear layers the size rule admits (nanochat/fp8.py; CUDA 8.9+, or the CPU)",
+        help=(
+            "fp8 matmuls in training for the linear layers the size rule admits "
+            "(nanochat/fp8.py; CUDA 8.9+, or the CPU)"
+        ),
     )
 
 
@@ -159,7 +162,9 @@ def add_operations_args(p):
         type=str,
         default="auto",
         choices=list(ATTN_CHOICES),
-        help="attention kernel: auto = on Hopper the first of fa4, cudnn, fa3 that loads (docs/design.md §2), else SDPA",
+        help=(
+            "attention kernel: auto = on Hopper the first of fa4, cudnn, fa3 that loads (docs/design.md §2), else SDPA"
+        ),
     )
     g.add_argument(
         "--save-every",

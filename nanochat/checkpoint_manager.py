@@ -87,7 +87,10 @@ def damage(run_dir, step):
         and isinstance(meta.get("world_size", 1), int)
         and isinstance(meta.get("file_sizes", {}), dict)
     ):
-        return f"{name} is not a checkpoint's meta (an object with its number of ranks and file sizes): the file is damaged"
+        return (
+            f"{name} is not a checkpoint's meta (an object with its number of ranks and file sizes): "
+            "the file is damaged"
+        )
     if "file_sizes" not in meta and "arch" in meta:  # without its arch too it is damaged, which load_meta says
         return (
             f"{name} records no file sizes: a checkpoint of an earlier version of this code, which this one "
@@ -118,16 +121,19 @@ def latest_step(run_dir, skip_damaged=False):
     steps = complete_steps(run_dir)
     if not steps:
         raise UserError(
-            f"no complete checkpoint in {run_dir}; train one with `python -m scripts.base_train --run {os.path.basename(run_dir)}`"
+            f"no complete checkpoint in {run_dir}; "
+            f"train one with `python -m scripts.base_train --run {os.path.basename(run_dir)}`"
         )
     for s in (s for s in saved_steps(run_dir) if s > steps[-1]):
         if os.path.exists(meta_path(run_dir, s)) and not skip_damaged:
             raise UserError(
-                f"the newest checkpoint of {run_dir}, step {s}, is damaged ({damage(run_dir, s)}); the previous complete "
-                f"step is {steps[-1]}: pass --step {steps[-1]}, or train step {s} again with base_train --resume latest"
+                f"the newest checkpoint of {run_dir}, step {s}, is damaged ({damage(run_dir, s)}); the previous "
+                f"complete step is {steps[-1]}: pass --step {steps[-1]}, "
+                f"or train step {s} again with base_train --resume latest"
             )
         print(
-            f"note: skipping the incomplete checkpoint of step {s} in {run_dir} ({damage(run_dir, s)}); using step {steps[-1]}",
+            f"note: skipping the incomplete checkpoint of step {s} in "
+            f"{run_dir} ({damage(run_dir, s)}); using step {steps[-1]}",
             flush=True,
         )
     return steps[-1]
@@ -152,8 +158,8 @@ def save_checkpoint(run_dir, step, model, meta, train_state, rank=0):
             missing = [r for r in range(world_size) if not os.path.exists(optim_path(run_dir, step, r))]
             if missing:  # written on another disk: no complete checkpoint would exist anywhere
                 raise UserError(
-                    f"rank(s) {', '.join(map(str, missing))} saved their part of step {step} where rank 0 cannot see it "
-                    f"({run_dir}): the base dir must be one directory on a filesystem shared by every node"
+                    f"rank(s) {', '.join(map(str, missing))} saved their part of step {step} where rank 0 cannot see "
+                    f"it ({run_dir}): the base dir must be one directory on a filesystem shared by every node"
                 )
             atomic_torch_save({"model": model.state_dict(), "meta": meta}, model_path(run_dir, step))
             # the sizes of every file as written: a later truncation or a copy cut short marks the checkpoint incomplete
@@ -235,7 +241,8 @@ def load_weights(model, ckpt):
     arch = ckpt["meta"]["arch"]
     if arch != model.arch:
         raise UserError(
-            f"checkpoint holds a {arch!r} model but a {model.arch!r} model ({type(model).__name__}) was asked to load it"
+            f"checkpoint holds a {arch!r} model but a {model.arch!r} "
+            f"model ({type(model).__name__}) was asked to load it"
         )
     model.load_state_dict(ckpt["model"], strict=True)
 

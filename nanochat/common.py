@@ -258,7 +258,8 @@ def package_versions():
 
 def check_run_name(run):
     """The one rule for a new run's name (--run; a path's last component): it starts with a letter or digit, and the
-    whole holds no control character. A name like -x reads as a flag, .x hides, a newline breaks every line naming it."""
+    whole holds no control character. A name like -x reads as a flag, .x hides, a newline breaks every line naming
+    it."""
     if any(unicodedata.category(c) == "Cc" for c in run):
         raise UserError(f"{run!r} is not a run name: it holds a control character; give a name like gpt-d20")
     name = os.path.basename(os.path.normpath(run)) if run.strip() else ""
@@ -377,7 +378,8 @@ class Progress:
         self.last = now
         elapsed = now - self.start
         self.log(
-            f"{self.what}: {done}/{self.total} {self.unit} | {fmt_time(elapsed)}, eta {fmt_time(elapsed * (self.total - done) / done)}"
+            f"{self.what}: {done}/{self.total} {self.unit} | {fmt_time(elapsed)}, eta "
+            f"{fmt_time(elapsed * (self.total - done) / done)}"
         )
 
 
@@ -420,7 +422,10 @@ def cuda_problem(need=None):
     if not torch.version.cuda:
         fix = "remove .venv and run `source runs/setup_env.sh` on this node to install the CUDA build"
     elif listed:
-        fix = f"the driver must support CUDA {torch.version.cuda}: upgrade the driver, or set NANOCHAT_TORCH_INDEX (README) and rebuild .venv"
+        fix = (
+            f"the driver must support CUDA {torch.version.cuda}: upgrade the driver, "
+            "or set NANOCHAT_TORCH_INDEX (README) and rebuild .venv"
+        )
     else:
         fix = "check that the GPUs are visible here (CUDA_VISIBLE_DEVICES, the container's --gpus)"
     return f"torch sees {seen} CUDA device(s), {need} needed: {build}; {smi}; {fix}"

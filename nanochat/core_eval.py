@@ -162,7 +162,8 @@ def load_core_tasks(bundle_dir):
             raise UserError(f"{yaml_path}: task {label or len(tasks)} lacks {', '.join(missing)}")
         if t["icl_task_type"] not in TASK_FIELDS:
             raise UserError(
-                f"{yaml_path}: task {label} has unknown task type {t['icl_task_type']!r} (known: {', '.join(TASK_FIELDS)})"
+                f"{yaml_path}: task {label} has unknown task type "
+                f"{t['icl_task_type']!r} (known: {', '.join(TASK_FIELDS)})"
             )
         if label not in baselines:
             raise UserError(f"{meta_path} has no random baseline for task {label}")

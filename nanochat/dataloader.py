@@ -42,8 +42,8 @@ def data_loader(
     tokenizer_threads=4,
     data_seed=None,
 ):
-    """Yield (inputs, targets, state) forever: int64 (B, T) tensors on device, targets shifted by one; state resumes the stream.
-    data_seed (an int) shuffles the order of the row groups, per epoch; None keeps the file order."""
+    """Yield (inputs, targets, state) forever: int64 (B, T) tensors on device, targets shifted by one; state resumes the
+    stream. data_seed (an int) shuffles the order of the row groups, per epoch; None keeps the file order."""
     if B < 1 or T < 1:
         raise UserError(f"batch size and sequence length must be positive, got B={B}, T={T}")
     if not 0 <= rank < world_size:
@@ -51,7 +51,8 @@ def data_loader(
     all_row_groups = list_row_groups(split)
     if len(all_row_groups) < world_size:  # checked on every rank, so all of them stop, not just the idle ones
         raise UserError(
-            f"the {split} split has {len(all_row_groups)} row groups, fewer than the {world_size} ranks; use fewer GPUs or more data"
+            f"the {split} split has {len(all_row_groups)} row groups, fewer "
+            f"than the {world_size} ranks; use fewer GPUs or more data"
         )
     row_groups = _epoch_row_groups(all_row_groups, rank, world_size, data_seed)
     num_row_groups = len(row_groups(0))  # the same every epoch: only their order changes
@@ -145,7 +146,8 @@ def _packed_batches(
                 add_docs(doc_epoch, pos, sorted(doc_indices))
             except IndexError:
                 raise UserError(
-                    f"the data changed since this loader state was saved (row group {row_groups(doc_epoch)[pos]} lacks a document); resume with the same data"
+                    f"the data changed since this loader state was saved (row group {row_groups(doc_epoch)[pos]} lacks "
+                    "a document); resume with the same data"
                 ) from None
 
     while True:
@@ -160,7 +162,8 @@ def _packed_batches(
                     if next_pos == num_row_groups:
                         if rank == 0:
                             print(
-                                f"dataloader: finished reading epoch {epoch} of the {split} split, starting epoch {epoch + 1}",
+                                f"dataloader: finished reading epoch {epoch} of "
+                                f"the {split} split, starting epoch {epoch + 1}",
                                 flush=True,
                             )
                         epoch, next_pos = epoch + 1, 0
@@ -225,11 +228,13 @@ def _check_state(state, split, rank, world_size, num_row_groups, data_seed):
         raise UserError(f"dataloader resume state version {state['version']} is not {STATE_VERSION}; start without it")
     if saved != (split, rank, world_size):
         raise UserError(
-            f"dataloader resume state is for split/rank/world_size {saved}, not {(split, rank, world_size)}; resume with the same setup"
+            f"dataloader resume state is for split/rank/world_size {saved}, "
+            f"not {(split, rank, world_size)}; resume with the same setup"
         )
     if state["num_row_groups"] != num_row_groups:
         raise UserError(
-            f"the {split} data changed since the checkpoint ({state['num_row_groups']} row groups for this rank then, {num_row_groups} now); resume with the same shards"
+            f"the {split} data changed since the checkpoint ({state['num_row_groups']} row groups for this rank then, "
+            f"{num_row_groups} now); resume with the same shards"
         )
     if "data_seed" not in state:
         raise UserError(

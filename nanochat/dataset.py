@@ -155,13 +155,15 @@ def read_row_group(path, row_group):
         raise
     except Exception as e:
         raise UserError(
-            f"cannot read row group {row_group} of parquet shard {path} ({type(e).__name__}: {e}); delete it and re-create the data"
+            f"cannot read row group {row_group} of parquet shard {path} "
+            f"({type(e).__name__}: {e}); delete it and re-create the data"
         ) from None
     return [t if t is not None else "" for t in table.column("text").to_pylist()]
 
 
 def parquets_iter_batched(split, start=0, step=1, data_dir=None):
-    """Yield the documents of a split one row group at a time (list[str]); row groups strided by (start, step) for ranks."""
+    """Yield the documents of a split one row group at a time (list[str]); row groups strided by (start, step) for
+    ranks."""
     row_groups = list_row_groups(split, start, step, data_dir)
     num_docs = 0
     for path, rg in row_groups:
@@ -310,14 +312,16 @@ def download_shards(indices, data_dir=None, workers=4, base_url=BASE_URL, attemp
     os.makedirs(data_dir, exist_ok=True)
     if os.path.exists(os.path.join(data_dir, OFFLINE_MARKER)):
         raise UserError(
-            f"{data_dir} holds the offline corpus; delete its shards and {OFFLINE_MARKER} (or use another NANOCHAT_BASE_DIR) before downloading"
+            f"{data_dir} holds the offline corpus; delete its shards and {OFFLINE_MARKER} (or use another "
+            "NANOCHAT_BASE_DIR) before downloading"
         )
     bad = [i for i in indices if not 0 <= i <= MAX_SHARD]
     if bad:
         raise UserError(f"shard index {bad[0]} out of range; ClimbMix shards are 0..{MAX_SHARD}")
     todo = sorted(i for i in set(indices) if not os.path.exists(os.path.join(data_dir, shard_name(i))))
     print0(
-        f"{len(set(indices)) - len(todo)} of {len(set(indices))} shards already in {data_dir}; downloading {len(todo)} with {workers} workers"
+        f"{len(set(indices)) - len(todo)} of {len(set(indices))} shards already "
+        f"in {data_dir}; downloading {len(todo)} with {workers} workers"
     )
     if not todo:
         return
@@ -387,7 +391,8 @@ def _python_file_document(path, module_name):
 
 
 def stdlib_documents():
-    """Yield the standard library's documentation as texts, in a fixed order: docstrings per module, .txt/.rst files, pydoc topics."""
+    """Yield the standard library's documentation as texts, in a fixed order: docstrings per module, .txt/.rst files,
+    pydoc topics."""
     root = sysconfig.get_paths()["stdlib"]
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
@@ -464,7 +469,8 @@ def _parquet_bytes(texts, docs_per_row_group):
 def build_offline_corpus(
     data_dir=None, txt_dir=None, num_train_shards=8, docs_per_row_group=32, max_doc_chars=1_000, max_docs=None, seed=42
 ):
-    """Write an offline corpus as parquet shards: num_train_shards train shards plus one validation shard (the last index).
+    """Write an offline corpus as parquet shards: num_train_shards train shards plus one validation shard (the last
+    index).
 
     Source: the standard library's docstrings and docs by default, or every .txt file under txt_dir.
     Deterministic: the same machine gives the same bytes on every build. Returns the shard paths.
@@ -476,7 +482,8 @@ def build_offline_corpus(
     marker = os.path.join(data_dir, OFFLINE_MARKER)
     if existing and not os.path.exists(marker):
         raise UserError(
-            f"{data_dir} already holds {len(existing)} downloaded shards; use another NANOCHAT_BASE_DIR or delete them first"
+            f"{data_dir} already holds {len(existing)} downloaded "
+            "shards; use another NANOCHAT_BASE_DIR or delete them first"
         )
 
     source = txt_documents(txt_dir) if txt_dir else stdlib_documents()
@@ -488,7 +495,8 @@ def build_offline_corpus(
     num_shards = num_train_shards + 1
     if len(docs) < num_shards:
         raise UserError(
-            f"only {len(docs)} documents found, need at least {num_shards} for {num_train_shards} train shards + 1 validation shard; add text or lower --offline-train-shards"
+            f"only {len(docs)} documents found, need at least {num_shards} for {num_train_shards} train shards + 1 "
+            "validation shard; add text or lower --offline-train-shards"
         )
     random.Random(seed).shuffle(docs)
 
@@ -544,7 +552,8 @@ def main(argv=None):
             with open(os.path.join(os.path.dirname(paths[0]), OFFLINE_MARKER)) as f:
                 info = json.load(f)
             print(
-                f"offline corpus: {info['num_docs']:,} docs, {info['num_chars'] / 1e6:.1f}M chars, {len(paths) - 1} train shards + 1 val shard in {os.path.dirname(paths[0])} ({time.time() - t0:.1f}s)"
+                f"offline corpus: {info['num_docs']:,} docs, {info['num_chars'] / 1e6:.1f}M chars, {len(paths) - 1} "
+                f"train shards + 1 val shard in {os.path.dirname(paths[0])} ({time.time() - t0:.1f}s)"
             )
         elif args.num_train_shards is not None:
             download_shards(climbmix_indices(args.num_train_shards), workers=args.workers)

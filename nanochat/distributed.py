@@ -76,7 +76,8 @@ def check_shared_dir(path, is_ddp):
     if blind:
         raise UserError(
             f"rank(s) {', '.join(blind)} do not see {path} as rank 0 ({views[0][1]}) wrote it: the base dir "
-            "(NANOCHAT_BASE_DIR) must be one directory on a filesystem shared by every node (docs/runs.md, several nodes)"
+            "(NANOCHAT_BASE_DIR) must be one directory on a filesystem "
+            "shared by every node (docs/runs.md, several nodes)"
         )
 
 
@@ -118,23 +119,23 @@ class Watchdog:
         silent = self._silent_ranks(f"nanochat/hung/{step}/{phase}", grace=min(10.0, max(2.0, timeout / 4)))
         if silent is None:
             print(
-                f"error: {here}: no progress for {timeout:.0f} s in {phase} (step {step}); the rendezvous store did not "
-                "answer either (it lives in rank 0 or in torchrun's agent: that one is the likely cause)",
+                f"error: {here}: no progress for {timeout:.0f} s in {phase} (step {step}); the rendezvous store did "
+                "not answer either (it lives in rank 0 or in torchrun's agent: that one is the likely cause)",
                 file=sys.stderr,
                 flush=True,
             )
         elif silent and min(set(range(self.world_size)) - set(silent)) == self.rank:
             print(
-                f"error: rank(s) {', '.join(map(str, silent))} stopped, hung or died in {phase} (step {step}): the other "
-                f"ranks waited {timeout:.0f} s for them ({here} reports; a restart resumes from the newest complete "
-                "checkpoint)",
+                f"error: rank(s) {', '.join(map(str, silent))} stopped, hung or died in {phase} (step {step}): the "
+                f"other ranks waited {timeout:.0f} s for them ({here} reports; a restart resumes from the newest "
+                "complete checkpoint)",
                 file=sys.stderr,
                 flush=True,
             )
         elif not silent and self.rank == 0:
             print(
-                f"error: every rank waited {timeout:.0f} s in {phase} (step {step}): no rank is stuck alone (a collective "
-                "or the filesystem is); a restart resumes from the newest complete checkpoint",
+                f"error: every rank waited {timeout:.0f} s in {phase} (step {step}): no rank is stuck alone (a "
+                "collective or the filesystem is); a restart resumes from the newest complete checkpoint",
                 file=sys.stderr,
                 flush=True,
             )

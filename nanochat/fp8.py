@@ -6,8 +6,8 @@ docs/design.md §2, "fp8", explains the design.
     model.set_fp8(True)    # base_train --fp8: every Linear the size rule admits runs its three matmuls in fp8
     fp8_linear(x, weight)  # x @ weight.T; forward and backward each quantise their operands on the fly
 
-A linear layer makes three matmuls per step: y = x·Wᵀ forward, and dx = dy·W, dW = dyᵀ·x backward. Each operand is
-scaled by one number (the tensor's largest |value| mapped to the format's largest finite value), cast to fp8, and
+A linear layer makes three matmuls per step: y = x·Wᵀ forward, and dx = dy·W, dW = dyᵀ·x backward. Each operand
+is scaled by one number (the tensor's largest |value| mapped to the format's largest finite value), cast to fp8, and
 the scaled matmul multiplies the inverse scales back in. Inputs and weights use float8_e4m3fn (3 mantissa bits,
 range ±448), gradients float8_e5m2 (2 mantissa bits, range ±57,344: gradients span more decades). The fp32 master
 weights and the optimizer are untouched; only the matmuls change. Facts from nanochat's nanochat/fp8.py (tensorwise
@@ -39,7 +39,10 @@ def cannot_run(device):
         return f"device {device.type} has no fp8 matmul"
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        return f"compute capability {capability[0]}.{capability[1]} has no fp8 tensor cores (needs 8.9: Ada, Hopper or newer)"
+        return (
+            f"compute capability {capability[0]}.{capability[1]} has no fp8 tensor cores "
+            "(needs 8.9: Ada, Hopper or newer)"
+        )
     return None
 
 

@@ -94,11 +94,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cos_sin, mask, kv=None, ve=None):
         """mask: None for a plain row (causal, within this layer's window: the kernel's own window support, or on CUDA
-        flex_attention, or SDPA's is_causal / a window mask), else a bool mask of the keys each query sees (always SDPA).
+        flex_attention, or SDPA's is_causal / a window mask), else a bool mask of the keys each query sees (always
+        SDPA).
         kv: this layer's KV cache (nanochat/engine.py) when decoding: x holds the new positions only, their keys and
         values are appended to the cached ones, and mask (queries × every key so far) is always given.
-        ve: this layer's value embeddings of the tokens (B, T, n_kv_head · head_dim), or None: added to the values with a
-        gate 3·σ(ve_gate(x[..., :12])) in (0, 3), one per KV head."""
+        ve: this layer's value embeddings of the tokens (B, T, n_kv_head · head_dim), or None: added to the values with
+        a gate 3·σ(ve_gate(x[..., :12])) in (0, 3), one per KV head."""
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
@@ -188,7 +189,8 @@ class GPT(nn.Module):
         return {}
 
     def step_metrics(self):
-        """A dict merged into every step's metrics.jsonl row (what the model measured during the step); the baseline has none."""
+        """A dict merged into every step's metrics.jsonl row (what the model measured during the step); the baseline has
+        none."""
         return {}
 
     def nonfinite_origin(self, idx):

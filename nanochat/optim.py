@@ -4,13 +4,16 @@ Muon + AdamW in one optimizer, chosen per parameter group by its "kind".
 The update math lives in two plain functions (`adamw_update`, `muon_update`) that act on tensors; the optimizer
 compiles them where the parameters are on CUDA and, on several ranks, shards Muon (docs/optimizer.md):
 
-    opt = MuonAdamW(groups)                        # one process, every matrix; compile=False: the eager optimizer, bit for bit
-    opt = MuonAdamW(groups, rank=r, world_size=W)  # under DDP: each rank updates its chunk of every Muon stack, then all-gather
+    opt = MuonAdamW(groups)                        # one process, every matrix; compile=False: the eager optimizer,
+                                                   # bit for bit
+    opt = MuonAdamW(groups, rank=r, world_size=W)  # under DDP: each rank updates its chunk of every Muon stack,
+                                                   # then all-gather
     opt.step()                                     # after DDP averaged the gradients: every rank holds all of them
     sd = opt.state_dict()                          # saved by every rank: its Muon rows, and on rank 0 the AdamW state
     opt.ranks_to_load(saved_world_size)            # which saved ranks' state dicts this rank needs
     opt.load_state_dicts([sd_0, sd_1, ...])        # those saved by a run on any number of ranks (None for one not read)
-    opt.load_state_dict(sd)                        # one full state dict: saved on one rank, or by rank 0 before sharding
+    opt.load_state_dict(sd)                        # one full state dict: saved on one rank, or by rank 0 before
+                                                   # sharding
 
 Sharding: a stack of n same-shape matrices is cut into contiguous chunks of ceil(n / W) (`shard_rows`); rank r keeps
 momentum and variance for its chunk only, updates only those matrices, and one all-gather per stack (padded to W
@@ -55,7 +58,8 @@ def orthogonalize(G, dtype):
 def commit(gate, targets, values):
     """Write `values` into `targets` (lists of tensors), in place. gate: None, or a 0-d bool tensor on their device:
     where it is False every target keeps its value. A select, not a product: a non-finite value times 0 is still NaN.
-    It lets the training loop veto a non-finite step on the device, without waiting to read the flag (docs/optimizer.md)."""
+    It lets the training loop veto a non-finite step on the device, without waiting to read the flag
+    (docs/optimizer.md)."""
     if gate is not None:
         values = [torch.where(gate, v, t) for t, v in zip(targets, values)]
     torch._foreach_copy_(targets, values)
@@ -123,7 +127,8 @@ COMPILED = {}
 
 def compiled(fn):
     """fn compiled once per process: one graph per input shape, hyperparameters passed as 0-d tensors. Not fullgraph:
-    past dynamo's recompile limit (8 shapes) a call runs eager instead of failing (tests/test_optim.py counts graphs)."""
+    past dynamo's recompile limit (8 shapes) a call runs eager instead of failing (tests/test_optim.py counts
+    graphs)."""
     if fn not in COMPILED:
         COMPILED[fn] = torch.compile(fn, dynamic=False)
     return COMPILED[fn]
@@ -373,9 +378,9 @@ class MuonAdamW(torch.optim.Optimizer):
         return sorted(need)
 
     def load_state_dicts(self, state_dicts):
-        """This rank's state from the state dicts saved by the ranks of a run on any number of ranks (a list in any order,
-        None for a rank not read, or {saved rank: state dict}): the AdamW state from rank 0's, this rank's Muon rows from
-        whichever hold them. The groups keep this optimizer's settings, not the saved ones (below)."""
+        """This rank's state from the state dicts saved by the ranks of a run on any number of ranks (a list in any
+        order, None for a rank not read, or {saved rank: state dict}): the AdamW state from rank 0's, this rank's Muon
+        rows from whichever hold them. The groups keep this optimizer's settings, not the saved ones (below)."""
         if isinstance(state_dicts, dict):
             state_dicts = [state_dicts] if "param_groups" in state_dicts else state_dicts.values()
         saved = [sd for sd in state_dicts if sd is not None]

@@ -37,7 +37,8 @@ def planned_seconds(total_flops, nproc):
 
 
 def check_args(args):
-    """Every value of base_train's flags that would crash later or train silently wrong, refused up front in one line."""
+    """Every value of base_train's flags that would crash later or train silently wrong, refused up front in one
+    line."""
     tracking.parse_log_to(args.log_to)  # an unknown tracker or a missing package, before anything starts
     # the numbers (sizes, LRs, decays, horizons, intervals) were checked as they were parsed: nanochat/common.py's rule
     if not set(args.window_pattern) <= {"L", "S"} or not args.window_pattern:

@@ -76,8 +76,8 @@ def has_value_embed(layer, n_layer):
 
 
 def quarter_window(sequence_len):
-    """nanochat's short window, -(-T // 4 // 128) * 128: a quarter of the context rounded up to WINDOW_TILE (2048 → 512;
-    nanochat's comment says 768, its code gives 512), at most the context."""
+    """nanochat's short window, -(-T // 4 // 128) * 128: a quarter of the context rounded up to WINDOW_TILE (2048 →
+    512; nanochat's comment says 768, its code gives 512), at most the context."""
     return min(sequence_len, -(-sequence_len // 4 // WINDOW_TILE) * WINDOW_TILE)
 
 
@@ -212,8 +212,8 @@ class RecipeParts:
         ]
 
     def recipe_extra_params(self):
-        """Parameters outside the size rules' S, as nanochat's num_scaling_params (transformer matrices + lm_head) leaves
-        them out: value embeddings, the lambdas, the smear gate. The ve gates are in the blocks, hence in S."""
+        """Parameters outside the size rules' S, as nanochat's num_scaling_params (transformer matrices + lm_head)
+        leaves them out: value embeddings, the lambdas, the smear gate. The ve gates are in the blocks, hence in S."""
         return sum(
             p.numel()
             for n, p in self.named_parameters()

@@ -199,15 +199,16 @@ def start_step(run_dir, args, record, tokenizer, defaults, not_settings, planned
         if record["fingerprints"].get(key) != old:
             what = "tokenizer" if key == "tokenizer" else f"{key[5:]} data"
             raise UserError(
-                f"cannot resume {run_dir}: its {what} changed (fingerprint {old} then, {record['fingerprints'].get(key)} now); "
-                "resume with the base dir it was trained in"
+                f"cannot resume {run_dir}: its {what} changed (fingerprint {old} then, "
+                f"{record['fingerprints'].get(key)} now); resume with the base dir it was trained in"
             )
     shards = lambda cfg: cfg["world_size"] * cfg["grad_accum_steps"]
     if "grad_accum_steps" in old_cfg and shards(old_cfg) != shards(record):
         raise UserError(
-            f"cannot resume {run_dir} on {record['world_size']} process(es) × {record['grad_accum_steps']} micro-step(s): its "
-            f"data was cut into {shards(old_cfg)} shards ({old_cfg['world_size']} × {old_cfg['grad_accum_steps']}), this "
-            f"command's --device-batch-size gives {shards(record)}; keep --device-batch-size {old_cfg.get('args', {}).get('device_batch_size', 'it had')}"
+            f"cannot resume {run_dir} on {record['world_size']} process(es) × {record['grad_accum_steps']} "
+            f"micro-step(s): its data was cut into {shards(old_cfg)} shards ({old_cfg['world_size']} × "
+            f"{old_cfg['grad_accum_steps']}), this command's --device-batch-size gives {shards(record)}; keep "
+            f"--device-batch-size {old_cfg.get('args', {}).get('device_batch_size', 'it had')}"
         )
     changed = settings_changes(old_cfg, record, defaults, not_settings)
     if (
@@ -238,8 +239,9 @@ def start_step(run_dir, args, record, tokenizer, defaults, not_settings, planned
     planned = old_cfg.get("num_iterations", record["num_iterations"])
     if planned != record["num_iterations"] and not args.change_settings:
         raise UserError(
-            f"cannot resume {run_dir}: it was planned for {planned} steps but this command gives {record['num_iterations']} "
-            "(the LR schedule would change mid-run); add --change-settings if that is what you want"
+            f"cannot resume {run_dir}: it was planned for {planned} steps but this command gives "
+            f"{record['num_iterations']} (the LR schedule would change "
+            "mid-run); add --change-settings if that is what you want"
         )
     if step > record["num_iterations"]:
         raise UserError(

@@ -92,7 +92,8 @@ def read_metrics(path):
 
 
 def metrics_lines(path):
-    """[(step, line ending in a newline)] of metrics.jsonl as written, a torn last line with step None; [] without the file."""
+    """[(step, line ending in a newline)] of metrics.jsonl as written, a torn last line with step None; [] without the
+    file."""
     if not os.path.exists(path):
         return []
     return [(None if row is None else row["step"], text) for _, row, text in metrics_entries(path)]
@@ -121,7 +122,8 @@ def keep_history(metrics_path, step):
         f.writelines(drop)
     atomic_write_bytes(metrics_path, "".join(keep).encode())
     print0(
-        f"note: {len(drop)} earlier row(s) of metrics.jsonl {'past step ' + str(step) if step else ''} kept in {os.path.basename(bak)}"
+        f"note: {len(drop)} earlier row(s) of metrics.jsonl "
+        f"{'past step ' + str(step) if step else ''} kept in {os.path.basename(bak)}"
     )
 
 
@@ -554,12 +556,13 @@ def publish(tmp, folder, tool, inputs, aside):
         dest = set_aside(folder, aside)
         if other_inputs:
             print(
-                f"note: {folder} held results of other inputs ({input_changes(old.get('inputs'), inputs)}); they are kept in {dest}/"
+                f"note: {folder} held results of other inputs "
+                f"({input_changes(old.get('inputs'), inputs)}); they are kept in {dest}/"
             )
         else:
             print(
-                f"note: {', '.join(aside)} in {folder} changed since `python -m {tool}` wrote {'it' if len(aside) == 1 else 'them'} "
-                f"(an edit is never overwritten); kept in {dest}/"
+                f"note: {', '.join(aside)} in {folder} changed since `python -m {tool}` wrote "
+                f"{'it' if len(aside) == 1 else 'them'} (an edit is never overwritten); kept in {dest}/"
             )
     new = sorted(os.listdir(tmp))
     kept = [n for n in own_files(folder, tool) if n != MANIFEST]

@@ -152,8 +152,8 @@ def min_detectable_core_diff(task_sizes, baselines, accuracy=0.5, discordance=No
 
     Per task the variance of the centred-accuracy difference is d / n / (1 - b)^2, d the variance of one
     item's verdict difference: with `discordance` (the fraction of items on which the two runs disagree,
-    measured from records; a number or {label: fraction}) d = discordance; without it the runs are taken as independent with the given
-    accuracy, d = 2 acc (1 - acc), the upper end for positively correlated models. CORE averages T tasks,
+    measured from records; a number or {label: fraction}) d = discordance; without it the runs are taken as independent
+    with the given accuracy, d = 2 acc (1 - acc), the upper end for positively correlated models. CORE averages T tasks,
     so SE = sqrt(sum of variances) / T and MDE = (z_{1-alpha/2} + z_power) SE. Returns (mde, se)."""
     var = 0.0
     for label, n in task_sizes.items():
@@ -269,8 +269,9 @@ def group_delta(values_a, values_b, reps_a, reps_b, paired, alpha=0.05):
         - the runs' own unit-level noise, which both terms hold (taken off once; never below the bootstrap term).
     The interval is delta +/- t quantile * sqrt(var), its degrees of freedom those of the seed variance (k - 1
     paired, Welch-Satterthwaite unpaired) carried to var by Satterthwaite's rule where they are at least 2 (the
-    bootstrap terms rest on many units: as good as known); with a group of one there is no seed variance: evaluation noise only, normal.
-    Returns {"delta", "ci", "p", "se", "df", "se_eval", "seed_sd": {"a", "b", "d"}, "paired", "eval_only"}."""
+    bootstrap terms rest on many units: as good as known); with a group of one there is no seed variance: evaluation
+    noise only, normal. Returns {"delta", "ci", "p", "se", "df", "se_eval", "seed_sd": {"a", "b", "d"}, "paired",
+    "eval_only"}."""
     va, vb = np.asarray(values_a, dtype=np.float64), np.asarray(values_b, dtype=np.float64)
     ra, rb = np.asarray(reps_a, dtype=np.float64), np.asarray(reps_b, dtype=np.float64)
     ka, kb = va.size, vb.size

@@ -62,7 +62,8 @@ class Tokenizer:
         num_merged = vocab_size - len(SPECIAL_TOKENS)
         if num_merged < 256:
             raise UserError(
-                f"vocab size {vocab_size} is too small: need at least {256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+                f"vocab size {vocab_size} is too small: need at least {256 + len(SPECIAL_TOKENS)} (256 bytes + "
+                f"{len(SPECIAL_TOKENS)} special tokens)"
             )
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(text_iterator, num_merged, pattern=SPLIT_PATTERN)
@@ -136,7 +137,8 @@ class Tokenizer:
         return self.encode_special(token) if isinstance(token, str) else int(token)
 
     def encode(self, text, prepend=None, append=None, num_threads=8):
-        """str -> list[int]; list[str] -> list[list[int]] (in parallel). prepend/append: a token id or special-token string."""
+        """str -> list[int]; list[str] -> list[list[int]] (in parallel). prepend/append: a token id or special-token
+        string."""
         first = [self._as_id(prepend)] if prepend is not None else []
         last = [self._as_id(append)] if append is not None else []
         if isinstance(text, str):

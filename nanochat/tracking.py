@@ -172,8 +172,8 @@ class Trackers:
 
 
 def open_trackers(kinds, run_name, run_dir, config, project):
-    """Trackers for the kinds parse_log_to returned, logging under the project and the run's name (rank 0 only: one run per run). Closed
-    at exit too, so that a run that stops on an error still flushes what it logged."""
+    """Trackers for the kinds parse_log_to returned, logging under the project and the run's name (rank 0 only: one run
+    per run). Closed at exit too, so that a run that stops on an error still flushes what it logged."""
     trackers = Trackers()
     for kind in kinds:
         try:

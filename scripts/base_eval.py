@@ -159,7 +159,10 @@ def build_parser():
         type=str,
         default="auto",
         choices=list(ATTN_CHOICES),
-        help="attention kernel of bpb (auto: on Hopper the first of fa4, cudnn, fa3 that loads, else SDPA; CORE's packed rows use masks)",
+        help=(
+            "attention kernel of bpb (auto: on Hopper the first of fa4, cudnn, fa3 that loads, else SDPA; "
+            "CORE's packed rows use masks)"
+        ),
     )
     p.add_argument(
         "--mod-rate",
@@ -374,8 +377,9 @@ def eval_mod_curve(model, tokenizer, token_bytes, args, device, rank, world_size
     for p in points:
         p["flops_frac"] = p["forward_flops_per_token"] / full
         print0(
-            f"MoD {p['blocks']} rate {p['rate']:.2f}: val bpb {p['val_bpb']:.4f} | skipped attn {100 * p.get('skip_attn', 0):.1f}% "
-            f"mlp {100 * p.get('skip_mlp', 0):.1f}% | forward FLOPs {100 * p['flops_frac']:.1f}% of full depth"
+            f"MoD {p['blocks']} rate {p['rate']:.2f}: val bpb {p['val_bpb']:.4f} | skipped attn "
+            f"{100 * p.get('skip_attn', 0):.1f}% mlp {100 * p.get('skip_mlp', 0):.1f}% | forward FLOPs "
+            f"{100 * p['flops_frac']:.1f}% of full depth"
             + delta(p, "val_bpb")
             + (f" | {p['core_label']} {p['core']:.4f}" if "core" in p else "")
             + delta(p, "core")
@@ -432,8 +436,8 @@ def unfinished_core(run_dir, old, args, bundle, folder=EVAL_DIR):
         return None
     if old.get("max_per_task") != args.max_per_task or old.get("eval_bundle") != bundle:
         print0(
-            f"note: the interrupted CORE evaluation of step {old['step']} used --max-per-task {old.get('max_per_task')} "
-            f"and the bundle {old.get('eval_bundle')}; this one starts over"
+            f"note: the interrupted CORE evaluation of step {old['step']} used --max-per-task "
+            f"{old.get('max_per_task')} and the bundle {old.get('eval_bundle')}; this one starts over"
         )
         return None
     try:
@@ -549,7 +553,8 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
         model.set_tokens_seen(meta["tokens"])
     step = meta["step"]
     print0(
-        f"evaluating {run_dir} step {step} ({meta['arch']}) on {device_type} × {world_size}: {', '.join(e for e in EVALS if e in evals)}"
+        f"evaluating {run_dir} step {step} ({meta['arch']}) on {device_type} × {world_size}: "
+        f"{', '.join(e for e in EVALS if e in evals)}"
     )
 
     bundle, core_error = find_bundle(args.eval_bundle) if "core" in evals else (None, None)
@@ -565,8 +570,8 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     ]
     if other_data:  # allowed (evaluating on other data is a choice), never silent
         print0(
-            f"note: the {' and '.join(other_data)} data in the base dir differ from those this checkpoint was trained with; "
-            "the results record both fingerprints"
+            f"note: the {' and '.join(other_data)} data in the base dir differ from those this checkpoint was trained "
+            "with; the results record both fingerprints"
         )
     check_writable(run_dir, step)  # on every rank, so that all of them stop
     measured = measured_with(args, bundle, world_size)

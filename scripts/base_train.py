@@ -78,11 +78,12 @@ def dry_run(args):
     print(f"PLAN {json.dumps(record)}")
     c = plan.config
     print(
-        f"{plan.run}: {plan.arch} d{c.n_layer} dim {c.n_embd} | {record['num_params']:,} params | {plan.flops_per_token:,} FLOPs/token | "
-        f"{plan.num_iterations:,} steps × {plan.total_batch:,} tokens = {record['total_tokens']:,} tokens | {record['total_flops']:.4g} FLOPs | "
-        f"grad accum {plan.grad_accum} on {plan.nproc} process(es) | warm-up {plan.warmup_steps}, warm-down {plan.warmdown_steps} steps | "
-        f"checkpoint every {plan.save_every or plan.num_iterations} steps | seed {args.seed}, "
-        f"data seed {'none (file order)' if args.data_seed is None else args.data_seed}"
+        f"{plan.run}: {plan.arch} d{c.n_layer} dim {c.n_embd} | {record['num_params']:,} params | "
+        f"{plan.flops_per_token:,} FLOPs/token | {plan.num_iterations:,} steps × {plan.total_batch:,} tokens = "
+        f"{record['total_tokens']:,} tokens | {record['total_flops']:.4g} FLOPs | "
+        f"grad accum {plan.grad_accum} on {plan.nproc} process(es) | warm-up {plan.warmup_steps}, warm-down "
+        f"{plan.warmdown_steps} steps | checkpoint every {plan.save_every or plan.num_iterations} steps | seed "
+        f"{args.seed}, data seed {'none (file order)' if args.data_seed is None else args.data_seed}"
     )
     print(f"attention: {record['attention']['expects']}")
     return record
@@ -174,7 +175,8 @@ class Run:
 
 
 def train(args):
-    """Train the run the flags describe (args from parse_args); returns its directory (the plan record with --dry-run)."""
+    """Train the run the flags describe (args from parse_args); returns its directory (the plan record with
+    --dry-run)."""
     if args.dry_run:
         return dry_run(args)
     check_args(args)  # every flag, before any process group or data: one line
@@ -202,8 +204,9 @@ def train(args):
     # the preset's plan and published numbers assume that vocab
     if preset.get("gpu") and tokenizer.get_vocab_size() != preset["vocab"]:
         raise UserError(
-            f"--preset {args.preset} trains with a {preset['vocab']:,}-token tokenizer, but the one in the base dir has "
-            f"{tokenizer.get_vocab_size():,}; use a fresh NANOCHAT_BASE_DIR, or retrain it with scripts.tok_train --vocab-size {preset['vocab']}"
+            f"--preset {args.preset} trains with a {preset['vocab']:,}-token tokenizer, but the one in the base dir "
+            f"has {tokenizer.get_vocab_size():,}; use a fresh NANOCHAT_BASE_DIR, or retrain it with scripts.tok_train "
+            f"--vocab-size {preset['vocab']}"
         )
     plan = plan_for(args, tokenizer.get_vocab_size(), world_size)
     # rank 0's choice, probed at the model's shapes, on every rank
@@ -277,7 +280,8 @@ def model_shapes(model):
 
 
 def saved_model_shapes(meta):
-    """model_shapes of the model a checkpoint holds, built from its meta on the meta device (nothing read or allocated)."""
+    """model_shapes of the model a checkpoint holds, built from its meta on the meta device (nothing read or
+    allocated)."""
     cls = arch_spec(meta["arch"]).model_class
     with torch.device("meta"):
         return model_shapes(cls(GPTConfig(**meta["model_config"]), **cls.extra_init_kwargs(meta)))
@@ -367,14 +371,15 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     c = plan.config
     print0(f"run {plan.run} → {run_dir}")
     print0(
-        f"arch {plan.arch} | {record['num_params']:,} params (S = {record['num_scaling_params']:,} for the size rules) | "
-        f"d{c.n_layer} dim {c.n_embd} heads {c.n_head} | device {device_type} × {world_size} | {record['compute_dtype']}"
+        f"arch {plan.arch} | {record['num_params']:,} params (S = {record['num_scaling_params']:,} for the size rules) "
+        f"| d{c.n_layer} dim {c.n_embd} heads {c.n_head} | device "
+        f"{device_type} × {world_size} | {record['compute_dtype']}"
     )
     print0(f"attention: {record['attention']['kernel']} ({record['attention']['reason']})")
     if args.fp8:
         print0(
-            f"fp8: {len(fp8_layers)} linear layers in training (both dims >= {fp8.MIN_DIM}, multiples of {fp8.MULTIPLE}); "
-            f"the others, evaluation and sampling in {record['compute_dtype']}"
+            f"fp8: {len(fp8_layers)} linear layers in training (both dims >= {fp8.MIN_DIM}, multiples of "
+            f"{fp8.MULTIPLE}); the others, evaluation and sampling in {record['compute_dtype']}"
         )
     print0(
         f"horizon: {plan.num_iterations:,} steps × {plan.total_batch:,} tokens = {record['total_tokens']:,} tokens | "
@@ -586,10 +591,11 @@ def log_row(run, row, steps, timer, intervals, stats_line):
         mfu = plan.flops_per_token * tok_per_sec / (run.peak_flops * run.world_size)
         row["mfu"] = mfu
     print0(
-        f"step {step:05d}/{plan.num_iterations:05d} ({100 * step / plan.num_iterations:5.1f}%) | loss {row['train_loss']:.4f} | "
-        f"lrm {row['lr_mult']:.3f} | {tok_per_sec:,.0f} tok/s"
+        f"step {step:05d}/{plan.num_iterations:05d} ({100 * step / plan.num_iterations:5.1f}%) | loss "
+        f"{row['train_loss']:.4f} | lrm {row['lr_mult']:.3f} | {tok_per_sec:,.0f} tok/s"
         + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "")
-        + f" | {1000 * train_seconds / steps:.0f} ms | {biggest(parts)} | elapsed {fmt_time(run.elapsed)} | eta {fmt_time(eta)}"
+        + f" | {1000 * train_seconds / steps:.0f} ms | {biggest(parts)} | elapsed {fmt_time(run.elapsed)} "
+        f"| eta {fmt_time(eta)}"
     )
     if stats_line:
         print0(stats_line)

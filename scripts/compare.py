@@ -53,7 +53,8 @@ def main(argv=None):
         type=str,
         default=None,
         help="output directory; an earlier report of other inputs there moves to its replaced/ "
-        "(default: $NANOCHAT_BASE_DIR/reports/<run1>@<step>_vs_<run2>@<step>, never replacing a report of other inputs)",
+        "(default: $NANOCHAT_BASE_DIR/reports/<run1>@<step>_vs_<run2>@<step>, "
+        "never replacing a report of other inputs)",
     )
     p.add_argument(
         "--force",

@@ -225,7 +225,8 @@ def eval_lines(rec):
             lines.append(f"- {key.replace('_', ' ')}: {rec[key]:.4f}")
     if rec.get("core_metric") is not None:
         lines.append(
-            f"- CORE: {rec['core_metric']:.4f} ({rec.get('num_tasks_scored')} tasks, max per task {rec.get('max_per_task')})"
+            f"- CORE: {rec['core_metric']:.4f} ({rec.get('num_tasks_scored')} "
+            f"tasks, max per task {rec.get('max_per_task')})"
         )
     elif rec.get("partial_core") is not None:
         lines.append(
@@ -267,12 +268,13 @@ def model_card(run_dir, meta, config_record, rec, command, max_diff):
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)  # adds <|bos|> in front, as in training",
         "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)",
-        "out = model.generate(**tok(\"The capital of France is\", return_tensors=\"pt\"), max_new_tokens=16, do_sample=False)",
+        "out = model.generate(**tok(\"The capital of France is\", "
+        "return_tensors=\"pt\"), max_new_tokens=16, do_sample=False)",
         "print(tok.decode(out[0], skip_special_tokens=True))",
         "```",
         "",
-        "lm-evaluation-harness: `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,add_bos_token=True "
-        "--tasks TASKS`.",
+        "lm-evaluation-harness: `lm_eval --model hf --model_args "
+        "pretrained=DIR,trust_remote_code=True,add_bos_token=True --tasks TASKS`.",
         "",
         "## Model",
         "",
@@ -331,11 +333,13 @@ def model_card(run_dir, meta, config_record, rec, command, max_diff):
         "",
         "## Export",
         "",
-        "- weights: model.safetensors, fp32, the native parameter names; MoD thresholds as `mod_thresholds` (fixed, evaluation rule)",
-        "- tokenizer: tokenizer.json, a byte-level BPE built from the tiktoken ranks, with the same ids (checked on sample "
-        "strings at export); `<|bos|>` is bos and eos (added in front of every text), `<|output_end|>` pads",
+        "- weights: model.safetensors, fp32, the native parameter names; "
+        "MoD thresholds as `mod_thresholds` (fixed, evaluation rule)",
+        "- tokenizer: tokenizer.json, a byte-level BPE built from the tiktoken ranks, with the same ids (checked on "
+        "sample strings at export); `<|bos|>` is bos and eos (added in front of every text), `<|output_end|>` pads",
         "- code: configuration_nagchat.py, modeling_nagchat.py (trust_remote_code); generate() uses a KV cache",
-        f"- largest |logit difference| against the native model at export: {fmt(max_diff) if max_diff is not None else 'not checked (--no-verify)'}",
+        "- largest |logit difference| against the native model at export: "
+        f"{fmt(max_diff) if max_diff is not None else 'not checked (--no-verify)'}",
         "",
     ]
     return "\n".join(lines)
@@ -360,7 +364,8 @@ def prepare_out(out, force):
 
 def edited_files(out, names):
     """Those of names that an earlier export wrote into out (its manifest lists them) and that changed since (their
-    sha256 no longer the manifest's: a user's edit of README.md, say): --force moves them to replaced/, never over them."""
+    sha256 no longer the manifest's: a user's edit of README.md, say): --force moves them to replaced/, never over
+    them."""
     m = read_manifest(out)
     if m is None or m["tool"] != TOOL:
         return []
@@ -378,8 +383,8 @@ def write_export(out, staging, write):
         if edited := edited_files(out, sorted(os.listdir(staging)) + [CARD]):
             dest = set_aside(out, edited)
             print(
-                f"note: {', '.join(edited)} in {out} changed since `python -m {TOOL}` wrote {'it' if len(edited) == 1 else 'them'} "
-                f"(an edit is never overwritten); kept in {dest}/"
+                f"note: {', '.join(edited)} in {out} changed since `python -m {TOOL}` wrote "
+                f"{'it' if len(edited) == 1 else 'them'} (an edit is never overwritten); kept in {dest}/"
             )
         written = sorted(os.listdir(staging))
         for name in written:
@@ -389,7 +394,8 @@ def write_export(out, staging, write):
         if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # safetensors' own type for its I/O errors
             detail = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
             raise UserError(
-                f"cannot write the export to {out} ({detail}): nothing of it was kept; free space and run the command again"
+                f"cannot write the export to {out} ({detail}): nothing "
+                "of it was kept; free space and run the command again"
             ) from None
         raise
     os.rmdir(staging)

@@ -244,7 +244,8 @@ def sample(args, stdin=None, out=None):
     mod = configure_mod(model, meta, args, tokenizer, device)
     top_k = f"top-k {args.top_k}" if args.top_k else "all tokens"
     print(
-        f"sampling {run_dir} step {meta['step']} ({meta['arch']}) on {device_type}: temperature {args.temperature:g}, {top_k}, "
+        f"sampling {run_dir} step {meta['step']} ({meta['arch']}) on "
+        f"{device_type}: temperature {args.temperature:g}, {top_k}, "
         f"up to {args.max_tokens} tokens, {'no cache' if args.no_cache else 'KV cache'}" + (f" | {mod}" if mod else ""),
         file=out,
     )
@@ -253,8 +254,8 @@ def sample(args, stdin=None, out=None):
         room = context_room(model, len(ids))
         if room < args.max_tokens:
             print(
-                f"note: prompt {i + 1} is {len(ids)} tokens: the context of {model.config.sequence_len} leaves room for "
-                f"{room} more",
+                f"note: prompt {i + 1} is {len(ids)} tokens: the context of {model.config.sequence_len} leaves room "
+                f"for {room} more",
                 file=out,
             )
         for j in range(args.num_samples):

@@ -511,7 +511,8 @@ def print_plan(args, records, done, gpus, have, nproc):
         say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({each}), {cost}")
     if args.preset != "tiny":
         say(
-            f"training time: ≈ {hms(total_s)} on {nproc} × H100 at {PLANNED_MFU:.0%} MFU of {PLANNED_PEAK / 1e12:.0f} "
+            f"training time: ≈ {hms(total_s)} on {nproc} × H100 at "
+            f"{PLANNED_MFU:.0%} MFU of {PLANNED_PEAK / 1e12:.0f} "
             "TFLOP/s (+ evaluation)" + (f", all {len(records)} runs" if args.seeds else "")
         )
     probe = args.base_dir

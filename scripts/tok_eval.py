@@ -39,7 +39,8 @@ def main(argv=None):
         for name, split in (("val shard", "val"), ("train sample", "train")):
             num_bytes, num_tokens = compression(tokenizer, take_texts(split, args.max_chars))
             print(
-                f"{name:>12}: {num_bytes:>14,} bytes  {num_tokens:>12,} tokens  {num_bytes / max(num_tokens, 1):.3f} bytes/token"
+                f"{name:>12}: {num_bytes:>14,} bytes  {num_tokens:>12,} "
+                f"tokens  {num_bytes / max(num_tokens, 1):.3f} bytes/token"
             )
 
 

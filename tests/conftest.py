@@ -73,7 +73,8 @@ def tiny_documents(num_docs=300, seed=0):
 
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory):
-    """A NANOCHAT_BASE_DIR with an offline corpus (~300 docs: 4 train shards + 1 val shard) and a vocab-512 tokenizer."""
+    """A NANOCHAT_BASE_DIR with an offline corpus (~300 docs: 4 train shards + 1 val shard) and a vocab-512
+    tokenizer."""
     from nanochat.dataset import build_offline_corpus, parquets_iter_batched
     from nanochat.tokenizer import Tokenizer
 
@@ -125,7 +126,8 @@ TINY_TRAIN = [
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """For modules of tiny models: they gain nothing from a second thread and lose ~100x when the cores are contended."""
+    """For modules of tiny models: they gain nothing from a second thread and lose ~100x when the cores are
+    contended."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -259,7 +261,8 @@ def write_eval_bundle():
 
 def random_model(cls, config, vocab_size, **kwargs):
     """A model with random weights (init_weights, then noise on every parameter, so the zero-initialised projections
-    are awake), MoD thresholds calibrated on random tokens, in eval mode: for tests that compare two paths through it."""
+    are awake), MoD thresholds calibrated on random tokens, in eval mode: for tests that compare two paths through
+    it."""
     from nag.mod import calibrate
     from scripts.bench import models
 

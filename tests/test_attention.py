@@ -517,13 +517,15 @@ def test_gpu_checks_attention_figures_and_headline(tmp_path):
         "L: fa3 1.60× as fast as sdpa, |difference| out 4.0e-03, grads 1.0e-02; "
         "S: sdpa 1.20× as fast as sdpa-mask, |difference| out 4.0e-03, grads 1.0e-02; "
         "S: fa3 2.00× as fast as sdpa, |difference| out 4.0e-03, grads 1.0e-02; "
-        "not run: cudnn (cudnn failed its probe), fa4 (flash-attn-4 is not installed); fa3 compiled: fullgraph, 9 s, 1.40 ms"
+        "not run: cudnn (cudnn failed its probe), fa4 (flash-attn-4 "
+        "is not installed); fa3 compiled: fullgraph, 9 s, 1.40 ms"
     )
     old = {k: v for k, v in d.items() if k not in ("vs_sdpa", "kernels")}  # a JSON from before: FA3 and SDPA only
     assert gpu_checks.attention_figures(old).startswith("fwd+bwd sdpa L 4.00 ms; fa3 L 2.50 ms;")
     (tmp_path / "attention.json").write_text(json.dumps(d))
     lines = gpu_checks.headline(str(tmp_path))
     assert (
-        "- attention alone, window S, 16 × 2048, 5 heads × 128: FA3 1.50 ms, SDPA 3.00 ms forward + backward (2.00×); "
+        "- attention alone, window S, 16 × 2048, 5 heads × 128: "
+        "FA3 1.50 ms, SDPA 3.00 ms forward + backward (2.00×); "
         "outputs differ by at most 4.0e-03" in lines
     )

@@ -181,7 +181,10 @@ def test_auto_passes_over_a_kernel_that_fails_the_runs_shapes_and_every_rank_pro
     r0, r1 = answers_of_two_ranks(_shapes_rank, tmp_path)
     assert r0 == r1
     heads = "4 heads / 2 kv heads"
-    fa4_fails = f"fa4: fa4 failed its probe at head dim 128, {heads}, L window 64 (RuntimeError: backward: head dim 128 is not supported on sm90)"
+    fa4_fails = (
+        f"fa4: fa4 failed its probe at head dim 128, {heads}, L window 64 "
+        "(RuntimeError: backward: head dim 128 is not supported on sm90)"
+    )
     # head dim 64 and windows: fa4 runs both
     assert r0["hd 64, L and S"]["kernel"] == "fa4" and "passed_over" not in r0["hd 64, L and S"]
     # fa4 fails at head dim 128 (its backward), cudnn has no CPU backend, fa3 takes plain causal rows
@@ -199,9 +202,9 @@ def test_auto_passes_over_a_kernel_that_fails_the_runs_shapes_and_every_rank_pro
     )
     # rank 0 chose fa4 at the run's shapes; rank 1 probes the same shapes
     assert r0["rank 1's fa4 refuses windows"] == (
-        f"UserError: attention: rank 0 chose fa4 (Hopper GPU, flash-attn-4 loaded), but rank(s) 1 ({socket.gethostname()}: "
-        f"fa4 failed its probe at head dim 64, {heads}, S window 32 of 64 (RuntimeError: no local-attention kernel for this "
-        "build)) cannot run it; install it on every node, or pass --attn sdpa"
+        "UserError: attention: rank 0 chose fa4 (Hopper GPU, flash-attn-4 loaded), but rank(s) 1 "
+        f"({socket.gethostname()}: fa4 failed its probe at head dim 64, {heads}, S window 32 of 64 (RuntimeError: no "
+        "local-attention kernel for this build)) cannot run it; install it on every node, or pass --attn sdpa"
     )
 
 
@@ -358,9 +361,9 @@ def test_the_dry_run_names_the_kernel_it_expects(capsys):
     out = capsys.readouterr().out.splitlines()
     plan = json.loads(next(l for l in out if l.startswith("PLAN "))[5:])
     line = (
-        "--attn auto → on a Hopper GPU (bf16) fa4 if flash-attn-4 loads, else cudnn if cuDNN attention runs, else fa3 if "
-        f"{fa.FA3_REPO} loads (the hub or its cache), else sdpa with a warning; sdpa elsewhere (CPU, other GPUs); "
-        "--preset published refuses sdpa on Hopper unless --attn sdpa"
+        "--attn auto → on a Hopper GPU (bf16) fa4 if flash-attn-4 loads, else cudnn if cuDNN attention runs, else "
+        f"fa3 if {fa.FA3_REPO} loads (the hub or its cache), else sdpa with a warning; sdpa elsewhere (CPU, other "
+        "GPUs); --preset published refuses sdpa on Hopper unless --attn sdpa"
     )
     assert plan["attention"] == {"requested": "auto", "order": ["fa4", "cudnn", "fa3", "sdpa"], "expects": line}
     assert f"attention: {line}" in out

@@ -614,7 +614,8 @@ def test_unwritable_base_dir_is_one_line(hand_base, script_error, how):
 
 
 def seed_group(root, arch, bpbs, core_acc, seeds=None, batches=40, args=None, prefix=None):
-    """Runs {prefix or arch}-s{seed} of one model, one per seed, evaluated on `batches` val batches and 2 x 40 CORE items."""
+    """Runs {prefix or arch}-s{seed} of one model, one per seed, evaluated on `batches` val batches and 2 x 40 CORE
+    items."""
     rng = np.random.default_rng(len(arch))
     names = []
     for k, bpb in enumerate(bpbs):

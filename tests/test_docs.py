@@ -69,7 +69,8 @@ def read(name):
 
 
 def test_numbers_the_docs_quote_are_the_codes():
-    """Figures the docs state about the code, recomputed from it: a change to the code that leaves a doc stale fails here."""
+    """Figures the docs state about the code, recomputed from it: a change to the code that leaves a doc stale fails
+    here."""
     from scripts import base_train, speedrun
     from nanochat import dataset
     from nag.archs import plan_for

@@ -45,7 +45,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def trained(tiny_base_dir, tmp_path_factory, write_eval_bundle):
-    """A 6-step gpt run (checkpoints at 3 and 6) in a base dir sharing the session corpus and tokenizer, and a bundle."""
+    """A 6-step gpt run (checkpoints at 3 and 6) in a base dir sharing the session corpus and tokenizer, and a
+    bundle."""
     from scripts import base_train
 
     base = linked_base(tiny_base_dir, tmp_path_factory.mktemp("hist_base"))
@@ -257,8 +258,8 @@ def test_bpb_is_the_same_under_one_and_two_processes(run, trained):
         records[nproc] = load(run, "eval/step_000006.json")
     one, two = records[1], records[2]
     print(
-        f"val bpb: 1 process {one['val_bpb']:.6f}, 2 processes {two['val_bpb']:.6f} (differ by {abs(one['val_bpb'] - two['val_bpb']):.1e}); "
-        f"train bpb: {one['train_bpb']:.6f}, {two['train_bpb']:.6f}"
+        f"val bpb: 1 process {one['val_bpb']:.6f}, 2 processes {two['val_bpb']:.6f} (differ by "
+        f"{abs(one['val_bpb'] - two['val_bpb']):.1e}); train bpb: {one['train_bpb']:.6f}, {two['train_bpb']:.6f}"
     )
     assert one["world_size"] == 1 and two["world_size"] == 2 and one["num_val_batches"] == two["num_val_batches"] == 3
     assert abs(one["val_bpb"] - two["val_bpb"]) < 1e-6 and abs(one["train_bpb"] - two["train_bpb"]) < 1e-6

@@ -33,7 +33,8 @@ NOT_RUN_HERE = {
     "tests/test_sample.py reads one",
     "python -m scripts.bench.sample --run cpu-gpt --run cpu-nag": "the CPU demo's runs (runs/runcpu.sh); the same code "
     "runs on random weights without --run",
-    "bash speedrun.sh --preset tiny --base-dir /tmp/nag-chat-tiny": "tests/test_speedrun.py runs this pipeline three times",
+    "bash speedrun.sh --preset tiny --base-dir /tmp/nag-chat-tiny": "tests/test_speedrun.py runs this pipeline "
+    "three times",
     **{
         c: "needs three evaluated seeds per arm; tests/test_compare.py compares groups of hand-made runs"
         for c in (

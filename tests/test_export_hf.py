@@ -316,8 +316,9 @@ def test_lm_eval_scores_a_local_task_offline(exported, native_tok, tmp_path, mon
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "tiny_mc.yaml").write_text(
         f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'items.jsonl'}\n"
-        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{query}}'\ndoc_to_choice: choices\ndoc_to_target: gold\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{query}}'\ndoc_to_choice: "
+        "choices\ndoc_to_target: gold\nmetric_list:\n  - metric: "
+        "acc\n    aggregation: mean\n    higher_is_better: true\n"
     )
     res = lm_eval.simple_evaluate(
         model="hf",
@@ -349,7 +350,8 @@ def test_lm_eval_scores_a_local_task_offline(exported, native_tok, tmp_path, mon
 @pytest.mark.parametrize("where", ["weights", "tokenizer"])
 def test_a_full_disk_is_one_line_and_leaves_no_export(exported, script_error, monkeypatch, tmp_path, where):
     """ENOSPC injected where the export writes (safetensors raises its own error type, the tokenizer an OSError): one
-    line naming the folder, no folder and no staging left; with --force over an earlier export, its files stay as they were."""
+    line naming the folder, no folder and no staging left; with --force over an earlier export, its files stay as they
+    were."""
     import errno
     from safetensors import SafetensorError
 

@@ -616,8 +616,8 @@ def test_a_host_read_in_the_optimizer_step_is_caught(read, monkeypatch):
 
 
 def test_unpadded_tokens_in_the_fp8_backward_are_caught(monkeypatch):
-    """MLP MoD packs N = B·T − round(0.2·B·T) = 410 tokens; without fp8.py's zero rows dW = dyᵀ·x has 410 as its inner
-    dim, which CUDA's _scaled_mm refuses (the bug of docs/design.md §2, "fp8 training")."""
+    """MLP MoD packs N = B·T − round(0.2·B·T) = 410 tokens; without fp8.py's zero rows dW = dyᵀ·x has 410 as its
+    inner dim, which CUDA's _scaled_mm refuses (the bug of docs/design.md §2, "fp8 training")."""
     monkeypatch.setattr(fp8, "pad_rows", lambda t: t)
     with pytest.raises(RuntimeError, match="divisible by 16"):
         twin_step("nag", "mlp", "sdpa", True, monkeypatch)

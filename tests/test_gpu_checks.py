@@ -73,8 +73,8 @@ def test_runner_marks_failures_and_keeps_every_line(tmp_path, monkeypatch):
     )
     # the last stage checks that the four lines before it were written as their stages ended
     check = (
-        "import json, sys; rows = [l for l in open(sys.argv[1].replace('last.json', 'summary.md')) if l.startswith('| ')]; "
-        "assert len(rows) == 4, rows; json.dump({'x': 2}, open(sys.argv[1], 'w'))"
+        "import json, sys; rows = [l for l in open(sys.argv[1].replace('last.json', 'summary.md')) "
+        "if l.startswith('| ')]; assert len(rows) == 4, rows; json.dump({'x': 2}, open(sys.argv[1], 'w'))"
     )
     stages = [
         fake("first", WRITE_JSON),
@@ -140,7 +140,10 @@ def test_a_stage_whose_expected_time_is_not_left_is_skipped(tmp_path):
     assert not (tmp_path / "big.log").exists()  # never started
 
 
-CACHES = "import json, os, sys; json.dump({'x': [os.environ.get(k) for k in ('TORCHINDUCTOR_CACHE_DIR', 'TRITON_CACHE_DIR')]}, open(sys.argv[1], 'w'))"
+CACHES = (
+    "import json, os, sys; json.dump({'x': [os.environ.get(k) for k in ('TORCHINDUCTOR_CACHE_DIR', "
+    "'TRITON_CACHE_DIR')]}, open(sys.argv[1], 'w'))"
+)
 
 
 def test_stages_share_the_compiler_caches_but_the_cold_one(tmp_path, monkeypatch):
@@ -199,7 +202,8 @@ import sys
 from scripts.bench.gpu_checks import Stage, run_stages
 work, out = sys.argv[1:]
 stage = lambda name, code: Stage(name, name, [sys.executable, "-c", code, "{{json}}"], 60, 1)
-run_stages([stage("first", {WRITE_JSON!r}), stage("second", "import time; time.sleep(60)"), stage("never", {WRITE_JSON!r})],
+run_stages([stage("first", {WRITE_JSON!r}), stage("second", "import time; time.sleep(60)"),
+            stage("never", {WRITE_JSON!r})],
            work, 100, out, env={{"gpu": "Fake GPU"}})
 """
 
@@ -539,20 +543,28 @@ DISTS = {dists!r}  # those distributions, names normalised
 REPO = {repo!r}
 OPEN = MODULES | set(sys.stdlib_module_names) | set(sys.builtin_module_names)
 LOG = os.environ.get("FAKE_SLOT_LOG")  # each module hidden, a line (the test prints them)
-STDLIB = {{sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}}  # also the modules stdlib_module_names leaves out (_sysconfigdata_*)
+# also the modules stdlib_module_names leaves out (_sysconfigdata_*)
+STDLIB = {{sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}}
 SITE = {{sysconfig.get_paths()[k] for k in ("purelib", "platlib")}}
 
 
 def places(spec):
-    return [os.path.abspath(p) for p in ([spec.origin] if spec.origin else list(spec.submodule_search_locations or [])) if p]
+    found = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
+    return [os.path.abspath(p) for p in found if p]
 
 
 def under(spec, roots):
     return any(p.startswith(r + os.sep) for p in places(spec) for r in roots)
 
 
-def vendored(spec):  # inside an allowed package's own folder (setuptools puts its _vendor on sys.path: jaraco, more_itertools)
-    return any(os.path.relpath(p, r).split(os.sep)[0] in MODULES for p in places(spec) for r in SITE if p.startswith(r + os.sep))
+# inside an allowed package's own folder (setuptools puts its _vendor on sys.path: jaraco, more_itertools)
+def vendored(spec):
+    return any(
+        os.path.relpath(p, r).split(os.sep)[0] in MODULES
+        for p in places(spec)
+        for r in SITE
+        if p.startswith(r + os.sep)
+    )
 
 
 def slots(spec):  # the standard library's or the repo's (not in site-packages), or inside a package the slot has
@@ -571,7 +583,8 @@ class Hide:
         if spec is None or "." in name or name in OPEN or slots(spec):
             return spec
         # not the slot's: past the site-packages folders, a copy the slot has too (setuptools' _vendor) may be found
-        spec = self.inner.find_spec(name, [e for e in (path or sys.path) if os.path.abspath(e or ".") not in SITE], target)
+        outside = [e for e in (path or sys.path) if os.path.abspath(e or ".") not in SITE]
+        spec = self.inner.find_spec(name, outside, target)
         if spec is not None and slots(spec):
             return spec
         if LOG:
@@ -650,8 +663,8 @@ def test_the_fake_slot_has_what_the_slot_has(tmp_path):
         "import importlib.util, importlib.metadata as md, json, sys\n"
         f"for m in {sorted(has.values())!r}: __import__(m)\n"
         "import nanochat.common, scripts.bench.gpu_checks\n"
-        "gone = [m for m in ('rustbpe', 'flash_attn', 'transformers', 'wandb', 'tensorboard', 'lm_eval', 'safetensors', 'trackio', 'xdist') "
-        "if importlib.util.find_spec(m) is None]\n"
+        "gone = [m for m in ('rustbpe', 'flash_attn', 'transformers', 'wandb', 'tensorboard', 'lm_eval', "
+        "'safetensors', 'trackio', 'xdist') if importlib.util.find_spec(m) is None]\n"
         "dists = sorted(d.metadata['Name'].lower() for d in md.distributions())\n"
         "try:\n    import rustbpe\nexcept ModuleNotFoundError as e:\n    print(json.dumps([gone, dists, str(e)]))\n"
     )
@@ -701,7 +714,10 @@ def test_the_slot_python_is_picked_without_venv_or_rustbpe(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1].startswith("writes 3 files") and not (tree / ".venv").exists()
     # what the stages import, under that python: nothing the slot lacks among it
-    code = "import scripts.bench.train, scripts.bench.nag, scripts.bench.attention, scripts.bench.mod, scripts.bench.models, nag.kernels"
+    code = (
+        "import scripts.bench.train, scripts.bench.nag, scripts.bench.attention, scripts.bench.mod, "
+        "scripts.bench.models, nag.kernels"
+    )
     r = subprocess.run(
         [str(tmp_path / "bin" / "python3"), "-c", code], cwd=tree, capture_output=True, text=True, env=env, timeout=120
     )

@@ -49,7 +49,8 @@ def run(script, *args, cwd, base, limit=HELP_LIMIT_S, **env):
         os.killpg(proc.pid, signal.SIGKILL)  # the whole group: a pipeline it started must not outlive the test
         out, err = proc.communicate()
         pytest.fail(
-            f"bash {script} {' '.join(args)} still running after {limit} s: it started something\n{out[-2000:]}{err[-2000:]}"
+            f"bash {script} {' '.join(args)} still running after {limit} s: it started "
+            f"something\n{out[-2000:]}{err[-2000:]}"
         )
     return proc.returncode, out + err, time.time() - t0
 

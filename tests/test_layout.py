@@ -116,7 +116,8 @@ def disallowed(rel, module, names):
 
 
 def command_import_problems(root):
-    """Every use in scripts/ of another scripts module beyond ALLOWED, and every import of scripts/ from the layers below."""
+    """Every use in scripts/ of another scripts module beyond ALLOWED, and every import of scripts/ from the layers
+    below."""
     problems = []
     for rel, text in py_files(root, "scripts"):
         for line, module, names in imported(ast.parse(text), rel, root):
@@ -124,7 +125,8 @@ def command_import_problems(root):
             if bad:
                 what = ", ".join(f"{module}.{n}" if n else module for n in sorted(bad))
                 problems.append(
-                    f"{rel}:{line} imports {what}: a command may use another only as ALLOWED says (tests/test_layout.py)"
+                    f"{rel}:{line} imports {what}: a command may use "
+                    "another only as ALLOWED says (tests/test_layout.py)"
                 )
     for layer in LAYERS:
         for rel, text in py_files(root, layer):
@@ -202,9 +204,11 @@ def test_the_command_checker_catches_what_it_should(tmp_path):
             "scripts/bench/models.py": "from scripts.base_train import parse_args\n",  # nag/train_flags.py's now
             "scripts/bench/train.py": "from scripts.bench import models\nfrom scripts.base_train import build_parser\n"
             "def benchmark(): pass\ndef run_variant(): pass\n",
-            "scripts/bench/nag.py": "from . import train as bench_train\nbench_train.benchmark()\nbench_train.run_variant()\n"
+            "scripts/bench/nag.py": "from . import train as bench_train\nbench_train.benchmark()\n"
+            "bench_train.run_variant()\n"
             "from scripts.check_cuda import nvidia_smi\n",
-            "scripts/bench/gpu.py": "from scripts.check_cuda import probe\nimport scripts.bench.models as m\nm.build()\n",
+            "scripts/bench/gpu.py": "from scripts.check_cuda import probe\nimport scripts.bench.models as m\n"
+            "m.build()\n",
             "nag/archs.py": "from scripts.base_train import train\n",
             "analysis/run.py": "import torch\nfrom nanochat.gpt import GPT\n",
             "nanochat/gpt.py": "import scripts.bench.models\n",
@@ -242,7 +246,8 @@ def test_the_baseline_checker_catches_what_it_should(tmp_path):
         {
             "nanochat/gpt.py": "import torch\n# the NAG branch lives elsewhere\nPROJECT = 'nag-chat'\n",
             "nanochat/plan.py": "from nag.archs import ARCHS\nx = 1  # --nag-gate-lr\nimport analysis.run\n",
-            "nanochat/ok.py": "# snag, nagging, snag_it, Nagoya and the nag-chat project are not the arch\nimport nanochat.gpt\n",
+            "nanochat/ok.py": "# snag, nagging, snag_it, Nagoya and the nag-chat project are not the arch\n"
+            "import nanochat.gpt\n",
             "nanochat/conf.py": "cfg = NAGConfig()\nm = NAGGPT\nuse_nag_gates = 1\n",
             "nanochat/notes.md": "NAG in a file that is not Python\n",
         },
@@ -400,12 +405,14 @@ def test_the_literal_and_opening_checkers_catch_what_they_should(tmp_path):
             "nanochat/run_dir.py": '"""Run files."""\nCONFIG = "config.json"\n',  # its owner: fine
             "nanochat/tokenizer.py": '"""Tokenizer."""\nP = "tokenizer.pkl"\n',  # its owner: fine
             "nanochat/dataloader.py": '"""Loader."""\nP = "token_bytes.pt"\n',
-            "scripts/speedrun.py": '"""Speedrun."""\nimport os\np = os.path.join("r", "eval.json")\nhelp = "see config.json"\n',
+            "scripts/speedrun.py": '"""Speedrun."""\nimport os\np = os.path.join("r", "eval.json")\n'
+            'help = "see config.json"\n',
             "analysis/run.py": '"""' + "x" * 101 + '"""\nmetrics = "metrics.jsonl"\n',
             "nag/archs.py": '"""Archs."""\nARCHS = {"gpt": 1, "nag": 2}\n',  # the registry: fine
             "nag/model.py": 'class NAGGPT:\n    arch = "nag"\n',  # a class naming itself: fine, but no docstring
             "nag/hf/modeling.py": '"""HF."""\nif arch in ("gpt", "nag"): pass\n',  # standalone export: fine
-            "scripts/experiments/sweep.py": '"""Sweep."""\nPAIR = ("gpt", "nag")\nnote = "gpt or nag"\nkw = {"nag": 1}\n'
+            "scripts/experiments/sweep.py": '"""Sweep."""\nPAIR = ("gpt", "nag")\nnote = "gpt or nag"\n'
+            'kw = {"nag": 1}\n'
             'if arch == "nag": pass\nx = "gpt-router"\nrole(args, "gpt")\n'
             'ok = "nag" in row or op.namespace == "nag"\n',
             "tests/test_x.py": '"""' + "y" * 100 + '"""\nA = "gpt"\n',  # tests: names free, opening of 100 fine
@@ -424,3 +431,41 @@ def test_the_literal_and_opening_checkers_catch_what_they_should(tmp_path):
         ]
     ), got
     assert where(opening_problems(tmp_path)) == ["analysis/run.py:1", "nag/model.py:1"]
+
+
+MAX_LINE = 120  # pyproject.toml's [tool.ruff] line-length
+# a docstring's shown command stays one line: tests/test_examples.py runs it as written
+COMMAND_STARTS = ("python ", "torchrun ", "bash ", "NANOCHAT_", "EVAL_BUNDLE=", "SEEDS=", "CUDA_", "OMP_NUM_THREADS=")
+
+
+def long_line_problems(root):
+    """Every line over MAX_LINE characters, but a shown command."""
+    problems = []
+    for folder in SOURCES + ("tests",):
+        for rel, text in py_files(root, folder):
+            for i, line in enumerate(text.splitlines(), 1):
+                if len(line) > MAX_LINE and not line.strip().startswith(COMMAND_STARTS):
+                    problems.append(f"{rel}:{i} has {len(line)} characters (at most {MAX_LINE})")
+    return problems
+
+
+def test_lines_are_at_most_120_characters():
+    problems = long_line_problems(REPO)
+    assert not problems, "\n" + "\n".join(problems)
+
+
+def test_the_line_checker_catches_what_it_should(tmp_path):
+    write(
+        tmp_path,
+        {
+            "nanochat/a.py": "x = 1\n" + "y = '" + "z" * 115 + "'\n",  # 121 characters
+            "scripts/b.py": '"""Run it.\n\n    python -m scripts.b '
+            + "--flag " * 20
+            + '\n"""\n'
+            + "# "
+            + "×" * 118
+            + "\n",
+            "tests/test_c.py": "w = '" + "v" * 200 + "'\n",
+        },
+    )
+    assert where(long_line_problems(tmp_path)) == ["nanochat/a.py:2", "tests/test_c.py:1"]

@@ -237,7 +237,8 @@ def test_router_at_rate_zero_equals_gpt():
 
 def test_flop_accounting_for_a_known_configuration():
     # d = 32, 2 heads of 16, T = 32, 3 layers. Skipping saves per token (training, 6 FLOPs per weight):
-    # attention: c_q + c_proj = 2·32·32 weights → 12,288, plus 12·2·16·32 = 12,288 of attention; MLP: 2·4·32·32 → 49,152
+    # attention: c_q + c_proj = 2·32·32 weights → 12,288, plus 12·2·16·32 = 12,288 of attention; MLP:
+    # 2·4·32·32 → 49,152
     plain = nag()
     full = plain.estimate_flops()
     saved = savable_flops(plain)

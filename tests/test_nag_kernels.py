@@ -37,7 +37,8 @@ DEVICES = [
         marks=pytest.mark.skipif(
             not INTERPRETED or OLD_INTERPRETER,
             reason=(
-                f"Triton {triton.__version__}'s interpreter cannot run with NumPy {numpy.__version__}: pip install 'numpy<2.4'"
+                f"Triton {triton.__version__}'s interpreter cannot run "
+                f"with NumPy {numpy.__version__}: pip install 'numpy<2.4'"
                 if OLD_INTERPRETER
                 else "CPU tensors need TRITON_INTERPRET=1"
             ),

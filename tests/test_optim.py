@@ -1,7 +1,8 @@
 """MuonAdamW on one rank: missing gradients, compiled vs eager update, old checkpoints.
 
 Parameters without a gradient (a MoD sub-layer that ran no token) miss the step alone; the compiled
-update equals the eager one; a checkpoint from before sharding loads. Sharding over ranks: tests/test_optim_sharded.py."""
+update equals the eager one; a checkpoint from before sharding loads. Sharding over ranks:
+tests/test_optim_sharded.py."""
 
 import copy
 

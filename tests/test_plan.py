@@ -153,8 +153,8 @@ def test_peak_flops_of_each_variant_and_none_for_an_unknown_gpu(name, tflops):
     ],
 )
 def test_a_non_positive_horizon_or_interval_is_one_line_with_what_minus_one_means(flag, value, script_error):
-    """0 and other negatives used to mean "unset" too: --num-iterations 0 trained the automatic horizon, --target-flops 0
-    planned 90,048 steps, --eval-every 0 never evaluated. The dry run plans nothing with them."""
+    """0 and other negatives used to mean "unset" too: --num-iterations 0 trained the automatic horizon, --target-flops
+    0 planned 90,048 steps, --eval-every 0 never evaluated. The dry run plans nothing with them."""
     err = script_error(base_train.main, "--depth", "4", "--dry-run", "1", *([flag] if value is None else [flag, value]))
     assert err.startswith(f"error: {flag.split('=')[0]} must be") and ("-1 (" in err or "the last step only" in err), (
         err

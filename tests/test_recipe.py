@@ -2,7 +2,8 @@
 
 nanochat/recipe.py and nag/recipe.py: each part
 against a plain restatement of nanochat's formula, every part off = the base arch bit for bit, NAG's decisions, the FLOP
-count at nanochat's d24 against its estimate_flops, the KV cache and packed rows, the run6 preset's plan, train + resume."""
+count at nanochat's d24 against its estimate_flops, the KV cache and packed rows, the run6 preset's plan, train +
+resume."""
 
 import json
 import math
@@ -228,8 +229,8 @@ def decode(model, res_dir, log_norm):
 
 @pytest.mark.parametrize("part", ["x0_lambdas", "backout"])
 def test_nag_parallel_writes_move_only_the_log_norm(part):
-    """x0 and backout as eq. 7 writes: with the sub-layers silenced R̄ stays R̄₀, so writing c·R̄₀ (x0) or −λ·R̄_mid
-    (backout) leaves the direction and adds log(1 + c) or log(1 − λ) to s (eqs. 16-17)."""
+    """x0 and backout as eq. 7 writes: with the sub-layers silenced R̄ stays R̄₀, so writing c·R̄₀ (x0) or
+    −λ·R̄_mid (backout) leaves the direction and adds log(1 + c) or log(1 − λ) to s (eqs. 16-17)."""
     m = silenced(random_model(NAGRecipeGPT, CFG, 512, recipe=only(part), **NAG))
     idx = tokens()
     with torch.no_grad():
@@ -250,7 +251,8 @@ def test_nag_smear_renormalises_and_carries_the_gain():
 
 
 def test_nag_value_embeds_are_the_baselines():
-    """Value embeddings carried over: the attention of NAG on the recipe is NAGGPT's, given the gated value embeddings."""
+    """Value embeddings carried over: the attention of NAG on the recipe is NAGGPT's, given the gated value
+    embeddings."""
     m = random_model(NAGRecipeGPT, CFG, 512, recipe=only("value_embeds"), **NAG)
     plain = NAGGPT.initialised(CFG, **NAG)
     plain.load_state_dict({k: v for k, v in m.state_dict().items() if "value_embeds" not in k and "ve_gate" not in k})

@@ -26,7 +26,8 @@ def main(argv):
 
 @pytest.fixture(scope="module")
 def base(tiny_base_dir, tmp_path_factory, one_torch_thread):
-    """A base dir with run "full": the tiny gpt for 4 steps, checkpoints at 2 and 4 (copied by every test that writes)."""
+    """A base dir with run "full": the tiny gpt for 4 steps, checkpoints at 2 and 4 (copied by every test that
+    writes)."""
     base = linked_base(tiny_base_dir, tmp_path_factory.mktemp("resume_settings") / "base")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))

@@ -133,8 +133,8 @@ def test_nag_and_recipe_flags_on_gpt_are_named(run_base, capsys):
     )
     out = capsys.readouterr().out
     assert (
-        "note: --nag-alpha-warmup-tokens, --nag-mod-floor apply only with a NAG arch (nag, nag-recipe); this gpt run ignores them"
-        in out
+        "note: --nag-alpha-warmup-tokens, --nag-mod-floor apply only "
+        "with a NAG arch (nag, nag-recipe); this gpt run ignores them" in out
     )
     assert "note: --no-smear apply only with a recipe arch (gpt-recipe, nag-recipe); this gpt run ignores them" in out
 

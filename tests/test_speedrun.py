@@ -653,8 +653,8 @@ def test_seed_lists_follow_one_rule():
 
 
 def test_other_archs_train_beside_the_pair(tmp_path, capsys):
-    """--arch may name any arch of nag/archs.py besides the pair's roles (a depth sweep's extra arms): each trains on the
-    same budget, seeds and data order under its own name; the analysis and the report stay the pair's."""
+    """--arch may name any arch of nag/archs.py besides the pair's roles (a depth sweep's extra arms): each trains on
+    the same budget, seeds and data order under its own name; the analysis and the report stay the pair's."""
     from nag.archs import ARCHS
 
     common = ["--dry-run", "--gpus", "8", "--base-dir", str(tmp_path / "b"), "--seeds", "1,2"]

@@ -222,7 +222,8 @@ def test_wandb_offline_without_a_key_writes_its_run_folder(tmp_path, monkeypatch
 
 
 def test_trackio_gets_the_same_values_and_a_failed_start_is_one_line(tmp_path, monkeypatch):
-    """The trackio backend's calls, against a stand-in module (the real one writes to $TRACKIO_DIR, fixed at its import)."""
+    """The trackio backend's calls, against a stand-in module (the real one writes to $TRACKIO_DIR, fixed at its
+    import)."""
     calls = []
 
     class Run:

@@ -330,7 +330,8 @@ def test_log_every_4_logs_every_fourth_step_and_sigterm_still_saves(run_base, mo
 
 
 def test_log_every_still_stops_on_a_nonfinite_step(run_base, script_error, monkeypatch, one_thread):
-    """A NaN gradient in step 3, which logs no row with --log-every 4: named during step 4, before any checkpoint of it."""
+    """A NaN gradient in step 3, which logs no row with --log-every 4: named during step 4, before any checkpoint of
+    it."""
     param, backward_calls = "blocks.1.mlp.c_fc.weight", [0]
     original_init = GPT.init_weights
 

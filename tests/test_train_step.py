@@ -125,7 +125,8 @@ def test_the_training_step_runs_on_the_meta_device_with_one_read_per_logged_step
 
 
 def test_a_cpu_tensor_in_the_meta_step_is_caught(monkeypatch):
-    """The twin can fail: a non-scalar CPU tensor mixed into the step (here: the stop flag) raises on the meta device."""
+    """The twin can fail: a non-scalar CPU tensor mixed into the step (here: the stop flag) raises on the meta
+    device."""
     monkeypatch.setattr(step_timer, "read_values", lambda t: torch.ones(t.shape).tolist())
     run = meta_run([])
     with pytest.raises(RuntimeError, match="meta|device"):

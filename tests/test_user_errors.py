@@ -26,7 +26,8 @@ SMALL_BPB = ["--eval", "bpb", "--split-tokens", "256", "--device-batch-size", "4
 
 @pytest.fixture(scope="module")
 def trained(tiny_base_dir, tmp_path_factory):
-    """A base dir holding one finished 4-step gpt run, `g` (checkpoints at 2 and 4), shared: tests copy it to change it."""
+    """A base dir holding one finished 4-step gpt run, `g` (checkpoints at 2 and 4), shared: tests copy it to change
+    it."""
     base = linked_base(tiny_base_dir, tmp_path_factory.mktemp("user_errors") / "base")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_BASE_DIR", str(base))
@@ -50,7 +51,8 @@ def run_copy(trained, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "main, argv, message",
     [
-        # --matrix-lr -1 was refused, --scalar-lr -1 trained without a word (the recipe's LRs are read by gpt-recipe only)
+        # --matrix-lr -1 was refused, --scalar-lr -1 trained without a word (the recipe's LRs are read by gpt-recipe
+        # only)
         (
             base_train.main,
             ["--depth", "2", "--dry-run", "1", "--scalar-lr", "-1"],
@@ -212,13 +214,14 @@ def test_a_damaged_checkpoint_meta_is_one_line(run_copy, script_error, damage):
 
 
 def test_a_meta_without_arch_or_model_config_is_one_line(run_copy, script_error):
-    """{} was a KeyError traceback on a resume (and in the analysis): the file named, with the previous complete step."""
+    """{} was a KeyError traceback on a resume (and in the analysis): the file named, with the previous complete
+    step."""
     path = os.path.join(run_copy, "meta_000004.json")
     open(path, "w").write("{}")
     err = script_error(base_train.main, *TRAIN, "--run", run_copy, "--resume", "latest")
     assert (
-        err
-        == f"error: {path} lacks the checkpoint's arch or model config: the file is damaged; the previous complete step is 2"
+        err == f"error: {path} lacks the checkpoint's arch or model config: the file is damaged; "
+        "the previous complete step is 2"
     )
 
 
@@ -254,7 +257,8 @@ def test_a_full_disk_while_writing_an_analysis_or_report_is_one_line(
     assert (
         e.value.code == 1
         and err
-        == f"error: cannot write the results to {out} (No space left on device): nothing of them was kept; free space and run the command again"
+        == f"error: cannot write the results to {out} (No space left on device): nothing of them was kept; "
+        "free space and run the command again"
     )
     assert os.listdir(tmp_path / "reports") == []  # neither the folder nor its staging folder
     # compare's report goes through the same staging folder
@@ -272,7 +276,8 @@ def test_a_full_disk_while_writing_an_analysis_or_report_is_one_line(
 
 def test_a_flag_the_arch_ignores_never_blocks_its_resume(run_copy, capsys):
     """--no-smear and --scalar-lr are the recipe's: a gpt run ignores them (a note says so), so they are no setting
-    of it, given or dropped on a resume. Before: "cannot resume ... with other settings (--no-smear False → True; ...)"."""
+    of it, given or dropped on a resume. Before: "cannot resume ... with other settings (--no-smear False → True;
+    ...)"."""
     capsys.readouterr()
     assert base_train.main(TRAIN + ["--run", run_copy, "--resume", "2", "--no-smear", "--scalar-lr", "0.3"]) == run_copy
     out = capsys.readouterr().out
@@ -286,8 +291,8 @@ def test_a_flag_the_arch_ignores_never_blocks_its_resume(run_copy, capsys):
 
 
 def test_precision_is_what_the_run_trained(tmp_path, monkeypatch, script_error):
-    """--fp8 on a model whose size rule admits no layer trains in the compute dtype: no fp8 run. Precision is config.json's
-    compute_dtype and fp8_layers, and float32 is named float32 (it was "bf16" whatever the device)."""
+    """--fp8 on a model whose size rule admits no layer trains in the compute dtype: no fp8 run. Precision is
+    config.json's compute_dtype and fp8_layers, and float32 is named float32 (it was "bf16" whatever the device)."""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     runs = tmp_path / "runs"
     for name, extra in (

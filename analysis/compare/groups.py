@@ -61,7 +61,8 @@ def check_distinct_runs(groups):
         r = repeated_run(groups[g])
         if r is not None:
             raise UserError(
-                f"group {g} lists `{r['name']}` twice ({r['dir']}): a repeated run is no second seed; give each run once"
+                f"group {g} lists `{r['name']}` twice ({r['dir']}): a "
+                "repeated run is no second seed; give each run once"
             )
     r = repeated_run(groups["a"] + groups["b"])
     if r is not None:
@@ -76,7 +77,8 @@ def check_settings(groups, ignored=frozenset()):
         archs = {r["config"].get("arch") for r in runs}
         if len(archs) > 1:
             raise UserError(
-                f"group {g} mixes architectures ({', '.join(sorted(map(str, archs)))}): a group holds one model, several seeds"
+                f"group {g} mixes architectures ({', '.join(sorted(map(str, archs)))}): "
+                "a group holds one model, several seeds"
             )
         for r in runs[1:]:
             sa, sb = settings(runs[0]), settings(r)
@@ -115,7 +117,8 @@ def check_measured(runs):
             )
         if unknown:
             notes.append(
-                f"not recorded for `{r['name']}` or `{runs[0]['name']}`: {', '.join(unknown)}; compare cannot check that they share them"
+                f"not recorded for `{r['name']}` or `{runs[0]['name']}`: "
+                f"{', '.join(unknown)}; compare cannot check that they share them"
             )
     return notes + ([versions_note(runs)] if versions_note(runs) else [])
 
@@ -128,14 +131,16 @@ def bpb_inputs(runs):
     if len(have) < len(runs):
         missing = next(r for r in runs if r not in have)
         raise UserError(
-            f"`{missing['name']}` has no val bpb in its eval.json, `{have[0]['name']}` has: evaluate every run with --eval bpb"
+            f"`{missing['name']}` has no val bpb in its eval.json, "
+            f"`{have[0]['name']}` has: evaluate every run with --eval bpb"
         )
     for r in runs:  # every eval.json with val bpb has its per-batch losses (run_dir.load_run)
         vb, ref = r["eval"]["val_batches"], runs[0]["eval"]["val_batches"]
         if vb.get("bytes") != ref["bytes"]:
             raise UserError(
                 f"`{r['name']}` and `{runs[0]['name']}` were evaluated on different val tokens ({len(vb['nats'])} vs "
-                f"{len(ref['nats'])} batches, other byte counts): evaluate every run with the same --split-tokens and batch size"
+                f"{len(ref['nats'])} batches, other byte counts): evaluate "
+                "every run with the same --split-tokens and batch size"
             )
     return np.array([r["eval"]["val_batches"]["nats"] for r in runs]), np.array(runs[0]["eval"]["val_batches"]["bytes"])
 
@@ -296,8 +301,8 @@ def report_text(groups, metrics, paired, why, notes):
     text = f"## Difference of the group means (b − a)\n\nDesign: {why}.\n\n" + "\n".join(f"- {s}" for s in lines)
     if any(m["eval_only"] for m in metrics.values()):
         text += (
-            "\n\nWith fewer than 2 runs in a group there is no seed-to-seed variance: the interval covers evaluation noise "
-            "only (which batches and items were drawn), not another seed of the same run."
+            "\n\nWith fewer than 2 runs in a group there is no seed-to-seed variance: the interval covers evaluation "
+            "noise only (which batches and items were drawn), not another seed of the same run."
         )
     parts.append(text)
     sd_name = "σ_d (of the pair differences)" if paired else "σ (pooled, of one arm)"
@@ -315,16 +320,19 @@ def report_text(groups, metrics, paired, why, notes):
             ]
         )
     power = (
-        "## Runs needed\n\nRuns per arm for a two-sided 5% test to find the difference 80% of the time, normal approximation: "
+        "## Runs needed\n\nRuns per arm for a two-sided 5% test to "
+        "find the difference 80% of the time, normal approximation: "
         + ("n = (z₀.₉₇₅ + z₀.₈)² σ_d² / δ² pairs (paired)" if paired else "n = 2 (z₀.₉₇₅ + z₀.₈)² σ² / δ² (unpaired)")
-        + ". The published gaps are the NAG − GPT differences of the published pair (64 × 640, 3e19 FLOPs), one seed each.\n\n"
+        + ". The published gaps are the NAG − GPT differences of the published pair (64 × 640, 3e19 FLOPs), "
+        "one seed each.\n\n"
         + table(["metric", sd_name, "observed δ", "runs (observed δ)", "published δ", "runs (published δ)"], rows)
     )
     if all(m["sigma"] is None for m in metrics.values()):
         power += "\n\nFewer than 2 seeds per group: no seed-to-seed standard deviation, so no run count."
     parts.append(power)
     parts.append(
-        "![Each run (hollow) and each group's mean with its 95% interval](groups.png)\n\nNumbers: [comparison.json](comparison.json)"
+        "![Each run (hollow) and each group's mean with its 95% interval](groups.png)\n\nNumbers: "
+        "[comparison.json](comparison.json)"
     )
     if notes:
         parts.append("## Notes\n\n" + "\n".join(f"- {n}" for n in notes))

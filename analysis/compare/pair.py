@@ -84,7 +84,10 @@ def pair_stats(a, b):
     if ea.get("val_bpb") is None or eb.get("val_bpb") is None:
         return out
     va, vb = ea.get("val_batches"), eb.get("val_batches")
-    both = f"{b['name']} − {a['name']} val bpb = {eb['val_bpb'] - ea['val_bpb']:+.4f} ({a['name']} {ea['val_bpb']:.4f}, {b['name']} {eb['val_bpb']:.4f})"
+    both = (
+        f"{b['name']} − {a['name']} val bpb = {eb['val_bpb'] - ea['val_bpb']:+.4f} "
+        f"({a['name']} {ea['val_bpb']:.4f}, {b['name']} {eb['val_bpb']:.4f})"
+    )
     refuse = [f"{label} ({out['differ'][label]})" for label in BPB_DEPENDS_ON if label in out["differ"]]
     if refuse:  # both numbers, and the true reason they do not pair
         out["verdicts"].append(f"{both}: no interval, the runs differ in {'; '.join(refuse)}")
@@ -93,7 +96,8 @@ def pair_stats(a, b):
         why = (
             f"{', '.join(unknown)} not recorded"
             if unknown
-            else "with the same tokenizer, val data, val tokens and processes: another --device-batch-size or sequence length"
+            else "with the same tokenizer, val data, val tokens and processes: "
+            "another --device-batch-size or sequence length"
         )
         out["verdicts"].append(
             f"{both}: no interval, the runs' val batches differ ({len(va['nats'])} vs {len(vb['nats'])} batches, "

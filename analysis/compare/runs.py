@@ -39,7 +39,8 @@ def last_logged(run, key):
 
 
 def flat_config(config):
-    """CLI args (as --flags), model_config.*, nag_config.*, mod_config.* and optimizer.* (per group, by name) of one run."""
+    """CLI args (as --flags), model_config.*, nag_config.*, mod_config.* and optimizer.* (per group, by name) of one
+    run."""
     out = {f"--{k.replace('_', '-')}": v for k, v in (config.get("args") or {}).items() if k not in SKIP_ARGS}
     for section in ("model_config", "nag_config", "mod_config"):
         out.update({f"{section}.{k}": v for k, v in (config.get(section) or {}).items()})
@@ -68,8 +69,9 @@ def several_steps(runs):
 
 
 def time_shares(run):
-    """{part: its mean share of a logged step's time} over the rows with a breakdown (metrics.jsonl `time`, docs/runs.md),
-    or None for a run trained before base_train measured one. Each row counts once, whatever interval it covers."""
+    """{part: its mean share of a logged step's time} over the rows with a breakdown (metrics.jsonl `time`,
+    docs/runs.md), or None for a run trained before base_train measured one. Each row counts once, whatever interval it
+    covers."""
     rows = [r["time"] for r in run["metrics"] if isinstance(r.get("time"), dict) and sum(r["time"].values()) > 0]
     if not rows:
         return None
@@ -168,7 +170,10 @@ def check_same_items(a, b):
     else:
         for label in sa["tasks"]:
             if sa["tasks"][label] != sb["tasks"][label]:
-                diff = f"task {label} settings {json.dumps(sa['tasks'][label], sort_keys=True)} vs {json.dumps(sb['tasks'][label], sort_keys=True)}"
+                diff = (
+                    f"task {label} settings {json.dumps(sa['tasks'][label], sort_keys=True)} "
+                    f"vs {json.dumps(sb['tasks'][label], sort_keys=True)}"
+                )
                 break
         else:
             items_a = dict(zip(zip(cols_a["task"], cols_a["idx"]), cols_a["item"]))

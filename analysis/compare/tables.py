@@ -80,7 +80,8 @@ def items_text(task_stats):
 
 
 def p_text(p):
-    """A resampled p-value in words: below 1/N (N resamples) it cannot be told apart from smaller ones, so never "= 0"."""
+    """A resampled p-value in words: below 1/N (N resamples) it cannot be told apart from smaller ones, so never "=
+    0"."""
     return f"< 1/{N_RESAMPLES}" if p < 1 / N_RESAMPLES else f"= {p:.3g}"
 
 
@@ -158,7 +159,8 @@ def difference_lines(ps):
         lines.append(f"`{b}` vs `{a}` differ in {what}")
         if "training data" in ps["differ"]:
             lines.append(
-                f"`{b}` and `{a}` were trained on different data: their differences mix the architecture with the corpus"
+                f"`{b}` and `{a}` were trained on different data: their "
+                "differences mix the architecture with the corpus"
             )
         if "training processes" in ps["differ"]:
             lines.append(
@@ -271,8 +273,8 @@ def significance_section(pairs):
             table(["task", f"Δ centred (`{b}` − `{a}`)", "95% CI", "p", f"SE `{a}`", f"SE `{b}`", "items"], rows)
         )
         out.append(
-            f"\\* the 95% interval excludes 0. Items are resampled within each task ({N_RESAMPLES:,} resamples, seed 0), "
-            f"where a task has at least {stats.MIN_UNITS} (the aggregate: all items together); "
+            f"\\* the 95% interval excludes 0. Items are resampled within each task ({N_RESAMPLES:,} resamples, seed "
+            f"0), where a task has at least {stats.MIN_UNITS} (the aggregate: all items together); "
             f"SE is one run's standard error of the centred accuracy. With these items and how often the two runs "
             f"disagree, the smallest {r['label']} difference found 80% of the time at the 5% level is "
             f"±{r['mde']:.4f} (SE {r['se']:.4f})."
@@ -380,7 +382,8 @@ def history_notes(runs):
             if len(seen) > 1:
                 where = ", ".join(f"{v} at step {step}" for v, step in seen.items())
                 lines.append(
-                    f"`{r['name']}`: its evaluated steps differ in {KEY_NAMES[key]} ({where}); its val bpb over steps mixes them."
+                    f"`{r['name']}`: its evaluated steps differ in {KEY_NAMES[key]} "
+                    f"({where}); its val bpb over steps mixes them."
                 )
     return lines
 
@@ -410,7 +413,8 @@ def notes_section(runs, figures):
             lines.append(f"`{name}`: CORE was not evaluated ({ev['core_error']}).")
         if ev.get("step") != r["metrics"][-1]["step"]:
             lines.append(
-                f"`{name}`: eval.json is of step {ev.get('step')}, the training log ends at step {r['metrics'][-1]['step']}."
+                f"`{name}`: eval.json is of step {ev.get('step')}, the "
+                f"training log ends at step {r['metrics'][-1]['step']}."
             )
         if (ev.get("max_per_task") or -1) > 0 and ev.get("tasks"):
             lines.append(

@@ -8,7 +8,8 @@ layerrope.base, as natively).
 
 Copied into the export folder by scripts/export_hf.py and loaded with `trust_remote_code=True`, so it imports torch
 and transformers only: the math below restates the repo's (docs/design.md §2, §4, §9), and the tests check that it
-gives the native model's logits. The weights keep the native names (blocks.0.attn.c_q.weight, gates.0.attn_branch.alpha, ...).
+gives the native model's logits. The weights keep the native names (blocks.0.attn.c_q.weight, gates.0.attn_branch.alpha,
+...).
 
 What differs from the native forward, and why the result is the same:
 - positions come from attention_mask (left padding, as generate and lm-eval batch prompts), else 0..T-1;
@@ -332,7 +333,8 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
         return times(out, gain)
 
     def rival_gains(self, n_layer):
-        """Per layer, (attn read, mlp read, attn write, mlp write): LNS's 1/√(l+1) reads, LayerRoPE's γ_l, else none."""
+        """Per layer, (attn read, mlp read, attn write, mlp write): LNS's 1/√(l+1) reads, LayerRoPE's γ_l, else
+        none."""
         if self.config.arch == "gpt-lns":
             return [(1 / math.sqrt(i + 1),) * 2 + (None, None) for i in range(n_layer)]
         if self.config.arch == "gpt-layerrope":
@@ -377,8 +379,8 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
         return self.value_embeds[str(layer)](input_ids).to(dtype)
 
     def smear(self, x, positions, cache):
-        """x + λ·σ(w·x[:24])·x_prev at every token whose position is above 0; the previous token of a forward's first
-        column is the cache's smear_prev (the last column of the forward before)."""
+        """x + λ·σ(w·x[:24])·x_prev at every token whose position is above 0; the previous token of a forward's
+        first column is the cache's smear_prev (the last column of the forward before)."""
         stored = getattr(cache, "smear_prev", None) if cache is not None else None
         first = stored if stored is not None and stored.size(0) == x.size(0) else torch.zeros_like(x[:, :1])
         prev = torch.cat([first, x[:, :-1]], dim=1)
@@ -445,8 +447,8 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
         # no sliding window: the long layers would see more than in training
         if int(positions.max()) >= self.config.sequence_len:
             raise ValueError(
-                f"position {int(positions.max())} is past the context: the model was trained on {self.config.sequence_len} "
-                "positions, which a prompt and its new tokens must fit"
+                f"position {int(positions.max())} is past the context: the model was trained on "
+                f"{self.config.sequence_len} positions, which a prompt and its new tokens must fit"
             )
         dtype = self.wte.weight.dtype
         cos_sin = self.rotary(positions, dtype)

@@ -157,7 +157,8 @@ def run(args):
     if not windows or any(w not in ("L", "S") for w in windows):
         raise UserError(f"--windows takes L and S (got {args.windows!r})")
     print(
-        f"attention: {kernel} ({reason}) | timing {', '.join(kernels)} | {device.type} {dtype} | batch {B} × {T} tokens, "
+        f"attention: {kernel} ({reason}) | timing {', '.join(kernels)} "
+        f"| {device.type} {dtype} | batch {B} × {T} tokens, "
         f"{H} heads ({KV} kv) × {D}" + "".join(f"\n  {k} not run: {why}" for k, why in skipped.items()),
         flush=True,
     )
@@ -192,8 +193,8 @@ def run(args):
             rows.append(row)
             by_kernel[kern] = row
             print(
-                f"{name} (window {window}) {kern:9s}  fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms  {row['tflops']:6.3g} TFLOP/s  "
-                f"vs reference: out {row['err_out']:.2e}, grads {row['err_grad']:.2e}",
+                f"{name} (window {window}) {kern:9s}  fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms  {row['tflops']:6.3g} "
+                f"TFLOP/s  vs reference: out {row['err_out']:.2e}, grads {row['err_grad']:.2e}",
                 flush=True,
             )
         base = by_kernel["sdpa-mask" if masked else "sdpa"]  # the trusted path: every other one's error is held to its
@@ -213,8 +214,8 @@ def run(args):
             }
             diffs.append(d)
             print(
-                f"{name} {kern} − {other}: out {d['out']:.2e}, grad q {d['grad_q']:.2e} k {d['grad_k']:.2e} v {d['grad_v']:.2e} | "
-                f"{kern} {d['speedup']:.2f}× as fast | {'agree' if d['agree'] else 'DISAGREE'}",
+                f"{name} {kern} − {other}: out {d['out']:.2e}, grad q {d['grad_q']:.2e} k {d['grad_k']:.2e} v "
+                f"{d['grad_v']:.2e} | {kern} {d['speedup']:.2f}× as fast | {'agree' if d['agree'] else 'DISAGREE'}",
                 flush=True,
             )
         if args.compile and name == compile_at:
@@ -228,8 +229,8 @@ def run(args):
             print(
                 f"compiled {compiled['kernel']}, window {window}: "
                 + (
-                    f"fullgraph {compiled['fullgraph']}, compile {compiled['compile_s']:.1f} s, {compiled['fwd_bwd_ms']:.3f} ms, "
-                    f"max diff vs eager {compiled['max_diff_vs_eager']:.2e}"
+                    f"fullgraph {compiled['fullgraph']}, compile {compiled['compile_s']:.1f} s, "
+                    f"{compiled['fwd_bwd_ms']:.3f} ms, max diff vs eager {compiled['max_diff_vs_eager']:.2e}"
                     if "compile_s" in compiled
                     else f"failed: {compiled['error']}"
                 ),

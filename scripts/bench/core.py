@@ -108,7 +108,8 @@ def main():
     tasks = {t["label"]: t for t in load_core_tasks(args.eval_bundle)}
     print(
         f"device {device}, torch threads {torch.get_num_threads()}, tokenizer {args.tokenizer}, "
-        f"GPT depth {args.depth} dim {args.dim} seq_len {args.seq_len}, batch {args.batch_size} rows / {args.max_tokens or 'default'} tokens"
+        f"GPT depth {args.depth} dim {args.dim} seq_len {args.seq_len}, batch {args.batch_size} rows / "
+        f"{args.max_tokens or 'default'} tokens"
     )
 
     # warm-up: first calls pay for allocations and kernel choice

@@ -183,8 +183,8 @@ def stages(quick, eval_bundle=None):
         # every kernel that loads here (FA4 if the gpu extra is installed, FA3 only from a cached hub copy: no network)
         Stage(
             "attention",
-            "attention alone, every kernel that loads (SDPA flash and cuDNN, FA4, FA3), 16 × 2048, 5 heads × 128, bf16, "
-            "windows L and S (S: the kernel's own window or flex_attention against a dense mask)",
+            "attention alone, every kernel that loads (SDPA flash and cuDNN, FA4, FA3), 16 × 2048, 5 heads × 128, "
+            "bf16, windows L and S (S: the kernel's own window or flex_attention against a dense mask)",
             [py, "-m", "scripts.bench.attention", "--compile", "--json", "{json}"],
             60,
             30,
@@ -221,7 +221,8 @@ def stages(quick, eval_bundle=None):
         # the one cold stage: every compile seconds figure elsewhere is with the run's warm caches
         bench_train(
             "depth",
-            "GPT vs NAG-fused at depth 4 (with step: per-layer cost, carried to 64), empty caches: cold compile, model and optimizer",
+            "GPT vs NAG-fused at depth 4 (with step: per-layer cost, carried "
+            "to 64), empty caches: cold compile, model and optimizer",
             180,
             100,
             "--depth",
@@ -446,7 +447,8 @@ def run_stages(stage_list, work, budget, out=None, env=None):
 
 def collect(work, out, status, env=None):
     """out/results.json (the machine, and each stage's status and figures) and out/logs.tar.gz (every log in work),
-    each written whole under a temporary name and renamed, so a run killed at any point leaves the last complete pair."""
+    each written whole under a temporary name and renamed, so a run killed at any point leaves the last complete
+    pair."""
     results = {
         "env": env,
         "stages": {name: {**s, "figures": load(work, name) if s["ok"] else None} for name, s in status.items()},
@@ -616,7 +618,8 @@ def pair_tokenizer(vocab_size):
 
 def base_train_stage(json_path, argv):
     """base_train with argv (its flags, and --vocab-size N: the tokenizer's) in a new NANOCHAT_BASE_DIR holding an
-    offline corpus (OFFLINE_DOCS of the standard library's docs: nanochat.dataset, pyarrow) and pair_tokenizer(N). Writes
+    offline corpus (OFFLINE_DOCS of the standard library's docs: nanochat.dataset, pyarrow) and pair_tokenizer(N).
+    Writes
     json_path: base_train's exit status, the run's fp8 layers and attention kernel, and each step's time, loss, MoD skip
     rates and MFU from its metrics.jsonl. Exit status 1 if base_train failed, or ran no layer in fp8 with --fp8, or
     skipped no token with --mod-rate."""
@@ -706,8 +709,8 @@ def kernel_figures(d):
 def attention_figures(d):
     cells = [f"{r['kernel']} {r['window']} {r['fwd_bwd_ms']:.2f} ms" for r in d["results"]]
     cells += [
-        f"{x['window']}: {x.get('kernel', 'fa3')} {x['speedup']:.2f}× as fast as {x.get('vs', 'sdpa')}, |difference| out "
-        f"{x['out']:.1e}, grads {max(x['grad_q'], x['grad_k'], x['grad_v']):.1e}"
+        f"{x['window']}: {x.get('kernel', 'fa3')} {x['speedup']:.2f}× as fast as {x.get('vs', 'sdpa')}, |difference| "
+        f"out {x['out']:.1e}, grads {max(x['grad_q'], x['grad_k'], x['grad_v']):.1e}"
         for x in d.get("vs_sdpa", d["fa3_vs_sdpa"])
     ]
     skipped = {k: why for k, why in d.get("kernels", {}).items() if why != "timed"}
@@ -731,8 +734,8 @@ def attention_figures(d):
 def op_figures(d):
     op = d["op"]
     cells = [
-        f"{impl} fwd {r['forward_gbps']:.0f} GB/s ({100 * r['forward_of_copy']:.0f}%), bwd {r['backward_gbps']:.0f} GB/s "
-        f"({100 * r['backward_of_copy']:.0f}%)"
+        f"{impl} fwd {r['forward_gbps']:.0f} GB/s ({100 * r['forward_of_copy']:.0f}%), bwd {r['backward_gbps']:.0f} "
+        f"GB/s ({100 * r['backward_of_copy']:.0f}%)"
         for impl, r in op["impls"].items()
     ]
     sweep = op.get("rows_per_program")
@@ -757,8 +760,8 @@ def train_figures(d):
     times = ", ".join(f"{x['ms']:.0f}" for x in s[1:])
     skip = lambda k: ", ".join(f"{100 * x[k]:.0f}" for x in s if x[k] is not None) or "-"
     return (
-        f"{len(s)} steps, fp8 on {d['fp8_layers']} layers, attention {d['attention']}: step 1 {s[0]['ms'] / 1000:.1f} s (compiles), "
-        f"then {times} ms; skipped % attn {skip('skip_attn')}, mlp {skip('skip_mlp')}"
+        f"{len(s)} steps, fp8 on {d['fp8_layers']} layers, attention {d['attention']}: step 1 {s[0]['ms'] / 1000:.1f} "
+        f"s (compiles), then {times} ms; skipped % attn {skip('skip_attn')}, mlp {skip('skip_mlp')}"
         + (f"; MFU {100 * s[-1]['mfu']:.1f}%" if s[-1].get("mfu") else "")
         + (f"; peak {d['peak_mem_gib']:.1f} GiB" if d["peak_mem_gib"] else "")
     )
@@ -778,8 +781,8 @@ def compile_figures(r):
 def step_figures(d):
     rs = d["results"]
     cells = [
-        f"{r['arch']}{' fp8' if r.get('precision') == 'fp8' else ''}{' (2 host reads)' if r.get('host_reads') == 2 else ''} "
-        f"{r['step_ms']:.1f} ms"
+        f"{r['arch']}{' fp8' if r.get('precision') == 'fp8' else ''}"
+        f"{' (2 host reads)' if r.get('host_reads') == 2 else ''} {r['step_ms']:.1f} ms"
         + (f" (fwd+bwd {r['fwd_bwd_ms']:.1f}, optimizer {r['optim_ms']:.1f})" if "optim_ms" in r else "")
         + f", {r['peak_mem_gib']:.1f} GiB, compile{' (cold)' if r['fresh_cache'] else ''} {compile_figures(r)}"
         + (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
@@ -819,8 +822,9 @@ def headline(out):
     if g8 and n8:
         lines.append(
             f"- NAG / GPT at the published shape (640 wide, 16 × 2048 tokens, compiled whole), depth 8: "
-            f"step time {n8['step_ms'] / g8['step_ms']:.3f}×, peak memory {n8['peak_mem_gib'] / g8['peak_mem_gib']:.3f}× "
-            f"(GPT {g8['step_ms']:.1f} ms, {g8['peak_mem_gib']:.1f} GiB)"
+            f"step time {n8['step_ms'] / g8['step_ms']:.3f}×, peak memory "
+            f"{n8['peak_mem_gib'] / g8['peak_mem_gib']:.3f}× (GPT "
+            f"{g8['step_ms']:.1f} ms, {g8['peak_mem_gib']:.1f} GiB)"
         )
     if g8 and n8 and g4 and n4:
         t = {a: to_depth(lo, hi, "step_ms") for a, lo, hi in (("gpt", g4, g8), ("nag", n4, n8))}
@@ -846,15 +850,15 @@ def headline(out):
     for x in (attn or {}).get("fa3_vs_sdpa", []):
         ms = {r["kernel"]: r["fwd_bwd_ms"] for r in attn["results"] if r["window"] == x["window"]}
         lines.append(
-            f"- attention alone, window {x['window']}, 16 × 2048, 5 heads × 128: FA3 {ms['fa3']:.2f} ms, SDPA {ms['sdpa']:.2f} ms "
-            f"forward + backward ({x['speedup']:.2f}×); outputs differ by at most {x['out']:.1e}"
+            f"- attention alone, window {x['window']}, 16 × 2048, 5 heads × 128: FA3 {ms['fa3']:.2f} ms, SDPA "
+            f"{ms['sdpa']:.2f} ms forward + backward ({x['speedup']:.2f}×); outputs differ by at most {x['out']:.1e}"
         )
     op = (load(out, "branch_op") or {}).get("op")
     if op and "fused" in op["impls"]:
         f = op["impls"]["fused"]
         lines.append(
-            f"- branch op, fused, {op['rows']:,} rows × {op['dim']} {op['dtype']}: forward {f['forward_gbps']:.0f} GB/s "
-            f"({100 * f['forward_of_copy']:.0f}% of copy), backward {f['backward_gbps']:.0f} GB/s "
+            f"- branch op, fused, {op['rows']:,} rows × {op['dim']} {op['dtype']}: forward {f['forward_gbps']:.0f} "
+            f"GB/s ({100 * f['forward_of_copy']:.0f}% of copy), backward {f['backward_gbps']:.0f} GB/s "
             f"({100 * f['backward_of_copy']:.0f}% of copy); copy {op['copy_gbps']:.0f} GB/s"
         )
     if op and op.get("rows_per_program"):
@@ -870,8 +874,8 @@ def headline(out):
     if fm and len(fm["steps"]) > 1:
         lines.append(
             f"- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8: {len(fm['steps'])} steps ran, "
-            f"{min(x['ms'] for x in fm['steps'][1:]):.0f} ms per step after the first ({fm['steps'][0]['ms'] / 1000:.0f} s), "
-            f"{fm['fp8_layers']} layers in fp8"
+            f"{min(x['ms'] for x in fm['steps'][1:]):.0f} ms per step after the first "
+            f"({fm['steps'][0]['ms'] / 1000:.0f} s), {fm['fp8_layers']} layers in fp8"
         )
     cold = [r for r in (g4, n4, g8, n8, d20, g64, n64) if r and r["fresh_cache"]]
     if cold:
@@ -886,8 +890,9 @@ def headline(out):
                 ratio = per_block["step_ms"] / whole["step_ms"]
                 lines.append(
                     f"- {arch} compiled per block / whole, depth {depth}: step time {ratio:.3f}× "
-                    f"({'within' if ratio <= 1.02 else 'outside'} 2%), peak memory {per_block['peak_mem_gib'] / whole['peak_mem_gib']:.3f}×, "
-                    f"model compile {per_block['model_compile_s']:.0f} s ({per_block['model_graphs']} graph(s)) vs "
+                    f"({'within' if ratio <= 1.02 else 'outside'} 2%), peak memory "
+                    f"{per_block['peak_mem_gib'] / whole['peak_mem_gib']:.3f}×, model compile "
+                    f"{per_block['model_compile_s']:.0f} s ({per_block['model_graphs']} graph(s)) vs "
                     f"{whole['model_compile_s']:.0f} s, the run's caches shared"
                 )
     return lines or ["- no figures: every benchmark stage failed"]
@@ -922,8 +927,9 @@ def dry_run(plan, budget):
         print(f"{st.name:16s} {st.timeout:5.0f} s {st.expect:6.0f} s  {'empty' if st.cold else 'shared':6s}  {st.what}")
     expected = sum(st.expect for st in plan)
     print(
-        f"expected {expected:.0f} s in all, {100 * expected / budget:.0f}% of the {budget:.0f} s budget (planned: at most "
-        f"{100 * PLANNED:.0f}% for --quick); a stage starts only while its expected time is left, else it is SKIPPED"
+        f"expected {expected:.0f} s in all, {100 * expected / budget:.0f}% of the {budget:.0f} s budget (planned: at "
+        f"most {100 * PLANNED:.0f}% for --quick); a stage starts "
+        "only while its expected time is left, else it is SKIPPED"
     )
     print(f"writes {len(OUTPUTS)} files, all at the top of $OUT (else --out), none in a folder: {', '.join(OUTPUTS)}")
 
@@ -991,8 +997,9 @@ def main(argv=None):
 
     if not torch.cuda.is_available():
         print(
-            f"error: no GPU: torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'}) at {sys.executable} sees no "
-            f"CUDA device; run this on a GPU node, with PYTHON= pointing at a CUDA build of torch if .venv has none",
+            f"error: no GPU: torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'}) at {sys.executable} "
+            "sees no CUDA device; run this on a GPU node, with PYTHON= "
+            "pointing at a CUDA build of torch if .venv has none",
             file=sys.stderr,
         )
         sys.exit(1)
@@ -1013,7 +1020,8 @@ def main(argv=None):
             f"budget {budget:.0f} s\n\n| stage | result | seconds | figures |\n|---|---|---:|---|\n"
         )
     print(
-        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, driver {env['driver']}; writing {out}",
+        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+        f"CUDA {env['cuda']}, driver {env['driver']}; writing {out}",
         flush=True,
     )
     failed = run_stages(plan, work, budget - (time.time() - t_start), out, env)  # the budget counts from the start

@@ -146,7 +146,8 @@ def main():
     for r in rows:
         print(
             f"{r['kernel']:22s} {r['dim']:4d} {r['dtype']:5s} {r['renorm']:9s} {r['registers']:4d} {r['local']:7d} "
-            f"{r['shared']:6d} {r['num_warps']:5d} {r['blocks_per_sm']:9d}  {accesses(r['loads']):25s} {accesses(r['stores'])}"
+            f"{r['shared']:6d} {r['num_warps']:5d} {r['blocks_per_sm']:9d} "
+            f" {accesses(r['loads']):25s} {accesses(r['stores'])}"
         )
 
 

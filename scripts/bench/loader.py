@@ -21,7 +21,8 @@ from nanochat.dataloader import data_loader
 from nanochat.tokenizer import get_tokenizer
 
 PUBLISHED = {"tokens_per_step": 2**20, "seconds_per_step": 1.1, "ranks": 8}  # docs/reproduce.md: the published run
-NEED_PER_RANK = PUBLISHED["tokens_per_step"] / PUBLISHED["seconds_per_step"] / PUBLISHED["ranks"]  # ≈ 119,156 tokens/s
+# ≈ 119,156 tokens/s
+NEED_PER_RANK = PUBLISHED["tokens_per_step"] / PUBLISHED["seconds_per_step"] / PUBLISHED["ranks"]
 
 
 def parse_shape(text):
@@ -63,8 +64,8 @@ def main(argv=None):
     with exit_on_user_error():
         tokenizer = get_tokenizer()
         print(
-            f"need per rank (published run): 2^20 tokens / {PUBLISHED['seconds_per_step']} s per step / {PUBLISHED['ranks']} ranks "
-            f"= {NEED_PER_RANK:,.0f} tokens/s"
+            f"need per rank (published run): 2^20 tokens / {PUBLISHED['seconds_per_step']} s per step / "
+            f"{PUBLISHED['ranks']} ranks = {NEED_PER_RANK:,.0f} tokens/s"
         )
         results = []
         for B, T in args.shapes:

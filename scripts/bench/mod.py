@@ -9,9 +9,9 @@ with the FLOPs saved (docs/mod.md).
     python -m scripts.bench.mod --arch gpt-router --depth 2 --model-dim 64 --head-dim 32 --max-seq-len 64 --vocab-size 512 --steps 2   # the router baseline, tiny
 
 The reference is the same arch without MoD. The variants take their steps in turn, so that on a
-shared machine they all meet the same load; the median step time of each is shown. "FLOPs saved" is what the realised skip rates save in the
-training-FLOPs convention of base_train; "time saved" is measured. The gap is the gather / scatter,
-the padded queries of the attention and the extra modulator evaluation for the score.
+shared machine they all meet the same load; the median step time of each is shown. "FLOPs saved" is what the realised
+skip rates save in the training-FLOPs convention of base_train; "time saved" is measured. The gap is the gather /
+scatter, the padded queries of the attention and the extra modulator evaluation for the score.
 """
 
 import time
@@ -108,7 +108,8 @@ def layer_bench(args, rates):
             if i >= 2:
                 times[k].append(time.perf_counter() - t0)
     print(
-        f"one sub-layer alone, forward + backward, median of {args.layer_repeats} (a whole training step is {full:,} FLOPs/token)"
+        "one sub-layer alone, forward + backward, median of "
+        f"{args.layer_repeats} (a whole training step is {full:,} FLOPs/token)"
     )
     for kind in ("attn", "mlp"):
         ref = sorted(times[(kind, None)])[args.layer_repeats // 2]
@@ -116,8 +117,8 @@ def layer_bench(args, rates):
         for rate in rates:
             t = sorted(times[(kind, rate)])[args.layer_repeats // 2]
             print(
-                f"  {kind:4s} {100 * rate:3.0f}%  | {1000 * t:8.1f} ms | FLOPs saved {100 * rate * saved[(kind, 0)] / per_layer[kind]:5.1f}% "
-                f"| time saved {100 * (1 - t / ref):5.1f}%"
+                f"  {kind:4s} {100 * rate:3.0f}%  | {1000 * t:8.1f} ms | FLOPs saved "
+                f"{100 * rate * saved[(kind, 0)] / per_layer[kind]:5.1f}% | time saved {100 * (1 - t / ref):5.1f}%"
             )
 
 
@@ -151,8 +152,9 @@ def main(argv=None):
     ref = rows[0][2]
     for b, rate, r in rows:
         print(
-            f"{b:6s} {100 * rate:4.0f}% | {r['step_ms']:9.1f} | {r['flops']:12,d} | {100 * r['skip_attn']:8.1f}% {100 * r['skip_mlp']:7.1f}% | "
-            f"{100 * (1 - r['flops'] / ref['flops']):10.1f}% | {100 * (1 - r['step_ms'] / ref['step_ms']):9.1f}%",
+            f"{b:6s} {100 * rate:4.0f}% | {r['step_ms']:9.1f} | {r['flops']:12,d} | {100 * r['skip_attn']:8.1f}% "
+            f"{100 * r['skip_mlp']:7.1f}% | {100 * (1 - r['flops'] / ref['flops']):10.1f}% | "
+            f"{100 * (1 - r['step_ms'] / ref['step_ms']):9.1f}%",
             flush=True,
         )
     return rows

@@ -137,7 +137,8 @@ def bench_op(args, impls):
     for impl in impls:
         if impl == "fused" and device_type != "cuda":
             print(
-                "  fused: skipped on CPU (Triton runs in its interpreter here); `python -m scripts.bench.kernel_report` shows its sm_90 build"
+                "  fused: skipped on CPU (Triton runs in its interpreter here); `python -m "
+                "scripts.bench.kernel_report` shows its sm_90 build"
             )
             continue
         fn = branch_function(impl)
@@ -152,8 +153,9 @@ def bench_op(args, impls):
         t_all = timed(fwd_bwd, iters, device_type)
         t_bwd = max(t_all - t_fwd, 1e-9)
         print(
-            f"  {impl:9s} forward {1e3 * t_fwd:8.3f} ms ({fwd_bytes / t_fwd / 1e9:8.1f} GB/s, {100 * fwd_bytes / t_fwd / bw:5.1f}% of copy) | "
-            f"backward {1e3 * t_bwd:8.3f} ms ({bwd_bytes / t_bwd / 1e9:8.1f} GB/s, {100 * bwd_bytes / t_bwd / bw:5.1f}% of copy)"
+            f"  {impl:9s} forward {1e3 * t_fwd:8.3f} ms ({fwd_bytes / t_fwd / 1e9:8.1f} GB/s, "
+            f"{100 * fwd_bytes / t_fwd / bw:5.1f}% of copy) | backward {1e3 * t_bwd:8.3f} ms "
+            f"({bwd_bytes / t_bwd / 1e9:8.1f} GB/s, {100 * bwd_bytes / t_bwd / bw:5.1f}% of copy)"
         )
         figures["impls"][impl] = {
             "forward_ms": 1e3 * t_fwd,
@@ -184,7 +186,8 @@ def sweep_rows_per_program(backward, values, nbytes, bw, iters, device_type):
             t = timed(lambda: op(*backward, k), iters, device_type)
         gbps[k] = nbytes / t / 1e9
         print(
-            f"    {k:3d} rows per program {1e3 * t:8.3f} ms ({gbps[k]:8.1f} GB/s, {100 * nbytes / t / bw:5.1f}% of copy)"
+            f"    {k:3d} rows per program {1e3 * t:8.3f} ms "
+            f"({gbps[k]:8.1f} GB/s, {100 * nbytes / t / bw:5.1f}% of copy)"
         )
     best = max(gbps, key=gbps.get)
     print(f"    best {best} rows per program: {gbps[best] / gbps[default]:.3f}× the default's GB/s")
@@ -407,14 +410,16 @@ def launches(args, impls):
             "backward_ops": bwd.triton + bwd.aten,
         }
         print(
-            f"  {impl:9s} forward {fwd.total:3d} ({len(fwd.triton)} Triton) | backward {bwd.total:3d} ({len(bwd.triton)} Triton)"
-            f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * (fwd.total + bwd.total):,}"
+            f"  {impl:9s} forward {fwd.total:3d} ({len(fwd.triton)} Triton) | backward {bwd.total:3d} "
+            f"({len(bwd.triton)} Triton) | per step of a {SHAPES['published'][0]}-block model: "
+            f"{2 * SHAPES['published'][0] * (fwd.total + bwd.total):,}"
         )
         if impl == "fused":
             before = FUSED_LAUNCHES_BEFORE
             print(
-                f"            before folding (commit 9716561): forward {before['forward']} | backward {before['backward']}"
-                f" | per step of a {SHAPES['published'][0]}-block model: {2 * SHAPES['published'][0] * sum(before.values()):,}"
+                f"            before folding (commit 9716561): forward {before['forward']} | backward "
+                f"{before['backward']} | per step of a {SHAPES['published'][0]}-block model: "
+                f"{2 * SHAPES['published'][0] * sum(before.values()):,}"
             )
             figures[impl]["before"] = before
         print(f"            forward: {' '.join(fwd.triton + fwd.aten)}")

@@ -125,7 +125,8 @@ class Counted(MuonAdamW):
 
 
 def count_step(groups, rank, world_size):
-    """Totals per kind of one step of rank `rank` after a first step (which creates the state), and the state's bytes."""
+    """Totals per kind of one step of rank `rank` after a first step (which creates the state), and the state's
+    bytes."""
     for g in groups:
         for p in g["params"]:
             p.grad = torch.empty_like(p)
@@ -179,7 +180,8 @@ def main(argv=None):
         )
     print()
     print(
-        "| arch | layout | aten ops | GB read+written | TFLOP | roofline ms (H100) | optimizer state GB | Muon / AdamW / gather GB |"
+        "| arch | layout | aten ops | GB read+written | TFLOP | roofline "
+        "ms (H100) | optimizer state GB | Muon / AdamW / gather GB |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in results:
@@ -187,8 +189,8 @@ def main(argv=None):
             f"{r['by_kind'].get(k, {}).get('bytes', 0) / 1e9:.1f}" for k in ("muon", "adamw", "all-gather")
         )
         print(
-            f"| {r['arch']} | {r['layout']} ({r['world_size']}) | {r['ops']:,} | {r['bytes'] / 1e9:.1f} | {r['flops'] / 1e12:.2f} | "
-            f"{r['roofline_s'] * 1e3:.1f} | {r['state_bytes'] / 1e9:.2f} | {kinds} |"
+            f"| {r['arch']} | {r['layout']} ({r['world_size']}) | {r['ops']:,} | {r['bytes'] / 1e9:.1f} | "
+            f"{r['flops'] / 1e12:.2f} | {r['roofline_s'] * 1e3:.1f} | {r['state_bytes'] / 1e9:.2f} | {kinds} |"
         )
     print()
     for rep, sh in zip(results[::2], results[1::2]):

@@ -123,8 +123,9 @@ def main(argv=None):
             named_models.append((arch, build(args, arch, device)))
     shape = named_models[0][1].config
     print(
-        f"{shape.n_layer} layers × {shape.n_embd}, seq {shape.sequence_len}, vocab {shape.vocab_size} | prompt {args.prompt_tokens} "
-        f"tokens, {args.max_tokens} generated, greedy | {device.type}, {torch.get_num_threads()} thread(s), median of {args.repeats}"
+        f"{shape.n_layer} layers × {shape.n_embd}, seq {shape.sequence_len}, vocab {shape.vocab_size} | prompt "
+        f"{args.prompt_tokens} tokens, {args.max_tokens} generated, greedy | {device.type}, {torch.get_num_threads()} "
+        f"thread(s), median of {args.repeats}"
     )
     print(f"{'model':24s} | {'uncached tok/s':>14s} | {'cached tok/s':>12s} | {'speed-up':>8s} | same tokens")
     rows = []

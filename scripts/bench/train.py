@@ -149,7 +149,8 @@ def run_variant(args, variant, mode, precision="bf16", reads=1):
 
     def step(timed=False):
         """base_train's step: the finite check's flags gate the update on the device and are read with the loss
-        (reads=1), or read before the update is queued (reads=2: the device drains while the host queues the optimizer)."""
+        (reads=1), or read before the update is queued (reads=2: the device drains while the host queues the
+        optimizer)."""
         t0 = now()
         loss = fwd_bwd()
         flags = finite_flags(model, loss.detach())
@@ -303,15 +304,17 @@ def benchmark(args, archs, argv):
         r = json.loads(line[len("RESULT ") :])
         results.append(r)
         print(
-            f"{arch:13s} {LABELS[mode]} {precision} {reads} read(s) | {r['step_ms']:9.1f} ms/step | {r['tok_per_sec']:12,.0f} tok/s | "
-            f"peak {r['peak_mem_gib']:.2f} GiB | compile: model {r['model_compile_s']:.1f} s ({r['model_graphs']} graph(s)), "
+            f"{arch:13s} {LABELS[mode]} {precision} {reads} read(s) | {r['step_ms']:9.1f} ms/step | "
+            f"{r['tok_per_sec']:12,.0f} tok/s | peak {r['peak_mem_gib']:.2f} GiB | compile: model "
+            f"{r['model_compile_s']:.1f} s ({r['model_graphs']} graph(s)), "
             f"optimizer {r['optim_compile_s']:.1f} s ({r['optim_graphs']})"
             + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""),
             flush=True,
         )
     if results:
         print(
-            f"config: depth {args.depth}, dim {results[0]['dim']}, batch {args.device_batch_size}×{args.max_seq_len}, device {results[0]['device']}"
+            f"config: depth {args.depth}, dim {results[0]['dim']}, batch "
+            f"{args.device_batch_size}×{args.max_seq_len}, device {results[0]['device']}"
         )
     return results
 

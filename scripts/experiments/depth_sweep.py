@@ -97,10 +97,11 @@ def block_params(model):
     return model.num_scaling_params() - model.lm_head.weight.numel()
 
 
-def train_argv(scale, arch, depth, dim, flops, run, seed=None):
+def train_argv(scale, arch, depth, dim, flops, run, seed=None, lr=None):
     """base_train's flags of one run; a seed's flags (seed_flags) give every arm of that seed one init and data
-    order."""
+    order; lr: a multiple of the preset's matrix LR (--lr-sweep; none or 1: the preset's own, no flag)."""
     s = SCALES[scale]
+    lr_flags = [] if lr in (None, 1) else ["--matrix-lr", f"{lr * preset_matrix_lr(scale):.6g}"]
     return [
         "--preset",
         s["preset"],
@@ -117,11 +118,17 @@ def train_argv(scale, arch, depth, dim, flops, run, seed=None):
         "--save-every",
         "-1",
         *seed_flags(seed),
+        *lr_flags,
         "--run",
         run,
         "--resume",
         "latest",
     ]
+
+
+def preset_matrix_lr(scale):
+    """The matrix (Muon) LR of the scale's preset, before base_train's batch scaling: what --lr-grid multiplies."""
+    return train_flags.parse_args(["--preset", SCALES[scale]["preset"]]).matrix_lr
 
 
 def baseline_block_params(scale, depth, dim, vocab):
@@ -228,18 +235,27 @@ def seeds_text(seeds):
     return ",".join(map(str, seeds)) if seeds and seeds != [None] else "default"
 
 
-def run_name(scale, arch, depth, seed=None):
+def run_name(scale, arch, depth, seed=None, lr=None):
     """sweep-<arch>-d<depth>[-s<seed>] on a CPU; at the published scale speedrun.sh's
-    <arch>-published-d<depth>[-s<seed>]."""
-    name = f"{arch}-{SCALES[scale]['preset']}-d{depth}" if scale == "published" else f"sweep-{arch}-d{depth}"
+    <arch>-published-d<depth>[-s<seed>]. At lr × the preset's matrix LR (--lr-sweep), -lr<lr> after the depth: a
+    run is named by its settings, so the grid's run at ×1 is the shared-rate run and an arm's tuned run at the grid's
+    depth is its grid run (each is trained once)."""
+    tag = depth_tag(depth, lr)
+    name = f"{arch}-{SCALES[scale]['preset']}-{tag}" if scale == "published" else f"sweep-{arch}-{tag}"
     return name + (f"-s{seed}" if seed is not None else "")
 
 
-def speedrun_cmd(row, flops, extra, seeds, archs):
-    """The speedrun.sh command of every arm (with --seeds, of every seed) at one depth, tagged d<depth>. speedrun.sh
-    trains the sweep's default arms, its own default pair, without --arch."""
+def depth_tag(depth, lr=None):
+    """d<depth>, and -lr<multiple> off the preset's matrix LR (speedrun.sh's --tag at the published scale)."""
+    return f"d{depth}" + ("" if lr in (None, 1) else f"-lr{lr:g}")
+
+
+def speedrun_cmd(row, flops, extra, seeds, archs, lr=None):
+    """The speedrun.sh command of every arm (with --seeds, of every seed) at one depth, tagged d<depth> (at lr × the
+    matrix LR, d<depth>-lr<lr>). speedrun.sh trains the sweep's default arms, its own default pair, without --arch."""
     s = SCALES["published"]
     arms = [] if archs == parse_archs(DEFAULT_ARCHS) else ["--arch", ",".join(archs)]
+    lr_flags = [] if lr in (None, 1) else ["--matrix-lr", f"{lr * preset_matrix_lr('published'):.6g}"]
     return [
         "bash",
         "speedrun.sh",
@@ -247,7 +263,7 @@ def speedrun_cmd(row, flops, extra, seeds, archs):
         s["preset"],
         *arms,
         "--tag",
-        f"d{row['depth']}",
+        depth_tag(row["depth"], lr),
         "--flops",
         f"{flops:g}",
         *(["--seeds", seeds_text(seeds)] if seeds else []),
@@ -259,25 +275,32 @@ def speedrun_cmd(row, flops, extra, seeds, archs):
         str(row["dim"]),
         "--head-dim",
         str(s["head_dim"]),
+        *lr_flags,
     ]
 
 
-def commands(plan, extra):
-    """What the sweep runs: base_train per run on a CPU, speedrun.sh per depth at the published scale."""
+def commands(plan, extra, rows=None, lr=None):
+    """What the sweep runs: base_train per run on a CPU, speedrun.sh per depth at the published scale (of `rows`,
+    default every depth; lr: every arm at that multiple of the matrix LR, as --lr-sweep's grid)."""
     flops, seeds, archs = plan["flops_per_run"], plan.get("seeds"), plan["archs"]
+    rows = plan["depths"] if rows is None else rows
     if plan["scale"] == "published":
         return [
-            " ".join(speedrun_cmd(row, flops, extra, seeds, archs))
+            " ".join(speedrun_cmd(row, flops, extra, seeds, archs, lr))
             + "   # runs "
-            + " ".join(run_name("published", arch, row["depth"], seed) for seed in seeds or [None] for arch in archs)
-            for row in plan["depths"]
+            + " ".join(
+                run_name("published", arch, row["depth"], seed, lr) for seed in seeds or [None] for arch in archs
+            )
+            for row in rows
         ]
     return [
         "python -m scripts.base_train "
         + " ".join(
-            train_argv("cpu", arch, row["depth"], row["dim"], flops, run_name("cpu", arch, row["depth"], seed), seed)
+            train_argv(
+                "cpu", arch, row["depth"], row["dim"], flops, run_name("cpu", arch, row["depth"], seed, lr), seed, lr
+            )
         )
-        for row in plan["depths"]
+        for row in rows
         for seed in seeds or [None]
         for arch in archs
     ]
@@ -288,10 +311,10 @@ def has_bpb(run_dir, step):
     return ev is not None and ev.get("step") == step and ev.get("val_batches") is not None
 
 
-def check_reusable(row, base, seed, archs):
+def check_reusable(row, base, seed, archs, lr=None):
     """A run of this name from a sweep with other --flops or widths is never mixed in: one line, before any training."""
     for arch in archs:
-        run_dir = run_path(run_name("cpu", arch, row["depth"], seed), base)
+        run_dir = run_path(run_name("cpu", arch, row["depth"], seed, lr), base)
         steps = row["runs"][arch]["num_iterations"]
         if os.path.exists(os.path.join(run_dir, CONFIG)):  # a run that got as far as its config
             old = read_config(run_dir)
@@ -303,18 +326,21 @@ def check_reusable(row, base, seed, archs):
                 )
 
 
-def run_cpu(row, flops, base, archs, seed=None):
+def run_cpu(row, flops, base, archs, seed=None, lrs=None):
     """Train (or resume) and evaluate every arm at one depth and seed; the logs go to runs/<run>.log. A run that
-    fails is reported on one line (its traceback in its log) and the next goes on; returns the names of those."""
+    fails is reported on one line (its traceback in its log) and the next goes on; returns the names of those.
+    lrs: {arch: multiple of the preset's matrix LR} (--lr-sweep), else the preset's for all."""
     failed = []
     for arch in archs:
-        run = run_name("cpu", arch, row["depth"], seed)
+        lr = (lrs or {}).get(arch)
+        run = run_name("cpu", arch, row["depth"], seed, lr)
         run_dir = run_path(run, base)
         steps = row["runs"][arch]["num_iterations"]
         log_path = run_dir + ".log"
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         done = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, steps)
         what = f"depth {row['depth']} {arch}" + (f" seed {seed}" if seed is not None else "")
+        what += "" if lr in (None, 1) else f" at {lr:g}x matrix LR"
         if not (done and has_bpb(run_dir, steps)):
             print(
                 f"{what}: {'evaluating' if done else f'training {steps} steps'} (log: {log_path})",
@@ -325,7 +351,7 @@ def run_cpu(row, flops, base, archs, seed=None):
             try:
                 if not done:
                     base_train.train(
-                        train_flags.parse_args(train_argv("cpu", arch, row["depth"], row["dim"], flops, run, seed))
+                        train_flags.parse_args(train_argv("cpu", arch, row["depth"], row["dim"], flops, run, seed, lr))
                     )
                 if not has_bpb(run_dir, steps):
                     preset_eval = get_preset(SCALES["cpu"]["preset"])["eval"]  # the demo's 65,536 tokens, as runcpu.sh
@@ -339,31 +365,35 @@ def run_cpu(row, flops, base, archs, seed=None):
     return failed
 
 
-def run_published(row, flops, extra, seeds, archs):
+def run_published(row, flops, extra, seeds, archs, lr=None):
     """One speedrun.sh at this depth, for every arm and seed (it trains and evaluates CORE + bpb, and reports the
     GPT / NAG pair); whether it succeeded (speedrun.sh itself goes on past a failed run and names it)."""
-    cmd = speedrun_cmd(row, flops, extra, seeds, archs)
+    cmd = speedrun_cmd(row, flops, extra, seeds, archs, lr)
     print(" ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.run(cmd).returncode == 0
 
 
-def results(plan, base):
+def results(plan, base, lrs=None):
     """Per depth: each arm's val bpb and its gap to GPT with a 95% interval, over the seeds whose every arm is
     evaluated. One seed: the runs' val bpb and each gap's interval from the val batches it shares with GPT's run
     (evaluation noise). Several: each arm's mean over the seeds and the gap of the means, its interval from the
-    group statistics of scripts.compare --a/--b (stats.group_delta, paired by seed: training and evaluation noise)."""
-    archs, out = plan["archs"], []
+    group statistics of scripts.compare --a/--b (stats.group_delta, paired by seed: training and evaluation noise).
+    lrs: each arm's runs at its own multiple of the matrix LR (--lr-sweep)."""
+    archs, out, lrs = plan["archs"], [], lrs or {}
     for row in plan["depths"]:
         evaluated = {}
         for seed in plan.get("seeds") or [None]:
-            evs = {arch: read_eval(run_path(run_name(plan["scale"], arch, row["depth"], seed), base)) for arch in archs}
+            evs = {
+                arch: read_eval(run_path(run_name(plan["scale"], arch, row["depth"], seed, lrs.get(arch)), base))
+                for arch in archs
+            }
             if all(evs.values()):
                 evaluated[seed] = evs
         res = {"depth": row["depth"], "dim": row["dim"], "aspect_ratio": row["aspect_ratio"], "seeds": list(evaluated)}
         if len(evaluated) == 1:
             res.update(one_seed_gaps(archs, next(iter(evaluated.values()))))
         elif evaluated:
-            res.update(seed_gaps(row, plan["scale"], archs, evaluated))
+            res.update(seed_gaps(row, plan["scale"], archs, evaluated, lrs))
         out.append(res)
     return out
 
@@ -382,12 +412,12 @@ def one_seed_gaps(archs, evs):
     return res
 
 
-def seed_gaps(row, scale, archs, evaluated):
+def seed_gaps(row, scale, archs, evaluated, lrs=None):
     """Several seeds at one depth: the group comparison of each arm's runs with GPT's (as compare --a/--b computes
     it). One bootstrap over the shared val batches serves every arm: a resample depends on the batches alone."""
     k = len(evaluated)
     runs = [
-        {"name": run_name(scale, arch, row["depth"], seed), "eval": evs[arch]}
+        {"name": run_name(scale, arch, row["depth"], seed, (lrs or {}).get(arch)), "eval": evs[arch]}
         for arch in archs
         for seed, evs in evaluated.items()
     ]
@@ -528,6 +558,215 @@ def yerr(values, cis):
     return [[max(0.0, v - ci[0]) for v, ci in zip(values, cis)], [max(0.0, ci[1] - v) for v, ci in zip(values, cis)]]
 
 
+# ---------------------------------------------------------------------------
+# the residual stream of every arm at the deepest depth (analysis/arms.py)
+
+
+def sweep_geometry(plan, base, lrs=None):
+    """Residual norm and rotation by layer of every arm's run at the sweep's deepest depth (the first seed's), over
+    the val tokens of the preset's analysis flags (demo: 65,536). An arm whose run is not finished is left out; one
+    whose pass fails is named on one line (a by-product: the sweep's exit status is its runs').
+    Returns (that depth's plan row, {arch: {"norm", "rotation", "run", "step", "tokens"}})."""
+    from analysis.arms import arm_geometry
+    from analysis.run import parse_args as analysis_args
+    from nanochat.common import autodetect_device_type
+
+    row = max(plan["depths"], key=lambda r: r["depth"])
+    seed = (plan.get("seeds") or [None])[0]
+    a = analysis_args(["run", *get_preset(SCALES[plan["scale"]]["preset"])["analysis"]])
+    device = a.device_type or autodetect_device_type()
+    print(f"residual geometry at depth {row['depth']}: {a.tokens:,} val tokens per arm", file=sys.stderr, flush=True)
+    geometry = {}
+    for arch in plan["archs"]:
+        run = run_name(plan["scale"], arch, row["depth"], seed, (lrs or {}).get(arch))
+        run_dir, steps = run_path(run, base), row["runs"][arch]["num_iterations"]
+        if not (os.path.isdir(run_dir) and ckpt.is_complete(run_dir, steps)):
+            continue
+        try:
+            g = arm_geometry(run_dir, a.tokens, a.device_batch_size, device, step=steps, seed=a.seed)
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"note: residual geometry of {run} failed: {first}", file=sys.stderr, flush=True)
+            continue
+        geometry[arch] = {**g, "run": run}
+    return row, geometry
+
+
+def geometry_table(geometry, archs):
+    head = "| arch | run | norm: embedding | norm: last layer | last / embedding | rotation per layer: mean (°) |"
+    lines = [head + " last layer (°) |", "|---|---|---:|---:|---:|---:|---:|"]
+    for arch in (a for a in archs if a in geometry):
+        g = geometry[arch]
+        n, r = g["norm"], g["rotation"]
+        lines.append(
+            f"| {label(arch)} | {g['run']} | {n[0]:.2f} | {n[-1]:.2f} | {n[-1] / n[0]:.2f} | "
+            f"{sum(r) / len(r):.1f} | {r[-1]:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_geometry(row, geometry, archs, path):
+    """arm_geometry.png: every arm in its colour of depth_gap.png."""
+    from analysis.arms import plot_geometry as plot_arms
+
+    tokens = next(iter(geometry.values()))["tokens"]
+    title = f"Residual stream by layer at depth {row['depth']} × width {row['dim']} (one run per arm, {tokens:,} val tokens)"
+    ordered = {a: geometry[a] for a in archs if a in geometry}
+    plot_arms(ordered, path, title, {a: f"C{i}" for i, a in enumerate(archs)}, {a: label(a) for a in archs})
+
+
+GEOMETRY = (
+    "Residual stream at the deepest depth (`analysis/arms.py`, the measures of docs/analysis.md at block "
+    "boundaries): norm = mean ‖x‖ over the val tokens after each layer (0: the embedding), rotation = the mean "
+    "angle between a block's input and its output. One run per arm (the first seed's)."
+)
+
+
+# ---------------------------------------------------------------------------
+# --lr-sweep: each arm at its own best matrix LR
+
+LR_GRID = "0.5,1,2"  # --lr-grid's default: multiples of the preset's matrix LR
+
+
+def parse_lr_grid(text):
+    try:
+        grid = [float(m) for m in text.split(",") if m.strip()]
+    except ValueError:
+        raise UserError(f"--lr-grid takes comma-separated multiples of the preset's matrix LR, got {text!r}") from None
+    if len(grid) < 2 or not all(math.isfinite(m) and m > 0 for m in grid) or len(set(grid)) != len(grid):
+        raise UserError(f"--lr-grid needs at least two different positive multiples, got {text!r}")
+    return sorted(grid)
+
+
+def lr_plan(scale, depths, grid):
+    """Where the grid runs: the scale's reference depth (its preset's own shape, the one the preset's LRs were set
+    at) when the sweep has it, else the middle of the sweep's depths."""
+    ref = SCALES[scale]["reference"][0]
+    if ref in depths:
+        depth, why = ref, "the scale's reference depth"
+    else:
+        depth, why = depths[len(depths) // 2], "the middle depth"
+    return {"depth": depth, "depth_is": why, "grid": grid, "preset_matrix_lr": preset_matrix_lr(scale)}
+
+
+def lr_row(plan):
+    return next(r for r in plan["depths"] if r["depth"] == plan["lr_sweep"]["depth"])
+
+
+def lr_cost(plan):
+    """--lr-sweep's cost beyond the shared-rate sweep of the plan table: its grid's runs at ×1 are that sweep's own,
+    and at the other depths each arm trains once, at its own best rate."""
+    lr, archs, seeds = plan["lr_sweep"], plan["archs"], plan.get("seeds") or [None]
+    row, nproc = lr_row(plan), plan["nproc"]
+    flops_of = lambda rows: len(seeds) * sum(r["runs"][a]["total_flops"] for r in rows for a in archs)
+    new = [m for m in lr["grid"] if m != 1]
+    others = [r for r in plan["depths"] if r is not row]
+    grid_runs, grid_flops = len(new) * len(archs) * len(seeds), len(new) * flops_of([row])
+    more_runs, more_flops = len(others) * len(archs) * len(seeds), flops_of(others)
+
+    def gpu_hours(flops):
+        if plan["scale"] != "published":
+            return ""
+        return f", about {hours(flops, nproc):.0f} hours on {nproc} GPUs ({hours(flops, nproc) * nproc:,.0f} GPU hours)"
+
+    return (
+        f"--lr-sweep: matrix LR × {grid_text(lr['grid'])} of the preset's {lr['preset_matrix_lr']:g} at depth "
+        f"{lr['depth']} ({lr['depth_is']}), every arm: {grid_runs} runs more than the sweep without --lr-sweep, "
+        f"{grid_flops:.3g} FLOPs{gpu_hours(grid_flops)}; then every depth with each arm at its own best rate (an arm "
+        f"whose best is ×1 reuses its shared-rate runs; after a shared-rate sweep, up to {more_runs} runs more, "
+        f"{more_flops:.3g} FLOPs{gpu_hours(more_flops)})"
+    )
+
+
+def grid_text(grid):
+    return ", ".join(f"{m:g}" for m in grid)
+
+
+def lr_words(lr):
+    return "" if lr in (None, 1) else f" at {lr:g}x matrix LR"
+
+
+def run_grid(plan, flops, base, extra):
+    """Every arm at every multiple of the grid, at its depth (and seeds); the names of what failed."""
+    row, seeds, archs, failed = lr_row(plan), plan.get("seeds"), plan["archs"], []
+    for m in plan["lr_sweep"]["grid"]:
+        if plan["scale"] == "cpu":
+            for seed in seeds or [None]:
+                failed += run_cpu(row, flops, base, archs, seed, {a: m for a in archs})
+        elif not run_published(row, flops, extra, seeds, archs, m):
+            failed.append(f"speedrun.sh at depth {row['depth']}{lr_words(m)}")
+    return failed
+
+
+def by_rate(archs, lrs):
+    """[(multiple, its arms)], in the arms' order: one speedrun.sh per depth and rate (without lrs: one, all arms)."""
+    groups = {}
+    for arch in archs:
+        m = (lrs or {}).get(arch)
+        groups.setdefault(None if m in (None, 1) else m, []).append(arch)
+    return list(groups.items())
+
+
+def bpb_of(ev):
+    """An evaluation's val bpb: its own, or from its per-batch nats and bytes."""
+    if ev.get("val_bpb") is not None:
+        return ev["val_bpb"]
+    vb = ev.get("val_batches") or {}
+    return sum(vb["nats"]) / (math.log(2) * sum(vb["bytes"])) if vb.get("nats") else None
+
+
+def grid_results(plan, base):
+    """{arch: {multiple: val bpb of its grid run (with seeds, the mean over those evaluated), None if none}}."""
+    lr, row, seeds, out = plan["lr_sweep"], lr_row(plan), plan.get("seeds") or [None], {}
+    for arch in plan["archs"]:
+        out[arch] = {}
+        for m in lr["grid"]:
+            runs = [run_path(run_name(plan["scale"], arch, row["depth"], s, m), base) for s in seeds]
+            bpbs = [b for b in (bpb_of(ev) for ev in map(read_eval, runs) if ev) if b is not None]
+            out[arch][m] = sum(bpbs) / len(bpbs) if bpbs else None
+    return out
+
+
+def best_rates(grid):
+    """Each arm's multiple of lowest val bpb (the first of equal ones); None for an arm with no grid run evaluated
+    (it stays at the preset's rate)."""
+    return {
+        arch: min((m for m, b in by.items() if b is not None), key=lambda m: by[m], default=None)
+        for arch, by in grid.items()
+    }
+
+
+def lr_table(lr, grid, best):
+    base_lr = lr["preset_matrix_lr"]
+    lines = [
+        "| arch | " + " | ".join(f"×{m:g} ({m * base_lr:.4g})" for m in lr["grid"]) + " | own best rate |",
+        "|---|" + "---:|" * len(lr["grid"]) + "---|",
+    ]
+    for arch, by in grid.items():
+        cells = [f"{b:.4f}" if b is not None else "-" for b in by.values()]
+        m = best[arch]
+        chosen = f"×{m:g} ({m * base_lr:.4g})" if m is not None else "none evaluated: the preset's"
+        lines.append(f"| {label(arch)} | " + " | ".join(cells) + f" | {chosen} |")
+    return "\n".join(lines)
+
+
+def lr_report(lr, grid, best):
+    """depth_sweep.json's lr_sweep: the grid, every arm's grid results and its chosen multiple and rate."""
+    return {
+        **lr,
+        "val_bpb": {a: {f"{m:g}": b for m, b in by.items()} for a, by in grid.items()},
+        "best": best,
+        "matrix_lr": {a: (m if m is not None else 1) * lr["preset_matrix_lr"] for a, m in best.items()},
+    }
+
+
+OWN_RATE = (
+    "Compared at each arm's own best rate (--lr-sweep): every arm's runs, at every depth, use the multiple of the "
+    "preset's matrix LR that gave it the lowest val bpb on the grid below (run at depth {depth}, {depth_is}); "
+    "runs at another multiple than ×1 are named -lr<multiple>. The other settings are the preset's."
+)
+
+
 def parse_depths(text):
     try:
         depths = [int(d) for d in text.split(",") if d.strip()]
@@ -573,6 +812,17 @@ def build_parser():
         default=None,
         help="data, tokenizer, runs and the report (default $NANOCHAT_BASE_DIR or ~/.cache/nanochat)",
     )
+    p.add_argument(
+        "--lr-sweep",
+        action="store_true",
+        help="first train every arm at --lr-grid multiples of the preset's matrix LR at one depth (the scale's "
+        "reference depth, else the middle one), then the sweep with each arm at its own best rate",
+    )
+    p.add_argument(
+        "--lr-grid",
+        default=None,
+        help=f"with --lr-sweep: comma-separated multiples of the preset's matrix LR (default {LR_GRID})",
+    )
     p.add_argument("--dry-run", action="store_true", help="the plan only: nothing is trained or written")
     return p
 
@@ -594,6 +844,9 @@ def main(argv=None):
         if not (math.isfinite(flops) and flops > 0):
             raise UserError(f"--flops must be a positive number (got {flops:g})")
         seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+        if args.lr_grid is not None and not args.lr_sweep:
+            raise UserError("--lr-grid goes with --lr-sweep")
+        grid = parse_lr_grid(args.lr_grid or LR_GRID) if args.lr_sweep else None
         base = base_dir_path(args.base_dir)
         os.environ["NANOCHAT_BASE_DIR"] = base  # for base_train and base_eval here and speedrun.sh below
         get_base_dir()  # created here, or one line saying why it cannot be
@@ -604,34 +857,71 @@ def main(argv=None):
                 prepare_cpu_data(base)  # first, so that the plan has the tokenizer's own vocab
         nproc = args.gpus if args.scale == "published" else 1
         plan = plan_sweep(args.scale, depths, flops, vocab_size(args.scale, base), nproc, seeds, archs)
+        if grid:
+            plan["lr_sweep"] = lr_plan(args.scale, depths, grid)
         print(plan_table(plan), file=sys.stderr, flush=True)
+        if grid:
+            print(lr_cost(plan), file=sys.stderr, flush=True)
         extra = ["--gpus", str(args.gpus), *extra] if args.scale == "published" else []
         if args.dry_run:
-            print(
-                "\n".join(["", "commands:", *commands(plan, extra), "dry run: nothing was trained or written"]),
-                file=sys.stderr,
-            )
+            cmds = commands(plan, extra)
+            if grid:  # the tuned runs are known after the grid; the shared-rate ones stand for them
+                head = [f"the grid at depth {plan['lr_sweep']['depth']}:"]
+                head += [c for m in grid for c in commands(plan, extra, [lr_row(plan)], m)]
+                cmds = head + ["then every depth, each arm at its own best rate (shown: ×1, the shared rate):", *cmds]
+            print("\n".join(["", "commands:", *cmds, "dry run: nothing was trained or written"]), file=sys.stderr)
             return plan
         if args.scale == "cpu":
             for row in plan["depths"]:
                 for seed in seeds or [None]:
-                    check_reusable(row, base, seed, archs)
-        failed = []  # named at the end: the other runs, seeds and depths go on
+                    for lr in grid or [None]:
+                        check_reusable(row, base, seed, archs, lr)
+        failed, lrs = [], None  # failed: named at the end, the other runs, seeds and depths go on
+        if grid:
+            failed += run_grid(plan, flops, base, extra)
+            grid_res = grid_results(plan, base)
+            lrs = best_rates(grid_res)
+            chosen = ", ".join(f"{a} ×{m:g}" if m is not None else f"{a} (none evaluated)" for a, m in lrs.items())
+            print(f"own best matrix LR (depth {plan['lr_sweep']['depth']}): {chosen}", file=sys.stderr, flush=True)
         for row in plan["depths"]:
             if args.scale == "cpu":
                 for seed in seeds or [None]:
-                    failed += run_cpu(row, flops, base, archs, seed)
-            elif not run_published(row, flops, extra, seeds, archs):
-                failed.append(f"speedrun.sh at depth {row['depth']}")
-        rows = results(plan, base)
+                    failed += run_cpu(row, flops, base, archs, seed, lrs)
+            else:
+                for lr, arms in by_rate(archs, lrs):
+                    if not run_published(row, flops, extra, seeds, arms, lr):
+                        failed.append(f"speedrun.sh at depth {row['depth']}" + lr_words(lr))
+        rows = results(plan, base, lrs)
         text = results_table(rows, archs)
         plot(rows, archs, os.path.join(out_dir, "depth_gap.png"))
-        atomic_write_json(os.path.join(out_dir, "depth_sweep.json"), {"plan": plan, "results": rows})
+        report = {"plan": plan, "results": rows}
+        if grid:
+            report.update(compared_at="own best rate", lr_sweep=lr_report(plan["lr_sweep"], grid_res, lrs))
+        geometry_md = ""
+        if args.scale == "cpu":  # published runs live on GPU nodes: analysis/arms.py can measure them there
+            geo_row, geometry = sweep_geometry(plan, base, lrs)
+            report.update(geometry_depth=geo_row["depth"], geometry=geometry)
+            if geometry:
+                plot_geometry(geo_row, geometry, archs, os.path.join(out_dir, "arm_geometry.png"))
+                arms = ", ".join(label(a) for a in geometry)
+                geometry_md = (
+                    f"\n{GEOMETRY}\n\n{geometry_table(geometry, archs)}\n\n"
+                    f"![{arms}: residual norm and rotation by layer](arm_geometry.png)\n"
+                )
+        atomic_write_json(os.path.join(out_dir, "depth_sweep.json"), report)
         gaps = ", ".join(gap_label(a) for a in archs[1:])
+        lr_md = ""
+        if grid:
+            lr_md = (
+                f"{lr_cost(plan)}\n\n{OWN_RATE.format(**plan['lr_sweep'])}\n\n"
+                f"Val bpb at depth {plan['lr_sweep']['depth']} by multiple of the matrix LR:\n\n"
+                f"{lr_table(plan['lr_sweep'], grid_res, lrs)}\n\n"
+            )
         with open(os.path.join(out_dir, "depth_sweep.md"), "w") as f:
             f.write(
-                f"# Depth sweep ({args.scale})\n\nPlan:\n\n{plan_table(plan)}\n\nResults (val bpb, base_eval):\n\n"
-                f"{text}\n\n{INTERVALS}\n\n![{gaps} gap against depth](depth_gap.png)\n"
+                f"# Depth sweep ({args.scale})\n\nPlan:\n\n{plan_table(plan)}\n\n{lr_md}"
+                f"Results (val bpb, base_eval{', each arm at its own best rate' if grid else ''}):\n\n"
+                f"{text}\n\n{INTERVALS}\n\n![{gaps} gap against depth](depth_gap.png)\n{geometry_md}"
             )
         print(text)
         print(f"report: {os.path.join(out_dir, 'depth_sweep.md')}", file=sys.stderr)
