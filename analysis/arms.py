@@ -1,8 +1,9 @@
 """
-The residual stream of several arms on shared axes: norm and rotation by layer (the depth sweep's arm_geometry.png).
+The residual stream of several arms on shared axes: norm and rotation by layer.
 
-One run per arm, all of one shape (the depth sweep's runs at one depth). The pass is analysis/capture.py's, over a
-fixed set of val tokens; the numbers are those of docs/analysis.md at block boundaries:
+The depth sweep's arm_geometry.png: one run per arm, all of one shape (the sweep's runs at its deepest depth).
+The pass is analysis/capture.py's, over a fixed set of val tokens; the numbers are those of docs/analysis.md at
+block boundaries:
 
     norm[l]      mean over tokens of ‖x_2l‖: l = 0 is the embedding, l = i + 1 the output of block i (L + 1 values)
     rotation[i]  mean angle (degrees) between block i's input x_2i and its output x_2i+2 (L values)

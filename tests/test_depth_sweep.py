@@ -135,6 +135,61 @@ def test_tiny_sweep_table_report_and_rerun(run_base, monkeypatch, capsys):
         and "sweep-gpt-d1 holds a run of other settings (8 steps at width 96, this sweep plans" in err[-1]
     )
     assert stamp() == after
+    # every arm of nag/archs.py's depth study at depths 2 and 4: depth 2's pair is reused, the rest trains
+    figures = legends_of_saved_figures(monkeypatch)
+    arms = ["gpt", "nag", "gpt-lns", "gpt-peri", "gpt-layerrope"]
+    rows = depth_sweep.main(["--scale", "cpu", "--depths", "2,4", "--archs", ",".join(arms)])
+    err = capsys.readouterr().err
+    assert "depth 2 gpt:" not in err and "depth 2 nag:" not in err and "depth 4 gpt-layerrope: training" in err
+    assert [r["depth"] for r in rows] == [2, 4] and all(set(r["bpb"]) == set(arms) for r in rows)
+    md = open(os.path.join(report, "depth_sweep.md")).read()
+    labels = [a.upper() for a in arms]
+    assert all(f" {l} val bpb |" in md and f"\n| {l} | sweep-{a}-d4 | " in md for a, l in zip(arms, labels))
+    assert "![GPT, NAG, GPT-LNS, GPT-PERI, GPT-LAYERROPE: residual norm and rotation by layer](arm_geometry.png)" in md
+    assert "own best rate" not in md  # no --lr-sweep: every arm at the preset's rate
+    data = json.load(open(os.path.join(report, "depth_sweep.json")))
+    assert "lr_sweep" not in data and data["geometry_depth"] == 4 and set(data["geometry"]) == set(arms)
+    for a in arms:  # the embedding, then each block's output; one rotation per block
+        g = data["geometry"][a]
+        assert len(g["norm"]) == 4 + 1 and len(g["rotation"]) == 4 and g["run"] == f"sweep-{a}-d4"
+        assert all(n > 0 for n in g["norm"]) and all(0 < r < 180 for r in g["rotation"])
+    assert figures["depth_gap.png"] == {f"{l} - GPT" for l in labels[1:]} | set(labels)
+    assert figures["arm_geometry.png"] == set(labels)
+    assert os.path.getsize(os.path.join(report, "arm_geometry.png")) > 0
+
+
+def legends_of_saved_figures(monkeypatch):
+    """{file name: the legend entries of every panel} of each figure saved from here on."""
+    import matplotlib.figure
+
+    saved, real = {}, matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, *args, **kwargs):
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+        saved[os.path.basename(str(path))] = {t.get_text() for lg in legends for t in lg.get_texts()}
+        return real(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    return saved
+
+
+@torch.no_grad()
+def test_block_geometry_matches_a_forward_by_hand():
+    """analysis/arms.py: the norm at block boundaries and each block's rotation, input to output."""
+    from analysis.arms import BlockAccumulator, geometry_of
+    from analysis.capture import CaptureConfig, capture
+    from analysis import measures as M
+    from tests.test_analysis import batches_of, gpt_states, tiny_model
+
+    model, data = tiny_model(), batches_of(3)
+    acc = capture(model, iter(data), 3, 0, CaptureConfig(token_sample=1, state_sample=1), accumulator=BlockAccumulator)
+    by_batch = [gpt_states(model, i) for i, _ in data]
+    states = [torch.cat([s.reshape(-1, 32) for s in ss]).double() for ss in zip(*by_batch)]
+    g = geometry_of(acc)
+    assert g["norm"] == pytest.approx([states[k].norm(dim=1).mean().item() for k in (0, 2, 4, 6)], rel=1e-5)
+    by_hand = [M.rotation_angles(states[k], states[k + 2]).mean().item() * 180 / math.pi for k in (0, 2, 4)]
+    assert g["rotation"] == pytest.approx(by_hand, rel=1e-4)
+    assert (acc.sums["norm"] / acc.tokens).tolist()[0::2] == g["norm"]  # analysis.json's norm.mean, every other
 
 
 def test_sweep_bad_input(run_base, script_error, monkeypatch):
@@ -470,3 +525,129 @@ def test_third_arm_results_table_and_figure(run_base, tmp_path):
     depth_sweep.plot([d2, d4], archs, str(tmp_path / "gap.png"))
     assert os.path.getsize(tmp_path / "gap.png") > 0
     json.dumps([d2, d4])
+
+
+# ---------------------------------------------------------------------------
+# --lr-sweep: each arm at its own best matrix LR
+
+
+def test_best_rates_pick_each_arms_lowest_bpb():
+    grid = {
+        "gpt": {0.5: 1.31, 1: 1.30, 2: 1.32},
+        "nag": {0.5: None, 1: 1.50, 2: 1.40},  # an unfinished grid run is not a candidate
+        "gpt-lns": {0.5: 1.2, 1: 1.2, 2: 1.3},  # a tie: the first (smallest) multiple
+        "gpt-peri": {0.5: None, 1: None, 2: None},  # nothing evaluated: the preset's rate
+    }
+    assert depth_sweep.best_rates(grid) == {"gpt": 1, "nag": 2, "gpt-lns": 0.5, "gpt-peri": None}
+    assert depth_sweep.parse_lr_grid("2,0.5,1") == [0.5, 1, 2]
+
+
+def test_lr_sweep_trains_a_grid_then_each_arm_at_its_best_rate(run_base, monkeypatch, capsys):
+    tiny_scale(monkeypatch)  # depths 1 and 2; the grid at 2, the reference depth
+    best = {"gpt": 2, "nag": 0.5}
+    trained = {}
+
+    def multiple(run):
+        m = re.search(r"-lr([\d.]+)", run)
+        return float(m[1]) if m else 1
+
+    def fake_train(args):  # a finished run's files, and the matrix LR it was given
+        run_dir = os.path.join(run_base, "runs", args.run)
+        n = plan_for(args, 512, 1).num_iterations
+        os.makedirs(run_dir, exist_ok=True)
+        names = (f"model_{n:06d}.pt", f"optim_{n:06d}_rank0.pt")
+        for name in names:
+            open(os.path.join(run_dir, name), "w").close()
+        json.dump(
+            {"world_size": 1, "file_sizes": {name: 0 for name in names}},
+            open(os.path.join(run_dir, f"meta_{n:06d}.json"), "w"),
+        )
+        trained[args.run] = (n, args.matrix_lr)
+
+    def fake_eval(args):  # each arm best at its own multiple: the further from it, the worse
+        arch = args.run.split("-d")[0][len("sweep-") :]
+        bpb = 1.5 + abs(math.log2(multiple(args.run) / best[arch])) / 10
+        with open(os.path.join(run_base, "runs", args.run, "eval.json"), "w") as f:
+            json.dump(eval_record(trained[args.run][0], bpb), f)
+
+    monkeypatch.setattr(depth_sweep.base_train, "train", fake_train)
+    monkeypatch.setattr(depth_sweep.base_eval, "evaluate", fake_eval)
+    rows = depth_sweep.main(["--scale", "cpu", "--lr-sweep", "--lr-grid", "0.5,1,2"])
+    # the grid at depth 2 (×1 is the shared-rate run itself), then depth 1 at each arm's own best only
+    grid = {f"sweep-{a}-d2" + ("" if m == 1 else f"-lr{m:g}"): m for a in ("gpt", "nag") for m in (0.5, 1, 2)}
+    assert set(trained) == set(grid) | {"sweep-gpt-d1-lr2", "sweep-nag-d1-lr0.5"}
+    assert all(trained[run][1] == pytest.approx(m * 0.5) for run, m in grid.items())  # the tiny preset's 0.5
+    err = capsys.readouterr().err
+    assert "own best matrix LR (depth 2): gpt ×2, nag ×0.5" in err
+    for r in rows:
+        assert r["bpb"] == pytest.approx({"gpt": 1.5, "nag": 1.5}, abs=0.02)  # each at its best: eval_record's noise
+    report = os.path.join(run_base, "reports", "depth_sweep-cpu")
+    md = open(os.path.join(report, "depth_sweep.md")).read()
+    assert "Compared at each arm's own best rate (--lr-sweep)" in md and "each arm at its own best rate):" in md
+    assert "| arch | ×0.5 (0.25) | ×1 (0.5) | ×2 (1) | own best rate |" in md
+    assert re.search(r"^\| GPT \| 1\.6\d+ \| 1\.5\d+ \| 1\.4\d+ \| ×2 \(1\) \|$", md, re.M), md
+    assert re.search(r"^\| NAG \| 1\.4\d+ \| 1\.5\d+ \| 1\.6\d+ \| ×0\.5 \(0\.25\) \|$", md, re.M), md
+    data = json.load(open(os.path.join(report, "depth_sweep.json")))
+    lr = data["lr_sweep"]
+    assert data["compared_at"] == "own best rate" and lr["best"] == best and lr["depth"] == 2
+    assert lr["matrix_lr"] == {"gpt": 1.0, "nag": 0.25} and set(lr["val_bpb"]["gpt"]) == {"0.5", "1", "2"}
+    assert "residual geometry of sweep-gpt-d2-lr2 failed" in err  # fake checkpoints: a note, not a failed sweep
+    # a rerun trains nothing; the sweep without --lr-sweep trains the shared-rate runs depth 1 lacks, reports as before
+    done = dict(trained)
+    depth_sweep.main(["--scale", "cpu", "--lr-sweep"])
+    assert trained == done
+    depth_sweep.main(["--scale", "cpu"])
+    assert set(trained) - set(done) == {"sweep-gpt-d1", "sweep-nag-d1"}
+    data = json.load(open(os.path.join(report, "depth_sweep.json")))
+    assert "lr_sweep" not in data and "compared_at" not in data["plan"] and "lr_sweep" not in data["plan"]
+    assert "own best rate" not in open(os.path.join(report, "depth_sweep.md")).read()
+
+
+def test_lr_sweep_published_cost_and_commands(run_base, monkeypatch, capsys, script_error):
+    plan = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--dry-run", "--lr-sweep"])
+    err = capsys.readouterr().err
+    assert plan["lr_sweep"]["depth"] == 64 and plan["lr_sweep"]["depth_is"] == "the scale's reference depth"
+    assert re.search(
+        r"^--lr-sweep: matrix LR × 0\.5, 1, 2 of the preset's 0\.012 at depth 64 \(the scale's reference depth\), "
+        r"every arm: 4 runs more than the sweep without --lr-sweep, 1\.2e\+20 FLOPs, about \d+ hours on 8 GPUs "
+        r"\(\d+ GPU hours\)\nthen every depth with each arm at its own best rate: an arm whose best is ×1 reuses its "
+        r"shared-rate runs; after a shared-rate sweep, up to 2 runs more, 6e\+19 FLOPs",
+        err,
+        re.M,
+    ), err
+    grid_cmd = " --tag d64-lr0.5 --flops 3e+19 --gpus 8 -- --depth 64 --model-dim 640 --head-dim 128 --matrix-lr 0.006"
+    assert grid_cmd in err
+    assert "# runs gpt-published-d64-lr2 nag-published-d64-lr2" in err
+    # the sweep: the grid, then one speedrun.sh per depth and rate
+    calls = []
+
+    def fake_speedrun(cmd):
+        calls.append(cmd)
+        tag = cmd[cmd.index("--tag") + 1]
+        archs = cmd[cmd.index("--arch") + 1].split(",") if "--arch" in cmd else ["gpt", "nag"]
+        for arch in archs:
+            bpb = {("gpt", "d64-lr2"): 1.4, ("nag", "d64-lr0.5"): 1.4}.get((arch, tag), 1.5)
+            run_dir = os.path.join(run_base, "runs", f"{arch}-published-{tag}")
+            os.makedirs(run_dir, exist_ok=True)
+            json.dump(eval_record(100, bpb), open(os.path.join(run_dir, "eval.json"), "w"))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(depth_sweep.subprocess, "run", fake_speedrun)
+    rows = depth_sweep.main(["--scale", "published", "--depths", "16,64", "--lr-sweep"])
+    said = [(c[c.index("--arch") + 1] if "--arch" in c else "gpt,nag", c[c.index("--tag") + 1]) for c in calls]
+    assert said == [
+        ("gpt,nag", "d64-lr0.5"),
+        ("gpt,nag", "d64"),
+        ("gpt,nag", "d64-lr2"),
+        ("gpt", "d16-lr2"),
+        ("nag", "d16-lr0.5"),
+        ("gpt", "d64-lr2"),
+        ("nag", "d64-lr0.5"),
+    ]
+    assert calls[3][-2:] == ["--matrix-lr", "0.024"] and [r["depth"] for r in rows] == [16, 64]
+    assert rows[0]["bpb"] == pytest.approx({"gpt": 1.5, "nag": 1.5}, abs=0.02)  # the tuned runs' evaluations
+    capsys.readouterr()
+    assert "--lr-grid goes with --lr-sweep" in script_error(depth_sweep.main, "--dry-run", "--lr-grid", "1,2")
+    assert "--lr-grid needs at least two different positive multiples, got '1,-2'" in script_error(
+        depth_sweep.main, "--dry-run", "--lr-sweep", "--lr-grid", "1,-2"
+    )

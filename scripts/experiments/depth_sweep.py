@@ -13,6 +13,7 @@ paired by seed, over training and evaluation noise (docs/failures.md §5).
     python -m scripts.experiments.depth_sweep --scale cpu                    # 3 depths x 2 archs on a CPU, ~16 minutes
     python -m scripts.experiments.depth_sweep --scale published --dry-run    # the published-size plan with GPU hours
     python -m scripts.experiments.depth_sweep --scale published --dry-run --archs gpt,nag,gpt-recipe   # a third arm
+    python -m scripts.experiments.depth_sweep --scale published --dry-run --lr-sweep   # + each arm's LR grid: cost
     python -m scripts.experiments.depth_sweep --scale published --gpus 8     # one speedrun.sh per depth   (GPU)
 
 --seeds 1,2,3 trains every arm once per seed (sweep-<arch>-d<depth>-s<seed>; at the published scale speedrun.sh
@@ -20,7 +21,10 @@ paired by seed, over training and evaluation noise (docs/failures.md §5).
 each arm's mean over the seeds. A rerun reuses finished runs and evaluations and resumes an interrupted run from
 its newest checkpoint. A run that fails is named at the end (exit status 1); the other runs, seeds and depths go
 on. --base-dir (default $NANOCHAT_BASE_DIR) is taken from the directory the command runs in, as in speedrun.sh.
-Writes $NANOCHAT_BASE_DIR/reports/depth_sweep-<scale>/: depth_sweep.md, depth_sweep.json, depth_gap.png.
+--lr-sweep first trains every arm at --lr-grid multiples of the preset's matrix LR at one depth, then the sweep
+with each arm at its own best rate (runs at another multiple than 1 named -lr<multiple>).
+Writes $NANOCHAT_BASE_DIR/reports/depth_sweep-<scale>/: depth_sweep.md, depth_sweep.json, depth_gap.png, and on a
+CPU arm_geometry.png (analysis/arms.py: every arm's residual norm and rotation by layer at the deepest depth).
 """
 
 import argparse
@@ -583,7 +587,8 @@ def sweep_geometry(plan, base, lrs=None):
         if not (os.path.isdir(run_dir) and ckpt.is_complete(run_dir, steps)):
             continue
         try:
-            g = arm_geometry(run_dir, a.tokens, a.device_batch_size, device, step=steps, seed=a.seed)
+            with open(run_dir + ".log", "a") as log, contextlib.redirect_stdout(log):  # the data loader's notes
+                g = arm_geometry(run_dir, a.tokens, a.device_batch_size, device, step=steps, seed=a.seed)
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             print(f"note: residual geometry of {run} failed: {first}", file=sys.stderr, flush=True)
@@ -610,7 +615,8 @@ def plot_geometry(row, geometry, archs, path):
     from analysis.arms import plot_geometry as plot_arms
 
     tokens = next(iter(geometry.values()))["tokens"]
-    title = f"Residual stream by layer at depth {row['depth']} × width {row['dim']} (one run per arm, {tokens:,} val tokens)"
+    title = f"Residual stream by layer at depth {row['depth']} × width {row['dim']}"
+    title += f" (one run per arm, {tokens:,} val tokens)"
     ordered = {a: geometry[a] for a in archs if a in geometry}
     plot_arms(ordered, path, title, {a: f"C{i}" for i, a in enumerate(archs)}, {a: label(a) for a in archs})
 
@@ -654,14 +660,14 @@ def lr_row(plan):
 
 
 def lr_cost(plan):
-    """--lr-sweep's cost beyond the shared-rate sweep of the plan table: its grid's runs at ×1 are that sweep's own,
-    and at the other depths each arm trains once, at its own best rate."""
+    """--lr-sweep's cost beyond the shared-rate sweep of the plan table: at the grid's depth each arm's tuned run is
+    one of its grid runs, and at the other depths each arm trains once, at its own best rate."""
     lr, archs, seeds = plan["lr_sweep"], plan["archs"], plan.get("seeds") or [None]
     row, nproc = lr_row(plan), plan["nproc"]
     flops_of = lambda rows: len(seeds) * sum(r["runs"][a]["total_flops"] for r in rows for a in archs)
-    new = [m for m in lr["grid"] if m != 1]
+    new = len(lr["grid"]) - 1  # at its depth the grid's runs stand for the sweep's: one of its multiples is the best
     others = [r for r in plan["depths"] if r is not row]
-    grid_runs, grid_flops = len(new) * len(archs) * len(seeds), len(new) * flops_of([row])
+    grid_runs, grid_flops = new * len(archs) * len(seeds), new * flops_of([row])
     more_runs, more_flops = len(others) * len(archs) * len(seeds), flops_of(others)
 
     def gpu_hours(flops):
@@ -672,9 +678,9 @@ def lr_cost(plan):
     return (
         f"--lr-sweep: matrix LR × {grid_text(lr['grid'])} of the preset's {lr['preset_matrix_lr']:g} at depth "
         f"{lr['depth']} ({lr['depth_is']}), every arm: {grid_runs} runs more than the sweep without --lr-sweep, "
-        f"{grid_flops:.3g} FLOPs{gpu_hours(grid_flops)}; then every depth with each arm at its own best rate (an arm "
+        f"{grid_flops:.3g} FLOPs{gpu_hours(grid_flops)}\nthen every depth with each arm at its own best rate: an arm "
         f"whose best is ×1 reuses its shared-rate runs; after a shared-rate sweep, up to {more_runs} runs more, "
-        f"{more_flops:.3g} FLOPs{gpu_hours(more_flops)})"
+        f"{more_flops:.3g} FLOPs{gpu_hours(more_flops)}"
     )
 
 
