@@ -94,34 +94,13 @@ def tiny_base_dir(tmp_path_factory):
 
 # base_train flags of every tiny test run: 2 layers × 64, 256 tokens per step, LRs raised against the
 # muP batch rule (√(256 / 2^19) ≈ 0.022 at this batch); add --arch, --run and a horizon.
+# fmt: off
 TINY_TRAIN = [
-    "--depth",
-    "2",
-    "--model-dim",
-    "64",
-    "--head-dim",
-    "32",
-    "--max-seq-len",
-    "64",
-    "--device-batch-size",
-    "4",
-    "--total-batch-size",
-    "256",
-    "--eval-tokens",
-    "512",
-    "--warmup-steps",
-    "2",
-    "--nag-alpha-warmup-tokens",
-    "1024",
-    "--matrix-lr",
-    "0.5",
-    "--embedding-lr",
-    "2.0",
-    "--unembedding-lr",
-    "0.1",
-    "--device-type",
-    "cpu",
+    "--depth", "2", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
+    "--total-batch-size", "256", "--eval-tokens", "512", "--warmup-steps", "2", "--nag-alpha-warmup-tokens", "1024",
+    "--matrix-lr", "0.5", "--embedding-lr", "2.0", "--unembedding-lr", "0.1", "--device-type", "cpu",
 ]
+# fmt: on
 
 
 @pytest.fixture(scope="module")

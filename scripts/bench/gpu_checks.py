@@ -43,42 +43,21 @@ OUTPUTS = ("results.json", "summary.md", "logs.tar.gz")
 QUICK_BUDGET, FULL_BUDGET = 420, 2400  # seconds; a borrowed slot gives a command 10 minutes, its start-up included
 PLANNED = 0.75  # the quick stages' expected times fit this share of its budget: the rest is room for a slower machine
 CACHE = "compile_cache"  # in the work folder: the Inductor and Triton caches every stage but a cold one shares
+# flag lists keep their flag-value pairs together
+# fmt: off
 PUBLISHED_SHAPE = [
-    "--model-dim",
-    "640",
-    "--head-dim",
-    "128",
-    "--max-seq-len",
-    "2048",
-    "--device-batch-size",
-    "16",
-    "--vocab-size",
-    "32768",
+    "--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16",
+    "--vocab-size", "32768",
 ]
 D24 = [
-    "--depth",
-    "24",
-    "--head-dim",
-    "128",
-    "--max-seq-len",
-    "2048",
-    "--device-batch-size",
-    "16",
-    "--vocab-size",
-    "32768",
+    "--depth", "24", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "16",
+    "--vocab-size", "32768",
 ]
 D20 = [
-    "--depth",
-    "20",
-    "--head-dim",
-    "128",
-    "--max-seq-len",
-    "2048",
-    "--device-batch-size",
-    "32",
-    "--vocab-size",
-    "32768",
+    "--depth", "20", "--head-dim", "128", "--max-seq-len", "2048", "--device-batch-size", "32",
+    "--vocab-size", "32768",
 ]
+# fmt: on
 TIMED = ["--steps", "10", "--warmup", "3"]
 # base_train itself, NAG-MoD at 20 % skipped with --fp8, at the published width (depth 8, as step):
 # 3 steps of one micro-batch, no evaluation, the one checkpoint at the end; compiled as base_train
