@@ -25,6 +25,9 @@ BATCH_EXPONENT = 0.383
 MAX_DECAY_PER_STEP = 0.01
 SAVES_PER_RUN = 5  # --save-every auto: about this many checkpoints before the last one
 ASPECT_RATIO = 64  # model dim per layer when --model-dim is unset (nanochat's aspect ratio)
+# the deepest model planned: 16 × the published 64 layers. A plan builds every layer (on the meta device, a few ms
+# each), so --depth 100000 took minutes to print a plan; within this limit it comes in seconds.
+MAX_DEPTH = 1024
 MOMENTUM = {"start": 0.85, "peak": 0.97, "peak_step": 400, "end": 0.90}  # Muon momentum schedule of the published code
 # wall-time estimates of a plan (speedrun, the depth sweep): 40% MFU of an H100's dense bf16 peak,
 # evaluation not included
@@ -53,6 +56,11 @@ def check_args(args):
         raise UserError(f"--device-type must be cpu, cuda or mps (got {args.device_type!r})")
     if args.run is not None:
         check_run_name(args.run)
+    if args.depth > MAX_DEPTH:
+        raise UserError(
+            f"--depth {args.depth} is beyond {MAX_DEPTH}, the deepest model planned (nanochat/plan.py MAX_DEPTH: 16 × "
+            "the published 64 layers; a plan builds every layer, so a deeper one takes minutes to plan)"
+        )
     if args.device_type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
         raise UserError(
             "--device-type cuda, but torch sees no CUDA device here (use --device-type cpu, or a CUDA build of torch)"

@@ -187,9 +187,15 @@ def train_texts(max_chars, doc_cap):
 
 
 def train_tokenizer(vocab_size, max_chars, doc_cap=10_000):
-    """A BPE tokenizer trained on the train split and saved to the base dir's tokenizer/; returns it."""
-    if max_chars < 1 or doc_cap < 1:
-        raise UserError("--max-chars and --doc-cap must be positive")
+    """A BPE tokenizer trained on the train split and saved to the base dir's tokenizer/. A tokenizer already there
+    moves first to <base>/replaced/<time>/tokenizer/, never deleted: runs trained with it need it back to be read.
+    Returns (the new tokenizer, where the old one went, or None). Trained before anything moves: a training that fails
+    or is interrupted leaves the old one in place."""
+    from nanochat.run_dir import set_aside  # here: encoding text needs no run-directory code
+
     tokenizer = Tokenizer.train_from_iterator(train_texts(max_chars, doc_cap), vocab_size)
-    tokenizer.save(get_tokenizer_dir())
-    return tokenizer
+    tok_dir = get_tokenizer_dir()
+    base, name = os.path.split(tok_dir)
+    old = os.path.join(set_aside(base, [name]), name) if os.path.exists(tok_dir) else None
+    tokenizer.save(tok_dir)
+    return tokenizer, old

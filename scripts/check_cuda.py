@@ -12,13 +12,15 @@ driver) would otherwise train on the CPU without a word.
 import argparse
 import sys
 
-from nanochat.common import cuda_problem
+from nanochat.common import cuda_problem, parse_checked, positive_int
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Check that torch sees the GPUs (one line, exit 1 if not).")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs needed (default: every one nvidia-smi lists)")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--gpus", type=positive_int, default=None, help="GPUs needed (default: every one nvidia-smi lists)"
+    )
+    args = parse_checked(p, argv)
     problem = cuda_problem(args.gpus)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -34,7 +34,11 @@ from nanochat.common import (
     exit_on_user_error,
     caller_path,
     base_dir_path,
+    parse_checked,
     parse_seeds,
+    positive,
+    positive_int,
+    non_negative,
     seed_flags,
     cuda_problem,
     nvidia_smi,
@@ -57,6 +61,8 @@ from analysis.compare.inputs import report_is_current
 # Any other arch --arch names comes from nag/archs.py and trains beside the pair.
 ROLES = (GPT.arch, NAGGPT.arch)
 SEED_FLAGS = seed_flags(0)[::2]  # the base_train flags a seed sets (nanochat.common.seed_flags): --seeds owns them
+# the speedrun flag that sets a base_train flag of every run, where their names differ (check_extra)
+SET_BY = {"--run": "--tag", "--target-flops": "--flops", **dict.fromkeys(SEED_FLAGS, "--seeds")}
 TOK_SHARDS = 8
 TOKENIZER_CHARS = {"tiny": 2_000_000}  # default 2B characters
 # base_train flags that change how a run is saved, logged or computed, not what it learns (nanochat/resume.py's list
@@ -87,10 +93,10 @@ def build_parser():
         "trains first; run6's pair is gpt-recipe, nag-recipe); any other arch of nag/archs.py trains "
         "beside them",
     )
-    p.add_argument("--flops", type=float, default=None, help="override the FLOP budget of every run")
+    p.add_argument("--flops", type=positive(float), default=None, help="override the FLOP budget of every run")
     p.add_argument(
         "--gpus",
-        type=int,
+        type=positive_int,
         default=None,
         help="processes (default: every visible GPU; 8 in --dry-run without GPUs; 1 for tiny)",
     )
@@ -106,11 +112,14 @@ def build_parser():
         f"{' and '.join(SEED_FLAGS)} set from it; the report compares the groups",
     )
     p.add_argument(
-        "--nnodes", type=int, default=1, help="nodes, each running this command with its --node-rank (docs/runs.md)"
+        "--nnodes",
+        type=positive_int,
+        default=1,
+        help="nodes, each running this command with its --node-rank (docs/runs.md)",
     )
     p.add_argument(
         "--node-rank",
-        type=int,
+        type=non_negative(int, "node 0"),
         default=0,
         help="this node's rank, 0 .. nnodes-1: node 0 fetches data, evaluates, reports",
     )
@@ -121,7 +130,7 @@ def build_parser():
     )
     p.add_argument(
         "--max-restarts",
-        type=int,
+        type=non_negative(int, "no restart"),
         default=2,
         help="torchrun restarts of a training run after a lost worker (it resumes)",
     )
@@ -132,7 +141,7 @@ def build_parser():
         "directory every node sees",
     )
     p.add_argument(
-        "--shards", type=int, default=None, help="ClimbMix train shards to download (default: from the budget)"
+        "--shards", type=positive_int, default=None, help="ClimbMix train shards to download (default: from the budget)"
     )
     p.add_argument("--offline", action="store_true", help="build the offline corpus instead of downloading ClimbMix")
     p.add_argument("--eval-bundle", default="", help="a local CORE bundle (default: downloaded once into the base dir)")
@@ -185,11 +194,43 @@ def parse_archs(text, preset):
     return archs
 
 
+def given_flags(argv):
+    """The base_train flags that argv sets, in order, as base_train reads them (abbreviated, or as --flag=value)."""
+    p = train_flags.build_parser()
+    names = {}
+    for action in p._actions:  # only the flags given land in the namespace
+        action.default = argparse.SUPPRESS
+        names[action.dest] = next((o for o in action.option_strings if o.startswith("--")), action.dest)
+    return [names[dest] for dest in vars(parse_checked(p, argv))]
+
+
+def check_extra(args):
+    """The one rule of the base_train flags after `--`: none that speedrun writes on every run's command line itself
+    (train_args: --preset, --arch, --run and --resume; --target-flops with --flops; the seed's flags with --seeds).
+    Given there too, it would win for every run, under a plan, a header and run names that say speedrun's value."""
+    own = argparse.Namespace(**{**vars(args), "extra": []})
+    written = given_flags(train_args(own, *runs(own)[0]))
+    clash = [f for f in given_flags(args.extra) if f in written]
+    if not clash:
+        return
+    if clash[0] == "--resume":
+        raise UserError(
+            "speedrun gives every run --resume latest (a rerun continues it); drop --resume from the base_train "
+            "flags after --"
+        )
+    owner = SET_BY.get(clash[0], clash[0])
+    sets = " and ".join(f for f in written if SET_BY.get(f, f) == owner)
+    raise UserError(
+        f"speedrun's {owner} sets {sets} of every run; drop {clash[0]} from the base_train flags after -- and give "
+        f"speedrun's {owner} (before --) instead"
+    )
+
+
 def parse(argv):
     """speedrun flags, then base_train flags after `--`."""
     argv = list(argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    args = build_parser().parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
+    args = parse_checked(build_parser(), argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
     args.extra = extra
     args.derived_tag = "" if args.tag else derived_tag(extra)  # extras change the runs: they need names of their own
     args.tag = args.tag or args.derived_tag
@@ -197,30 +238,16 @@ def parse(argv):
     args.archs = parse_archs(args.arch, args.preset)
     if args.seeds is not None:
         args.seeds = parse_seeds(args.seeds)
-        given = [a.split("=", 1)[0] for a in extra if a.split("=", 1)[0] in SEED_FLAGS]
-        if given:
-            raise UserError(
-                f"--seeds sets {' and '.join(SEED_FLAGS)} of every run; drop {given[0]} from the "
-                "base_train flags after --"
-            )
-    if args.gpus is not None and args.gpus < 1:
-        raise UserError(f"--gpus must be a positive integer, got {args.gpus}")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes or args.max_restarts < 0:
-        raise UserError(
-            f"--nnodes must be >= 1, --node-rank in 0..nnodes-1 and --max-restarts >= 0 "
-            f"(got {args.nnodes}, {args.node_rank}, {args.max_restarts})"
-        )
+    if args.node_rank >= args.nnodes:
+        raise UserError(f"--node-rank must be in 0..nnodes-1 (0..{args.nnodes - 1}); got {args.node_rank}")
     if args.nnodes > 1 and not re.fullmatch(r"[^\s:]+:\d+", args.rdzv_endpoint):
         raise UserError(
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port), "
             f"got {args.rdzv_endpoint!r}"
         )
-    if args.shards is not None and args.shards < 1:
-        raise UserError(f"--shards must be a positive integer, got {args.shards}")
-    if args.flops is not None and not (math.isfinite(args.flops) and args.flops > 0):
-        raise UserError(f"--flops must be a positive number like 3e19, got {args.flops}")
     if args.tag and not all(c.isalnum() or c in "._-" for c in args.tag):
         raise UserError(f"--tag may hold only letters, digits, '.', '_' and '-', got {args.tag!r}")
+    check_extra(args)
     if args.eval_bundle:
         if not os.path.isdir(caller_path(args.eval_bundle)):
             raise UserError(f"--eval-bundle {caller_path(args.eval_bundle)} is not a directory")
@@ -428,8 +455,8 @@ def gpus_and_vocab(args):
         if have_vocab != vocab:
             raise UserError(
                 f"the tokenizer in {get_tokenizer_dir(args.base_dir)} has {have_vocab:,} tokens but "
-                f"--preset {args.preset} trains with {vocab:,}; use a fresh --base-dir, or delete that "
-                "tokenizer folder so speedrun trains the right one"
+                f"--preset {args.preset} trains with {vocab:,}; use a fresh --base-dir, or move that "
+                "tokenizer folder aside (runs trained with it need it back) so speedrun trains the right one"
             )
     return gpus, vocab, have
 

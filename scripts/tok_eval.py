@@ -6,7 +6,7 @@ Report the tokenizer's compression: bytes per token on validation text and on a 
 
 import argparse
 
-from nanochat.common import exit_on_user_error
+from nanochat.common import exit_on_user_error, parse_checked, positive_int
 from nanochat.dataset import parquets_iter_batched
 from nanochat.tokenizer import get_tokenizer
 
@@ -31,8 +31,10 @@ def compression(tokenizer, texts):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Tokenizer compression on the data.")
-    parser.add_argument("--max-chars", type=int, default=10_000_000, help="characters of text to encode per split")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--max-chars", type=positive_int, default=10_000_000, help="characters of text to encode per split"
+    )
+    args = parse_checked(parser, argv)
     with exit_on_user_error():
         tokenizer = get_tokenizer()
         print(f"vocab size: {tokenizer.get_vocab_size():,}")

@@ -201,11 +201,25 @@ def test_sweep_bad_input(run_base, script_error, monkeypatch):
         depth_sweep.main, "--depths", "4"
     )
     assert "--depths takes comma-separated layer counts, got 'a,b'" in script_error(depth_sweep.main, "--depths", "a,b")
-    assert "--flops must be a positive number (got -1)" in script_error(depth_sweep.main, "--flops", "-1")
+    assert script_error(depth_sweep.main, "--flops", "-1") == "error: --flops must be positive; got -1"
+    # was a ZeroDivisionError traceback: the counts follow the one number rule of every command
+    assert script_error(depth_sweep.main, "--scale", "published", "--gpus", "0", "--dry-run") == (
+        "error: --gpus must be positive; got 0"
+    )
     monkeypatch.setenv("NANOCHAT_BASE_DIR", "/proc/no-such-base")
     assert "cannot create the base dir /proc/no-such-base" in script_error(
         depth_sweep.main, "--scale", "cpu", "--dry-run"
     )
+
+
+def test_gpus_at_the_cpu_scale_is_a_note_not_silence(run_base, capsys):
+    """--scale cpu --gpus 8 used to drop --gpus without a word; it says so now, as base_train's notes on a flag its
+    arch does not read ("applies only with")."""
+    depth_sweep.main(["--scale", "cpu", "--gpus", "8", "--dry-run"])
+    err = capsys.readouterr().err
+    assert "note: --gpus applies only with --scale published; this cpu sweep ignores it" in err
+    depth_sweep.main(["--scale", "cpu", "--dry-run"])
+    assert "--gpus" not in capsys.readouterr().err
 
 
 def test_sweep_interrupted_is_one_line(run_base, capsys, monkeypatch):

@@ -183,3 +183,18 @@ def test_minus_one_still_means_unset(capsys):
         ]
     )
     assert record["num_iterations"] > 0
+
+
+def test_an_absurd_depth_is_refused_before_any_layer_is_built(script_error, monkeypatch):
+    """`--depth 100000 --dry-run 1` used to print nothing for minutes: the plan builds every layer (on the meta
+    device, a few ms each). Past MAX_DEPTH it is one line naming the limit, before any model is built."""
+    from nanochat import plan as run_plan
+    from nanochat.gpt import GPT
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(GPT, "__init__", no_model)
+    err = script_error(base_train.main, "--arch", "gpt", "--run", "x", "--depth", "100000", "--dry-run", "1")
+    assert err.startswith("error: --depth 100000 is beyond 1024") and "MAX_DEPTH" in err
+    run_plan.check_args(base_train.parse_args(["--depth", str(run_plan.MAX_DEPTH)]))  # the limit itself is planned

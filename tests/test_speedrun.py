@@ -472,6 +472,34 @@ def test_bad_seeds_are_one_line_errors(tmp_path, script_error, args, message):
     assert message in script_error(sr.main, "--dry-run", "--base-dir", str(tmp_path), *args)
 
 
+@pytest.mark.parametrize(
+    "args, owner, flag",
+    [
+        (["--", "--arch", "nag"], "--arch", "--arch"),
+        (["--", "--ar=nag"], "--arch", "--arch"),  # base_train reads an abbreviation as the flag
+        (["--", "--preset", "d20"], "--preset", "--preset"),
+        (["--", "--run", "mine"], "--tag", "--run"),
+        (["--flops", "1e12", "--", "--target-flops", "2e12"], "--flops", "--target-flops"),
+        (["--seeds", "1", "--", "--data-seed=3"], "--seeds", "--data-seed"),
+    ],
+)
+def test_a_flag_speedrun_sets_per_run_is_refused_after_the_dashes(tmp_path, script_error, args, owner, flag):
+    """`speedrun.sh --preset tiny -- --arch nag` used to plan both runs as NAG, the GPT run included, under a header
+    saying "arch gpt,nag": a base_train flag after -- wins over the one speedrun writes on every run's command line.
+    One rule for every flag speedrun writes there: refused, pointing at speedrun's own flag."""
+    from scripts import speedrun as sr
+
+    err = script_error(sr.main, "--dry-run", "--preset", "tiny", "--base-dir", str(tmp_path), *args)
+    assert f"speedrun's {owner} sets" in err and f"drop {flag} from the base_train flags after --" in err
+    assert "--resume latest" in script_error(sr.main, "--dry-run", "--base-dir", str(tmp_path), "--", "--resume", "3")
+
+
+def test_a_flag_speedrun_leaves_alone_still_goes_after_the_dashes(tmp_path, capsys):
+    """Without --seeds and --flops, speedrun writes no seed or budget: -- --seed 3 and -- --target-flops set them."""
+    err, sh = plan_of(capsys, "--dry-run", "--preset", "tiny", "--base-dir", str(tmp_path), "--", "--seed", "3")
+    assert sh["EXTRA"] == ["--seed", "3"] and sh["RUNS"] == ["gpt-tiny-seed3", "nag-tiny-seed3"]
+
+
 @needs_venv
 def test_a_failed_run_leaves_the_others_to_go_on(tiny_base_dir, tmp_path, capsys):
     base = tmp_path / "base"
@@ -518,8 +546,13 @@ def test_a_failed_run_leaves_the_others_to_go_on(tiny_base_dir, tmp_path, capsys
     [
         (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
         (["--nnodes", "2", "--rdzv-endpoint", "node0"], "needs --rdzv-endpoint HOST:PORT"),
-        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29500"], "--node-rank in 0..nnodes-1"),
-        (["--max-restarts", "-1"], "--max-restarts >= 0"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29500"], "--node-rank must be in 0..nnodes-1"),
+        # speedrun's numbers follow the one rule of every command (nanochat/common.py)
+        (["--max-restarts", "-1"], "--max-restarts must be >= 0 (0: no restart); got -1"),
+        (["--nnodes", "0"], "--nnodes must be positive; got 0"),
+        (["--gpus", "0"], "--gpus must be positive; got 0"),
+        (["--shards=-2"], "--shards must be positive; got -2"),
+        (["--flops", "inf"], "--flops must be positive; got inf"),
     ],
 )
 def test_bad_node_flags_are_one_line_errors(tmp_path, script_error, args, message):

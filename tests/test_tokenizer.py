@@ -143,3 +143,68 @@ def test_tok_train_without_data_is_one_line_error(tmp_path, monkeypatch, capsys)
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--offline" in err
+
+
+@pytest.fixture
+def base_with_run(tiny_base_dir, tmp_path, monkeypatch):
+    """A base dir with its own copy of the session's corpus and vocab-512 tokenizer, and a run "gpt" whose config.json
+    records that tokenizer's fingerprint, as base_train writes it."""
+    import json
+
+    for name in ("base_data", "tokenizer"):
+        shutil.copytree(os.path.join(tiny_base_dir, name), tmp_path / name)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    (tmp_path / "runs" / "gpt").mkdir(parents=True)
+    config = {"run": "gpt", "fingerprints": {"tokenizer": get_tokenizer().fingerprint()}}
+    (tmp_path / "runs" / "gpt" / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+NEW_TOKENIZER = ["--vocab-size", "300", "--max-chars", "20000", "--doc-cap", "500"]
+
+
+def test_tok_train_keeps_a_tokenizer_that_runs_were_trained_with(base_with_run, script_error):
+    """It used to write the new tokenizer over the old one without a word: the runs trained with it then failed with
+    "checkpoint vocab 512 does not match the tokenizer's 300"."""
+    from scripts import tok_train
+
+    before = get_tokenizer().fingerprint()
+    err = script_error(tok_train.main, *NEW_TOKENIZER)
+    assert "1 run(s)" in err and "(gpt)" in err and "--replace" in err and "512 tokens" in err
+    assert get_tokenizer().fingerprint() == before
+    assert not (base_with_run / "replaced").exists()
+
+
+def test_tok_train_replace_keeps_the_old_tokenizer(base_with_run, capsys):
+    from scripts import tok_train
+
+    before = get_tokenizer().fingerprint()
+    tok_train.main([*NEW_TOKENIZER, "--replace"])
+    out = capsys.readouterr().out
+    assert get_tokenizer().get_vocab_size() == 300
+    (kept,) = (base_with_run / "replaced").glob("*/tokenizer")
+    assert Tokenizer.from_directory(str(kept)).fingerprint() == before
+    assert f"kept in {kept}" in out and "gpt were trained with" in out and "move it back" in out
+
+
+def test_tok_train_replaces_a_tokenizer_no_run_uses_and_says_so(base_with_run, capsys):
+    from scripts import tok_train
+
+    shutil.rmtree(base_with_run / "runs")
+    tok_train.main(NEW_TOKENIZER)
+    out = capsys.readouterr().out
+    (kept,) = (base_with_run / "replaced").glob("*/tokenizer")
+    assert get_tokenizer().get_vocab_size() == 300 and "no run under runs/ was trained with it" in out
+    assert f"kept in {kept}" in out
+
+
+@pytest.mark.parametrize("command", ["tok_train", "tok_eval"])
+@pytest.mark.parametrize("value", ["-5", "0"])
+def test_tok_max_chars_follows_the_number_rule(command, value, tiny_base_dir, monkeypatch, script_error):
+    """tok_eval --max-chars -5 (or 0) used to report a figure from one document; tok_train refused it in its own
+    words. Both now refuse it as every command refuses a count: one `error: --flag must be positive` line."""
+    import importlib
+
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", tiny_base_dir)
+    main = importlib.import_module(f"scripts.{command}").main
+    assert script_error(main, "--max-chars", value) == f"error: --max-chars must be positive; got {value}"

@@ -45,7 +45,10 @@ from nanochat.common import (
     ensure_writable_dir,
     atomic_write_json,
     base_dir_path,
+    parse_checked,
     parse_seeds,
+    positive,
+    positive_int,
     seed_flags,
 )
 from nanochat import stats
@@ -78,6 +81,7 @@ SCALES = {
         "head_dim": 128,
     },
 }
+GPUS = 8  # --gpus of the published scale: one 8-GPU node per run
 MAX_PARAM_MISMATCH = 0.15  # tested: every depth's blocks within 15% of the reference's
 PLAN_KEYS = ("num_params", "flops_per_token", "num_iterations", "total_tokens", "total_flops")
 
@@ -805,8 +809,15 @@ def build_parser():
         default=DEFAULT_ARCHS,
         help=f"comma-separated arms, {BASELINE} among them (every gap is against it); any of: {', '.join(ARCHS)}",
     )
-    p.add_argument("--flops", type=float, default=None, help="FLOP budget of every run (default: the scale's)")
-    p.add_argument("--gpus", type=int, default=8, help="published: processes per run (the plan's hours)")
+    p.add_argument(
+        "--flops", type=positive(float), default=None, help="FLOP budget of every run (default: the scale's)"
+    )
+    p.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=None,
+        help=f"published: processes per run (default {GPUS}; the plan's hours)",
+    )
     p.add_argument(
         "--seeds",
         default=None,
@@ -834,7 +845,7 @@ def build_parser():
 
 
 def main(argv=None):
-    args, extra = build_parser().parse_known_args(argv)
+    args, extra = parse_checked(build_parser(), argv, known=True)
     with exit_on_user_error(
         interrupted="interrupted: finished runs and evaluations are kept; the same command "
         "resumes the sweep (an unfinished run from its newest checkpoint)"
@@ -847,8 +858,13 @@ def main(argv=None):
         archs = parse_archs(args.archs)
         depths = parse_depths(args.depths) if args.depths else s["depths"]
         flops = args.flops if args.flops is not None else s["flops"]
-        if not (math.isfinite(flops) and flops > 0):
-            raise UserError(f"--flops must be a positive number (got {flops:g})")
+        if args.gpus is not None and args.scale == "cpu":  # as base_train's notes on a flag its arch does not read
+            print(
+                "note: --gpus applies only with --scale published; this cpu sweep ignores it (each run trains in one "
+                "process)",
+                file=sys.stderr,
+                flush=True,
+            )
         seeds = parse_seeds(args.seeds) if args.seeds is not None else None
         if args.lr_grid is not None and not args.lr_sweep:
             raise UserError("--lr-grid goes with --lr-sweep")
@@ -861,14 +877,14 @@ def main(argv=None):
             ensure_writable_dir(out_dir)
             if args.scale == "cpu":
                 prepare_cpu_data(base)  # first, so that the plan has the tokenizer's own vocab
-        nproc = args.gpus if args.scale == "published" else 1
+        nproc = (args.gpus or GPUS) if args.scale == "published" else 1
         plan = plan_sweep(args.scale, depths, flops, vocab_size(args.scale, base), nproc, seeds, archs)
         if grid:
             plan["lr_sweep"] = lr_plan(args.scale, depths, grid)
         print(plan_table(plan), file=sys.stderr, flush=True)
         if grid:
             print(lr_cost(plan), file=sys.stderr, flush=True)
-        extra = ["--gpus", str(args.gpus), *extra] if args.scale == "published" else []
+        extra = ["--gpus", str(nproc), *extra] if args.scale == "published" else []
         if args.dry_run:
             cmds = commands(plan, extra)
             if grid:  # the tuned runs are known after the grid; the shared-rate ones stand for them
