@@ -35,7 +35,7 @@ from nanochat.common import (
     positive_int,
     STEP,
 )
-from nanochat.run_dir import folder_name, claim_folder, staging, publish, existing_run_dir
+from nanochat.run_dir import folder_name, claim_folder, staging, publish, existing_run_dir, check_folder_path
 from nanochat import checkpoint_manager as ckpt
 from nanochat.loss_eval import held_batches
 from nag.archs import load_model
@@ -135,10 +135,10 @@ def check_runs(args, tokenizer):
         held = held_batches(tokenizer, args.device_batch_size, T, "val", batches)
         if held < batches:  # a small split would be cycled over: analyse what it holds, once
             notes.append(
-                f"note: the val split holds about {max(1, held) * per_batch:,} tokens for {run}, fewer than "
+                f"note: the val split holds about {held * per_batch:,} tokens for {run}, fewer than "
                 f"--tokens {args.tokens:,}; analysing those"
             )
-            batches = max(1, held)
+            batches = held
         sampled = min(args.state_sample, batches * per_batch)
         if args.clusters > sampled:
             raise UserError(
@@ -163,7 +163,7 @@ def analyse_run(plan, args, tokenizer, device):
     if "tokens" in meta:
         model.set_tokens_seen(meta["tokens"])  # NAG: the α warm-up factor of that checkpoint
     B, T = args.device_batch_size, plan["T"]
-    batches = data_loader(tokenizer, B, T, "val", device=device)
+    batches = data_loader(tokenizer, B, T, "val", device=device, one_pass=True)  # as held_batches counts
     cfg = CaptureConfig(token_sample=args.token_sample, state_sample=args.state_sample, seed=args.seed)
     t0 = time.time()
     acc = capture(model, batches, plan["batches"], tokenizer.get_bos_token_id(), cfg, Progress(plan["name"], B * T))
@@ -210,6 +210,7 @@ def write_outputs(results, out_dir, cmdline, inputs, aside):
 def check_writable(out_dir):
     """write_outputs can do its work (a temp folder next to out_dir, then moved into it): checked before the
     pass, so that no analysis is thrown away for want of a place to put it."""
+    check_folder_path(out_dir)  # a file there is named as such, not taken for a place that cannot be written
     ensure_writable_dir(os.path.dirname(os.path.abspath(out_dir)))
     if os.path.exists(out_dir):
         ensure_writable_dir(out_dir)

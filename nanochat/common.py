@@ -61,8 +61,15 @@ def get_dist_info():
 
 
 def print0(*args, **kwargs):
+    """A log line of rank 0. When its reader is gone (`| head` exited) the work goes on and the lines are dropped:
+    an evaluation or a training run is never cut short, or left half-recorded, by the end of a pipe."""
     if get_dist_info()[1] == 0:
-        print(*args, **kwargs, flush=True)
+        stream = kwargs.get("file") or sys.stdout
+        try:
+            print(*args, **kwargs, flush=True)
+        except BrokenPipeError:
+            # the file descriptor now writes to /dev/null: later lines, and the flush at exit, raise nothing
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def autodetect_device_type():
@@ -282,9 +289,10 @@ def parse_seeds(text, flag="--seeds"):
 
 # ---------------------------------------------------------------------------
 # The one rule for the numbers of a command line: every LR, decay, count, size and step flag of base_train, base_eval,
-# compare, analysis, sample and export_hf is parsed by one of these argparse types. Positive where 0 or a negative
-# means nothing; -1 the one "unset" value, where a flag has one (the help says what it means); 0 only where the help
-# says what it does. A refusal is one `error: --flag must be ...` line (parse_checked), before any work.
+# compare, analysis, sample, export_hf, tok_train, tok_eval, speedrun, check_cuda and the depth sweep is parsed by one
+# of these argparse types. Positive where 0 or a negative means nothing; -1 the one "unset" value, where a flag has one
+# (the help says what it means); 0 only where the help says what it does. A refusal is one `error: --flag must be ...`
+# line (parse_checked), before any work.
 
 
 class NumberRule(argparse.ArgumentTypeError):
@@ -348,12 +356,13 @@ positive_int, positive_float = positive(int), positive(float)
 STEP = non_negative_or_unset(int, "the latest checkpoint")  # --step of every tool that reads a checkpoint
 
 
-def parse_checked(parser, argv=None):
-    """parser.parse_args(argv), with a value a number rule refuses ending in one `error: --flag must be ...` line and
-    exit status 1, as every other user error; any other argparse error stays argparse's (usage, status 2)."""
+def parse_checked(parser, argv=None, known=False):
+    """parser.parse_args(argv) (known: parse_known_args, (args, the rest)), with a value a number rule refuses ending in
+    one `error: --flag must be ...` line and exit status 1, as every other user error; any other argparse error stays
+    argparse's (usage, status 2)."""
     parser.exit_on_error = False
     try:
-        return parser.parse_args(argv)
+        return parser.parse_known_args(argv) if known else parser.parse_args(argv)
     except argparse.ArgumentError as e:
         if isinstance(e.__context__, NumberRule):
             with exit_on_user_error():

@@ -185,6 +185,16 @@ def load_core_tasks(bundle_dir):
     return tasks
 
 
+def task_path(bundle_dir, task):
+    """The data file of one task of core.yaml (a task whose file the bundle lacks is skipped and listed missing)."""
+    return os.path.join(bundle_dir, "eval_data", task["dataset_uri"])
+
+
+def scorable_tasks(bundle_dir):
+    """The labels of core.yaml's tasks whose data file the bundle holds: every task a finished evaluate_core scores."""
+    return [t["label"] for t in load_core_tasks(bundle_dir) if os.path.isfile(task_path(bundle_dir, t))]
+
+
 def _item_problem(item, task_type):
     if not isinstance(item, dict):
         return "expected a JSON object"
@@ -695,7 +705,7 @@ def evaluate_core(
     A task with too few items for its few-shot count (small --max-per-task) gets fewer shots, noted once."""
     bundle_dir = ensure_eval_bundle(bundle_dir)
     tasks = load_core_tasks(bundle_dir)
-    path_of = {t["label"]: os.path.join(bundle_dir, "eval_data", t["dataset_uri"]) for t in tasks}
+    path_of = {t["label"]: task_path(bundle_dir, t) for t in tasks}
     missing = [t["label"] for t in tasks if not os.path.isfile(path_of[t["label"]])]
     unfinished = [t["label"] for t in tasks if t["label"] not in missing]
     results, records, fewer, kept = {}, [], [], []

@@ -231,6 +231,108 @@ def headline(run):
     return f"{os.path.basename(run_dir)}: val bpb {ev.get('val_bpb')!r}, {core[0]} {core[1]!r}{tasks}"
 
 
+def core_step(run_dir, ev):
+    """The most one example moves the run's (partial) CORE: one example of a task of n items moves its accuracy by
+    1/n and its centred accuracy by 1/(n·(1−b)), b the task's random baseline; CORE is the mean over the T tasks
+    scored. So max over the tasks of 1/(T·n·(1−b)); None without CORE results."""
+    loaded = load_core_records(run_dir, ev)
+    if loaded is None:
+        return None
+    baselines = {label: task["random_baseline"] / 100 for label, task in loaded[1]["tasks"].items()}
+    T = len(ev["tasks"])
+    return max(1 / (T * task["num_examples"] * (1 - baselines[label])) for label, task in ev["tasks"].items())
+
+
+def demo_figures(run):
+    """What compare_expected reads of one run: its figures, the core_step of its partial CORE, and what the figures
+    depend on (settings, tokenizer, torch) from config.json and eval.json."""
+    run_dir = existing_run_dir(run)
+    ev, config = read_eval(run_dir) or {}, read_config(run_dir)
+    return {
+        "val_bpb": ev.get("val_bpb"),
+        "partial_core": ev.get("partial_core"),
+        "core_tasks": sorted(ev.get("tasks") or {}),
+        "core_step": core_step(run_dir, ev),
+        "settings": {
+            "target_flops": config.get("args", {}).get("target_flops"),
+            "seed": config.get("seed"),
+            "data_seed": config.get("data_seed"),
+            "max_per_task": ev.get("max_per_task"),
+        },
+        "tokenizer": config.get("fingerprints", {}).get("tokenizer"),
+        "torch": config.get("versions", {}).get("torch"),
+    }
+
+
+def compare_expected(figures, expected, python_version):
+    """(verdict, lines) of runs' figures ({run: demo_figures(run)}) against an expected-figures file's content
+    (runs/runcpu_expected.json; docs/runs.md, "What reproducible means", says why its tolerances are what they are).
+    verdict: "as expected" (each figure within its tolerance), "differs" (the lines say by how much and what to
+    check) or "not applicable" (other runs, settings or corpus than the expected figures are of: nothing compares)."""
+    want = expected["runs"]
+    if sorted(figures) != sorted(want):
+        return "not applicable", [
+            f"the expected figures are of {' and '.join(want)} at runcpu.sh's defaults; {', '.join(figures)} are "
+            "other runs (SEEDS names them by seed)"
+        ]
+
+    def shown(k, v):  # a float as 1e+13, not as its repr 10000000000000.0
+        return f"{k} {v:g}" if isinstance(v, float) else f"{k} {v!r}"
+
+    for run, fig in figures.items():
+        other = [shown(k, fig["settings"][k]) for k, v in expected["settings"].items() if fig["settings"][k] != v]
+        if other:
+            wanted = ", ".join(shown(k, v) for k, v in expected["settings"].items())
+            return "not applicable", [f"{run} has {', '.join(other)}; the expected figures are for {wanted}"]
+        if fig["tokenizer"] != expected["tokenizer"]:
+            return "not applicable", [
+                f"{run}'s tokenizer is {fig['tokenizer']}, not {expected['tokenizer']}: it was trained on another "
+                f"corpus. The offline corpus is this Python's standard-library docs ({python_version} here, the "
+                f"expected figures' {expected['python']}), and a downloaded ClimbMix is another corpus altogether"
+            ]
+        if fig["val_bpb"] is None:
+            return "not applicable", [f"{run} has no val bpb: it is not evaluated"]
+    lines, beyond = [], False
+    bpb_tol = expected["val_bpb_tolerance"]
+    for run, fig in figures.items():
+        d = fig["val_bpb"] - want[run]["val_bpb"]
+        beyond |= abs(d) > bpb_tol
+        lines.append(f"{run} val bpb {d:+.1e} from the expected {want[run]['val_bpb']!r} (tolerance ±{bpb_tol:g})")
+        if fig["core_tasks"] != want[run]["core_tasks"]:
+            lines.append(
+                f"{run} partial CORE not compared: {len(fig['core_tasks'])} tasks scored, the expected figure's "
+                f"{len(want[run]['core_tasks'])} (the CORE bundle differs, or was not there)"
+            )
+            continue
+        d = fig["partial_core"] - want[run]["partial_core"]
+        tol = expected["core_examples"] * fig["core_step"]
+        beyond |= abs(d) > tol * (1 + 1e-9)  # a flip of exactly that many examples is within
+        lines.append(
+            f"{run} partial CORE {d:+.5f} from the expected {want[run]['partial_core']!r} (tolerance ±{tol:.5f}: "
+            f"{expected['core_examples']} example(s) of the {len(fig['core_tasks'])} tasks)"
+        )
+    if not beyond:
+        return "as expected", lines
+    torch_note = {fig["torch"] for fig in figures.values()} - {expected["torch"]}
+    lines.append(
+        "what to check: that the venv holds requirements.lock's versions (bash runs/setup_env.sh installs them"
+        + (f"; these runs used torch {', '.join(sorted(torch_note))}" if torch_note else "")
+        + f"), and the torch build: the expected figures are of torch {expected['torch']} (PyTorch's CPU build) on "
+        f"{expected['machine']}"
+    )
+    return "differs", lines
+
+
+def check_expected(runs, expected_path):
+    """The lines runs/runcpu.sh ends with: each run's headline, then the verdict of compare_expected against
+    expected_path and its lines."""
+    import platform
+
+    expected = read_json(expected_path, "it ships with the repository; restore it from git")
+    verdict, lines = compare_expected({run: demo_figures(run) for run in runs}, expected, platform.python_version())
+    return [headline(run) for run in runs] + [f"against {expected_path}: {verdict}"] + [f"  {x}" for x in lines]
+
+
 def load_core_records(run_dir, ev):
     """(columns, settings) of the run's CORE records, or None when eval.json has no CORE results.
     Records missing, damaged, or not of this eval.json are errors."""
@@ -522,6 +624,19 @@ def input_changes(old, new):
     )
 
 
+def check_folder_path(folder):
+    """A results folder is a folder: a file at its path (or at a path above it) is one line saying so, whatever
+    --force says, before any work."""
+    there = os.path.abspath(folder)
+    while not os.path.lexists(there) and os.path.dirname(there) != there:
+        there = os.path.dirname(there)
+    if os.path.isdir(there):
+        return
+    what = "a file, not a folder" if os.path.isfile(there) else "not a folder"
+    where = "it" if there == os.path.abspath(folder) else there
+    raise UserError(f"cannot write to {folder}: {where} is {what} (the results go into a folder); choose another --out")
+
+
 def claim_folder(folder, tool, inputs, force=False):
     """May `tool` write its results of `inputs` into folder? Yes when it is new or empty, or holds only the tool's own
     files (its manifest); else one line pointing at --out and --force (with --force: write there, replacing files of
@@ -529,6 +644,7 @@ def claim_folder(folder, tool, inputs, force=False):
     of them for other inputs; for the same inputs, those changed since the tool wrote them (their sha256 no longer the
     manifest's: a user's edit of report.md is kept, never overwritten); the others are simply rewritten. Checked before
     any work."""
+    check_folder_path(folder)
     entries = folder_entries(folder)
     ours = own_files(folder, tool)
     foreign = [n for n in entries if n not in ours]

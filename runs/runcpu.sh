@@ -9,8 +9,8 @@
 # No flags (--help prints this); settings are environment variables: NANOCHAT_BASE_DIR, EVAL_BUNDLE (relative
 # paths are taken from the directory you run it in), TARGET_FLOPS, MAX_PER_TASK, SEEDS. With SEEDS, seed s sets the
 # init and the data order of its runs (nanochat.common.seed_flags), so the GPT and NAG runs of one seed share both.
-# Re-running skips what is already done (data, tokenizer, finished runs, evaluations) and
-# continues an interrupted run from its newest complete checkpoint.
+# Re-running skips what is already done (data, tokenizer, finished runs, what eval.json holds whole at these
+# settings) and continues an interrupted run from its newest complete checkpoint or CORE from its first task not scored.
 set -euo pipefail
 case "${1:-}" in  # --help prints the comment above
     -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -75,14 +75,13 @@ done
 stage "evaluate (CORE on up to $MAX_PER_TASK items per task, bpb, samples)"
 BUNDLE_ARGS=()  # default: the CORE bundle is downloaded once into the base dir
 if [ -n "${EVAL_BUNDLE:-}" ]; then BUNDLE_ARGS=(--eval-bundle "$EVAL_BUNDLE"); fi
+# --skip-done: what a run's results already hold at these settings is kept (base_eval decides from their content:
+# an offline CORE is tried again once a bundle can be had, an interrupted one resumed), the rest measured
 for sfx in "${SUFFIXES[@]}"; do
     for arch in gpt nag; do
-        if [ -f "$BASE/runs/cpu-$arch$sfx/eval.json" ]; then
-            echo "cpu-$arch$sfx already evaluated"
-        else
-            python -m scripts.base_eval --run "cpu-$arch$sfx" --eval core,bpb,sample --max-per-task "$MAX_PER_TASK" \
-                --split-tokens 65536 --device-batch-size 4 "${BUNDLE_ARGS[@]}" || FAILED+=("eval cpu-$arch$sfx")
-        fi
+        python -m scripts.base_eval --run "cpu-$arch$sfx" --eval core,bpb,sample --skip-done \
+            --max-per-task "$MAX_PER_TASK" --split-tokens 65536 --device-batch-size 4 "${BUNDLE_ARGS[@]}" \
+            || FAILED+=("eval cpu-$arch$sfx")
     done
 done
 
@@ -97,7 +96,11 @@ else  # the groups: both training noise (seeds) and evaluation noise in the inte
     python -m scripts.compare --a "${SUFFIXES[@]/#/cpu-gpt}" --b "${SUFFIXES[@]/#/cpu-nag}" --out "$BASE/reports/cpu-seeds-${SEEDS//,/-}" \
         || FAILED+=("report")
 fi
-stage "the figures docs/LOG.md compares, to every digit (the same commit, lock and seed on the same CPU kind repeat them)"
-python -c 'import sys; from nanochat.run_dir import headline; print("\n".join(map(headline, sys.argv[1:])))' \
-    "${SUFFIXES[@]/#/cpu-gpt}" "${SUFFIXES[@]/#/cpu-nag}" || FAILED+=("figures")
+# to every digit, then against the expected ones within tolerances (docs/runs.md, "What reproducible means"); other
+# runs or settings (SEEDS, MAX_PER_TASK, TARGET_FLOPS) are "not applicable", never a mismatch
+stage "the four figures, against runs/runcpu_expected.json"
+python -c 'import sys; from nanochat.common import exit_on_user_error as one_line
+from nanochat.run_dir import check_expected
+with one_line(): print("\n".join(check_expected(sys.argv[2:], sys.argv[1])))' \
+    runs/runcpu_expected.json "${SUFFIXES[@]/#/cpu-gpt}" "${SUFFIXES[@]/#/cpu-nag}" || FAILED+=("figures")
 if [ "${#FAILED[@]}" -gt 0 ]; then echo "error: failed: ${FAILED[*]} (rerun to retry them; finished runs are reused)" >&2; exit 1; fi

@@ -16,7 +16,11 @@ paired comparisons). eval.json, core_tasks.csv and core_records.parquet at the t
 are copies of the highest step evaluated: evaluating an earlier step changes neither them nor any other
 step's files. The bpb batches are those one process reads, whatever the number of processes, and never
 more than the split holds. CORE results are saved after every task: a run stopped early (Ctrl-C, SIGTERM,
-a crash) is marked "interrupted", and the same command resumes it at the first unfinished task.
+a crash, a kill) is marked "interrupted", with the tasks it did not reach, and the same command resumes it at the
+first unfinished task. An output that closes (`| head -20`) stops nothing: the lines are dropped and the
+evaluation finishes. With --skip-done only what the step's results lack at these settings is measured (a section
+held whole, CORE finished on every task of the bundle, is kept): what a recipe's rerun uses. Figures printed that
+this command did not measure (kept, or CORE kept while the bundle cannot be had) are marked as earlier ones.
 With --mod-rate (a NAG checkpoint, or a router-MoD GPT one) it also evaluates the Mixture-of-Depths
 trade-off: at each rate the skip thresholds are calibrated on train-split tokens, held fixed, and the
 val bpb (and CORE, when --eval has it) is measured with the FLOPs actually executed (docs/mod.md):
@@ -59,7 +63,7 @@ from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import data_loader
 from nanochat.loss_eval import held_batches, shared_batches, evaluate_bpb_shared
 from nanochat.stats import bpb_delta_interval, core_delta_interval
-from nanochat.core_eval import ensure_eval_bundle, evaluate_core, load_records, records_by_task
+from nanochat.core_eval import ensure_eval_bundle, evaluate_core, load_records, records_by_task, scorable_tasks
 from nanochat.flash_attention import CHOICES as ATTN_CHOICES, resolve_attention
 from nanochat import checkpoint_manager as ckpt
 from nanochat.run_dir import (
@@ -153,6 +157,15 @@ def build_parser():
         help="CORE eval bundle dir (default: <base_dir>/eval_bundle, downloaded once)",
     )
     p.add_argument("--sample-tokens", type=positive_int, default=16, help="tokens generated per sample")
+    p.add_argument(
+        "--skip-done",
+        action="store_true",
+        help=(
+            "evaluate only what the step's results lack: a section they hold whole and measured with these settings "
+            "(CORE finished on every task the bundle has, bpb, samples) is kept, not measured again; what a rerun "
+            "of a recipe wants (runs/runcpu.sh)"
+        ),
+    )
     p.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     p.add_argument(
         "--attn",
@@ -208,15 +221,13 @@ def split_batches(tokenizer, B, T, split, args, device, rank, world_size, note=T
     the same batches whatever the number of processes, and no more than the split holds (with a note)."""
     wanted = max(1, args.split_tokens // (B * T))
     n = held_batches(tokenizer, B, T, split, wanted)
-    if n == 0:
-        raise UserError(f"the {split} split holds less than one batch of {B}×{T} tokens; lower --device-batch-size")
     if n < wanted and note:
         print0(
             f"note: the {split} split holds about {n * B * T:,} tokens ({n} batches of {B}×{T}), fewer than "
             f"--split-tokens {args.split_tokens:,}; its bpb uses those"
         )
     # every rank reads the whole stream on the CPU; only its own batches go to the device
-    return n, shared_batches(data_loader(tokenizer, B, T, split), n, rank, world_size, device)
+    return n, shared_batches(data_loader(tokenizer, B, T, split, one_pass=True), n, rank, world_size, device)
 
 
 def eval_bpb(model, tokenizer, token_bytes, args, device, rank, world_size):
@@ -300,7 +311,8 @@ def eval_core(model, tokenizer, device, bundle, args, save, records_name, done=N
         max_per_task=args.max_per_task,
         batch_size=args.device_batch_size,
         log=print0,
-        on_task=lambda c: save(fields(c, False), c["records"], c["settings"]),
+        # after the last task the results are whole: a stop before the final save leaves them finished
+        on_task=lambda c: save(fields(c, not c["unfinished_tasks"]), c["records"], c["settings"]),
         done=done,
     )
     out = fields(core, True)
@@ -428,6 +440,22 @@ def changed_settings(old, now, sections):
     return "; ".join(changes)
 
 
+def complete_sections(old, now, bundle):
+    """The sections of a step's earlier results (old) that --skip-done keeps: those measured with the settings `now`
+    and whole: CORE finished on every task the bundle holds (none while no bundle can be had), bpb, samples, the
+    MoD curve. Decided by what the results hold, never by which files exist."""
+    was = old.get("measured_with") or {}
+    same = [s for s in ("bpb", "sample", "mod") if HAS_RESULTS[s](old) and was.get(s) == now[s]]
+    if (
+        bundle is not None
+        and old.get("core_finished") is True
+        and was.get("core") == now["core"]
+        and set(old.get("tasks") or {}) == set(scorable_tasks(bundle))
+    ):
+        same.append("core")
+    return same
+
+
 def unfinished_core(run_dir, old, args, bundle, folder=EVAL_DIR):
     """The earlier CORE run of this step to resume (evaluate_core's `done`): one that stopped before its last task,
     with the same --max-per-task and bundle; else None (and a note when its settings differ). folder: where the
@@ -452,9 +480,14 @@ def unfinished_core(run_dir, old, args, bundle, folder=EVAL_DIR):
     return {"tasks": old["tasks"], "records": records_by_task(cols), "settings": settings}
 
 
-def print_table(record):
+def print_table(record, now):
+    """The step's CORE table and bpb; now: the sections measured by this command. Results kept from an earlier
+    evaluation (a section not run now, CORE that could not be had) say so, never read as this command's."""
     lines = []
+    earlier = "  (kept from an earlier evaluation)"
     if record["tasks"]:
+        if "core" not in now:
+            lines.append(f"CORE of an earlier evaluation of step {record['step']}, not measured now:")
         lines.append(f"{'task':<34} {'accuracy':>9} {'centred':>9}")
         for label, r in record["tasks"].items():
             lines.append(f"{label:<34} {r['accuracy']:>9.4f} {r['centered']:>+9.4f}")
@@ -463,17 +496,18 @@ def print_table(record):
         for label in record["interrupted_tasks"] or []:
             lines.append(f"{label:<34} {'not run':>9} {'':>9}")
         if record["core_metric"] is not None:
-            lines.append(f"{'CORE':<34} {'':>9} {record['core_metric']:>9.4f}")
+            lines.append(f"{'CORE':<34} {'':>9} {record['core_metric']:>9.4f}" + ("" if "core" in now else earlier))
         else:  # fewer than 22 tasks: never call it CORE
             lines.append(
                 f"{record['partial_label']:<34} {'':>9} {record['partial_core']:>9.4f}"
                 + ("  (interrupted: rerun to finish)" if record["interrupted"] else "")
+                + ("" if "core" in now else earlier)
             )
     elif record["core_error"]:
         lines.append(f"CORE not evaluated: {record['core_error']}")
     for key in ("val_bpb", "train_bpb"):
         if record[key] is not None:
-            lines.append(f"{key.replace('_', ' '):<34} {record[key]:>9.4f}")
+            lines.append(f"{key.replace('_', ' '):<34} {record[key]:>9.4f}" + ("" if "bpb" in now else earlier))
     print0("\n".join(lines))
 
 
@@ -558,8 +592,6 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     )
 
     bundle, core_error = find_bundle(args.eval_bundle) if "core" in evals else (None, None)
-    if core_error:
-        print0(f"CORE skipped: {core_error}")
 
     fingerprints = current_fingerprints(tokenizer)
     trained = meta.get("fingerprints") or {}
@@ -575,23 +607,38 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
         )
     check_writable(run_dir, step)  # on every rank, so that all of them stop
     measured = measured_with(args, bundle, world_size)
-    sections = [s for s in ("bpb", "core", "sample") if s in evals and (s != "core" or bundle is not None)] + [
-        "mod"
-    ] * bool(args.mod_rate)
-    old, done, staged, changed = {}, None, False, ""
+    old, kept = {}, []
     if rank == 0:
         # an eval.json of an earlier version (no eval/ file of its step) is one line, never overwritten
         check_layout(run_dir, read_record(os.path.join(run_dir, TOP["json"])))
         old = previous_results(run_dir, step, fingerprints)
+        kept = complete_sections(old, measured, bundle) if args.skip_done else []
+    old, kept = broadcast((old, kept))
+    wanted = [s for s in ("bpb", "core", "sample") if s in evals] + ["mod"] * bool(args.mod_rate)
+    kept = [s for s in wanted if s in kept]
+    if kept:
+        print0(f"kept from an earlier evaluation of step {step} with these settings (--skip-done): {', '.join(kept)}")
+    run_core = bundle is not None and "core" in wanted and "core" not in kept
+    sections = [s for s in wanted if s not in kept and (s != "core" or run_core)]
+    # CORE that cannot be had now: the reason is recorded, unless earlier CORE results of the step are kept (or it is)
+    earlier_core = HAS_RESULTS["core"](old)
+    record_error = core_error is not None and not earlier_core and old.get("core_error") != core_error
+    if core_error:
+        print0(
+            f"CORE skipped: {core_error}"
+            + (f"; the CORE results of step {step} shown below are from an earlier evaluation" if earlier_core else "")
+        )
+    done, staged, changed = None, False, ""
+    if rank == 0:
         changed = changed_settings(old, measured, sections)
-        if bundle is not None and old.get("core_finished") is False:  # an interrupted CORE run in place
+        if run_core and old.get("core_finished") is False:  # an interrupted CORE run in place
             done = unfinished_core(run_dir, old, args, bundle)
-        elif bundle is not None:  # one staged beside a complete result
+        elif run_core:  # one staged beside a complete result
             done = unfinished_core(run_dir, read_pending(run_dir, step, fingerprints), args, bundle, PENDING)
         # earlier results are replaced only by complete ones: the new files wait in eval/pending/ until the end,
         # unless this continues an interrupted CORE run in place with the same settings
         staged = bool(old) and not (done is not None and old.get("core_finished") is False and not changed)
-    old, done = broadcast((old, done))  # every rank resumes CORE at the same task
+    done = broadcast(done)  # every rank resumes CORE at the same task
     record = {
         "run": os.path.basename(os.path.normpath(run_dir)),
         "step": step,
@@ -607,6 +654,11 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
     }
     for fields in SECTION_FIELDS.values():
         record.update({k: old.get(k, default) for k, default in fields.items()})
+    if not sections and not record_error:  # nothing to measure or record now: the files stay as they are
+        if rank == 0:
+            print_table(record, now=())
+            print0(f"nothing measured now: {os.path.join(run_dir, step_files(step)['json'])} is unchanged")
+        return record
 
     def save(results, records=None, settings=None, section=None):
         """Merge results into the record and write it (rank 0); CORE records go next to it, with the settings."""
@@ -617,9 +669,9 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
             with disk_errors(run_dir, step):
                 write_results(run_dir, record, records, settings, pending=staged)
 
-    if "bpb" in evals:
+    if "bpb" in sections:
         save(eval_bpb(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size), section="bpb")
-    if bundle is not None:
+    if run_core:
         eval_core(
             model,
             tokenizer,
@@ -630,20 +682,20 @@ def evaluate_locked(args, evals, device_type, rank, world_size, device, run_dir)
             step_files(step)["records"],
             done,
         )
-    elif core_error:
+    elif record_error:
         save({"core_error": core_error})
-    if "sample" in evals:
+    if "sample" in sections:
         save(eval_samples(model, tokenizer, args.sample_tokens) if rank == 0 else {}, section="sample")
-    if args.mod_rate:  # last: it reconfigures the model's MoD
+    if "mod" in sections:  # last: it reconfigures the model's MoD
         save(
             eval_mod_curve(model, tokenizer, get_token_bytes(device=device), args, device, rank, world_size, bundle),
             section="mod",
         )
     if rank == 0 and staged:  # finished: now it may replace the earlier results
         with disk_errors(run_dir, step):
-            commit_pending(run_dir, record, with_records=bundle is not None, replaced_why=changed)
+            commit_pending(run_dir, record, with_records=run_core, replaced_why=changed)
     if rank == 0:
-        print_table(record)
+        print_table(record, now=sections)
         top = "" if step < max(evaluated_steps(run_dir)) else f" (and {TOP['json']}, the highest step evaluated)"
         print0(f"wrote {os.path.join(run_dir, step_files(step)['json'])}{top}")
     return record

@@ -609,6 +609,37 @@ def test_unwritable_base_dir_is_one_line(hand_base, script_error, how):
     assert "cannot write to" in err and "reports" in err
 
 
+def test_out_on_a_file_says_so(hand_base, script_error, tmp_path):
+    """--out names a folder: a file there (or above it) is said to be one, before any work, never taken for a full
+    disk; the file is left alone, --force or not."""
+    core = {"t1": [1, 0] * 20}
+    for name in ("a", "b"):
+        write_run(hand_base / "runs", name, [eval_record(6, 1.3, core=core)], core=core)
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    for argv in (["a", "b"], ["a", "b", "--force"], ["--a", "a", "--b", "b"]):
+        err = script_error(compare.main, *argv, "--out", str(mine))
+        assert f"cannot write to {mine}: it is a file, not a folder" in err and "free space" not in err
+    err = script_error(compare.main, "a", "b", "--out", str(mine / "report"))
+    assert f"cannot write to {mine / 'report'}: {mine} is a file, not a folder" in err
+    assert mine.read_text() == "mine"
+
+
+def test_an_incomplete_core_is_named_not_blamed_on_the_settings(hand_base, script_error):
+    """A CORE evaluation stopped before its last task (Ctrl-C, a kill) scored fewer tasks: compare names it as
+    incomplete, with the command that finishes it, rather than "different CORE items or settings"."""
+    full = {f"t{i}": [1, 0] * 20 for i in range(3)}
+    cut = {t: v for t, v in full.items() if t != "t2"}
+    write_run(hand_base / "runs", "a", [eval_record(6, 1.3, core=full)], core=full)
+    rec = eval_record(6, 1.3, seed=1, core=cut, interrupted=True)
+    rec.update(interrupted_tasks=["t2"], core_finished=False, eval_bundle="/data/eval_bundle")
+    b = write_run(hand_base / "runs", "b", [rec], core=cut)
+    for argv in (["a", "b"], ["b", "a"]):
+        err = script_error(compare.main, *argv)
+        assert "incomplete CORE in run `b` (2 of 3 tasks" in err and "different CORE items" not in err
+        assert f"`python -m scripts.base_eval --run {b} --eval core --eval-bundle /data/eval_bundle`" in err
+
+
 # ---------------------------------------------------------------------------
 # groups of seeds: --a RUN... --b RUN...
 

@@ -4,6 +4,7 @@ Also the numbers that must not depend on how the evaluation ran: the number of p
 a --split-tokens larger than the split, an interruption."""
 
 import os
+import re
 import sys
 import json
 import signal
@@ -202,10 +203,14 @@ def test_a_tokenizer_retrained_to_the_same_size_is_refused(tiny_base_dir, tmp_pa
 
 
 def test_split_tokens_beyond_the_split_are_capped(run, trained, capsys):
-    from nanochat.dataloader import split_tokens
+    """More val tokens asked for than one pass of the packer keeps: base_eval scores those batches, in which no
+    document appears twice (a loader cycling over the split mixes the next epoch's copies in)."""
+    from types import SimpleNamespace
+    from nanochat.loss_eval import held_batches
     from nanochat.tokenizer import get_tokenizer
 
-    held = split_tokens(get_tokenizer(), "val") // (4 * 65)  # batches of rows of 64 + 1 tokens the val split holds
+    tok = get_tokenizer()
+    held = held_batches(tok, 4, 64, "val", 10**6)
     assert held > 2
     asked = 3 * held * 4 * 64  # three times that
     record = base_eval.main(["--run", run, "--eval", "bpb", "--split-tokens", str(asked), "--device-batch-size", "4"])
@@ -214,6 +219,13 @@ def test_split_tokens_beyond_the_split_are_capped(run, trained, capsys):
     )
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: the val split holds")]
     assert len(notes) == 1 and f"fewer than --split-tokens {asked:,}" in notes[0]
+    # the batches it read, by the documents in them: every tiny document opens "Document <i>."
+    _, batches = base_eval.split_batches(tok, 4, 64, "val", SimpleNamespace(split_tokens=asked), "cpu", 0, 1)
+    bos = tok.get_bos_token_id()
+    texts = [tok.decode(row) for _, x, y in batches for row in torch.cat([x, y[:, -1:]], 1).tolist()]
+    pieces = [piece for text in texts for piece in text.split(tok.decode([bos]))]
+    named = [m.group(1) for piece in pieces if (m := re.match(r"Document (\d+)\.", piece))]
+    assert len(named) > held and len(named) == len(set(named))  # no document scored twice
 
 
 def launch_eval(base, nproc, *args):
@@ -387,3 +399,129 @@ def test_an_interrupted_evaluation_never_replaces_a_complete_one(run, trained, m
         == before["eval/step_000006.json"]
     )
     assert not os.path.exists(os.path.join(run, "eval", "pending"))  # emptied, then removed
+
+
+def test_skip_done_decides_from_what_the_results_hold(run, trained, monkeypatch, capsys, tmp_path):
+    """--skip-done (runs/runcpu.sh's rerun) keeps a section only when the step's results hold it whole and measured
+    with these settings: a CORE recorded as not evaluated (offline) or interrupted is measured, whatever files
+    exist; one short of a task the bundle now holds too."""
+    measured = []
+    for name in ("eval_bpb", "eval_samples"):
+        real = getattr(base_eval, name)
+        monkeypatch.setattr(base_eval, name, lambda *a, real=real, name=name: measured.append(name) or real(*a))
+    real_verdicts, scored = core_eval.task_verdicts, []
+
+    def verdicts(model, tokenizer, data, *a, **kw):
+        if len(scored) == 1 and stop:  # Ctrl-C in the second task
+            raise KeyboardInterrupt
+        scored.append(data)
+        return real_verdicts(model, tokenizer, data, *a, **kw)
+
+    monkeypatch.setattr(core_eval, "task_verdicts", verdicts)
+    bundle = str(tmp_path / "bundle")
+    shutil.copytree(trained["bundle"], bundle)
+
+    def rerun(*argv, offline=False):
+        measured.clear()
+        scored.clear()
+        capsys.readouterr()
+        args = ["--run", run, "--eval", "core,bpb,sample", "--skip-done", *EVAL, *argv]
+        record = base_eval.main(args + ([] if offline else ["--eval-bundle", bundle]))
+        return record, capsys.readouterr().out
+
+    # offline first: no bundle can be had; bpb and samples are measured, CORE is recorded as not evaluated
+    stop = False
+    monkeypatch.setattr(core_eval, "EVAL_BUNDLE_URL", (tmp_path / "nowhere" / "eval_bundle.zip").as_uri())
+    first, _ = rerun(offline=True)
+    assert measured == ["eval_bpb", "eval_samples"] and first["tasks"] == {}
+    assert "cannot download" in first["core_error"]
+    before = files(run, TOP[::2] + step_names(6)[::2])
+    _, out = rerun(offline=True)  # offline again: nothing to measure, nothing written
+    assert measured == [] and "nothing measured now" in out and files(run, TOP[::2] + step_names(6)[::2]) == before
+    (skipped,) = [line for line in out.splitlines() if line.startswith("CORE skipped: cannot download")]
+    assert "from an earlier evaluation" not in skipped  # there is no earlier CORE to keep
+
+    # with a bundle, CORE is measured (its eval.json existed all along); a Ctrl-C cuts it short
+    stop = True
+    with pytest.raises(SystemExit):
+        rerun()
+    assert measured == [] and len(scored) == 1
+    stop = False
+    done, out = rerun()  # the interrupted CORE is not kept either: resumed at its first unfinished task
+    assert measured == [] and len(scored) == 2 and "resuming the interrupted CORE evaluation" in out
+    assert done["core_finished"] is True and list(done["tasks"]) == ["tiny_mc", "tiny_schema", "tiny_lm"]
+    assert done["val_bpb"] == first["val_bpb"] and done["samples"] == first["samples"]
+    assert "kept from an earlier evaluation of step 6 with these settings (--skip-done): bpb, sample" in out
+    assert load(run, "eval.json") == json.loads(json.dumps(done))
+
+    # whole at these settings: kept, and said to be earlier results, never printed as new ones
+    before = files(run, TOP + step_names(6))
+    _, out = rerun()
+    assert measured == [] and scored == [] and files(run, TOP + step_names(6)) == before
+    assert "CORE of an earlier evaluation of step 6, not measured now:" in out and "nothing measured now" in out
+    bpb_lines = [line for line in out.splitlines() if line.startswith(("val bpb ", "train bpb "))]
+    assert len(bpb_lines) == 2 and all(line.endswith("(kept from an earlier evaluation)") for line in bpb_lines)
+    # other settings of a section: that one is measured again
+    other, _ = rerun("--split-tokens", "256")
+    assert measured == ["eval_bpb"] and scored == [] and other["split_tokens"] == 256
+    # the bundle now holds the task it lacked: CORE is measured again, on every task
+    with open(os.path.join(bundle, "eval_data", "tiny", "absent_task.jsonl"), "w") as f:
+        f.writelines(json.dumps(item) + "\n" for item in ITEMS["tiny_mc"])
+    fuller, _ = rerun("--split-tokens", "256")
+    assert measured == [] and len(scored) == 4 and fuller["missing_tasks"] == [] and fuller["core_finished"] is True
+
+
+def test_a_closed_output_stops_nothing(run, trained, monkeypatch):
+    """`base_eval ... | head -20`: once the reader is gone the lines are dropped and the evaluation goes on to the
+    end, so its CORE is whole (it used to die on the first line it could not write, mid-CORE)."""
+    r, w = os.pipe()
+    os.close(r)
+    closed = os.fdopen(w, "w")
+    monkeypatch.setattr(sys, "stdout", closed)
+    done = evaluate(run, trained["bundle"], "--eval", "core,bpb")
+    monkeypatch.undo()
+    closed.close()
+    assert done["core_finished"] is True and done["interrupted"] is False and len(done["tasks"]) == 3
+    assert done["val_bpb"] is not None and load(run, "eval.json") == json.loads(json.dumps(done))
+
+
+def test_a_stop_after_the_last_task_leaves_core_finished(run, trained, monkeypatch, capsys):
+    """Every task scored and saved, a stop in the lines that follow (Ctrl-C, a kill) leaves a CORE that is whole, not
+    one marked interrupted with no task left to run."""
+
+    def stops_at_the_summary(*a, **kw):
+        if str(a[0]).startswith("partial CORE"):
+            raise KeyboardInterrupt
+        print(*a, **kw)
+
+    monkeypatch.setattr(base_eval, "print0", stops_at_the_summary)
+    with pytest.raises(SystemExit) as e:
+        evaluate(run, trained["bundle"], "--eval", "core")
+    saved = load(run, "eval.json")
+    assert e.value.code == 130 and len(saved["tasks"]) == 3
+    assert saved["core_finished"] is True and saved["interrupted"] is False and saved["interrupted_tasks"] == []
+
+
+def test_offline_core_kept_from_before_is_never_printed_as_new(run, trained, monkeypatch, capsys, tmp_path):
+    """No bundle can be had now (offline): the step's earlier CORE is kept and printed as an earlier result, and no
+    "not evaluated" reason is recorded beside it; the bpb measured now is printed as it is."""
+    earlier = evaluate(run, trained["bundle"], "--eval", "core")
+    monkeypatch.setattr(core_eval, "EVAL_BUNDLE_URL", (tmp_path / "nowhere" / "eval_bundle.zip").as_uri())
+    capsys.readouterr()
+    now = base_eval.main(["--run", run, "--eval", "core,bpb", *EVAL])
+    lines = capsys.readouterr().out.splitlines()
+    (skipped,) = [line for line in lines if line.startswith("CORE skipped:")]
+    assert skipped.endswith("the CORE results of step 6 shown below are from an earlier evaluation")
+    assert "CORE of an earlier evaluation of step 6, not measured now:" in lines
+    (partial,) = [line for line in lines if line.startswith("partial CORE (3/22) ")]
+    assert partial.endswith("(kept from an earlier evaluation)")
+    assert [line for line in lines if line.startswith("val bpb ")][0].endswith(f"{now['val_bpb']:.4f}")
+    assert now["tasks"] == earlier["tasks"] and now["core_error"] is None and now["core_finished"] is True
+
+
+def test_runcpu_decides_what_to_evaluate_from_the_results():
+    """runs/runcpu.sh's evaluate stage leaves the decision to base_eval --skip-done (what the results hold), never to
+    whether eval.json exists."""
+    text = open(os.path.join(REPO, "runs", "runcpu.sh")).read()
+    stage = text[text.index('stage "evaluate') : text.index('stage "residual')]
+    assert "--skip-done" in stage and "eval.json" not in stage

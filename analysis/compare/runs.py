@@ -158,9 +158,30 @@ def versions_note(runs):
     return f"the runs trained with other package versions: {'; '.join(differ)}" if differ else None
 
 
+def incomplete_core(run):
+    """One line naming the run's CORE evaluation as incomplete when it stopped before its last task (Ctrl-C, a kill,
+    a crash: eval.json says "interrupted"), with how to finish it; else None."""
+    ev = run["eval"] or {}
+    if not ev.get("interrupted"):
+        return None
+    k = len(ev.get("tasks") or {})
+    n = k + len(ev.get("interrupted_tasks") or [])
+    limit = f" --max-per-task {ev['max_per_task']}" if (ev.get("max_per_task") or -1) > 0 else ""
+    bundle = f" --eval-bundle {ev['eval_bundle']}" if ev.get("eval_bundle") else ""
+    return (
+        f"incomplete CORE in run `{run['name']}` ({k} of {n} tasks: its evaluation stopped before the last one); "
+        f"finish it with `python -m scripts.base_eval --run {run['dir']} --eval core{limit}{bundle}` (it resumes "
+        "at the first task not scored), then compare again"
+    )
+
+
 def check_same_items(a, b):
-    """Refuse two runs whose CORE records are not on the same items with the same settings."""
+    """Refuse two runs whose CORE records are not on the same items with the same settings; where their tasks
+    differ because a CORE evaluation was cut short, say that rather than blame the settings."""
     (cols_a, sa), (cols_b, sb) = a["records"], b["records"]
+    cut = [incomplete_core(r) for r in (a, b) if incomplete_core(r)]
+    if cut and list(sa["tasks"]) != list(sb["tasks"]):
+        raise UserError(cut[0])
     diff = None
     if sa.get("max_per_task") != sb.get("max_per_task"):
         diff = f"--max-per-task {sa.get('max_per_task')} vs {sb.get('max_per_task')}"
