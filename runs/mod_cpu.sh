@@ -40,15 +40,12 @@ stage "router GPT-MoD at ${RATE} (paper eq. 40)"
 python -m scripts.base_train --arch gpt-router --router-lr 0.01 --mod-rate "$RATE" --mod-blocks both --run "cpu-gpt-router$TAG" "${MODEL[@]}" --resume latest
 
 stage "evaluate (bpb) and the inference curve of the full-depth NAG model"
+# --skip-done: what each run's eval.json already holds at these settings is kept, the rest measured
 for run in "cpu-nag-mod$TAG" "cpu-gpt-router$TAG"; do
-    if [ -f "$BASE/runs/$run/eval.json" ]; then echo "$run already evaluated"; else
-        python -m scripts.base_eval --run "$run" --eval bpb --split-tokens 65536 --device-batch-size 4
-    fi
+    python -m scripts.base_eval --run "$run" --eval bpb --split-tokens 65536 --device-batch-size 4 --skip-done
 done
-if grep -q '"mod_curve": {' "$BASE/runs/cpu-nag/eval.json"; then echo "cpu-nag already has its MoD curve"; else
-    python -m scripts.base_eval --run cpu-nag --eval bpb --split-tokens 65536 --device-batch-size 4 \
-        --mod-rate "$CURVE" --mod-blocks both --mod-calib-tokens 65536
-fi
+python -m scripts.base_eval --run cpu-nag --eval bpb --split-tokens 65536 --device-batch-size 4 \
+    --mod-rate "$CURVE" --mod-blocks both --mod-calib-tokens 65536 --skip-done
 
 stage "comparison report"
 python -m scripts.compare cpu-gpt cpu-nag "cpu-nag-mod$TAG" "cpu-gpt-router$TAG" --out "$NANOCHAT_BASE_DIR/reports/mod_cpu$TAG"

@@ -57,13 +57,9 @@ python -m scripts.base_train --arch nag-recipe --run "$NAG" --preset demo --targ
 stage "evaluate (CORE on up to $MAX_PER_TASK items per task, bpb, samples)"
 BUNDLE_ARGS=()
 if [ -n "${EVAL_BUNDLE:-}" ]; then BUNDLE_ARGS=(--eval-bundle "$EVAL_BUNDLE"); fi
-for run in "$GPT" "$NAG"; do
-    if [ -f "$BASE/runs/$run/eval.json" ]; then
-        echo "$run already evaluated"
-    else
-        python -m scripts.base_eval --run "$run" --eval core,bpb,sample --max-per-task "$MAX_PER_TASK" \
-            --split-tokens 65536 --device-batch-size 4 "${BUNDLE_ARGS[@]}" || FAILED+=("eval $run")
-    fi
+for run in "$GPT" "$NAG"; do  # --skip-done: what eval.json already holds at these settings is kept, the rest measured
+    python -m scripts.base_eval --run "$run" --eval core,bpb,sample --max-per-task "$MAX_PER_TASK" \
+        --split-tokens 65536 --device-batch-size 4 --skip-done "${BUNDLE_ARGS[@]}" || FAILED+=("eval $run")
 done
 
 stage "comparison report"

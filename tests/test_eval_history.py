@@ -519,9 +519,11 @@ def test_offline_core_kept_from_before_is_never_printed_as_new(run, trained, mon
     assert now["tasks"] == earlier["tasks"] and now["core_error"] is None and now["core_finished"] is True
 
 
-def test_runcpu_decides_what_to_evaluate_from_the_results():
-    """runs/runcpu.sh's evaluate stage leaves the decision to base_eval --skip-done (what the results hold), never to
-    whether eval.json exists."""
-    text = open(os.path.join(REPO, "runs", "runcpu.sh")).read()
-    stage = text[text.index('stage "evaluate') : text.index('stage "residual')]
-    assert "--skip-done" in stage and "eval.json" not in stage
+def test_the_cpu_recipes_decide_what_to_evaluate_from_the_results():
+    """The CPU recipes leave the decision to base_eval --skip-done (what the results hold), never to whether eval.json
+    exists: every base_eval call carries --skip-done, and no script reads eval.json itself to skip one."""
+    for name in ("runcpu.sh", "mod_cpu.sh", "recipe_cpu.sh"):
+        text = open(os.path.join(REPO, "runs", name)).read()
+        calls = re.findall(r"python -m scripts\.base_eval(?:[^\n]*\\\n)*[^\n]*", text)
+        assert calls and all("--skip-done" in call for call in calls), (name, calls)
+        assert not re.search(r"-f [^\n]*eval\.json[^\n]*then[^\n]*base_eval|already evaluated", text), name
