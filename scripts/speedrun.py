@@ -44,7 +44,7 @@ from nanochat.common import (
     nvidia_smi,
 )
 from nanochat import checkpoint_manager as ckpt
-from nanochat.run_dir import EVAL_JSON, folder_name, run_path
+from nanochat.run_dir import EVAL_JSON, folder_name, read_eval, run_path
 from nanochat.tokenizer import get_tokenizer_dir, has_tokenizer
 from nanochat.dataset import MAX_SHARD, PACKING_KEPT, SHARD_MB, TOKENS_PER_SHARD, expected_epochs, shards_for
 from nanochat.plan import PLANNED_MFU, PLANNED_PEAK, planned_seconds
@@ -408,7 +408,12 @@ def status(args, plan_records):
         run_dir = run_path(run, base)
         final = ckpt.model_path(run_dir, p["num_iterations"])
         done[f"train {run}"] = os.path.isdir(run_dir) and ckpt.is_complete(run_dir, p["num_iterations"])
-        done[f"eval {run}"] = done[f"train {run}"] and newer(eval_path(run_dir), final)
+        # evaluated after the final checkpoint, and not a CORE cut short (the rerun's base_eval resumes it)
+        done[f"eval {run}"] = (
+            done[f"train {run}"]
+            and newer(eval_path(run_dir), final)
+            and (read_eval(run_dir) or {}).get("core_finished") is not False
+        )
     if not has_pair(args):
         return done
     pair = [arch_runs(args, r)[0] for r in ROLES]  # the analysis: the first seed's pair

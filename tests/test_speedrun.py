@@ -448,6 +448,10 @@ def test_group_report_is_found_current(tmp_path, capsys, monkeypatch):
     # a re-evaluation with other numbers makes the report stale
     json.dump(eval_record(steps["nag-tiny-s2"], 1.25, seed=7), open(base / "runs" / "nag-tiny-s2" / "eval.json", "w"))
     assert plan_of(capsys, *common)[1]["REPORT_DONE"] == "0"
+    # a CORE cut short (base_eval interrupted) is not an evaluation done: the rerun evaluates that run again
+    interrupted = {**eval_record(steps["nag-tiny-s2"], 1.25, seed=7), "core_finished": False, "interrupted": True}
+    json.dump(interrupted, open(base / "runs" / "nag-tiny-s2" / "eval.json", "w"))
+    assert plan_of(capsys, *common)[1]["EVAL_DONE"] == ["1", "1", "1", "0"]
 
 
 @pytest.mark.parametrize(
