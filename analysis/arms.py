@@ -72,8 +72,8 @@ def arm_geometry(run_dir, tokens=65536, device_batch_size=8, device="cpu", step=
     if "tokens" in meta:
         model.set_tokens_seen(meta["tokens"])  # NAG: its checkpoint's α warm-up factor, as python -m analysis
     B, T = device_batch_size, model.config.sequence_len
-    num_batches = max(1, held_batches(tokenizer, B, T, "val", max(1, tokens // (B * T))))
-    batches = data_loader(tokenizer, B, T, "val", device=device)
+    num_batches = held_batches(tokenizer, B, T, "val", max(1, tokens // (B * T)))
+    batches = data_loader(tokenizer, B, T, "val", device=device, one_pass=True)  # as held_batches counts
     # only the means are used: the token and state samples are kept minimal
     cfg = CaptureConfig(token_sample=1, state_sample=1, seed=seed)
     acc = capture(model, batches, num_batches, tokenizer.get_bos_token_id(), cfg, accumulator=BlockAccumulator)

@@ -19,7 +19,7 @@ from nag.mod import add_mod_args, mod_config_from_args
 from nag.router_mod import RouterMoDGPT
 from nanochat.recipe import PARTS as RECIPE_PARTS, RecipeGPT, RecipeParts, add_recipe_args, recipe_config_from_args
 from nag.recipe import NAGRecipeGPT
-from nag.rivals import RivalGPT, LNSGPT, LayerRoPEGPT, PeriGPT, add_rival_args
+from nag.rivals import LNSGPT, LayerRoPEGPT, PeriGPT, add_rival_args
 
 
 def no_flags(parser):
@@ -133,7 +133,8 @@ ARCHS = {
         optimizer_kwargs=lambda args: {"router_lr": args.router_lr},
     ),
     # the rival depth arms (nag/rivals.py, docs/design.md §11): the baseline with Layer-Norm Scaling, Peri-LN or
-    # LayerRoPE; one flag group for the three (--rival-gain-lr: the gains' LR; --layerrope-init)
+    # LayerRoPE; one flag group for the three (--rival-gain-lr: the gains' LR, read by the two with gains;
+    # --layerrope-init, LayerRoPE's: FAMILIES below)
     "gpt-lns": ArchSpec(
         LNSGPT,
         title="GPT with Layer-Norm Scaling (arXiv:2502.05795)",
@@ -204,7 +205,9 @@ FAMILIES = {
     "nag": (lambda k: k.startswith("nag_"), NAGGPT, "a NAG arch"),
     "recipe": (lambda k: k in RECIPE_FLAGS, RecipeParts, "a recipe arch"),
     "router": (lambda k: k.startswith("router_"), RouterMoDGPT, "the router-MoD arch"),
-    "rival": (lambda k: k.startswith(("rival_", "layerrope_")), RivalGPT, "a rival depth arm"),
+    # the rival arms' flags, each read by the arms it is about: LNS has no gains, only LayerRoPE an init
+    "rival": (lambda k: k == "rival_gain_lr", (PeriGPT, LayerRoPEGPT), "a rival arm with learned gains"),
+    "layerrope": (lambda k: k.startswith("layerrope_"), LayerRoPEGPT, "LayerRoPE"),
 }
 
 
@@ -235,9 +238,10 @@ def ignored_flags(args, defaults):
     notes = []
     for family, flags in given.items():
         readers = [a for a, s in ARCHS.items() if issubclass(s.model_class, FAMILIES[family][1])]
+        one = len(flags) == 1
         notes.append(
-            f"note: {', '.join(flags)} apply only with {FAMILIES[family][2]} ({', '.join(readers)}); "
-            f"this {args.arch} run ignores them"
+            f"note: {', '.join(flags)} {'applies' if one else 'apply'} only with {FAMILIES[family][2]} "
+            f"({', '.join(readers)}); this {args.arch} run ignores {'it' if one else 'them'}"
         )
     return notes
 

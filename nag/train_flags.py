@@ -242,6 +242,15 @@ def parse_args(argv=None):
     return parse_checked(build_parser(), preset_args(known.preset, known.arch) + argv)
 
 
+def stated_flags(argv=None):
+    """The flags a command line gives itself, not its preset's nor the defaults (their dests): on a resume, every
+    setting it leaves out is the run's (nanochat/resume.py continued_args)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(script_argv(argv))))
+
+
 def start_timeout(args):
     """Seconds for start-up (data, compile, the first step), evaluations and saves: slower than a step."""
     return max(START_TIMEOUT, args.step_timeout)

@@ -9,8 +9,10 @@ is dropped. That is the only cropping, so little text is thrown away while no ro
 ever starts mid-document.
 
 The stream is deterministic: rank r reads row groups r, r+W, r+2W, ... of the
-split, cycling over epochs forever. With a data seed the split's row groups are
-shuffled before they are dealt out, anew each epoch (see _epoch_row_groups); without
+split, cycling over epochs forever. The buffer is refilled across the epoch's end,
+so near it rows mix both epochs' copies of a document; an evaluation reads the
+split once instead (one_pass), so no text is scored twice. With a data seed the
+split's row groups are shuffled before they are dealt out, anew each epoch (see _epoch_row_groups); without
 one they are read in file order, every epoch. The state yielded with each batch names the
 buffered documents by their position in the stream, so a loader resumed from it
 re-reads them and yields exactly the batches the uninterrupted one would have.
@@ -41,9 +43,11 @@ def data_loader(
     buffer_size=1000,
     tokenizer_threads=4,
     data_seed=None,
+    one_pass=False,
 ):
     """Yield (inputs, targets, state) forever: int64 (B, T) tensors on device, targets shifted by one; state resumes the
-    stream. data_seed (an int) shuffles the order of the row groups, per epoch; None keeps the file order."""
+    stream. data_seed (an int) shuffles the order of the row groups, per epoch; None keeps the file order. one_pass:
+    read the split once and stop when its documents run out (the partial last batch dropped), never starting epoch 1."""
     if B < 1 or T < 1:
         raise UserError(f"batch size and sequence length must be positive, got B={B}, T={T}")
     if not 0 <= rank < world_size:
@@ -78,6 +82,7 @@ def data_loader(
         buffer_size,
         tokenizer_threads,
         data_seed,
+        one_pass,
     )
 
 
@@ -113,6 +118,7 @@ def _packed_batches(
     buffer_size,
     tokenizer_threads,
     data_seed,
+    one_pass,
 ):
     # a small split is buffered once, not many times over
     buffer_target = max(1, min(buffer_size, docs_per_epoch))
@@ -156,17 +162,19 @@ def _packed_batches(
             row = []
             while len(row) < row_len:
                 # keep the buffer full so the best fit has many documents to choose from
-                while len(keys) < buffer_target:
+                while len(keys) < buffer_target and not (one_pass and epoch > 0):
                     add_docs(epoch, next_pos)
                     next_pos += 1
                     if next_pos == num_row_groups:
-                        if rank == 0:
+                        if rank == 0 and not one_pass:
                             print(
                                 f"dataloader: finished reading epoch {epoch} of "
                                 f"the {split} split, starting epoch {epoch + 1}",
                                 flush=True,
                             )
                         epoch, next_pos = epoch + 1, 0
+                if not keys:  # one pass, and every document used
+                    return
                 remaining = row_len - len(row)
                 i = bisect_left(keys, (remaining + 1,)) - 1  # largest document with at most `remaining` tokens
                 if i >= 0:
@@ -204,18 +212,6 @@ def packing_kept_fraction(tokenizer, B, T, split="train", num_batches=50):
         _, _, state = next(loader)
     kept = num_batches * B * (T + 1)
     return kept / (kept + state["dropped_tokens"])
-
-
-def split_tokens(tokenizer, split, rank=0, world_size=1, limit=None, tokenizer_threads=4):
-    """Tokens (BOS included) in this rank's share of a split, counted up to `limit`: lets evaluation stop at
-    what a small split holds instead of cycling over it."""
-    total = 0
-    for rg in list_row_groups(split)[rank::world_size]:
-        texts = read_row_group(*rg)
-        total += sum(len(ids) + 1 for ids in tokenizer(texts, num_threads=tokenizer_threads))
-        if limit is not None and total >= limit:
-            break
-    return total
 
 
 def _check_state(state, split, rank, world_size, num_row_groups, data_seed):

@@ -3,8 +3,9 @@ The attention kernel: the one place that chooses it and calls it.
 
 docs/design.md §2, "The attention kernel", explains the choice.
 
-    --attn auto   Hopper (compute capability 9.x, bf16): the first of AUTO_ORDER that loads and passes a probe,
-                  else SDPA with a warning; anywhere else SDPA
+    --attn auto   Hopper (compute capability 9.x, bf16): SDPA and each fast kernel that loads and passes its probe
+                  are timed at the run's shapes, and the fastest trains (within TIE of it, the simplest: KERNELS'
+                  order); no fast kernel passes: SDPA with a warning; anywhere else SDPA
     --attn fa4    FlashAttention-4 from PyPI (pip install flash-attn-4: CuTe-DSL kernels, JIT-compiled on the node)
     --attn cudnn  SDPA's cuDNN backend, bundled with every CUDA build of torch
     --attn fa3    FlashAttention-3 prebuilt for sm_90 on the Hugging Face hub (pip install kernels; needs the hub or
@@ -20,6 +21,8 @@ masks' `delta < w` in nanochat/gpt.py). FA3's and FA4's window_size=(left, right
 ends included, so w becomes (w - 1, 0). A window that covers the whole row is plain causal: FA3 writes "no limit"
 as -1, FA4 as None (FA4 would take -1 as a bound). On CUDA the other kernels run an S window through
 flex_attention with a block mask (no (T, T) mask; compiled); on the CPU, the reference, SDPA gets the dense mask.
+A block mask is built once per (row length, window, device) and kept (sliding_block_mask); GPT.set_attention builds
+the model's own before torch.compile, so the compiled graph reads it instead of building one each forward.
 Packed rows with several documents (CORE), MoD's gathered queries and the KV cache keep explicit masks and SDPA.
 """
 
@@ -34,10 +37,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanochat.common import UserError, print0
 from nanochat.distributed import rank0_decides
+from nanochat.step_timer import call_ms
 
 CHOICES = ("auto", "fa4", "cudnn", "fa3", "sdpa")
-AUTO_ORDER = ("fa4", "cudnn", "fa3")  # Hopper: installed with the project, bundled with torch, then the hub's
-KERNELS = ("sdpa",) + AUTO_ORDER  # what a model can be set to
+# what a model can be set to, simplest first: SDPA's default and its cuDNN backend (both in torch), FA4 (a package),
+# FA3 (the hub's, at run time); `auto` times the fast ones against SDPA, and a tie goes to the simpler
+KERNELS = ("sdpa", "cudnn", "fa4", "fa3")
+FAST = KERNELS[1:]
+TIE = 0.03  # kernels within 3 % of the fastest tie: run-to-run noise, not speed
+TIME_TOKENS = 16 * 2048  # auto times each kernel on this many tokens of the run's rows (the published micro-batch)
 FAST_DTYPES = (torch.bfloat16,)  # the fast kernels' training dtype; our compute dtype on every SM80+ GPU
 FA3_REPO = "varunneal/flash-attention-3"  # the hub repo nanochat loads: FA3 prebuilt for sm_90
 FA4_PACKAGE = "flash-attn-4"  # PyPI; imported as flash_attn.cute
@@ -250,37 +258,87 @@ def kernel_unavailable(kernel, device, dtype=None, shapes=None):
     return None
 
 
+def kernel_ms(kernel, device, shapes=None, tokens=TIME_TOKENS):
+    """Milliseconds of one forward + backward of `kernel` as training calls it, at the run's shapes (AttentionShapes;
+    None: the generic probe's) in bf16, on rows of the run's length, `tokens` tokens in all, summed over the run's
+    windows (each distinct one once): call_ms's median, the inputs' grads set to None before each call, so that no
+    gradient accumulation is timed."""
+    s = shapes or GENERIC_SHAPES
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dy = (
+        torch.randn(max(1, tokens // s.seq_len), s.seq_len, h, s.head_dim, generator=g, device=device)
+        .to(FAST_DTYPES[0])
+        for h in (s.n_head, s.n_kv_head, s.n_kv_head, s.n_head)
+    )
+    xs = [t.requires_grad_() for t in (q, k, v)]
+
+    def zero_grads():
+        pass
+
+    return sum(
+        call_ms(lambda: causal_attention(q, k, v, w, kernel).backward(dy), device, setup=zero_grads)
+        for w in s.windows
+    )
+
+
+def fastest(times):
+    """The kernel to train with of times {kernel: ms}: the simplest (KERNELS' order) within TIE of the fastest."""
+    best = min(times.values())
+    return next(k for k in KERNELS if k in times and times[k] <= (1 + TIE) * best)
+
+
+def timing_reason(kernel, times):
+    """Why auto chose `kernel` from times {kernel: ms}, with every time, fastest first."""
+    order = sorted(times, key=times.get)
+    why = "the fastest" if kernel == order[0] else f"within {100 * TIE:.0f}% of the fastest, and simpler"
+    return f"Hopper GPU, {kernel} {why} (forward + backward: " + ", ".join(f"{k} {times[k]:.3g} ms" for k in order) + ")"
+
+
 def choose_kernel(requested, device, dtype=None, shapes=None):
-    """(kernel, reason, passed_over) for --attn: one of KERNELS, why, and the "kernel: why" of each kernel `auto`
-    passed over before it. "auto" never raises; a named kernel where it cannot run is a one-line UserError."""
+    """(kernel, reason, passed_over, timed) for --attn: one of KERNELS, why, the "kernel: why" of each fast kernel
+    `auto` could not use, and the milliseconds auto timed ({kernel: ms}; empty where it timed no fast kernel, so
+    SDPA is a fallback). "auto" never raises; a named kernel where it cannot run is a one-line UserError."""
     if requested not in CHOICES:
         raise UserError(f"--attn must be one of {', '.join(CHOICES)} (got {requested!r})")
     if requested == "sdpa":
-        return "sdpa", "--attn sdpa", []
+        return "sdpa", "--attn sdpa", [], {}
     if requested != "auto":
         why = kernel_unavailable(requested, device, dtype, shapes=shapes)
         if why is not None:
             raise UserError(f"--attn {requested} cannot run here: {why}; --attn auto picks what can")
-        return requested, LOADED[requested], []
+        return requested, LOADED[requested], [], {}
     why = device_unfit(device, dtype)
     if why is not None:
-        return "sdpa", why, []
-    whys = []
-    for kernel in AUTO_ORDER:
+        return "sdpa", why, [], {}
+    whys, passed = [], []
+    for kernel in FAST:
         why = kernel_unavailable(kernel, device, dtype, shapes=shapes)
         if why is None:
-            return kernel, f"Hopper GPU, {LOADED[kernel]}", whys
-        whys.append(f"{kernel}: {why}")
-    return "sdpa", "; ".join(whys), whys
+            passed.append(kernel)
+        else:
+            whys.append(f"{kernel}: {why}")
+    if not passed:
+        return "sdpa", "; ".join(whys), whys, {}
+    timed = {}
+    for kernel in ["sdpa"] + passed:
+        try:
+            timed[kernel] = kernel_ms(kernel, device, shapes)
+        except Exception as e:  # out of memory at the run's size, a kernel that fails past the probe's shape
+            whys.append(f"{kernel}: its timing failed ({first_line(e)})")
+    if not set(timed) - {"sdpa"}:
+        return "sdpa", "; ".join(whys), whys, {}
+    kernel = fastest(timed)
+    return kernel, timing_reason(kernel, timed), whys, timed
 
 
 def resolve_attention(requested, device, dtype=None, shapes=None):
-    """(kernel, reason) for --attn (choose_kernel without what auto passed over)."""
+    """(kernel, reason) for --attn (choose_kernel without what auto passed over and timed)."""
     return choose_kernel(requested, device, dtype, shapes)[:2]
 
 
 def fallback_warning(requested, kernel, reason, hopper):
-    """The warning of `--attn auto` that ends on plain SDPA on a Hopper GPU (none otherwise)."""
+    """The warning of `--attn auto` that ends on plain SDPA on a Hopper GPU by default, no fast kernel timed (hopper:
+    on a Hopper GPU and auto timed none; SDPA that won the timing is no fallback); None otherwise."""
     if requested == "auto" and kernel == "sdpa" and hopper:
         return (
             f"--attn auto fell back to SDPA on a Hopper GPU ({reason}); attention runs slower than it could: "
@@ -290,8 +348,9 @@ def fallback_warning(requested, kernel, reason, hopper):
 
 
 def check_preset_attention(requested, kernel, hopper, gpu_preset, reason=""):
-    """A GPU preset (one marked "gpu" by its caller) on a Hopper GPU trains with a fast kernel, or with SDPA only when
-    --attn sdpa says so: its published time and cost assume the fast one."""
+    """A GPU preset (one marked "gpu" by its caller) on a Hopper GPU trains with the fastest kernel there is: SDPA
+    only when --attn sdpa says so or auto timed it fastest (hopper: as fallback_warning's), since the preset's
+    published time and cost assume a fast one."""
     if gpu_preset and hopper and kernel == "sdpa" and requested != "sdpa":
         raise UserError(
             f"--preset {gpu_preset} on a Hopper GPU needs a fast attention kernel, but --attn {requested} found "
@@ -300,23 +359,27 @@ def check_preset_attention(requested, kernel, hopper, gpu_preset, reason=""):
 
 
 def agree_attention(requested, device, dtype, is_ddp, gpu_preset="", shapes=None):
-    """The run's attention record {requested, kernel, reason[, passed_over][, probed][, warning]}: rank 0 resolves
+    """The run's attention record {requested, kernel, reason[, passed_over][, timed_ms][, probed][, warning]}: rank 0
+    resolves
     --attn (and applies the preset rule), every rank loads and probes that kernel on its own GPU, at the run's
     shapes. If any rank cannot, every rank stops with one UserError naming those ranks: no rank trains with another
     kernel than the one recorded. gpu_preset: the name of a GPU preset (--preset), else "". shapes: the run's
-    AttentionShapes (attention_shapes(model)); None probes a generic shape. passed_over: what auto tried before the
-    kernel, and why not; probed: the chosen fast kernel's probe cases (AttentionShapes.cases), each passed."""
+    AttentionShapes (attention_shapes(model)); None probes a generic shape. passed_over: the fast kernels auto could
+    not use, and why; timed_ms: what auto timed, {kernel: ms}; probed: the chosen fast kernel's probe cases
+    (AttentionShapes.cases), each passed."""
 
     def decide():
-        kernel, reason, passed_over = choose_kernel(requested, device, dtype, shapes)
-        hopper = is_hopper(device)
-        check_preset_attention(requested, kernel, hopper, gpu_preset, reason)
+        kernel, reason, passed_over, timed = choose_kernel(requested, device, dtype, shapes)
+        fell_back = is_hopper(device) and not timed  # SDPA that won auto's timing is no fallback
+        check_preset_attention(requested, kernel, fell_back, gpu_preset, reason)
         record = {"requested": requested, "kernel": kernel, "reason": reason}
-        if passed_over and kernel != "sdpa":  # on sdpa, the reason lists them
+        if passed_over and timed:  # on a fallback, the reason lists them
             record["passed_over"] = passed_over
+        if timed:
+            record["timed_ms"] = timed
         if shapes is not None and kernel != "sdpa":  # it passed every case (SDPA is not probed)
             record["probed"] = [dict(case, ok=True) for case in shapes.cases()]
-        warning = fallback_warning(requested, kernel, reason, hopper)
+        warning = fallback_warning(requested, kernel, reason, fell_back)
         if warning:
             record["warning"] = warning
         return record
@@ -342,11 +405,12 @@ def expected_attention(requested, gpu_preset=""):
     if requested == "sdpa":
         order, text = ["sdpa"], "--attn sdpa → sdpa everywhere"
     elif requested == "auto":
-        order = list(AUTO_ORDER) + ["sdpa"]
+        order = list(KERNELS)
         text = (
-            "--attn auto → on a Hopper GPU (bf16) "
-            + ", else ".join(f"{k} {WHEN[k]}" for k in AUTO_ORDER)
-            + ", else sdpa with a warning; sdpa elsewhere (CPU, other GPUs)"
+            "--attn auto → on a Hopper GPU (bf16) the fastest of sdpa, "
+            + ", ".join(f"{k} {WHEN[k]}" for k in FAST)
+            + f", timed at the run's shapes (within {100 * TIE:.0f}%, the first of {', '.join(KERNELS)}); sdpa with "
+            "a warning when no fast kernel passes its probe; sdpa elsewhere (CPU, other GPUs)"
         )
     else:
         order, text = (
@@ -354,7 +418,7 @@ def expected_attention(requested, gpu_preset=""):
             f"--attn {requested} → {requested} {WHEN[requested]}, else the run stops with one line",
         )
     if gpu_preset and requested == "auto":
-        text += f"; --preset {gpu_preset} refuses sdpa on Hopper unless --attn sdpa"
+        text += f"; --preset {gpu_preset} refuses that fallback on Hopper unless --attn sdpa"
     return {"requested": requested, "order": order, "expects": text}
 
 
@@ -364,10 +428,16 @@ def window_mask(T, window, device):
     return (delta >= 0) & (delta < window)
 
 
+def flex_windows(device):
+    """Whether S windows on `device` run through flex_attention with a block mask (CUDA) rather than SDPA with the
+    dense mask (the CPU: flex_attention has no backward there)."""
+    return torch.device(device).type == "cuda"
+
+
 def mask_free(kernel, device):
     """Whether plain rows of `kernel` on `device` need no mask from the model: the kernel takes the window itself
     (FA3, FA4), or, on CUDA, flex_attention does. The CPU keeps SDPA with the dense masks."""
-    return kernel in ("fa3", "fa4") or torch.device(device).type == "cuda"
+    return kernel in ("fa3", "fa4") or flex_windows(device)
 
 
 def causal_attention(q, k, v, window, kernel="sdpa"):
@@ -382,7 +452,7 @@ def causal_attention(q, k, v, window, kernel="sdpa"):
             y = _fa4(q, k, v, causal=True, window_size=(None if full else window - 1, 0))
         return y[0] if isinstance(y, tuple) else y  # some builds also return the log-sum-exp
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if not full and q.is_cuda:
+    if not full and flex_windows(q.device):
         y = sliding_window_attention(q, k, v, window)
     elif full and kernel == "cudnn" and q.dtype in FAST_DTYPES:
         with sdpa_kernel(CUDNN_FIRST, set_priority=True):
@@ -405,14 +475,37 @@ def flex():
     return _flex_compiled
 
 
+_block_masks = {}  # (T, window, device, block) -> BlockMask: built once each, outside any compiled graph
+
+
 def sliding_block_mask(T, window, device, block=128):
-    """flex_attention's BlockMask of the causal window: query blocks skip the key blocks no query of theirs sees."""
+    """flex_attention's BlockMask of the causal window: query blocks skip the key blocks no query of theirs sees.
+    Built on the first call for (T, window, device, block) and kept: building one costs more than the attention it
+    serves (eager, it evaluates the window on every (query, key) pair). Inside a graph torch.compile is tracing, a
+    kept mask is read as the graph's input; one not kept yet is built in the graph and not kept (a mask kept during
+    tracing would make the next call recompile), nor is one of fake tensors (FakeTensorMode has no values)."""
+    key = (T, window, str(torch.device(device)), block)
+    if key in _block_masks:
+        return _block_masks[key]
     from torch.nn.attention.flex_attention import create_block_mask
+    from torch._subclasses.fake_tensor import is_fake
 
     def within(b, h, i, j):
         return (i >= j) & (i - j < window)
 
-    return create_block_mask(within, None, None, T, T, device=device, BLOCK_SIZE=block)
+    mask = create_block_mask(within, None, None, T, T, device=device, BLOCK_SIZE=block)
+    if not torch.compiler.is_compiling() and not is_fake(mask.kv_num_blocks):
+        _block_masks[key] = mask
+    return mask
+
+
+def prepare_windows(T, windows, device):
+    """Build the block masks of a model's S windows (those shorter than its rows of T) where flex_attention runs them,
+    so that torch.compile, which comes after (GPT.set_attention), finds them built."""
+    if flex_windows(device):
+        for w in sorted(set(windows)):
+            if w < T:
+                sliding_block_mask(T, w, device)
 
 
 def sliding_window_attention(q, k, v, window, block=128):

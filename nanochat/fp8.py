@@ -17,6 +17,9 @@ Only training runs in fp8 (the layer's `training` flag): evaluation, sampling an
 as nanochat evaluates. FLOPs and MFU are counted as for bf16 (its peak), so an fp8 run's MFU shows its speed-up.
 """
 
+import functools
+import os
+
 import torch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -31,10 +34,11 @@ def admits(in_features, out_features):
 
 
 def cannot_run(device):
-    """Why fp8 training cannot run on `device`, or None. The CPU runs _scaled_mm too (slowly): the twin of the tests."""
+    """Why fp8 training cannot run on `device`, or None. The CPU runs _scaled_mm too (slowly): the twin of the tests,
+    where its kernel has an fp8 matmul (cpu_cannot_run)."""
     device = torch.device(device)
     if device.type == "cpu":
-        return None
+        return cpu_cannot_run()
     if device.type != "cuda":
         return f"device {device.type} has no fp8 matmul"
     capability = torch.cuda.get_device_capability(device)
@@ -43,6 +47,22 @@ def cannot_run(device):
             f"compute capability {capability[0]}.{capability[1]} has no fp8 tensor cores "
             "(needs 8.9: Ada, Hopper or newer)"
         )
+    return None
+
+
+@functools.cache
+def cpu_cannot_run():
+    """Why this CPU's _scaled_mm fails, or None; probed once per process with one small fp8 layer, forward and
+    backward. torch hands fp8 matmuls to oneDNN on a CPU with AMX (elsewhere it emulates them in fp32), and oneDNN
+    builds them only from AVX512-FP16 on: capped below that (ONEDNN_MAX_CPU_ISA), it has none."""
+    x, w = torch.ones(MULTIPLE, MIN_DIM, requires_grad=True), torch.ones(MIN_DIM, MIN_DIM, requires_grad=True)
+    try:
+        with torch.enable_grad():
+            fp8_linear(x, w).sum().backward()
+    except RuntimeError:
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+        capped = f"; ONEDNN_MAX_CPU_ISA={cap}" if cap else ""
+        return f"this CPU's oneDNN has no fp8 matmul (it needs AVX512-FP16{capped})"
     return None
 
 

@@ -15,7 +15,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.fp8 import fp8_linear, admits as fp8_admits, opaque_to_compile
-from nanochat.flash_attention import KERNELS, causal_attention, load_kernel, mask_free, masked_attention
+from nanochat.flash_attention import (
+    KERNELS,
+    causal_attention,
+    load_kernel,
+    mask_free,
+    masked_attention,
+    prepare_windows,
+)
 
 
 @dataclass
@@ -242,13 +249,15 @@ class GPT(nn.Module):
 
     def set_attention(self, kernel):
         """The attention kernel of plain rows, one of flash_attention.KERNELS (nanochat/flash_attention.py resolves it):
-        set once, before torch.compile. Where it takes each layer's window itself (mask_free), no mask is built."""
+        set once, before torch.compile. Where it takes each layer's window itself (mask_free), no mask is built. On
+        CUDA the S windows' flex_attention block masks are built here, so that the compiled graph only reads them."""
         assert kernel in KERNELS, kernel
         if kernel != "sdpa":
             load_kernel(kernel)  # loaded here, not on the first forward (nor inside a compiled graph)
         self.attention = kernel
         for block in self.blocks:
             block.attn.kernel = kernel
+        prepare_windows(self.config.sequence_len, self.windows, self.cos.device)
 
     # ----- accounting -----
 

@@ -1,10 +1,13 @@
 """Bits per byte: a tokenizer-independent loss, so models with different vocabularies compare."""
 
 import math
+from itertools import islice
+
 import torch
 import torch.distributed as dist
 
-from nanochat.dataloader import split_tokens
+from nanochat.common import UserError
+from nanochat.dataloader import data_loader
 
 
 def batch_loss(model, x, y, token_bytes):
@@ -17,10 +20,14 @@ def batch_loss(model, x, y, token_bytes):
 
 
 def held_batches(tokenizer, B, T, split, wanted):
-    """`wanted`, or fewer when the split holds fewer batches of B rows of T+1 tokens (the cap training's eval
-    applies): a small split is not cycled over, so no token is counted twice."""
-    row_tokens = B * (T + 1)
-    return min(wanted, split_tokens(tokenizer, split, limit=wanted * row_tokens) // row_tokens)
+    """`wanted`, or fewer when one pass over the split packs fewer batches of B × T: the count of the stream every
+    evaluation reads, data_loader(tokenizer, B, T, split, one_pass=True), so none of its text is scored twice. Counted
+    by packing those batches: it reads the text the evaluation then reads again. A split of less than one batch
+    is refused."""
+    held = sum(1 for _ in islice(data_loader(tokenizer, B, T, split, one_pass=True), wanted))
+    if held == 0:
+        raise UserError(f"the {split} split holds less than one batch of {B}×{T} tokens; lower --device-batch-size")
+    return held
 
 
 def shared_batches(batches, n, rank=0, world_size=1, device="cpu"):

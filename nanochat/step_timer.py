@@ -14,9 +14,15 @@ next. Work the device runs while the host is ahead costs its device time; a wait
 a host sync, logging) costs the device's idle time, which is what that wait really costs the step. Either way
 every moment lies in exactly one part, so the parts add up to the interval. Marks never synchronise; read() waits
 for the last mark once, so call it only where the step syncs anyway (a logged step).
+
+    ms = call_ms(fn, device, setup=zero_grads)   # one call of fn alone: the benchmarks' and the attention probe's timer
+
+call_ms times one call the same way, a mark before it and one after: CUDA events on CUDA (device time, so work
+queued by setup before the first mark is not counted), the host clock elsewhere.
 """
 
 import time
+import statistics
 
 import torch
 
@@ -66,6 +72,35 @@ class StepTimer:
         wall = prev[0] - self.start[0]
         self.start, self.marks = prev, []
         return {p: totals[p] for p in PHASES if p in totals}, wall
+
+
+def call_ms(fn, device, reps=10, warmup=2, setup=None):
+    """Milliseconds of one call of fn on `device`: the median of `reps` calls after `warmup` untimed ones, each call
+    timed alone. setup(), when given, runs before every call and is not timed (set the leaves' grads to None, run
+    the forward whose backward fn is). One host sync, at the end."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    marks = []
+    for _ in range(reps):
+        if setup:
+            setup()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            marks.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            marks.append((t0, time.perf_counter()))
+    if cuda:
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in marks)
+    return statistics.median(1e3 * (b - a) for a, b in marks)
 
 
 def read_values(tensor):

@@ -41,6 +41,7 @@ from nanochat.common import (
     autodetect_device_type,
     compute_dtype_for,
     atomic_write_json,
+    check_run_name,
     ensure_writable_dir,
     git_commit,
     package_versions,
@@ -65,7 +66,7 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat import tracking
 from nag.archs import NOT_SETTINGS, arch_spec, check_args, ignored_flags, unread_flags, plan_for
 from nag.presets import PRESETS
-from nag.train_flags import DRY_RUN_VOCAB, build_parser, parse_args, start_timeout
+from nag.train_flags import DRY_RUN_VOCAB, build_parser, parse_args, start_timeout, stated_flags
 
 TRACKER_PROJECT = "nag-chat"  # the project --log-to's trackers log under (wandb: $WANDB_PROJECT wins)
 
@@ -90,12 +91,12 @@ def dry_run(args):
 
 
 def eval_batches(tokenizer, args):
-    """Val batches per evaluation: --eval-tokens worth, capped at what the val split holds (a small split
-    would otherwise be cycled over many times). Counted on the whole split, as one process would read it:
+    """Val batches per evaluation: --eval-tokens worth, capped at what one pass over the val split packs (no text
+    scored twice; nanochat.loss_eval.held_batches). Counted on the whole split, as one process would read it:
     the ranks share these batches (nanochat/loss_eval.py), so val bpb does not depend on their number."""
     batch_tokens = args.device_batch_size * args.max_seq_len
     wanted = max(1, args.eval_tokens // batch_tokens)
-    steps = max(1, held_batches(tokenizer, args.device_batch_size, args.max_seq_len, "val", wanted))
+    steps = held_batches(tokenizer, args.device_batch_size, args.max_seq_len, "val", wanted)
     if steps < wanted:
         print0(
             f"note: the val split holds about {steps * batch_tokens:,} tokens, fewer than --eval-tokens "
@@ -174,11 +175,12 @@ class Run:
         return step == self.plan.num_iterations or (self.plan.save_every > 0 and step % self.plan.save_every == 0)
 
 
-def train(args):
-    """Train the run the flags describe (args from parse_args); returns its directory (the plan record with
-    --dry-run)."""
+def train(args, stated=None):
+    """Train the run the flags describe (args from parse_args; stated: the flags its command line gives itself, see
+    continued; None: all); returns its directory (the plan record with --dry-run)."""
     if args.dry_run:
         return dry_run(args)
+    args = continued(args, stated)
     check_args(args)  # every flag, before any process group or data: one line
     defaults = build_parser().parse_args([])  # what a flag a run's config.json lacks was (resume's settings check)
     for note in ignored_flags(args, defaults):
@@ -268,6 +270,25 @@ def train(args):
         return run_dir
 
 
+def continued(args, stated):
+    """A resume's flags: each setting the command line leaves out is the run's at the checkpoint it resumes from
+    (nanochat/resume.py continued_args), read before anything starts; the command's flags where there is none. The
+    run keeps the directory the command named, whatever default name the run's own flags would give."""
+    if stated is None or not (args.resume == "latest" or args.resume.isdigit()):  # check_args refuses a bad one
+        return args
+    if args.run is not None:
+        check_run_name(args.run)
+    name = args.run or f"{args.arch}-d{args.depth}"  # plan.py's default name, of the command's own flags
+    run_dir = ckpt.resolve_run_dir(name)
+    step = resume.checkpoint_step(run_dir, args.resume)
+    if step is None:
+        return args
+    then = resume.run_at(run_dir, step, ckpt.load_meta(run_dir, step))
+    args = resume.continued_args(args, stated, then, not_settings)
+    args.run = name
+    return args
+
+
 def not_settings(args):
     """The flags that change no number this run trains: every arch's free flags, and the arch flags its arch ignores
     (a note names those given; a resume never compares them)."""
@@ -338,11 +359,16 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
 
     # every check has passed: only now does the run directory change
     trackers = tracking.Trackers()  # rank 0 opens them below: one tracked run per run
+    summary = ""  # what a resume changes and carries on: rank 0's line
     if rank == 0:
         old_cfg = resume.read_config(run_dir) if start > 0 else {}
+        then = resume.run_at(run_dir, start, ckpt.load_meta(run_dir, start)) if start > 0 else {}
         if start == 0 and os.path.exists(os.path.join(run_dir, run_files.CONFIG)):
             print0(f"note: {run_dir} has no complete checkpoint: starting it again")
-        record["segments"] = resume.settings_segments(old_cfg, record, start, vars(defaults), not_settings(args))
+        if start > 0 and not old_cfg:
+            print0(f"note: {run_dir} has no config.json: a new one is written, its settings history from step {start}")
+        record["segments"] = resume.settings_segments(old_cfg, then, record, start, vars(defaults), not_settings(args))
+        summary = resume.resume_summary(record["segments"], start, then) if start > 0 else ""
         try:  # a full disk: one line; metrics.jsonl and config.json are each rewritten whole or not at all
             run_files.keep_history(os.path.join(run_dir, run_files.METRICS), start)
             atomic_write_json(os.path.join(run_dir, run_files.CONFIG), record)
@@ -355,7 +381,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
             tracking.parse_log_to(args.log_to), os.path.basename(run_dir), run_dir, record, TRACKER_PROJECT
         )
     if start > 0:
-        print0(f"resumed from step {start} of {run_dir}")
+        print0(f"resumed from step {start} of {run_dir}: {summary}")
     if is_ddp:
         dist.barrier()
 
@@ -418,7 +444,7 @@ def run_eval(run, step):
     run.model.eval()
     run.model.set_tokens_seen(step * run.plan.total_batch)  # the model as the checkpoint of this step holds it
     if not run.val_batches:  # this rank's share of the batches one process would read
-        val = data_loader(run.tokenizer, run.args.device_batch_size, run.args.max_seq_len, "val")
+        val = data_loader(run.tokenizer, run.args.device_batch_size, run.args.max_seq_len, "val", one_pass=True)
         run.val_batches.extend(shared_batches(val, run.eval_steps, run.rank, run.world_size, run.device))
     # not through DDP: ranks may hold one batch more or less than each other, and DDP's forward syncs buffers
     bpb = evaluate_bpb_shared(run.eval_forward, run.val_batches, run.token_bytes)
@@ -460,6 +486,8 @@ def save(run, step):
         "tokens": step * run.plan.total_batch,
         "world_size": run.world_size,
         "fingerprints": run.record["fingerprints"],
+        # the flags and plan this step was trained with: a resume's reference, config.json or not
+        **{k: run.record[k] for k in resume.RUN_KEYS},
     }
     ckpt.save_checkpoint(run.run_dir, step, run.model, meta, train_state, run.rank)
     print0(f"saved checkpoint at step {step} in {run.run_dir}")
@@ -697,7 +725,7 @@ def main(argv=None):
         interrupted="interrupted: every checkpoint written so far is complete; "
         "continue from the newest with --resume latest",
     ):
-        return train(parse_args(argv))
+        return train(parse_args(argv), stated_flags(argv))
 
 
 if __name__ == "__main__":

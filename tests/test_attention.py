@@ -78,9 +78,14 @@ def fake_fa4(monkeypatch):
     return kernel
 
 
-def fake_machine(monkeypatch, cuda=True, capability=(9, 0), kernels="loads", fa4="missing", cudnn="runs"):
+FAKE_MS = dict(sdpa=1.0, cudnn=0.9, fa4=0.6, fa3=0.75)  # fake_machine's forward + backward times, unless told
+
+
+def fake_machine(monkeypatch, cuda=True, capability=(9, 0), kernels="loads", fa4="missing", cudnn="runs", ms=FAKE_MS):
     """torch.cuda, the kernels package and flash-attn-4 as a machine would show them: kernels and fa4 load, are
-    missing, or are broken; cudnn runs or fails its probe (every other probe passes)."""
+    missing, or are broken; cudnn runs or fails its probe (every other probe passes); auto's timing of each kernel
+    gives ms[kernel]."""
+    monkeypatch.setattr(fa, "kernel_ms", lambda kernel, device, shapes=None: ms[kernel])
     monkeypatch.setattr(fa, "_fa3", None)
     monkeypatch.setattr(fa, "_fa4", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -140,9 +145,10 @@ def build(cls=GPT, seed=0, **kw):
 
 NONE_LOAD = dict(kernels="missing", cudnn="fails")
 NONE_LOAD_REASON = (
-    "fa4: flash-attn-4 is not installed (pip install flash-attn-4); cudnn: cudnn failed its probe "
-    "(RuntimeError: No available kernel.); fa3: the kernels package is not installed (pip install kernels)"
+    "cudnn: cudnn failed its probe (RuntimeError: No available kernel.); fa4: flash-attn-4 is not installed (pip "
+    "install flash-attn-4); fa3: the kernels package is not installed (pip install kernels)"
 )
+FASTEST = "Hopper GPU, {} the fastest (forward + backward: {})"
 
 
 @pytest.mark.parametrize(
@@ -151,19 +157,33 @@ NONE_LOAD_REASON = (
         (dict(cuda=False), "auto", "sdpa", "no CUDA"),
         (dict(capability=(8, 0), fa4="loads"), "auto", "sdpa", "compute capability 8.0"),
         (dict(capability=(10, 0), fa4="loads"), "auto", "sdpa", "compute capability 10.0"),
-        (dict(fa4="loads"), "auto", "fa4", "Hopper GPU, flash-attn-4 loaded"),  # the order: fa4, cudnn, fa3
-        (dict(), "auto", "cudnn", "Hopper GPU, cuDNN attention runs"),
-        (dict(cudnn="fails"), "auto", "fa3", f"Hopper GPU, {fa.FA3_REPO} loaded from the hub"),
+        # auto: SDPA and every fast kernel that passes, timed; the fastest trains
+        (dict(fa4="loads"), "auto", "fa4", FASTEST.format("fa4", "fa4 0.6 ms, fa3 0.75 ms, cudnn 0.9 ms, sdpa 1 ms")),
+        (dict(), "auto", "fa3", FASTEST.format("fa3", "fa3 0.75 ms, cudnn 0.9 ms, sdpa 1 ms")),
+        (dict(cudnn="fails"), "auto", "fa3", FASTEST.format("fa3", "fa3 0.75 ms, sdpa 1 ms")),
+        # the first GPU run's full causal figures: SDPA's flash beat cuDNN, and auto took cuDNN untimed
+        (
+            dict(kernels="missing", ms=dict(sdpa=1.02, cudnn=1.09)),
+            "auto",
+            "sdpa",
+            FASTEST.format("sdpa", "sdpa 1.02 ms, cudnn 1.09 ms"),
+        ),
+        (
+            dict(kernels="missing", ms=dict(sdpa=1.0, cudnn=0.98)),  # a tie goes to the simpler
+            "auto",
+            "sdpa",
+            "Hopper GPU, sdpa within 3% of the fastest, and simpler (forward + backward: cudnn 0.98 ms, sdpa 1 ms)",
+        ),
         (
             dict(cudnn="fails", kernels="broken"),
             "auto",
             "sdpa",
-            "fa4: flash-attn-4 is not installed (pip install flash-attn-4); "
             "cudnn: cudnn failed its probe (RuntimeError: No available kernel.); "
+            "fa4: flash-attn-4 is not installed (pip install flash-attn-4); "
             f"fa3: {fa.FA3_REPO} did not load (OSError: no network and no cached copy)",
         ),
         (NONE_LOAD, "auto", "sdpa", NONE_LOAD_REASON),
-        (dict(fa4="broken"), "auto", "cudnn", "Hopper GPU, cuDNN attention runs"),
+        (dict(fa4="broken", kernels="missing"), "auto", "cudnn", FASTEST.format("cudnn", "cudnn 0.9 ms, sdpa 1 ms")),
         (dict(), "fa3", "fa3", f"{fa.FA3_REPO} loaded from the hub"),
         (
             dict(fa4="loads", capability=(10, 0)),
@@ -449,8 +469,10 @@ def test_bench_runs_on_the_cpu_with_sdpa_alone(tmp_path, monkeypatch):
 def test_bench_compares_every_kernel_that_loads_with_sdpa(fake_flash, monkeypatch, capsys, wrong):
     name, kernel = fake_flash
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(fa, "resolve_attention", lambda requested, device, dtype=None: (name, "fake kernel"))
-    monkeypatch.setattr(fa, "kernel_unavailable", lambda k, device, dtype=None: None if k == name else "not this one")
+    monkeypatch.setattr(fa, "choose_kernel", lambda requested, device, dtype, shapes: (name, "fake kernel", [], {}))
+    monkeypatch.setattr(
+        fa, "kernel_unavailable", lambda k, device, dtype=None, shapes=None: None if k == name else "not this one"
+    )
     if wrong:  # a kernel that reads left as the window itself: one key too many
         call = kernel.flash_attn_func
         fake = lambda q, k, v, causal, window_size: call(

@@ -23,8 +23,17 @@ from nanochat.gpt import GPT, GPTConfig
 from scripts import base_train
 
 
+FAKE_MS = dict(sdpa=1.0, cudnn=0.9, fa4=0.6, fa3=0.75)  # auto's timings, faked: FA4 the fastest, SDPA the slowest
+
+
+def fake_kernel_ms(kernel, device, shapes=None):
+    return FAKE_MS[kernel]
+
+
 def fake_hopper(monkeypatch, loads=("fa4", "cudnn", "fa3")):
-    """A Hopper GPU as torch.cuda shows it, on which the kernels in `loads` load and pass their probe."""
+    """A Hopper GPU as torch.cuda shows it, on which the kernels in `loads` load and pass their probe, timed as
+    FAKE_MS says."""
+    monkeypatch.setattr(fa, "kernel_ms", fake_kernel_ms)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(
@@ -46,6 +55,7 @@ def _rank(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     os.environ["RANK"] = str(rank)  # print0 prints on rank 0 only
     answers = {}
+    fa.kernel_ms = fake_kernel_ms
     try:
         torch.cuda.is_available = lambda: True
         torch.cuda.get_device_capability = lambda device=None: (9, 0)
@@ -88,17 +98,18 @@ def answers_of_two_ranks(rank_fn, tmp_path):
 def test_rank0_decides_and_every_rank_loads_or_every_rank_stops(tmp_path):
     r0, r1 = answers_of_two_ranks(_rank, tmp_path)
     assert r0 == r1  # the same decision, or the same one line, on both ranks
-    assert r0["both load"] == {"requested": "auto", "kernel": "fa4", "reason": "Hopper GPU, flash-attn-4 loaded"}
+    fastest = "Hopper GPU, fa4 the fastest (forward + backward: fa4 0.6 ms, fa3 0.75 ms, cudnn 0.9 ms, sdpa 1 ms)"
+    assert r0["both load"] == {"requested": "auto", "kernel": "fa4", "reason": fastest, "timed_ms": FAKE_MS}
     host = socket.gethostname()
     for name in ("rank 1 cannot", "named, rank 1 cannot"):
         assert r0[name] == (
-            f"UserError: attention: rank 0 chose fa4 ({'Hopper GPU, ' if 'named' not in name else ''}flash-attn-4 "
-            f"loaded), but rank(s) 1 ({host}: flash-attn-4 is not installed (pip install flash-attn-4)) cannot run it; "
+            f"UserError: attention: rank 0 chose fa4 ({fastest if 'named' not in name else 'flash-attn-4 loaded'}), "
+            f"but rank(s) 1 ({host}: flash-attn-4 is not installed (pip install flash-attn-4)) cannot run it; "
             "install it on every node, or pass --attn sdpa"
         )
     fell = r0["rank 0 falls back"]  # nothing loads on rank 0: SDPA everywhere, with the warning in the record
     assert fell["kernel"] == "sdpa" and fell["warning"].startswith(
-        "--attn auto fell back to SDPA on a Hopper GPU (fa4: "
+        "--attn auto fell back to SDPA on a Hopper GPU (cudnn: "
     )
     assert r0["published refused"].startswith(
         "UserError: --preset published on a Hopper GPU needs a fast attention kernel"
@@ -133,10 +144,11 @@ def refuse_head_dim_128(grad):
 
 
 def cpu_stands_in_for_hopper(fa4, fa3):
-    """fa4 and fa3 'loaded' (no import, no hub) as the given fakes; the CPU passes for a Hopper GPU; nothing probed
-    yet. cuDNN is real: on the CPU, SDPA under cuDNN alone has no backend, so cudnn fails its probe (as it should)."""
+    """fa4 and fa3 'loaded' (no import, no hub) as the given fakes, timed as FAKE_MS says; the CPU passes for a Hopper
+    GPU; nothing probed yet. cuDNN is real: on the CPU, SDPA under cuDNN alone has no backend, so cudnn fails its probe (as it should)."""
     fa.device_unfit = lambda device, dtype=None, majors=(9,): None
     fa._fa4, fa._fa3, fa._probed = fa4, types.SimpleNamespace(flash_attn_func=fa3), set()
+    fa.kernel_ms = fake_kernel_ms
 
 
 def scenario_shapes():
@@ -185,24 +197,29 @@ def test_auto_passes_over_a_kernel_that_fails_the_runs_shapes_and_every_rank_pro
         f"fa4: fa4 failed its probe at head dim 128, {heads}, L window 64 "
         "(RuntimeError: backward: head dim 128 is not supported on sm90)"
     )
-    # head dim 64 and windows: fa4 runs both
-    assert r0["hd 64, L and S"]["kernel"] == "fa4" and "passed_over" not in r0["hd 64, L and S"]
+    fastest = "Hopper GPU, {} the fastest (forward + backward: {} ms, sdpa 1 ms)"
+    # head dim 64 and windows: fa4 runs both, and is timed against SDPA; cudnn (no CPU backend) and fa3 (no windows)
+    # are passed over
+    hd64 = r0["hd 64, L and S"]
+    assert hd64["kernel"] == "fa4" and hd64["reason"] == fastest.format("fa4", "fa4 0.6")
+    assert hd64["timed_ms"] == {"sdpa": 1.0, "fa4": 0.6} and [x[:6] for x in hd64["passed_over"]] == ["cudnn:", "fa3: f"]
     # fa4 fails at head dim 128 (its backward), cudnn has no CPU backend, fa3 takes plain causal rows
     fa3 = r0["hd 128, L"]
-    assert fa3["kernel"] == "fa3" and fa3["reason"] == f"Hopper GPU, {fa.FA3_REPO} loaded from the hub"
-    assert fa3["passed_over"][0] == fa4_fails
-    assert fa3["passed_over"][1].startswith(
+    assert fa3["kernel"] == "fa3" and fa3["reason"] == fastest.format("fa3", "fa3 0.75")
+    assert fa3["passed_over"][0].startswith(
         f"cudnn: cudnn failed its probe at head dim 128, {heads}, L window 64 (RuntimeError: "
     )
+    assert fa3["passed_over"][1] == fa4_fails
     none = r0["hd 128, L and S"]  # and fa3 fails the S window: SDPA, with every reason, each naming its shape
-    assert none["kernel"] == "sdpa" and "probed" not in none and none["reason"].startswith(fa4_fails + "; cudnn: ")
+    assert none["kernel"] == "sdpa" and "probed" not in none and "timed_ms" not in none
+    assert none["reason"].startswith("cudnn: ") and f"; {fa4_fails}; fa3: " in none["reason"]
     assert none["reason"].endswith(
         f"; fa3: fa3 failed its probe at head dim 128, {heads}, S window 32 of 64 "
         "(RuntimeError: no local-attention kernel for this build)"
     )
     # rank 0 chose fa4 at the run's shapes; rank 1 probes the same shapes
     assert r0["rank 1's fa4 refuses windows"] == (
-        "UserError: attention: rank 0 chose fa4 (Hopper GPU, flash-attn-4 loaded), but rank(s) 1 "
+        f"UserError: attention: rank 0 chose fa4 ({fastest.format('fa4', 'fa4 0.6')}), but rank(s) 1 "
         f"({socket.gethostname()}: fa4 failed its probe at head dim 64, {heads}, S window 32 of 64 (RuntimeError: no "
         "local-attention kernel for this build)) cannot run it; install it on every node, or pass --attn sdpa"
     )
@@ -211,7 +228,7 @@ def test_auto_passes_over_a_kernel_that_fails_the_runs_shapes_and_every_rank_pro
 def test_the_record_keeps_each_shape_the_kernel_passed(monkeypatch):
     """config.json's attention entry: per window of the run, the shape probed and that it passed. A long row is
     probed short (fa.PROBE_LEN tokens) with its S window scaled along, so the window still cuts the row."""
-    for name in ("device_unfit", "_fa4", "_fa3", "_probed"):
+    for name in ("device_unfit", "_fa4", "_fa3", "_probed", "kernel_ms"):
         monkeypatch.setattr(fa, name, getattr(fa, name))  # cpu_stands_in_for_hopper sets them: restored after
     cpu_stands_in_for_hopper(Flaky("window"), Flaky())
     shapes = fa.AttentionShapes(
@@ -224,7 +241,7 @@ def test_the_record_keeps_each_shape_the_kernel_passed(monkeypatch):
         # S: a quarter of the row, as in the run
         dict(at, window=fa.PROBE_LEN // 2, probe_window=fa.PROBE_LEN // 4, ok=True),
     ]
-    assert record["passed_over"][0] == (
+    assert record["timed_ms"] == {"sdpa": 1.0, "fa3": 0.75} and record["passed_over"][1] == (
         f"fa4: fa4 failed its probe at head dim 16, 4 heads / 1 kv heads, S window "
         f"{fa.PROBE_LEN // 2} of {2 * fa.PROBE_LEN} (RuntimeError: no local-attention kernel for this build)"
     )
@@ -328,7 +345,7 @@ def test_gpu_presets_refuse_sdpa_on_hopper_unless_asked(requested, kernel, hoppe
 def test_auto_falling_back_on_hopper_warns_and_records_it(monkeypatch, capsys):
     fake_hopper(monkeypatch, loads=())
     record = fa.agree_attention("auto", "cuda", torch.bfloat16, False)
-    reason = "fa4: fa4 does not load here; cudnn: cudnn does not load here; fa3: fa3 does not load here"
+    reason = "cudnn: cudnn does not load here; fa4: fa4 does not load here; fa3: fa3 does not load here"
     assert record == {
         "requested": "auto",
         "kernel": "sdpa",
@@ -348,12 +365,53 @@ def test_auto_falling_back_on_hopper_warns_and_records_it(monkeypatch, capsys):
     assert fa.agree_attention("auto", "cuda", torch.bfloat16, False, "published") == {
         "requested": "auto",
         "kernel": "cudnn",
-        "reason": "Hopper GPU, cuDNN attention runs",
-        "passed_over": ["fa4: fa4 does not load here"],
-    }  # what auto passed over, and why
+        "reason": "Hopper GPU, cudnn the fastest (forward + backward: cudnn 0.9 ms, sdpa 1 ms)",
+        "passed_over": ["fa4: fa4 does not load here", "fa3: fa3 does not load here"],
+        "timed_ms": {"sdpa": 1.0, "cudnn": 0.9},
+    }  # what auto passed over, and why, and what it timed
+    # SDPA timed faster than the fast kernel that passed (the first H200's full causal figures): no fallback, so
+    # neither a warning nor the preset's refusal
+    monkeypatch.setattr(fa, "kernel_ms", lambda kernel, device, shapes=None: {"sdpa": 1.02, "cudnn": 1.09}[kernel])
+    record = fa.agree_attention("auto", "cuda", torch.bfloat16, False, "published")
+    assert record["kernel"] == "sdpa" and "warning" not in record and record["timed_ms"] == {"sdpa": 1.02, "cudnn": 1.09}
+    # the fast kernel's timing fails (out of memory at the run's size, say): a fallback again, the reason says why
+    monkeypatch.setattr(fa, "kernel_ms", lambda kernel, device, shapes=None: 1.0 if kernel == "sdpa" else 1 / 0)
+    record = fa.agree_attention("auto", "cuda", torch.bfloat16, False)
+    assert record["kernel"] == "sdpa" and "timed_ms" not in record and record["warning"]
+    assert record["reason"] == (
+        "fa4: fa4 does not load here; fa3: fa3 does not load here; "
+        "cudnn: its timing failed (ZeroDivisionError: division by zero)"
+    )
+    capsys.readouterr()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100: SDPA, no warning
     assert "warning" not in fa.agree_attention("auto", "cuda", torch.bfloat16, False, "published")
     assert capsys.readouterr().out == ""
+
+
+def test_the_fastest_kernel_trains_and_a_tie_goes_to_the_simplest():
+    assert fa.fastest({"sdpa": 1.02, "cudnn": 1.09}) == "sdpa"  # the first H200's full causal figures
+    assert fa.fastest({"sdpa": 1.0, "cudnn": 0.8, "fa4": 0.6, "fa3": 0.61}) == "fa4"
+    assert fa.fastest({"sdpa": 1.0, "cudnn": 0.99, "fa4": 0.98}) == "sdpa"  # within TIE: noise, not speed
+    assert fa.fastest({"fa3": 0.6, "fa4": 0.61, "cudnn": 0.7}) == "fa4"  # FA4 is simpler than the hub's FA3
+    assert fa.KERNELS == ("sdpa", "cudnn", "fa4", "fa3") and fa.TIE == 0.03
+
+
+def test_kernel_ms_times_training_calls_with_the_grads_cleared(monkeypatch):
+    """kernel_ms's own path on the CPU, tiny: every window of the run, forward + backward as causal_attention runs it,
+    in bf16, on the run's rows (tokens // row length of them), the inputs' grads None before each call."""
+    seen, call = [], fa.causal_attention
+
+    def spy(q, k, v, window, kernel):
+        seen.append((window, kernel, q.shape, q.dtype, q.grad is None and k.grad is None and v.grad is None))
+        return call(q, k, v, window, kernel)
+
+    monkeypatch.setattr(fa, "causal_attention", spy)
+    shapes = fa.AttentionShapes(head_dim=8, n_head=4, n_kv_head=2, seq_len=32, windows=(32, 16))
+    ms = fa.kernel_ms("sdpa", "cpu", shapes, tokens=64)
+    assert ms > 0 and len(seen) == 24  # each window: 2 warm-up calls and 10 timed
+    assert {s[:4] for s in seen} == {
+        (w, "sdpa", torch.Size([2, 32, 4, 8]), torch.bfloat16) for w in (32, 16)
+    } and all(s[4] for s in seen)
 
 
 def test_the_dry_run_names_the_kernel_it_expects(capsys):
@@ -361,11 +419,12 @@ def test_the_dry_run_names_the_kernel_it_expects(capsys):
     out = capsys.readouterr().out.splitlines()
     plan = json.loads(next(l for l in out if l.startswith("PLAN "))[5:])
     line = (
-        "--attn auto → on a Hopper GPU (bf16) fa4 if flash-attn-4 loads, else cudnn if cuDNN attention runs, else "
-        f"fa3 if {fa.FA3_REPO} loads (the hub or its cache), else sdpa with a warning; sdpa elsewhere (CPU, other "
-        "GPUs); --preset published refuses sdpa on Hopper unless --attn sdpa"
+        "--attn auto → on a Hopper GPU (bf16) the fastest of sdpa, cudnn if cuDNN attention runs, fa4 if "
+        f"flash-attn-4 loads, fa3 if {fa.FA3_REPO} loads (the hub or its cache), timed at the run's shapes (within "
+        "3%, the first of sdpa, cudnn, fa4, fa3); sdpa with a warning when no fast kernel passes its probe; sdpa "
+        "elsewhere (CPU, other GPUs); --preset published refuses that fallback on Hopper unless --attn sdpa"
     )
-    assert plan["attention"] == {"requested": "auto", "order": ["fa4", "cudnn", "fa3", "sdpa"], "expects": line}
+    assert plan["attention"] == {"requested": "auto", "order": ["sdpa", "cudnn", "fa4", "fa3"], "expects": line}
     assert f"attention: {line}" in out
     assert fa.expected_attention("sdpa", "published")["expects"] == "--attn sdpa → sdpa everywhere"
     assert (
@@ -431,6 +490,72 @@ def test_flex_window_path_equals_the_dense_mask_reference_forward_and_backward(m
     assert torch.allclose(got, want, atol=1e-5)
     for a, b in zip(xs, ys):
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
+
+
+@pytest.fixture
+def counted_block_masks(monkeypatch):
+    """CUDA's S-window path on the CPU: flex_attention eager (forward only, as the CPU allows), the kept masks
+    emptied, and every create_block_mask call counted: the list of the row lengths it was built for."""
+    from torch.nn.attention import flex_attention as fx
+
+    built, real = [], fx.create_block_mask
+    monkeypatch.setattr(fx, "create_block_mask", lambda *a, **kw: built.append(a[3]) or real(*a, **kw))
+    monkeypatch.setattr(fa, "flex_windows", lambda device: True)
+    monkeypatch.setattr(fa, "flex", lambda: fx.flex_attention)
+    monkeypatch.setattr(fa, "_block_masks", {})
+    return built
+
+
+def test_a_window_block_mask_is_built_once_per_row_length_and_window(counted_block_masks):
+    """Three S layers of one window: one create_block_mask on the first forward (it used to be one per S layer per
+    forward), none after; rows of another length build theirs once. The output is the dense masks' (the CPU's)."""
+    config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=4, n_head=2, n_kv_head=1, n_embd=32, window_pattern="SSSL")
+    torch.manual_seed(0)
+    model = GPT.initialised(config)
+    with torch.no_grad():
+        for p in model.parameters():  # the output projections start at zero: give attention something to pass on
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randint(0, 64, (2, 32))
+    per_forward = []
+    with torch.no_grad():
+        for T in (32, 32, 32, 24, 24):
+            before = len(counted_block_masks)
+            y = model(x[:, :T])
+            per_forward.append(len(counted_block_masks) - before)
+        flex_windows = fa.flex_windows
+        fa.flex_windows = lambda device: False  # the CPU's own path: SDPA with the dense masks
+        try:
+            assert torch.allclose(y, model(x[:, :24]), atol=1e-5)
+        finally:
+            fa.flex_windows = flex_windows
+    assert per_forward == [1, 0, 0, 1, 0] and counted_block_masks == [32, 24]
+
+
+def test_set_attention_builds_the_masks_before_compile_and_the_graph_reads_them(counted_block_masks):
+    """GPT.set_attention (before torch.compile) builds the S window's mask; a compiled call then builds none (the graph
+    takes the kept mask as an input), and a mask not kept yet is built inside the graph but not kept."""
+    config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=3, n_head=2, n_kv_head=2, n_embd=32, window_pattern="SL")
+    model = GPT.initialised(config)
+    model.set_attention("sdpa")
+    assert counted_block_masks == [32] and list(fa._block_masks) == [(32, 16, "cpu", 128)]
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 32)))
+    assert counted_block_masks == [32]  # the forward found it
+    torch._dynamo.reset()
+    compiled = torch.compile(fa.sliding_window_attention, backend="aot_eager", fullgraph=True, dynamic=False)
+    q = torch.randn(1, 2, 32, 16)
+    with torch.no_grad():
+        y = compiled(q, q, q, 16)
+        assert counted_block_masks == [32]  # traced without building: the mask is the graph's input
+        assert torch.allclose(y, dense_reference(q, q, q, 16), atol=1e-5)
+        compiled(q[:, :, :24], q[:, :, :24], q[:, :, :24], 16)  # no mask kept for 24: built in the graph
+    assert list(fa._block_masks) == [(32, 16, "cpu", 128)]
+    torch._dynamo.reset()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # the fake-CUDA twin's masks have no values: not kept
+        fa.sliding_block_mask(64, 24, "cpu")
+    assert list(fa._block_masks) == [(32, 16, "cpu", 128)]
 
 
 def test_plain_rows_on_cuda_build_no_mask_while_the_cpu_keeps_them():

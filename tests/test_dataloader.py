@@ -191,6 +191,28 @@ def test_train_and_val_cycle_forever(tok, capsys):
     assert "finished reading epoch 0 of the val split" in capsys.readouterr().out
 
 
+def test_one_pass_reads_each_document_once_and_stops(tmp_path, monkeypatch):
+    from nanochat.loss_eval import held_batches
+
+    data = tmp_path / "base_data"
+    data.mkdir()
+    # 30 documents of 2..12 characters, document i written in character 256 + i: a row's pieces name their documents
+    docs = [chr(256 + i) * (2 + i * 7 % 11) for i in range(30)]
+    pq.write_table(pa.table({"text": ["train"]}), str(data / "shard_00000.parquet"))
+    pq.write_table(pa.table({"text": docs}), str(data / "shard_00001.parquet"), row_group_size=4)
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
+    tok, B, T = CharTokenizer(), 2, 9
+    batches = list(data_loader(tok, B, T, "val", buffer_size=8, one_pass=True))  # ends: a finite stream
+    used = [p[1] for x, y, _ in batches for row in torch.cat([x, y[:, -1:]], 1).tolist() for p in segments(row, 0)
+            if len(p) > 1]
+    assert len(used) == len(set(used)) > len(batches)  # no document twice
+    # the cycling loader mixes the next epoch's copies in before the first ends: the count is of one pass
+    assert held_batches(tok, B, T, "val", 10**6) == len(batches) < sum(len(d) + 1 for d in docs) // (B * (T + 1))
+    assert held_batches(tok, B, T, "val", 3) == 3
+    with pytest.raises(UserError, match="less than one batch"):
+        held_batches(tok, 50, T, "val", 1)
+
+
 def test_ranks_see_different_documents(tok):
     bos = tok.get_bos_token_id()
 

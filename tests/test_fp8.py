@@ -3,7 +3,9 @@
 The CPU's _scaled_mm runs the same math: the three matmuls against exact ones
 within what fp8 rounding allows, the size rule, evaluation in the compute dtype, a tiny --fp8 run that trains and
 resumes exactly, and CUDA's rules for every _scaled_mm call (which the CPU's kernel does not check): the token
-padding that meets them changes no value, and MoD's packed token counts meet them."""
+padding that meets them changes no value, and MoD's packed token counts meet them. Where this CPU's kernel has no
+fp8 matmul (fp8.cpu_cannot_run) the tests that need one skip, and --fp8 is refused in one line; runs/test.sh reruns
+this module with oneDNN capped at AVX2 (the cpu_kind mark), where that is so."""
 
 import json
 import math
@@ -21,6 +23,10 @@ from nanochat import gpt
 from nanochat.gpt import GPT, GPTConfig
 from scripts import base_train
 
+pytestmark = pytest.mark.cpu_kind  # runs/test.sh reruns these under ONEDNN_MAX_CPU_ISA=AVX2
+NO_FP8_MATMUL = fp8.cpu_cannot_run()
+needs_fp8_matmul = pytest.mark.skipif(NO_FP8_MATMUL is not None, reason=str(NO_FP8_MATMUL))
+
 # Rounding to a format with m mantissa bits makes a relative error spread evenly over ±2^-(m+1): its rms is
 # 2^-(m+1)/√3. A product of two rounded operands adds two such errors (in quadrature, being independent).
 E4M3_RMS = 2**-4 / math.sqrt(3)  # 3.6 %
@@ -33,6 +39,7 @@ def rel(a, b):
     return ((a.float() - b).norm() / b.norm()).item()
 
 
+@needs_fp8_matmul
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_three_matmuls_against_exact_ones_within_fp8_rounding(dtype):
     g = torch.Generator().manual_seed(0)
@@ -50,12 +57,14 @@ def test_the_three_matmuls_against_exact_ones_within_fp8_rounding(dtype):
         assert errors[0] > 0.01, errors  # it really rounds to fp8: bf16 alone would be ~0.3 %
 
 
+@needs_fp8_matmul
 def test_leading_dims_and_a_zero_tensor():
     x = torch.zeros(2, 3, 128)
     y = fp8_linear(x, torch.randn(256, 128))
     assert y.shape == (2, 3, 256) and torch.equal(y, torch.zeros_like(y))  # amax 0: no division by zero
 
 
+@needs_fp8_matmul
 def test_the_size_rule_and_evaluation_in_the_compute_dtype():
     cfg = GPTConfig(sequence_len=32, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=128)
     model = GPT.initialised(cfg)
@@ -79,7 +88,7 @@ def test_the_size_rule_and_evaluation_in_the_compute_dtype():
 
 
 def test_a_gpu_without_fp8_is_refused(monkeypatch):
-    assert fp8.cannot_run("cpu") is None and "mps" in fp8.cannot_run("mps")
+    assert fp8.cannot_run("cpu") == NO_FP8_MATMUL and "mps" in fp8.cannot_run("mps")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert "compute capability 8.0 has no fp8 tensor cores" in fp8.cannot_run("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -90,6 +99,22 @@ def test_a_gpu_without_fp8_is_refused(monkeypatch):
 FP8_TINY = TINY_TRAIN + ["--model-dim", "128", "--fp8", "--run", "f8"]
 
 
+def test_a_cpu_without_fp8_matmuls_refuses_fp8_in_one_line(run_base, script_error, monkeypatch):
+    """torch hands a CPU's fp8 matmuls to oneDNN where the CPU has AMX, and oneDNN capped below AVX512-FP16
+    (ONEDNN_MAX_CPU_ISA=AVX2) has none: "could not create a primitive descriptor" at the first matmul. The probe
+    says so once, base_train refuses --fp8 in one line. In runs/test.sh's AVX2 step the real probe answers; on a CPU
+    with fp8 matmuls a stand-in does."""
+    if NO_FP8_MATMUL is None:
+        assert fp8.cpu_cannot_run() is None  # cached: one probe per process
+        monkeypatch.setattr(fp8, "cpu_cannot_run", lambda: "this CPU's oneDNN has no fp8 matmul (a stand-in)")
+    else:
+        assert "oneDNN has no fp8 matmul" in NO_FP8_MATMUL
+    err = script_error(base_train.main, *FP8_TINY, "--num-iterations", "1")
+    assert err == f"error: --fp8 cannot run here: {fp8.cannot_run('cpu')}; train without --fp8"
+    assert not os.path.exists(os.path.join(run_base, "runs", "f8"))  # refused before the run began
+
+
+@needs_fp8_matmul
 def test_a_tiny_fp8_run_trains_records_and_resumes_exactly(run_base, capsys, script_error):
     common = FP8_TINY + ["--num-iterations", "8", "--eval-every", "4", "--save-every", "4"]
     run_dir = base_train.main(common)
@@ -103,11 +128,13 @@ def test_a_tiny_fp8_run_trains_records_and_resumes_exactly(run_base, capsys, scr
     assert [(r["step"], r["train_loss"], r.get("val_bpb")) for r in resumed] == [
         (r["step"], r["train_loss"], r.get("val_bpb")) for r in full
     ]
-    # without --fp8 it is another setting: refused as any other
-    err = script_error(base_train.main, *[a for a in common if a != "--fp8"], "--resume", "latest")
-    assert "--fp8 True → False" in err
+    # left out of a resume, it is the run's: a resume states only what it changes
+    capsys.readouterr()
+    base_train.main([a for a in common if a != "--fp8"] + ["--resume", "latest"])
+    assert "already finished its 8 steps; nothing to do" in capsys.readouterr().out
 
 
+@needs_fp8_matmul
 def test_compiled_fp8_is_one_graph_equal_to_eager():
     """torch.compile (inductor on the CPU, as on CUDA) takes the fp8 matmul as one opaque node: no graph break, the
     same values forward and backward."""
@@ -131,6 +158,7 @@ def test_compiled_fp8_is_one_graph_equal_to_eager():
         assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-7)
 
 
+@needs_fp8_matmul
 def test_set_fp8_makes_the_matmul_one_opaque_node_for_compile(monkeypatch):
     """GPT.set_fp8(True) registers FP8Matmul with dynamo (not at import: that would import dynamo in every command):
     the traced graph calls it as one node, where dynamo would otherwise trace into its forward and backward."""
@@ -157,6 +185,7 @@ def test_set_fp8_makes_the_matmul_one_opaque_node_for_compile(monkeypatch):
     assert len(calls) == 1 and "autograd_function_apply" not in calls[0], calls
 
 
+@needs_fp8_matmul
 def test_the_step_benchmark_measures_fp8_and_the_host_reads():
     """scripts.bench.train's variant (gpu_checks' fp8, fp8_d24 and host_reads stages), in process on a tiny model."""
     from scripts.bench import train as bench
@@ -257,11 +286,16 @@ def test_the_checker_refuses_what_cuda_refuses():
             )
 
 
-@pytest.mark.parametrize("n", [500, 37, 512])
-def test_padded_tokens_meet_cuda_rules_and_change_no_value(n, cuda_rules):
-    """MoD packs any token count N; dW = dyᵀ·x has N as its inner dim. fp8.py pads x and dy to a multiple of 16 rows
-    with zeros for it: the values are those of the same quantised operands unpadded, bit for bit (zero rows add exact
-    zeros and leave every amax as it is)."""
+def zero_rows_below(t, rows):
+    """t (fp8) with zero rows below it up to `rows`, written out by hand: the reference for fp8.pad_rows."""
+    out = torch.zeros(rows, t.size(1), dtype=t.dtype)
+    out[: t.size(0)] = t
+    return out
+
+
+def check_padded_matmuls(n, calls):
+    """fp8_linear's three matmuls at N = n tokens, each against a reference on the same shapes, bit for bit; and dW
+    against the exact product of the unpadded operands. calls: cuda_rules' record of the _scaled_mm calls."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, 128, generator=g).bfloat16().requires_grad_()
     w = (torch.randn(256, 128, generator=g) * 0.05).requires_grad_()
@@ -270,22 +304,59 @@ def test_padded_tokens_meet_cuda_rules_and_change_no_value(n, cuda_rules):
     y.backward(dy)
     padded = -(-n // 16) * 16
     # dW's K padded
-    assert cuda_rules == [((n, 128), (128, 256)), ((n, 256), (256, 128)), ((256, padded), (padded, 128))]
-    assert (fp8.pad_rows(x) is x) == (n % 16 == 0)  # no copy when N needs no padding
-    fp8.FP8Matmul.apply(x, w).mul_(2)  # y is no view of the padded product: in-place ops stay allowed
-    # the reference: the same quantised operands without padding (the CPU's kernel takes N as it is)
+    assert calls == [((n, 128), (128, 256)), ((n, 256), (256, 128)), ((256, padded), (padded, 128))]
+    assert y.shape == (n, 256) and x.grad.shape == (n, 128)
     xq, x_inv = fp8.quantise(x.detach(), fp8.E4M3)
     wq, w_inv = fp8.quantise(w.detach(), fp8.E4M3)
     dyq, dy_inv = fp8.quantise(dy, fp8.E5M2)
+    # y and dx take the N real rows (M is free): the same products of the unpadded quantised operands
     y_ref = SCALED_MM(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=torch.bfloat16, use_fast_accum=True)
     dx_ref = SCALED_MM(dyq, fp8.column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
+    assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)
+    # dW: the unpadded quantised operands with zero rows below them, the same product on the same shapes (a kernel
+    # sums K = 500 and K = 512 in other orders: the unpadded product differs in its last bits on some CPUs)
+    xq_pad, dyq_pad = zero_rows_below(xq, padded), zero_rows_below(dyq, padded)
     dw_ref = SCALED_MM(
-        dyq.t().contiguous(), fp8.column_major(xq), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.bfloat16
+        dyq_pad.t().contiguous(), fp8.column_major(xq_pad), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.bfloat16
     )
-    assert y.shape == (n, 256) and x.grad.shape == (n, 128)
-    assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref) and torch.equal(w.grad, dw_ref.float())
+    assert torch.equal(w.grad, dw_ref.float())
+    # and the zero rows change no value: dW is the exact product of the unpadded operands, within the rounding of
+    # any fp32 summation order (each of the K products and 2 scalings, then each partial sum, rounds by at most
+    # 2^-24 of what it adds: K·2^-24·Σ|a·b| in all, to first order) and of the bf16 result (half an ulp: 2^-8)
+    a, b = dyq.double() * dy_inv.item(), xq.double() * x_inv.item()
+    exact = a.t() @ b
+    fp32_sums = (padded + 2) * 2**-24 * (a.abs().t() @ b.abs())
+    assert ((w.grad.double() - exact).abs() <= 2**-8 * (exact.abs() + fp32_sums) + fp32_sums).all()
 
 
+@needs_fp8_matmul
+@pytest.mark.parametrize("n", [500, 37, 512])
+def test_padded_tokens_meet_cuda_rules_and_change_no_value(n, cuda_rules):
+    """MoD packs any token count N; dW = dyᵀ·x has N as its inner dim. fp8.py pads x and dy to a multiple of 16 rows
+    with zeros for it: zero rows add exact zeros and leave every amax, hence every scale, as it is."""
+    check_padded_matmuls(n, cuda_rules)
+    x = torch.randn(n, 128).requires_grad_()
+    assert (fp8.pad_rows(x) is x) == (n % 16 == 0)  # no copy when N needs no padding
+    fp8.FP8Matmul.apply(x, torch.randn(256, 128)).mul_(2)  # y is no view of the padded product: in-place ops allowed
+
+
+@needs_fp8_matmul
+@pytest.mark.parametrize("where", ["ones", "above"])
+def test_the_padding_check_catches_padding_bugs(where, cuda_rules, monkeypatch):
+    """check_padded_matmuls fails on a padding that changes values: pad rows of ones (dW takes their products), or
+    zero rows above the real ones (y and dx then take the first N rows: pad rows, real rows cut off)."""
+
+    def bad_pad_rows(t):
+        missing = -t.size(0) % fp8.MULTIPLE
+        rows = (0, missing) if where == "ones" else (missing, 0)
+        return torch.nn.functional.pad(t, (0, 0, *rows), value=1.0 if where == "ones" else 0.0)
+
+    monkeypatch.setattr(fp8, "pad_rows", bad_pad_rows)
+    with pytest.raises(AssertionError):
+        check_padded_matmuls(500, cuda_rules)
+
+
+@needs_fp8_matmul
 @pytest.mark.parametrize("mod", [["--arch", "nag"], ["--arch", "gpt-router"]], ids=["nag-mod", "router-mod"])
 def test_a_tiny_fp8_mod_run_meets_cuda_rules(mod, run_base, cuda_rules, monkeypatch):
     """MoD's gathered sub-layers run on N - round(rate·N) tokens, and attention's on as many as pass the threshold:

@@ -515,11 +515,78 @@ def test_branch_op_json_and_the_rows_per_program_sweep(tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(path.read_text())
     assert d["op"]["rows"] == 8 and d["op"]["impls"]["reference"]["forward_gbps"] > 0
+    # float32 on the CPU: 4-byte rows of 32
+    assert (d["op"]["forward_bytes_per_row"], d["op"]["backward_bytes_per_row"]) == (3 * 128 + 128 + 8, 5 * 128 + 256 + 4)
     sweep = d["op"]["rows_per_program"]
     assert sweep["default"] == 1 and list(sweep["backward_gbps"]) == ["8", "1"]  # the default measured too
     assert sweep["best"] in (1, 8) and sweep["gain_over_default"] >= 1.0
     text = gpu_checks.op_figures(d)
     assert text.startswith("copy ") and f"best {sweep['best']} (" in text and f"× the default 1 (" in text
+
+
+def test_the_branch_op_byte_model_is_what_the_fused_kernels_read_and_write():
+    """The bytes a row of the branch op moves at the least, counted by hand from nag/kernels.py, and again from the
+    row tensors the fused ops take and give (on the meta device: no kernel runs). Forward: res, branch, logits
+    (C = 32) and log_norm (fp32) in, new_res and new_log_norm out. Backward: res, branch, logits and the two output
+    grads in, the grads of res, branch and logits out; log_norm's grad is grad_new_log_norm itself, written by no
+    kernel (the bench counted 7,820 B: a D-row and two log-norms too many)."""
+    from scripts.bench.nag import branch_op_bytes
+    from nag import kernels  # noqa: F401  (registers the ops)
+
+    D, C, bf16 = 640, 32, 2
+    assert branch_op_bytes(D, C, bf16) == (3 * D * bf16 + C * bf16 + 2 * 4, 5 * D * bf16 + 2 * C * bf16 + 4)
+    assert branch_op_bytes(D, C, bf16) == (3912, 6532) and branch_op_bytes(D, C, bf16, rows=10) == (39120, 65320)
+    N = 4
+    rows = lambda *shape, dtype=torch.bfloat16: torch.empty(N, *shape, dtype=dtype, device="meta")
+    res, branch, logits, grad_new_res = rows(D), rows(D), rows(C), rows(D)
+    log_norm, grad_new_log_norm = rows(1, dtype=torch.float32), rows(1, dtype=torch.float32)
+    params = [torch.empty(C, device="meta"), torch.empty(1, device="meta"), torch.empty(1, device="meta"), None]
+    out = torch.ops.nag.fused_branch(res, log_norm, branch, logits, *params, 0.0, "measured")
+    grads = torch.ops.nag.fused_branch_backward(grad_new_res, grad_new_log_norm, res, branch, logits, *params, 0.0, "measured")
+    per_row = lambda ts: sum(t.numel() * t.element_size() for t in ts if t.dim() == 2 and t.size(0) == N) // N
+    assert per_row([res, log_norm, branch, logits, *out]) == 3912
+    assert per_row([grad_new_res, grad_new_log_norm, res, branch, logits, *grads]) == 6532
+
+
+def test_the_branch_op_bench_times_each_direction_alone_with_the_grads_cleared(monkeypatch, capsys):
+    """The op section's timing path on the CPU, tiny: each forward starts from cleared grads (none accumulates into
+    the next backward, as training's zero_grad does), and the backward's timed calls run the backward alone (its
+    forward runs before the timer starts)."""
+    import argparse
+
+    from nag import model as nag_model
+    from scripts.bench import nag as bench_nag
+
+    events, real = [], nag_model.branch_function
+
+    def spied(impl):
+        fn = real(impl)
+
+        def call(*args):
+            events.append("F" if all(t.grad is None for t in args[:7]) else "F with grads")
+            new_dir, new_log_norm = fn(*args)
+            new_dir.register_hook(lambda g: events.append("B"))
+            return new_dir, new_log_norm
+
+        return call
+
+    def timer(fn, device, reps=10, warmup=2, setup=None):
+        def bracketed():
+            events.append("[")
+            fn()
+            events.append("]")
+
+        return real_ms(bracketed, device, reps, warmup, setup)
+
+    real_ms = bench_nag.call_ms
+    monkeypatch.setattr(nag_model, "branch_function", spied)
+    monkeypatch.setattr(bench_nag, "call_ms", timer)
+    args = argparse.Namespace(op_rows=8, op_dim=32, op_rows_per_program="")
+    figures = bench_nag.bench_op(args, ["reference"])
+    timed = "".join(events).replace("[]", "")  # the copy bandwidth's calls
+    # forward: 2 warm-up and 3 timed calls, each timed; backward: each timed call the backward alone, after its forward
+    assert timed == "[F]" * 5 + "F[B]" * 5, timed
+    assert figures["impls"]["reference"]["backward_ms"] > 0 and "% of copy" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ def grads(n, shape, step):
     return [torch.randn(shape, generator=g) for _ in range(n)]
 
 
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("shape", [(8, 6), (6, 8)], ids=["tall", "wide"])
 @pytest.mark.parametrize("skipped, first_skip", [(0, 0), (2, 1)], ids=["state-key-from-start", "later"])
 def test_muon_skips_only_the_matrix_without_a_gradient(shape, skipped, first_skip):
@@ -92,6 +93,7 @@ def test_muon_with_every_gradient_is_one_stacked_update():
     )
 
 
+@pytest.mark.cpu_kind
 def test_adamw_gate_that_misses_a_step_keeps_its_own_step_count():
     # three gates in one group; gate 1 has no gradient at step 2 (its sub-layer ran no token)
     ps = matrices(3, (5,))

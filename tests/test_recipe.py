@@ -131,6 +131,7 @@ def test_nanochats_inits():
         assert torch.equal(m.smear(torch.ones(1, 3, d)), torch.ones(1, 3, d))
 
 
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize(
     "base,recipe_cls,kwargs", [(GPT, RecipeGPT, {}), (NAGGPT, NAGRecipeGPT, NAG)], ids=["gpt", "nag"]
 )

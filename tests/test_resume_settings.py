@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY_TRAIN, linked_base
+from nanochat import resume
 from nanochat.optim import MuonAdamW
 from scripts import base_train
 
@@ -218,3 +219,96 @@ def test_the_table_names_every_baseline_flag_once():
     kinds = {f: kind for kind, flags, _ in resume.RESUME_TABLE for f in flags}
     assert resume.NOT_SETTINGS == {f for f, k in kinds.items() if k == resume.FREE} | resume.HORIZON
     assert set(resume.REFUSED) == {f for f, k in kinds.items() if k == resume.REFUSED_KIND}
+
+
+# ---------------------------------------------------------------------------
+# what a resume compares with: the run at its checkpoint, never argparse's defaults
+
+
+def config_of(run_dir):
+    return json.load(open(os.path.join(run_dir, "config.json")))
+
+
+def test_without_config_json_a_resume_compares_with_the_checkpoint(runs, script_error, capsys):
+    """config.json moved away, as its damaged-file message advises: the checkpoint's own record is the run (it was
+    "--depth 20 → 2", the parser's defaults against the tiny run's flags)."""
+    run_dir = copy_run(runs, "full", "no_config")
+    os.rename(os.path.join(run_dir, "config.json"), os.path.join(run_dir, "config.json.moved"))
+    err = script_error(main, *COMMON, "--run", "no_config", "--resume", "2", "--depth", "3")
+    assert "--depth 2 → 3" in err and "20" not in err, err
+    assert not os.path.exists(os.path.join(run_dir, "config.json"))
+    capsys.readouterr()
+    main(COMMON + ["--run", "no_config", "--resume", "2"])
+    assert "resumed from step 2 of" in capsys.readouterr().out
+    assert losses(run_dir) == losses(os.path.join(runs, "full"))
+    cfg = config_of(run_dir)
+    assert cfg["args"]["depth"] == 2 and [s["start_step"] for s in cfg["segments"]] == [0, 2]
+    assert cfg["segments"][0]["command"] is None  # the history before step 2 went with the old config.json
+
+
+def test_a_checkpoint_that_records_no_flags_is_compared_by_its_model(runs, script_error, capsys):
+    """A checkpoint of earlier code holds no flags: without config.json, its model is what a resume is checked
+    against, and a line says that the settings were not compared."""
+    run_dir = copy_run(runs, "full", "old_meta")
+    os.remove(os.path.join(run_dir, "config.json"))
+    meta_file = os.path.join(run_dir, "meta_000002.json")
+    meta = json.load(open(meta_file))
+    for key in ("args", "num_iterations", "total_batch_size", "grad_accum_steps"):
+        meta.pop(key, None)
+    json.dump(meta, open(meta_file, "w"))
+    err = script_error(base_train.main, *COMMON, "--run", "old_meta", "--resume", "2", "--device-type", "cpu")
+    assert "n_layer 2 → 20" in err and "--depth" not in err, err  # the checkpoint's model against the command's
+    capsys.readouterr()
+    main(COMMON + ["--run", "old_meta", "--resume", "2"])
+    out = capsys.readouterr().out
+    assert "resumed from step 2 of" in out and "records no settings" in out, out
+    assert losses(run_dir) == losses(os.path.join(runs, "full"))
+
+
+def test_a_resume_carries_on_earlier_changes_and_names_what_it_changes(runs, script_error, capsys):
+    """The settings in force at the checkpoint go on unless the command line states another value: a change
+    accepted with --change-settings is no longer undone by a later resume that does not restate it."""
+    run_dir = copy_run(runs, "full", "carried")
+    capsys.readouterr()
+    main(COMMON + ["--run", "carried", "--resume", "2", "--matrix-lr", "0.25", "--change-settings"])
+    assert "resumed from step 2 of" in (out := capsys.readouterr().out) and "changes --matrix-lr 0.5 → 0.25" in out
+    # a longer horizon, the LR not restated: it stays 0.25, and the line says so
+    bare = ["--run", "carried", "--device-type", "cpu", "--eval-every", "-1"]  # no flag of TINY_TRAIN's
+    base_train.main(bare + ["--resume", "latest", "--num-iterations", "6", "--change-settings"])
+    out = capsys.readouterr().out
+    assert "changes the horizon 4 → 6 steps" in out and "carries on --matrix-lr 0.5 → 0.25 (since step 2)" in out, out
+    cfg = config_of(run_dir)
+    assert cfg["args"]["matrix_lr"] == 0.25 and cfg["num_iterations"] == 6
+    assert [(s["start_step"], set(s.get("changes", {}))) for s in cfg["segments"]] == [
+        (0, set()),
+        (2, {"--matrix-lr"}),
+        (4, {"num_iterations"}),
+    ]
+    # the finished run, asked again with no flag: nothing to do; stating the old LR is a change
+    base_train.main(bare + ["--resume", "latest"])
+    assert "already finished its 6 steps" in capsys.readouterr().out
+    err = script_error(base_train.main, *bare, "--resume", "4", "--matrix-lr", "0.5")
+    assert "--matrix-lr 0.25 → 0.5" in err and "--change-settings" in err, err
+    # checkpoints of earlier code record no flags: config.json's, with the changes from the resumed step on undone
+    for step in (2, 4, 6):
+        meta_file = os.path.join(run_dir, f"meta_{step:06d}.json")
+        meta = json.load(open(meta_file))
+        json.dump({k: v for k, v in meta.items() if k not in resume.RUN_KEYS}, open(meta_file, "w"))
+    base_train.main(bare + ["--resume", "2"])
+    cfg = config_of(run_dir)
+    assert cfg["args"]["matrix_lr"] == 0.5 and cfg["num_iterations"] == 4 and len(cfg["segments"]) == 1
+    assert losses(run_dir) == losses(os.path.join(runs, "full"))
+
+
+def test_resuming_from_an_earlier_step_drops_the_later_history(runs, capsys):
+    """The history describes the run that exists: a start at step 2 replaces every segment from step 2 on."""
+    run_dir = copy_run(runs, "full", "again")
+    main(COMMON[:1] + ["6"] + COMMON[2:] + ["--run", "again", "--resume", "latest", "--change-settings"])
+    assert [s["start_step"] for s in config_of(run_dir)["segments"]] == [0, 4]
+    capsys.readouterr()
+    main(COMMON + ["--run", "again", "--resume", "2", "--change-settings"])
+    out = capsys.readouterr().out
+    assert "resumed from step 2 of" in out and "changes no setting" in out, out
+    cfg = config_of(run_dir)
+    assert cfg["num_iterations"] == 4 and [s["start_step"] for s in cfg["segments"]] == [0]
+    assert losses(run_dir) == losses(os.path.join(runs, "full"))

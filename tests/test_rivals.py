@@ -194,6 +194,7 @@ def test_layerrope_reads_and_writes_its_gains():
 # undone: the baseline
 
 
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("arch", list(ARMS))
 @torch.no_grad()
 def test_at_init_every_arm_is_gpt_bit_for_bit(arch):
@@ -208,6 +209,7 @@ def test_at_init_every_arm_is_gpt_bit_for_bit(arch):
     assert torch.equal(arm(idx), gpt(idx))
 
 
+@pytest.mark.cpu_kind
 @torch.no_grad()
 def test_undone_arms_are_gpt_bit_for_bit_where_the_math_allows():
     idx = tokens()
@@ -282,6 +284,43 @@ def test_flags_build_each_arm():
             mod_args = base_train.parse_args(flags + ["--mod-rate", "0.2"])
             archs.arch_for_args(mod_args)
             spec.init_kwargs(mod_args)
+
+
+@pytest.mark.parametrize(
+    "arch, ignored",
+    [
+        ("gpt-lns", ["--rival-gain-lr", "--layerrope-init"]),
+        ("gpt-peri", ["--layerrope-init"]),
+        ("gpt-layerrope", []),
+        ("gpt", ["--rival-gain-lr", "--layerrope-init"]),
+    ],
+)
+def test_a_rival_flag_belongs_to_the_arms_that_read_it(arch, ignored):
+    """LNS has no gains and only LayerRoPE has an init to pick: a flag an arm ignores gets the note every ignored
+    flag gets, and is no setting of its run (base_train's resume never compares it)."""
+    from scripts import base_train
+
+    args = base_train.parse_args(["--arch", arch, "--rival-gain-lr", "0.5", "--layerrope-init", "depth"])
+    notes = archs.ignored_flags(args, base_train.build_parser().parse_args([]))
+    given = [f for note in notes for f in note.split(" appl")[0].removeprefix("note: ").split(", ")]
+    assert given == ignored, notes
+    rival = {"rival_gain_lr", "layerrope_init"}
+    assert rival & set(archs.unread_flags(args)) == {f[2:].replace("-", "_") for f in ignored}
+
+
+def test_an_ignored_rival_flag_never_blocks_a_resume(run_base, capsys):
+    """It once did: "cannot reuse the finished run ... (--rival-gain-lr 0.5 → 0.6)" on a gpt-lns run."""
+    from conftest import TINY_TRAIN
+    from scripts import base_train
+
+    flags = TINY_TRAIN + ["--arch", "gpt-lns", "--run", "lns", "--num-iterations", "1", "--eval-every", "-1"]
+    run_dir = base_train.main(flags + ["--rival-gain-lr", "0.5"])
+    assert (
+        "note: --rival-gain-lr applies only with a rival arm with learned gains (gpt-peri, gpt-layerrope); "
+        "this gpt-lns run ignores it" in capsys.readouterr().out
+    )
+    assert base_train.main(flags + ["--resume", "latest", "--rival-gain-lr", "0.6"]) == run_dir
+    assert "already finished its 1 steps; nothing to do" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------

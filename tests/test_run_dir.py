@@ -136,7 +136,7 @@ def test_nag_and_recipe_flags_on_gpt_are_named(run_base, capsys):
         "note: --nag-alpha-warmup-tokens, --nag-mod-floor apply only "
         "with a NAG arch (nag, nag-recipe); this gpt run ignores them" in out
     )
-    assert "note: --no-smear apply only with a recipe arch (gpt-recipe, nag-recipe); this gpt run ignores them" in out
+    assert "note: --no-smear applies only with a recipe arch (gpt-recipe, nag-recipe); this gpt run ignores it" in out
 
 
 def test_settings_cannot_drift_on_resume(run_base, script_error):

@@ -113,6 +113,95 @@ def test_headline_gives_the_evaluated_figures_to_every_digit(tmp_path, monkeypat
         run_dir.headline("missing")
 
 
+EXPECTED = {
+    "settings": {"target_flops": 1e13, "seed": 42, "data_seed": None, "max_per_task": 50},
+    "tokenizer": "04c8e575e562ee5f",
+    "python": "3.11.7",
+    "torch": "2.13.0+cpu",
+    "machine": "an Intel Xeon",
+    "val_bpb_tolerance": 1e-5,
+    "core_examples": 1,
+    "runs": {
+        "cpu-gpt": {"val_bpb": 1.73, "partial_core": -0.0103, "core_tasks": ["a", "b"]},
+        "cpu-nag": {"val_bpb": 1.89, "partial_core": 0.0035, "core_tasks": ["a", "b"]},
+    },
+}
+
+
+def figures(run, **changes):
+    """demo_figures of a run that gives exactly the expected figures, but for `changes`."""
+    fig = {
+        **EXPECTED["runs"][run],
+        "core_step": 0.01,
+        "settings": dict(EXPECTED["settings"]),
+        "tokenizer": EXPECTED["tokenizer"],
+        "torch": EXPECTED["torch"],
+    }
+    fig["settings"].update({k: changes.pop(k) for k in list(changes) if k in fig["settings"]})
+    return {**fig, **changes}
+
+
+def test_the_demo_figures_against_the_expected_ones():
+    """runcpu.sh's check: within the tolerances as expected, beyond them the differences and what to check, and for
+    other runs (SEEDS), settings (MAX_PER_TASK, TARGET_FLOPS) or corpus not applicable rather than a false mismatch."""
+
+    def check(**runs):
+        both = {run: figures(run) for run in ("cpu-gpt", "cpu-nag")}
+        return run_dir.compare_expected({**both, **runs}, EXPECTED, "3.11.7")
+
+    verdict, lines = check(**{"cpu-gpt": figures("cpu-gpt", val_bpb=1.73 + 2e-6, partial_core=-0.0103 + 0.01)})
+    assert verdict == "as expected" and len(lines) == 4  # bpb within 1e-5, CORE by exactly one example
+    assert lines[0] == "cpu-gpt val bpb +2.0e-06 from the expected 1.73 (tolerance ±1e-05)"
+    verdict, lines = check(**{"cpu-nag": figures("cpu-nag", val_bpb=1.8903)})
+    assert verdict == "differs" and "cpu-nag val bpb +3.0e-04 from the expected 1.89" in lines[2]
+    assert lines[-1].startswith("what to check: that the venv holds requirements.lock's versions")
+    verdict, lines = check(**{"cpu-nag": figures("cpu-nag", partial_core=0.0035 - 0.02, torch="2.12.0+cpu")})
+    assert verdict == "differs" and "cpu-nag partial CORE -0.02000" in lines[3] and "torch 2.12.0+cpu" in lines[-1]
+    verdict, lines = check(**{"cpu-nag": figures("cpu-nag", core_tasks=["a"], partial_core=0.5)})
+    assert verdict == "as expected" and "cpu-nag partial CORE not compared: 1 tasks scored" in lines[3]
+    # not applicable: nothing is compared
+    seeds = {f"cpu-{a}-s1": figures(f"cpu-{a}") for a in ("gpt", "nag")}
+    verdict, lines = run_dir.compare_expected(seeds, EXPECTED, "3.11.7")
+    assert verdict == "not applicable" and "cpu-gpt-s1, cpu-nag-s1 are other runs" in lines[0]
+    verdict, lines = check(**{"cpu-gpt": figures("cpu-gpt", max_per_task=10, val_bpb=2.0)})
+    assert verdict == "not applicable" and lines == [
+        "cpu-gpt has max_per_task 10; the expected figures are for target_flops 1e+13, seed 42, data_seed None, "
+        "max_per_task 50"
+    ]
+    verdict, lines = check(**{"cpu-nag": figures("cpu-nag", tokenizer="0ther")})
+    assert verdict == "not applicable" and "standard-library docs (3.11.7 here" in lines[0]
+
+
+def test_core_step_is_one_example_of_the_coarsest_task(tmp_path):
+    """Task a: 50 items, baseline 0 (one example: 1/50); task b: 20 items, baseline 50% (1/(20 × 0.5) = 1/10);
+    CORE is their mean, so one example moves it by at most 1/10 / 2."""
+    from nanochat.core_eval import save_records
+
+    tasks = {"a": {"num_examples": 50, "random_baseline": 0.0}, "b": {"num_examples": 20, "random_baseline": 50.0}}
+    records = [{"task": t, "idx": 0, "correct": True, "margin": 1.0, "item": "x"} for t in tasks]
+    save_records(str(tmp_path / run_dir.RECORDS), records, {"tasks": tasks}, lambda p, b: open(p, "wb").write(b))
+    ev = {"tasks": {t: {"num_examples": v["num_examples"]} for t, v in tasks.items()}, "core_records": run_dir.RECORDS}
+    assert run_dir.core_step(str(tmp_path), ev) == pytest.approx(0.05)
+    assert run_dir.core_step(str(tmp_path), {}) is None
+
+
+def test_the_shipped_expected_figures_are_of_runcpu_defaults():
+    """runs/runcpu_expected.json: the settings runcpu.sh runs by default and the preset's, and both runs' figures."""
+    import os
+    import re
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    expected = run_dir.read_json(os.path.join(repo, "runs", "runcpu_expected.json"))
+    script = open(os.path.join(repo, "runs", "runcpu.sh")).read()
+    defaults = dict(re.findall(r'^(TARGET_FLOPS|MAX_PER_TASK)="\$\{\1:-([^}]+)\}"', script, re.M))
+    settings = expected["settings"]
+    assert settings["target_flops"] == float(defaults["TARGET_FLOPS"])
+    assert settings["max_per_task"] == int(defaults["MAX_PER_TASK"])
+    assert sorted(expected["runs"]) == ["cpu-gpt", "cpu-nag"]
+    for figs in expected["runs"].values():
+        assert isinstance(figs["val_bpb"], float) and isinstance(figs["partial_core"], float) and figs["core_tasks"]
+
+
 def test_every_run_json_is_read_by_one_reader_with_one_error_line(tmp_path):
     """run_dir.read_json: a missing, unreadable or damaged file is one line naming it and the fix; read_record (results
     rewritten from scratch) and read_config(missing_ok: a resume) keep None and {} for an absent file."""

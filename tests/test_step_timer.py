@@ -12,7 +12,7 @@ from conftest import TINY_TRAIN
 from scripts import base_train
 from nanochat import checkpoint_manager as ckpt
 from nanochat.optim import MuonAdamW
-from nanochat.step_timer import StepTimer, Readback, biggest
+from nanochat.step_timer import StepTimer, Readback, biggest, call_ms
 
 # added to every train micro-batch, optimizer step, evaluation, save
 DATA_S, OPTIM_S, EVAL_S, SAVE_S = 0.02, 0.01, 0.05, 0.1
@@ -33,6 +33,20 @@ def test_timer_parts_tile_the_interval():
     parts, _ = timer.read()  # the next interval starts at the last mark of the one before
     assert list(parts) == ["save"] and 0.01 <= parts["save"] < 0.5
     assert biggest({"fwd_bwd": 3.0, "data": 1.0}) == "fwd+bwd 75%" and biggest({}) == ""
+
+
+def test_call_ms_times_the_call_alone():
+    """The benchmarks' timer on the CPU (the host clock; CUDA events on a GPU): setup runs before every call, warm-up
+    ones included, and is not timed; the figure is the median call's."""
+    setups, calls = [], []
+    ms = call_ms(
+        lambda: calls.append(time.sleep(0.005)),
+        "cpu",
+        reps=3,
+        warmup=1,
+        setup=lambda: setups.append(time.sleep(0.03)),
+    )
+    assert len(setups) == len(calls) == 4 and 5 <= ms < 25
 
 
 def test_readback_gives_the_value_put_one_step_before():

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import TINY_TRAIN, linked_base
 from test_compare import write_run, eval_record
-from scripts import base_train, base_eval, compare, sample, export_hf
+from scripts import base_train, base_eval, compare, sample, export_hf, speedrun, tok_train, tok_eval, check_cuda
+from scripts.experiments import depth_sweep
 import analysis.run
 import analysis.compare.pair
 from nanochat import run_dir as run_files
@@ -94,7 +95,7 @@ def test_every_number_flag_follows_one_rule(tmp_path, monkeypatch, script_error,
 
 
 def parsers():
-    """The parsers of the six commands; compare and analysis build theirs inside main: caught as they parse."""
+    """The parsers of the commands; those that build theirs inside main: caught as they parse."""
     import argparse
 
     built = {
@@ -102,6 +103,8 @@ def parsers():
         "base_eval": base_eval.build_parser(),
         "sample": sample.build_parser(),
         "export_hf": export_hf.build_parser(),
+        "speedrun": speedrun.build_parser(),
+        "depth_sweep": depth_sweep.build_parser(),
     }
 
     def catch(self, args=None, namespace=None):
@@ -109,7 +112,14 @@ def parsers():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(argparse.ArgumentParser, "parse_args", catch)
-        for name, main in (("compare", compare.main), ("analysis", analysis.run.main)):
+        built_in_main = {
+            "compare": compare.main,
+            "analysis": analysis.run.main,
+            "tok_train": tok_train.main,
+            "tok_eval": tok_eval.main,
+            "check_cuda": check_cuda.main,
+        }
+        for name, main in built_in_main.items():
             with pytest.raises(Caught) as e:
                 main([])
             built[name] = e.value.args[0]
@@ -125,7 +135,8 @@ NOT_COUNTS = {"seed", "data_seed", "nag_alpha_init_power", "mod_rate"}
 
 
 def test_no_number_flag_escapes_the_rule():
-    """Every int or float flag of the six commands is parsed by one of nanochat/common.py's number types."""
+    """Every int or float flag of the commands is parsed by one of nanochat/common.py's number types (tok_eval
+    --max-chars -5 used to report a figure from one document, depth_sweep --gpus 0 ended in a traceback)."""
     from nanochat.common import Number
 
     loose = [

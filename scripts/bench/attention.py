@@ -1,10 +1,12 @@
 """
 Benchmark every attention kernel that loads against SDPA: time and output differences.
 
-Attention alone, every kernel that loads against SDPA (nanochat/flash_attention.py, docs/design.md §2): forward and
-forward + backward time of one attention call, for a full causal window (L) and the half window of S layers, and
-the largest differences between each kernel's outputs and input gradients and SDPA's, each kernel also against a
-reference in a wider dtype.
+Attention alone, every kernel that loads against SDPA (nanochat/flash_attention.py, docs/design.md §2): forward,
+backward and forward + backward time of one attention call (each the median of --steps calls timed alone: CUDA
+events on a GPU), for a full causal window (L) and the half window of S layers, each kernel's S time against its L
+time (a window should cost no more than the full row), and the largest differences between each kernel's outputs
+and input gradients and SDPA's, each kernel also against a reference in a wider dtype. "attention" is the record
+base_train would keep at this shape: the kernel --attn resolves to and why (auto: the timings it chose by).
 
     python -m scripts.bench.attention                    # CUDA: the published shape (16 × 2048, 5 heads × 128, bf16); CPU: a tiny one
     python -m scripts.bench.attention --compile --json attention.json   # gpu_checks' stage: also the chosen kernel compiled
@@ -31,6 +33,7 @@ import torch
 
 from nanochat import flash_attention as fa
 from nanochat.common import UserError, exit_on_user_error
+from nanochat.step_timer import call_ms
 
 SLACK = 4.0  # a kernel may be this many times further from the reference than the baseline (plus 1e-3) before it fails
 FAST = ("cudnn", "fa3", "fa4")  # timed after sdpa, each where it loads
@@ -64,16 +67,10 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, steps, warmup, device):
-    """Milliseconds per call, after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    sync(device)
-    return 1e3 * (time.perf_counter() - t0) / steps
+def timed(fn, args, device, setup=None):
+    """Milliseconds of one call: the median of --steps calls after --warmup, each timed alone (setup: before each,
+    not timed)."""
+    return call_ms(fn, device, reps=args.steps, warmup=args.warmup, setup=setup)
 
 
 def attend(kernel, q, k, v, window):
@@ -108,14 +105,12 @@ def first_line(e):
     return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
 
 
-def pick_kernels(requested, device, dtype):
+def pick_kernels(requested, device, dtype, shapes):
     """The kernels to time (sdpa first) and, for each other one, why it is not timed."""
-    if requested in FAST:
-        fa.resolve_attention(requested, device, dtype)  # where it cannot run: the one-line UserError
     wanted = FAST if requested == "auto" else [k for k in FAST if k == requested]
     skipped = {k: f"--attn {requested}" for k in FAST if k not in wanted}
     for k in wanted:
-        why = fa.kernel_unavailable(k, device, dtype)
+        why = fa.kernel_unavailable(k, device, dtype, shapes=shapes)
         if why is not None:
             skipped[k] = why
     return ["sdpa"] + [k for k in wanted if k not in skipped], skipped
@@ -136,7 +131,7 @@ def compile_check(kernel, inputs, dy, window, eager, args, device):
             got = forward_backward(fn, inputs, dy)
             sync(device)
             out.update(fullgraph=fullgraph, compile_s=time.perf_counter() - t0, max_diff_vs_eager=max_diff(got, eager))
-            out["fwd_bwd_ms"] = timed(lambda: forward_backward(fn, inputs, dy), args.steps, args.warmup, device)
+            out["fwd_bwd_ms"] = timed(lambda: forward_backward(fn, inputs, dy), args, device)
             return out
         except Exception as e:  # a graph break under fullgraph: say so, then compile as base_train does
             out["graph_break" if fullgraph else "error"] = first_line(e)
@@ -147,8 +142,6 @@ def run(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ref_dtype = torch.float32 if device.type == "cuda" else torch.float64
-    kernel, reason = fa.resolve_attention(args.attn, device, dtype)  # what training would run
-    kernels, skipped = pick_kernels(args.attn, device, dtype)
     B, T, H, D = args.batch, args.seq_len, args.heads, args.head_dim
     KV = args.kv_heads or H
     if H % KV:
@@ -156,6 +149,12 @@ def run(args):
     windows = [w.strip().upper() for w in args.windows.split(",") if w.strip()]
     if not windows or any(w not in ("L", "S") for w in windows):
         raise UserError(f"--windows takes L and S (got {args.windows!r})")
+    tokens = {name: T if name == "L" else T // 2 for name in windows}
+    shapes = fa.AttentionShapes(D, H, KV, T, tuple(sorted(set(tokens.values()), reverse=True)))
+    # what training would run at this shape, as base_train records it (auto: probed and timed, rank 0 alone)
+    record = fa.agree_attention(args.attn, device, dtype, False, shapes=shapes)
+    kernel, reason = record["kernel"], record["reason"]
+    kernels, skipped = pick_kernels(args.attn, device, dtype, shapes)
     print(
         f"attention: {kernel} ({reason}) | timing {', '.join(kernels)} "
         f"| {device.type} {dtype} | batch {B} × {T} tokens, "
@@ -168,7 +167,7 @@ def run(args):
     rows, diffs, compiled = [], [], None
     compile_at = "S" if "S" in windows else windows[-1]  # the call that passes a window
     for name in windows:
-        window = T if name == "L" else T // 2
+        window = tokens[name]
         ref = forward_backward(
             lambda *x: attend("sdpa-mask", *x, window), [t.to(ref_dtype) for t in (q, k, v)], dy.to(ref_dtype)
         )
@@ -178,13 +177,20 @@ def run(args):
         for kern in (["sdpa-mask"] if masked else []) + kernels:
             fn = lambda *x, kern=kern: attend(kern, *x, window)
             outs[kern] = forward_backward(fn, (q, k, v), dy)
-            fwd = timed(lambda: fn(q, k, v), args.steps, args.warmup, device)
-            both = timed(lambda: forward_backward(fn, (q, k, v), dy), args.steps, args.warmup, device)
+            fwd = timed(lambda: fn(q, k, v), args, device)
+            both = timed(lambda: forward_backward(fn, (q, k, v), dy), args, device)
+            held = {}  # the output of the forward whose backward is timed
+
+            def forward(fn=fn):
+                held["y"] = fn(*(x.detach().requires_grad_() for x in (q, k, v)))
+
+            bwd = timed(lambda: held["y"].backward(dy), args, device, setup=forward)
             row = {
                 "kernel": kern,
                 "window": name,
                 "window_tokens": window,
                 "fwd_ms": fwd,
+                "bwd_ms": bwd,
                 "fwd_bwd_ms": both,
                 "tflops": 3.5 * flops / (both / 1e3) / 1e12,  # backward ≈ 2.5 × forward
                 "err_out": max_diff(outs[kern][:1], ref[:1]),
@@ -193,7 +199,8 @@ def run(args):
             rows.append(row)
             by_kernel[kern] = row
             print(
-                f"{name} (window {window}) {kern:9s}  fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms  {row['tflops']:6.3g} "
+                f"{name} (window {window}) {kern:9s}  fwd {fwd:8.3f} ms  bwd {bwd:8.3f} ms  fwd+bwd {both:8.3f} ms  "
+                f"{row['tflops']:6.3g} "
                 f"TFLOP/s  vs reference: out {row['err_out']:.2e}, grads {row['err_grad']:.2e}",
                 flush=True,
             )
@@ -236,12 +243,22 @@ def run(args):
                 ),
                 flush=True,
             )
+    ms = {(r["kernel"], r["window"]): r["fwd_bwd_ms"] for r in rows}
+    window_vs_full = {k: ms[k, "S"] / ms[k, "L"] for k in kernels if (k, "S") in ms and (k, "L") in ms}
+    if window_vs_full:
+        print(
+            "S window / full causal (L), forward + backward: "
+            + ", ".join(f"{k} {x:.2f}×" for k, x in window_vs_full.items())
+            + f" ({'each at most 1' if max(window_vs_full.values()) <= 1 else 'MORE THAN 1: a window costs more'})",
+            flush=True,
+        )
     ok = all(d["agree"] for d in diffs) and (compiled is None or compiled["ok"])
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype).replace("torch.", ""),
         "shape": {"batch": B, "seq_len": T, "heads": H, "kv_heads": KV, "head_dim": D},
-        "attention": {"requested": args.attn, "kernel": kernel, "reason": reason},
+        "attention": record,
+        "window_vs_full": window_vs_full,
         "kernels": {**{k: "timed" for k in kernels}, **skipped},
         "results": rows,
         "vs_sdpa": diffs,

@@ -687,6 +687,8 @@ def kernel_figures(d):
 
 def attention_figures(d):
     cells = [f"{r['kernel']} {r['window']} {r['fwd_bwd_ms']:.2f} ms" for r in d["results"]]
+    if d.get("window_vs_full"):  # the claim: an S window costs no more than the full row
+        cells.append("S / L " + ", ".join(f"{k} {x:.2f}×" for k, x in d["window_vs_full"].items()))
     cells += [
         f"{x['window']}: {x.get('kernel', 'fa3')} {x['speedup']:.2f}× as fast as {x.get('vs', 'sdpa')}, |difference| "
         f"out {x['out']:.1e}, grads {max(x['grad_q'], x['grad_k'], x['grad_v']):.1e}"
@@ -697,6 +699,8 @@ def attention_figures(d):
         cells.append("not run: " + ", ".join(f"{k} ({why})" for k, why in skipped.items()))
     elif not d.get("vs_sdpa", d["fa3_vs_sdpa"]):
         cells.append(f"FA3 not run: {d['attention']['reason']}")
+    if "timed_ms" in d["attention"]:  # auto chose by timing: what, and why
+        cells.append(f"--attn auto chose {d['attention']['kernel']}: {d['attention']['reason']}")
     c = d.get("compile")
     if c:
         cells.append(

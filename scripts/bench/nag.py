@@ -4,7 +4,9 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
 1. Whole training steps (via scripts.bench.train, one process per variant): GPT vs
    NAG-reference vs NAG-compiled vs NAG-fused, step time and peak memory as ratios to GPT,
    at a small shape and (on CUDA) the published one: 64 blocks, dim 640, seq 2048, batch 16.
-2. The branch op alone: time of forward and forward+backward, and the achieved bytes/s
+2. The branch op alone: the time of its forward and of its backward, each timed alone (the median of
+   repeated calls: CUDA events on a GPU; the leaves' grads cleared before each backward, so none is
+   accumulated), and the bytes/s each moves (branch_op_bytes: what the fused kernels read and write)
    against the device's measured copy bandwidth (the roofline of a memory-bound op); with
    --op-rows-per-program, the fused backward alone at each number of rows per program.
 3. Activation memory: the bytes per token per layer a bf16 training forward saves for backward,
@@ -23,7 +25,6 @@ What NAG costs over the GPT baseline, per implementation of the branch update.
 import sys
 import json
 import math
-import time
 import argparse
 
 import torch
@@ -31,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # first: on a machine without a GPU it selects Triton's interpreter before torch imports Triton
 import nag  # noqa: F401
+from nanochat.step_timer import call_ms
 
 SECTIONS = ("steps", "op", "activations", "launches")  # the four parts above
 # launches of the fused update before the gate transforms and the parameter-gradient sums moved into the kernels
@@ -77,16 +79,9 @@ def parse():
     return p.parse_args()
 
 
-def timed(fn, iters, device_type):
-    fn()
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+def timed(fn, iters, device_type, setup=None):
+    """Seconds of one call of fn: the median of `iters` calls, each timed alone (nanochat.step_timer.call_ms)."""
+    return call_ms(fn, device_type, reps=iters, setup=setup) / 1e3
 
 
 def copy_bandwidth(device, device_type, nbytes):
@@ -94,6 +89,20 @@ def copy_bandwidth(device, device_type, nbytes):
     dst = torch.empty_like(src)
     dt = timed(lambda: dst.copy_(src), 10 if device_type == "cuda" else 3, device_type)
     return 2 * nbytes / dt  # read + write
+
+
+def branch_op_bytes(dim, channels, esize, rows=1):
+    """(forward, backward) bytes the fused branch op moves for `rows` rows at the least, from nag/kernels.py's kernels:
+    the rows of D and of C channels in the inputs' dtype (esize bytes), the log-norms in fp32.
+    Forward (_nag_forward_kernel) reads res, branch, logits and log_norm, writes new_res and new_log_norm:
+    3 D-rows + C + 2 log-norms. Backward (_nag_backward_kernel) reads res, branch, logits and the two output grads
+    (grad_new_res, grad_new_log_norm), writes the grads of res, branch and logits: 5 D-rows + 2 C + 1 log-norm.
+    log_norm's grad is grad_new_log_norm itself (no kernel writes it), and the gate's per-program partial sums
+    (C + 2 floats per program of up to 16 rows) are left out. At D = 640, C = 32, bf16: 3,912 and 6,532 B a row."""
+    row, logits = dim * esize, channels * esize
+    forward = 3 * row + logits + 2 * 4
+    backward = (3 * row + logits + 4) + (3 * row + logits + 2 * 4)  # the old count
+    return rows * forward, rows * backward
 
 
 def bench_op(args, impls):
@@ -115,14 +124,13 @@ def bench_op(args, impls):
     alpha = torch.full((1,), 0.3, device=device).requires_grad_()
     g_dir = torch.randn(N, D, device=device, dtype=dtype)
     g_ln = torch.randn(N, 1, device=device)
-    # minimum traffic: forward reads res, out, logits, log_norm and writes new_dir, new_log_norm;
-    # backward reads those inputs + both output grads and writes the four input grads
-    fwd_bytes = N * (3 * D * esize + C * esize + 2 * 4)
-    bwd_bytes = N * (3 * D * esize + C * esize + 4) + N * (3 * D * esize + C * esize + 2 * 4)
+    leaves = (res, log_norm, out, logits, coef, beta, alpha)
+    fwd_bytes, bwd_bytes = branch_op_bytes(D, C, esize, N)
     bw = copy_bandwidth(device, device_type, 2**30 if device_type == "cuda" else 2**26)
     print(
         f"\nbranch op: {N:,} rows × D={D}, C={C}, {str(dtype).replace('torch.', '')} on {device_type}; "
-        f"measured copy bandwidth {bw / 1e9:,.1f} GB/s"
+        f"measured copy bandwidth {bw / 1e9:,.1f} GB/s; bytes a row at the least: forward {fwd_bytes // N:,}, "
+        f"backward {bwd_bytes // N:,}"
     )
     figures = {
         "rows": N,
@@ -131,6 +139,8 @@ def bench_op(args, impls):
         "dtype": str(dtype).replace("torch.", ""),
         "device": device_type,
         "copy_gbps": bw / 1e9,
+        "forward_bytes_per_row": fwd_bytes // N,
+        "backward_bytes_per_row": bwd_bytes // N,
         "impls": {},
     }
     iters = 20 if device_type == "cuda" else 3
@@ -143,15 +153,20 @@ def bench_op(args, impls):
             continue
         fn = branch_function(impl)
         args_ = (res, log_norm, out, logits, coef, beta, alpha, 1e-6, "measured")
-        with torch.no_grad():
-            t_fwd = timed(lambda: fn(*args_), iters, device_type)
+        held = {}
 
-        def fwd_bwd():
-            d, s = fn(*args_)
-            torch.autograd.backward((d, s), (g_dir, g_ln))
+        def clear():  # the leaves' grads (none accumulates into the next backward) and the last call's graph
+            held.clear()
 
-        t_all = timed(fwd_bwd, iters, device_type)
-        t_bwd = max(t_all - t_fwd, 1e-9)
+        def forward():  # as training runs it: autograd records
+            held["out"] = fn(*args_)
+
+        def cleared_forward():
+            clear()
+            forward()
+
+        t_fwd = timed(forward, iters, device_type, setup=clear)
+        t_bwd = timed(lambda: torch.autograd.backward(held["out"], (g_dir, g_ln)), iters, device_type, cleared_forward)
         print(
             f"  {impl:9s} forward {1e3 * t_fwd:8.3f} ms ({fwd_bytes / t_fwd / 1e9:8.1f} GB/s, "
             f"{100 * fwd_bytes / t_fwd / bw:5.1f}% of copy) | backward {1e3 * t_bwd:8.3f} ms "
@@ -169,6 +184,16 @@ def bench_op(args, impls):
         values = [int(k) for k in args.op_rows_per_program.split(",") if k.strip()]
         backward = (g_dir, g_ln, res, out, logits, coef, beta, alpha, None, 1e-6, "measured")
         figures["rows_per_program"] = sweep_rows_per_program(backward, values, bwd_bytes, bw, iters, device_type)
+    done = figures["impls"]
+    if "fused" in done and "compiled" in done:  # our kernels against Inductor's compile of the reference
+        figures["fused_vs_compiled"] = {
+            d: done["compiled"][f"{d}_ms"] / done["fused"][f"{d}_ms"] for d in ("forward", "backward")
+        }
+        print(
+            "  fused against compiled (Inductor): forward {forward:.2f}×, backward {backward:.2f}× as fast".format(
+                **figures["fused_vs_compiled"]
+            )
+        )
     return figures
 
 
