@@ -163,7 +163,8 @@ def add_operations_args(p):
         default="auto",
         choices=list(ATTN_CHOICES),
         help=(
-            "attention kernel: auto = on Hopper the first of fa4, cudnn, fa3 that loads (docs/design.md §2), else SDPA"
+            "attention kernel: auto = on Hopper the fastest of sdpa and each of cudnn, fa4, fa3 that loads, timed at "
+            "start (docs/design.md §2); elsewhere SDPA"
         ),
     )
     g.add_argument(

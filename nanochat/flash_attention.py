@@ -273,7 +273,8 @@ def kernel_ms(kernel, device, shapes=None, tokens=TIME_TOKENS):
     xs = [t.requires_grad_() for t in (q, k, v)]
 
     def zero_grads():
-        pass
+        for x in xs:
+            x.grad = None
 
     return sum(
         call_ms(lambda: causal_attention(q, k, v, w, kernel).backward(dy), device, setup=zero_grads)
@@ -291,7 +292,8 @@ def timing_reason(kernel, times):
     """Why auto chose `kernel` from times {kernel: ms}, with every time, fastest first."""
     order = sorted(times, key=times.get)
     why = "the fastest" if kernel == order[0] else f"within {100 * TIE:.0f}% of the fastest, and simpler"
-    return f"Hopper GPU, {kernel} {why} (forward + backward: " + ", ".join(f"{k} {times[k]:.3g} ms" for k in order) + ")"
+    ms = ", ".join(f"{k} {times[k]:.3g} ms" for k in order)
+    return f"Hopper GPU, {kernel} {why} (forward + backward: {ms})"
 
 
 def choose_kernel(requested, device, dtype=None, shapes=None):

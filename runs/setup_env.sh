@@ -55,7 +55,7 @@ if [ "$STALE" = 1 ] || ! "$VENV/bin/python" -c "$FOUND" nanochat tiktoken rustbp
     "$VENV/bin/pip" install -q -c "$LOCK" -e "$REPO_ROOT[test]"
 fi
 # GPU nodes: the fast attention kernel, pyproject's gpu extra (flash-attn-4; with CUDA 13 torch, CUTLASS DSL's cu13
-# libraries too), once. A failed install costs one line: --attn auto then takes the next kernel (docs/design.md §2)
+# libraries too), once. A failed install costs one line: --attn auto then times the kernels left (docs/design.md §2)
 if [ "$GPU_NODE" = 1 ] && { [ "$STALE" = 1 ] || ! "$VENV/bin/python" -c "$FOUND" flash_attn.cute 2>/dev/null; }; then
     CU13=$("$VENV/bin/python" -c "import torch; print('nvidia-cutlass-dsl[cu13]' if (torch.version.cuda or '').startswith('13') else '')")
     echo "[setup] installing the gpu extra (flash-attn-4${CU13:+, $CU13})"

@@ -173,8 +173,8 @@ def build_parser():
         default="auto",
         choices=list(ATTN_CHOICES),
         help=(
-            "attention kernel of bpb (auto: on Hopper the first of fa4, cudnn, fa3 that loads, else SDPA; "
-            "CORE's packed rows use masks)"
+            "attention kernel of bpb (auto: on Hopper the fastest of sdpa and each of cudnn, fa4, fa3 that loads, "
+            "timed at start; elsewhere SDPA; CORE's packed rows use masks)"
         ),
     )
     p.add_argument(

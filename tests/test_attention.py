@@ -448,7 +448,9 @@ def test_bench_runs_on_the_cpu_with_sdpa_alone(tmp_path, monkeypatch):
         ("sdpa", "L", 64),
         ("sdpa", "S", 32),
     ]
-    assert all(r["fwd_bwd_ms"] > 0 and r["err_out"] < 1e-5 for r in d["results"])
+    assert all(r["fwd_bwd_ms"] > 0 and r["bwd_ms"] > 0 and r["err_out"] < 1e-5 for r in d["results"])
+    ms = {r["window"]: r["fwd_bwd_ms"] for r in d["results"]}
+    assert d["window_vs_full"] == {"sdpa": ms["S"] / ms["L"]}  # the S window's cost against the full row's
     assert (
         d["attention"] == {"requested": "auto", "kernel": "sdpa", "reason": "no CUDA"}
         and d["vs_sdpa"] == []
@@ -457,7 +459,8 @@ def test_bench_runs_on_the_cpu_with_sdpa_alone(tmp_path, monkeypatch):
     # why each was not run
     assert d["kernels"] == {"sdpa": "timed", "cudnn": "no CUDA", "fa3": "no CUDA", "fa4": "no CUDA"}
     figures = gpu_checks.attention_figures(d)
-    assert figures.startswith("fwd+bwd sdpa L ") and figures.endswith(
+    assert figures.startswith("fwd+bwd sdpa L ") and f"; S / L sdpa {ms['S'] / ms['L']:.2f}×; " in figures
+    assert figures.endswith(
         "not run: cudnn (no CUDA), fa3 (no CUDA), fa4 (no CUDA)"
     )
     for named in ("fa3", "fa4", "cudnn"):  # a named kernel where it cannot run: the one line, exit status 1
@@ -551,3 +554,15 @@ def test_gpu_checks_attention_figures_and_headline(tmp_path):
         "FA3 1.50 ms, SDPA 3.00 ms forward + backward (2.00×); "
         "outputs differ by at most 4.0e-03" in lines
     )
+    # the windowed path against full causal, and what --attn auto chose by timing, and why
+    reason = "Hopper GPU, fa3 the fastest (forward + backward: fa3 4 ms, sdpa 7 ms)"
+    d["attention"] = {"requested": "auto", "kernel": "fa3", "reason": reason, "timed_ms": {"sdpa": 7.0, "fa3": 4.0}}
+    d["window_vs_full"] = {"sdpa": 0.75, "fa3": 0.6}
+    figures = gpu_checks.attention_figures(d)
+    assert "fa3 S 1.50 ms; S / L sdpa 0.75×, fa3 0.60×; L: fa3 1.60× as fast" in figures
+    assert figures.endswith(f"; --attn auto chose fa3: {reason}; fa3 compiled: fullgraph, 9 s, 1.40 ms")
+    (tmp_path / "attention.json").write_text(json.dumps(d))
+    assert (
+        "- attention alone, 16 × 2048, 5 heads × 128, forward + backward of the S window against full causal: "
+        f"sdpa 0.75×, fa3 0.60× (at most 1 wanted); --attn auto chose fa3 ({reason})"
+    ) in gpu_checks.headline(str(tmp_path))

@@ -99,19 +99,20 @@ def test_a_gpu_without_fp8_is_refused(monkeypatch):
 FP8_TINY = TINY_TRAIN + ["--model-dim", "128", "--fp8", "--run", "f8"]
 
 
-def test_a_cpu_without_fp8_matmuls_refuses_fp8_in_one_line(run_base, script_error, monkeypatch):
+def test_a_cpu_without_fp8_matmuls_refuses_fp8_in_one_line(tmp_path, script_error, monkeypatch):
     """torch hands a CPU's fp8 matmuls to oneDNN where the CPU has AMX, and oneDNN capped below AVX512-FP16
     (ONEDNN_MAX_CPU_ISA=AVX2) has none: "could not create a primitive descriptor" at the first matmul. The probe
     says so once, base_train refuses --fp8 in one line. In runs/test.sh's AVX2 step the real probe answers; on a CPU
     with fp8 matmuls a stand-in does."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))  # refused before it reads the data: an empty base will do
+    assert fp8.cpu_cannot_run() == NO_FP8_MATMUL and fp8.cpu_cannot_run.cache_info().misses == 1  # probed once
     if NO_FP8_MATMUL is None:
-        assert fp8.cpu_cannot_run() is None  # cached: one probe per process
         monkeypatch.setattr(fp8, "cpu_cannot_run", lambda: "this CPU's oneDNN has no fp8 matmul (a stand-in)")
     else:
         assert "oneDNN has no fp8 matmul" in NO_FP8_MATMUL
     err = script_error(base_train.main, *FP8_TINY, "--num-iterations", "1")
     assert err == f"error: --fp8 cannot run here: {fp8.cannot_run('cpu')}; train without --fp8"
-    assert not os.path.exists(os.path.join(run_base, "runs", "f8"))  # refused before the run began
+    assert os.listdir(tmp_path) == []  # refused before the run began
 
 
 @needs_fp8_matmul
@@ -320,9 +321,9 @@ def check_padded_matmuls(n, calls):
         dyq_pad.t().contiguous(), fp8.column_major(xq_pad), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.bfloat16
     )
     assert torch.equal(w.grad, dw_ref.float())
-    # and the zero rows change no value: dW is the exact product of the unpadded operands, within the rounding of
-    # any fp32 summation order (each of the K products and 2 scalings, then each partial sum, rounds by at most
-    # 2^-24 of what it adds: K·2^-24·Σ|a·b| in all, to first order) and of the bf16 result (half an ulp: 2^-8)
+    # and the zero rows change no value: dW is the exact product of the unpadded operands within the rounding of an
+    # fp32 sum in any order (the products, the two scalings and each partial sum round by at most 2^-24 relative:
+    # (K + 2)·2^-24·Σ|a·b| in all, to first order) and of the bf16 result (half an ulp: 2^-8 relative)
     a, b = dyq.double() * dy_inv.item(), xq.double() * x_inv.item()
     exact = a.t() @ b
     fp32_sums = (padded + 2) * 2**-24 * (a.abs().t() @ b.abs())

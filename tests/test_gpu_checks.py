@@ -516,7 +516,8 @@ def test_branch_op_json_and_the_rows_per_program_sweep(tmp_path):
     d = json.loads(path.read_text())
     assert d["op"]["rows"] == 8 and d["op"]["impls"]["reference"]["forward_gbps"] > 0
     # float32 on the CPU: 4-byte rows of 32
-    assert (d["op"]["forward_bytes_per_row"], d["op"]["backward_bytes_per_row"]) == (3 * 128 + 128 + 8, 5 * 128 + 256 + 4)
+    assert d["op"]["forward_bytes_per_row"] == 3 * 128 + 128 + 8
+    assert d["op"]["backward_bytes_per_row"] == 5 * 128 + 256 + 4
     sweep = d["op"]["rows_per_program"]
     assert sweep["default"] == 1 and list(sweep["backward_gbps"]) == ["8", "1"]  # the default measured too
     assert sweep["best"] in (1, 8) and sweep["gain_over_default"] >= 1.0
@@ -542,10 +543,27 @@ def test_the_branch_op_byte_model_is_what_the_fused_kernels_read_and_write():
     log_norm, grad_new_log_norm = rows(1, dtype=torch.float32), rows(1, dtype=torch.float32)
     params = [torch.empty(C, device="meta"), torch.empty(1, device="meta"), torch.empty(1, device="meta"), None]
     out = torch.ops.nag.fused_branch(res, log_norm, branch, logits, *params, 0.0, "measured")
-    grads = torch.ops.nag.fused_branch_backward(grad_new_res, grad_new_log_norm, res, branch, logits, *params, 0.0, "measured")
+    grads = torch.ops.nag.fused_branch_backward(
+        grad_new_res, grad_new_log_norm, res, branch, logits, *params, 0.0, "measured"
+    )
     per_row = lambda ts: sum(t.numel() * t.element_size() for t in ts if t.dim() == 2 and t.size(0) == N) // N
     assert per_row([res, log_norm, branch, logits, *out]) == 3912
     assert per_row([grad_new_res, grad_new_log_norm, res, branch, logits, *grads]) == 6532
+
+
+def test_the_branch_op_line_gives_each_direction_and_fused_against_inductor():
+    impl = lambda f, b: dict(
+        forward_ms=f, forward_gbps=3912 * 32768 / f / 1e6, forward_of_copy=0.5, backward_ms=b,
+        backward_gbps=6532 * 32768 / b / 1e6, backward_of_copy=0.25,
+    )
+    op = dict(copy_gbps=4238.0, forward_bytes_per_row=3912, backward_bytes_per_row=6532)
+    op["impls"] = {"compiled": impl(0.2, 0.8), "fused": impl(0.1, 1.0)}
+    op["fused_vs_compiled"] = {"forward": 2.0, "backward": 0.8}
+    assert gpu_checks.op_figures({"op": op}) == (
+        "copy 4238 GB/s (a row: fwd 3,912 B, bwd 6,532 B); compiled fwd 0.200 ms, 641 GB/s (50%), bwd 0.800 ms, "
+        "268 GB/s (25%); fused fwd 0.100 ms, 1282 GB/s (50%), bwd 1.000 ms, 214 GB/s (25%); "
+        "fused vs compiled (Inductor): fwd 2.00×, bwd 0.80× as fast"
+    )
 
 
 def test_the_branch_op_bench_times_each_direction_alone_with_the_grads_cleared(monkeypatch, capsys):

@@ -114,7 +114,8 @@ def test_headline_gives_the_evaluated_figures_to_every_digit(tmp_path, monkeypat
 
 
 EXPECTED = {
-    "settings": {"target_flops": 1e13, "seed": 42, "data_seed": None, "max_per_task": 50},
+    "settings": {"target_flops": 1e13, "seed": 42, "data_seed": None},
+    "max_per_task": 50,
     "tokenizer": "04c8e575e562ee5f",
     "python": "3.11.7",
     "torch": "2.13.0+cpu",
@@ -133,6 +134,7 @@ def figures(run, **changes):
     fig = {
         **EXPECTED["runs"][run],
         "core_step": 0.01,
+        "max_per_task": EXPECTED["max_per_task"],
         "settings": dict(EXPECTED["settings"]),
         "tokenizer": EXPECTED["tokenizer"],
         "torch": EXPECTED["torch"],
@@ -159,14 +161,15 @@ def test_the_demo_figures_against_the_expected_ones():
     assert verdict == "differs" and "cpu-nag partial CORE -0.02000" in lines[3] and "torch 2.12.0+cpu" in lines[-1]
     verdict, lines = check(**{"cpu-nag": figures("cpu-nag", core_tasks=["a"], partial_core=0.5)})
     assert verdict == "as expected" and "cpu-nag partial CORE not compared: 1 tasks scored" in lines[3]
+    verdict, lines = check(**{"cpu-gpt": figures("cpu-gpt", max_per_task=10, partial_core=0.5)})  # MAX_PER_TASK=10
+    assert verdict == "as expected" and "cpu-gpt partial CORE not compared: max_per_task 10" in lines[1]
     # not applicable: nothing is compared
     seeds = {f"cpu-{a}-s1": figures(f"cpu-{a}") for a in ("gpt", "nag")}
     verdict, lines = run_dir.compare_expected(seeds, EXPECTED, "3.11.7")
     assert verdict == "not applicable" and "cpu-gpt-s1, cpu-nag-s1 are other runs" in lines[0]
-    verdict, lines = check(**{"cpu-gpt": figures("cpu-gpt", max_per_task=10, val_bpb=2.0)})
+    verdict, lines = check(**{"cpu-gpt": figures("cpu-gpt", target_flops=2e13, val_bpb=2.0)})  # TARGET_FLOPS=2e13
     assert verdict == "not applicable" and lines == [
-        "cpu-gpt has max_per_task 10; the expected figures are for target_flops 1e+13, seed 42, data_seed None, "
-        "max_per_task 50"
+        "cpu-gpt has target_flops 2e+13; the expected figures are for target_flops 1e+13, seed 42, data_seed None"
     ]
     verdict, lines = check(**{"cpu-nag": figures("cpu-nag", tokenizer="0ther")})
     assert verdict == "not applicable" and "standard-library docs (3.11.7 here" in lines[0]
@@ -196,7 +199,7 @@ def test_the_shipped_expected_figures_are_of_runcpu_defaults():
     defaults = dict(re.findall(r'^(TARGET_FLOPS|MAX_PER_TASK)="\$\{\1:-([^}]+)\}"', script, re.M))
     settings = expected["settings"]
     assert settings["target_flops"] == float(defaults["TARGET_FLOPS"])
-    assert settings["max_per_task"] == int(defaults["MAX_PER_TASK"])
+    assert expected["max_per_task"] == int(defaults["MAX_PER_TASK"])
     assert sorted(expected["runs"]) == ["cpu-gpt", "cpu-nag"]
     for figs in expected["runs"].values():
         assert isinstance(figs["val_bpb"], float) and isinstance(figs["partial_core"], float) and figs["core_tasks"]

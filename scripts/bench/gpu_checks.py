@@ -132,7 +132,7 @@ def stages(quick, eval_bundle=None):
             "fused-kernel CUDA tests: vs the reference, leading dims, failure 1, custom ops, inductor compile",
             [py, "-m", "scripts.bench.gpu_checks", "--kernel-tests", "{json}"],
             150,
-            75,
+            65,  # 55 s on the first H200
             kernel_figures,
         ),
         bench_train(
@@ -163,15 +163,17 @@ def stages(quick, eval_bundle=None):
         Stage(
             "attention",
             "attention alone, every kernel that loads (SDPA flash and cuDNN, FA4, FA3), 16 × 2048, 5 heads × 128, "
-            "bf16, windows L and S (S: the kernel's own window or flex_attention against a dense mask)",
+            "bf16, windows L and S (S: the kernel's own window or flex_attention's block mask, built once, against a "
+            "dense mask): each direction's time, S against L, and the kernel --attn auto times fastest",
             [py, "-m", "scripts.bench.attention", "--compile", "--json", "{json}"],
-            60,
-            30,
+            90,
+            45,  # 48 s on the first H200, before auto timed the kernels
             attention_figures,
         ),
         Stage(
             "branch_op",
-            "branch op alone, 16 × 2048 rows × 640, bf16: GB/s against a copy; the fused backward by rows per program",
+            "branch op alone, 16 × 2048 rows × 640, bf16: each direction timed alone, GB/s against a copy, fused "
+            "against Inductor; the fused backward by rows per program",
             [
                 py,
                 "-m",
@@ -190,7 +192,7 @@ def stages(quick, eval_bundle=None):
                 "{json}",
             ],
             90,
-            45,
+            40,  # 34 s on the first H200
             op_figures,
         ),
     ]
@@ -716,15 +718,24 @@ def attention_figures(d):
 
 def op_figures(d):
     op = d["op"]
+    ms = lambda r, d: f" {r[d + '_ms']:.3f} ms," if d + "_ms" in r else ""  # a JSON from before had GB/s alone
     cells = [
-        f"{impl} fwd {r['forward_gbps']:.0f} GB/s ({100 * r['forward_of_copy']:.0f}%), bwd {r['backward_gbps']:.0f} "
-        f"GB/s ({100 * r['backward_of_copy']:.0f}%)"
+        f"{impl} fwd{ms(r, 'forward')} {r['forward_gbps']:.0f} GB/s ({100 * r['forward_of_copy']:.0f}%), "
+        f"bwd{ms(r, 'backward')} {r['backward_gbps']:.0f} GB/s ({100 * r['backward_of_copy']:.0f}%)"
         for impl, r in op["impls"].items()
     ]
+    if op.get("fused_vs_compiled"):
+        x = op["fused_vs_compiled"]
+        cells.append(f"fused vs compiled (Inductor): fwd {x['forward']:.2f}×, bwd {x['backward']:.2f}× as fast")
     sweep = op.get("rows_per_program")
     if sweep:
         cells.append(rows_per_program_figures(sweep))
-    return f"copy {op['copy_gbps']:.0f} GB/s; " + "; ".join(cells)
+    bytes_row = (
+        f" (a row: fwd {op['forward_bytes_per_row']:,} B, bwd {op['backward_bytes_per_row']:,} B)"
+        if "forward_bytes_per_row" in op
+        else ""
+    )
+    return f"copy {op['copy_gbps']:.0f} GB/s{bytes_row}; " + "; ".join(cells)
 
 
 def rows_per_program_figures(sweep):
@@ -830,6 +841,12 @@ def headline(out):
             + (f", GPT MFU {100 * g64['mfu']:.1f}%" if "mfu" in g64 else "")
         )
     attn = load(out, "attention")
+    if attn and attn.get("window_vs_full"):
+        lines.append(
+            "- attention alone, 16 × 2048, 5 heads × 128, forward + backward of the S window against full causal: "
+            + ", ".join(f"{k} {x:.2f}×" for k, x in attn["window_vs_full"].items())
+            + f" (at most 1 wanted); --attn auto chose {attn['attention']['kernel']} ({attn['attention']['reason']})"
+        )
     for x in (attn or {}).get("fa3_vs_sdpa", []):
         ms = {r["kernel"]: r["fwd_bwd_ms"] for r in attn["results"] if r["window"] == x["window"]}
         lines.append(

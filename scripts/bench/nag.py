@@ -101,7 +101,7 @@ def branch_op_bytes(dim, channels, esize, rows=1):
     (C + 2 floats per program of up to 16 rows) are left out. At D = 640, C = 32, bf16: 3,912 and 6,532 B a row."""
     row, logits = dim * esize, channels * esize
     forward = 3 * row + logits + 2 * 4
-    backward = (3 * row + logits + 4) + (3 * row + logits + 2 * 4)  # the old count
+    backward = (3 * row + logits + 4) + (2 * row + logits)  # reads, writes
     return rows * forward, rows * backward
 
 
@@ -156,6 +156,8 @@ def bench_op(args, impls):
         held = {}
 
         def clear():  # the leaves' grads (none accumulates into the next backward) and the last call's graph
+            for x in leaves:
+                x.grad = None
             held.clear()
 
         def forward():  # as training runs it: autograd records
