@@ -76,7 +76,7 @@ def add_model_args(p):
         action="store_true",
         help=(
             "fp8 matmuls in training for the linear layers the size rule admits "
-            "(nanochat/fp8.py; CUDA 8.9+, or the CPU)"
+            "(nanochat/fp8.py; CUDA 8.9+, or the CPU in an fp32 twin)"
         ),
     )
 

@@ -1,5 +1,5 @@
 """
-fp8 training of the linear layers: tensorwise dynamic scaling around torch._scaled_mm.
+fp8 training of the linear layers: tensorwise dynamic scaling around torch._scaled_mm (scaled_mm).
 
 docs/design.md §2, "fp8", explains the design.
 
@@ -17,9 +17,6 @@ Only training runs in fp8 (the layer's `training` flag): evaluation, sampling an
 as nanochat evaluates. FLOPs and MFU are counted as for bf16 (its peak), so an fp8 run's MFU shows its speed-up.
 """
 
-import functools
-import os
-
 import torch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -34,11 +31,10 @@ def admits(in_features, out_features):
 
 
 def cannot_run(device):
-    """Why fp8 training cannot run on `device`, or None. The CPU runs _scaled_mm too (slowly): the twin of the tests,
-    where its kernel has an fp8 matmul (cpu_cannot_run)."""
+    """Why fp8 training cannot run on `device`, or None. Every CPU runs it (scaled_mm: the twin of the tests)."""
     device = torch.device(device)
     if device.type == "cpu":
-        return cpu_cannot_run()
+        return None
     if device.type != "cuda":
         return f"device {device.type} has no fp8 matmul"
     capability = torch.cuda.get_device_capability(device)
@@ -50,20 +46,14 @@ def cannot_run(device):
     return None
 
 
-@functools.cache
-def cpu_cannot_run():
-    """Why this CPU's _scaled_mm fails, or None; probed once per process with one small fp8 layer, forward and
-    backward. torch hands fp8 matmuls to oneDNN on a CPU with AMX (elsewhere it emulates them in fp32), and oneDNN
-    builds them only from AVX512-FP16 on: capped below that (ONEDNN_MAX_CPU_ISA), it has none."""
-    x, w = torch.ones(MULTIPLE, MIN_DIM, requires_grad=True), torch.ones(MIN_DIM, MIN_DIM, requires_grad=True)
-    try:
-        with torch.enable_grad():
-            fp8_linear(x, w).sum().backward()
-    except RuntimeError:
-        cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-        capped = f"; ONEDNN_MAX_CPU_ISA={cap}" if cap else ""
-        return f"this CPU's oneDNN has no fp8 matmul (it needs AVX512-FP16{capped})"
-    return None
+def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+    """a·b times both inverse scales, in out_dtype: torch._scaled_mm on a GPU. On a CPU the same product is written
+    out in fp32 (fp8 values and their pairwise products are exact there; only the order of the sums is the
+    machine's): torch would hand a CPU with AMX to oneDNN, whose fp8 matmul needs AVX512-FP16 (none below it, e.g.
+    under ONEDNN_MAX_CPU_ISA=AVX2) and ran ~400× slower than this on the developers' box (docs/LOG.md, 2026-12-04)."""
+    if a.device.type == "cpu":
+        return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
 @torch.no_grad()
@@ -97,7 +87,7 @@ class FP8Matmul(torch.autograd.Function):
         ctx.save_for_backward(xq, x_inv, wq, w_inv)
         ctx.weight_dtype = weight.dtype
         # wq is (out, in) row-major, so wq.t() is already column-major: no copy
-        return torch._scaled_mm(xq[:n], wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
+        return scaled_mm(xq[:n], wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
 
     @staticmethod
     def backward(ctx, dy):
@@ -105,10 +95,10 @@ class FP8Matmul(torch.autograd.Function):
         n = dy.size(0)
         dyq, dy_inv = quantise(pad_rows(dy), E5M2)
         # exact accumulation in the backward: the gradients feed the optimizer's statistics
-        dx = torch._scaled_mm(
+        dx = scaled_mm(
             dyq[:n], column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=dy.dtype, use_fast_accum=False
         )
-        dw = torch._scaled_mm(
+        dw = scaled_mm(
             dyq.t().contiguous(),
             column_major(xq),
             scale_a=dy_inv,

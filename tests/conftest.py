@@ -124,10 +124,15 @@ def no_heap_freeze(monkeypatch):
 
 @pytest.fixture
 def run_base(tiny_base_dir, tmp_path, monkeypatch):
-    """A private NANOCHAT_BASE_DIR sharing the session's corpus and tokenizer, with an empty runs/."""
+    """A private NANOCHAT_BASE_DIR sharing the session's corpus and tokenizer, with an empty runs/; one torch thread
+    for the test: its runs are tiny models trained in this process, where a second thread only contends with the
+    other worker's (tests/test_depth_sweep.py's tiny sweep: 4x the CPU time with two on a busy box)."""
     base = linked_base(tiny_base_dir, tmp_path / "base")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
-    return base
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield base
+    torch.set_num_threads(before)
 
 
 def unwritable_reports(base, how):

@@ -1,11 +1,10 @@
 """fp8 training (nanochat/fp8.py) on the CPU, and CUDA's rules for every _scaled_mm call.
 
-The CPU's _scaled_mm runs the same math: the three matmuls against exact ones
-within what fp8 rounding allows, the size rule, evaluation in the compute dtype, a tiny --fp8 run that trains and
-resumes exactly, and CUDA's rules for every _scaled_mm call (which the CPU's kernel does not check): the token
-padding that meets them changes no value, and MoD's packed token counts meet them. Where this CPU's kernel has no
-fp8 matmul (fp8.cpu_cannot_run) the tests that need one skip, and --fp8 is refused in one line; runs/test.sh reruns
-this module with oneDNN capped at AVX2 (the cpu_kind mark), where that is so."""
+A CPU's fp8 matmul is fp8.scaled_mm's fp32 product of the fp8 operands (never oneDNN's kernel, which some CPUs lack):
+the three matmuls against exact ones within what fp8 rounding allows, the size rule, evaluation in the compute dtype,
+a tiny --fp8 run that trains and resumes exactly, and CUDA's rules for every _scaled_mm call (which the CPU twin does
+not check): the token padding that meets them changes no value, and MoD's packed token counts meet them. runs/test.sh
+reruns the tests of the matmuls' values with torch, oneDNN and MKL capped at AVX2 (the cpu_kind mark)."""
 
 import json
 import math
@@ -17,15 +16,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import TINY_TRAIN
 from nanochat import fp8
-from nanochat.common import UserError
 from nanochat.fp8 import fp8_linear
 from nanochat import gpt
 from nanochat.gpt import GPT, GPTConfig
 from scripts import base_train
 
-pytestmark = pytest.mark.cpu_kind  # runs/test.sh reruns these under ONEDNN_MAX_CPU_ISA=AVX2
-NO_FP8_MATMUL = fp8.cpu_cannot_run()
-needs_fp8_matmul = pytest.mark.skipif(NO_FP8_MATMUL is not None, reason=str(NO_FP8_MATMUL))
 
 # Rounding to a format with m mantissa bits makes a relative error spread evenly over ±2^-(m+1): its rms is
 # 2^-(m+1)/√3. A product of two rounded operands adds two such errors (in quadrature, being independent).
@@ -39,7 +34,7 @@ def rel(a, b):
     return ((a.float() - b).norm() / b.norm()).item()
 
 
-@needs_fp8_matmul
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_three_matmuls_against_exact_ones_within_fp8_rounding(dtype):
     g = torch.Generator().manual_seed(0)
@@ -57,14 +52,12 @@ def test_the_three_matmuls_against_exact_ones_within_fp8_rounding(dtype):
         assert errors[0] > 0.01, errors  # it really rounds to fp8: bf16 alone would be ~0.3 %
 
 
-@needs_fp8_matmul
 def test_leading_dims_and_a_zero_tensor():
     x = torch.zeros(2, 3, 128)
     y = fp8_linear(x, torch.randn(256, 128))
     assert y.shape == (2, 3, 256) and torch.equal(y, torch.zeros_like(y))  # amax 0: no division by zero
 
 
-@needs_fp8_matmul
 def test_the_size_rule_and_evaluation_in_the_compute_dtype():
     cfg = GPTConfig(sequence_len=32, vocab_size=512, n_layer=2, n_head=2, n_kv_head=2, n_embd=128)
     model = GPT.initialised(cfg)
@@ -88,7 +81,7 @@ def test_the_size_rule_and_evaluation_in_the_compute_dtype():
 
 
 def test_a_gpu_without_fp8_is_refused(monkeypatch):
-    assert fp8.cannot_run("cpu") == NO_FP8_MATMUL and "mps" in fp8.cannot_run("mps")
+    assert fp8.cannot_run("cpu") is None and "mps" in fp8.cannot_run("mps")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert "compute capability 8.0 has no fp8 tensor cores" in fp8.cannot_run("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -99,23 +92,20 @@ def test_a_gpu_without_fp8_is_refused(monkeypatch):
 FP8_TINY = TINY_TRAIN + ["--model-dim", "128", "--fp8", "--run", "f8"]
 
 
-def test_a_cpu_without_fp8_matmuls_refuses_fp8_in_one_line(tmp_path, script_error, monkeypatch):
-    """torch hands a CPU's fp8 matmuls to oneDNN where the CPU has AMX, and oneDNN capped below AVX512-FP16
-    (ONEDNN_MAX_CPU_ISA=AVX2) has none: "could not create a primitive descriptor" at the first matmul. The probe
-    says so once, base_train refuses --fp8 in one line. In runs/test.sh's AVX2 step the real probe answers; on a CPU
-    with fp8 matmuls a stand-in does."""
-    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))  # refused before it reads the data: an empty base will do
-    assert fp8.cpu_cannot_run() == NO_FP8_MATMUL and fp8.cpu_cannot_run.cache_info().misses == 1  # probed once
-    if NO_FP8_MATMUL is None:
-        monkeypatch.setattr(fp8, "cpu_cannot_run", lambda: "this CPU's oneDNN has no fp8 matmul (a stand-in)")
-    else:
-        assert "oneDNN has no fp8 matmul" in NO_FP8_MATMUL
-    err = script_error(base_train.main, *FP8_TINY, "--num-iterations", "1")
-    assert err == f"error: --fp8 cannot run here: {fp8.cannot_run('cpu')}; train without --fp8"
-    assert os.listdir(tmp_path) == []  # refused before the run began
+@pytest.mark.cpu_kind
+def test_a_cpu_needs_no_fp8_kernel_of_its_own(monkeypatch):
+    """On a CPU the three matmuls never reach torch._scaled_mm: torch hands it to oneDNN on a CPU with AMX, where
+    oneDNN capped below AVX512-FP16 has none ("could not create a primitive descriptor", as on the stand-in below)."""
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("could not create a primitive descriptor for the matmul primitive")
+
+    monkeypatch.setattr(torch, "_scaled_mm", no_kernel)
+    x, w = torch.randn(64, 128, requires_grad=True), torch.randn(256, 128, requires_grad=True)
+    fp8_linear(x, w).square().sum().backward()
+    assert x.grad.abs().sum() > 0 and w.grad.abs().sum() > 0 and fp8.cannot_run("cpu") is None
 
 
-@needs_fp8_matmul
 def test_a_tiny_fp8_run_trains_records_and_resumes_exactly(run_base, capsys, script_error):
     common = FP8_TINY + ["--num-iterations", "8", "--eval-every", "4", "--save-every", "4"]
     run_dir = base_train.main(common)
@@ -135,7 +125,7 @@ def test_a_tiny_fp8_run_trains_records_and_resumes_exactly(run_base, capsys, scr
     assert "already finished its 8 steps; nothing to do" in capsys.readouterr().out
 
 
-@needs_fp8_matmul
+@pytest.mark.cpu_kind
 def test_compiled_fp8_is_one_graph_equal_to_eager():
     """torch.compile (inductor on the CPU, as on CUDA) takes the fp8 matmul as one opaque node: no graph break, the
     same values forward and backward."""
@@ -159,7 +149,6 @@ def test_compiled_fp8_is_one_graph_equal_to_eager():
         assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-7)
 
 
-@needs_fp8_matmul
 def test_set_fp8_makes_the_matmul_one_opaque_node_for_compile(monkeypatch):
     """GPT.set_fp8(True) registers FP8Matmul with dynamo (not at import: that would import dynamo in every command):
     the traced graph calls it as one node, where dynamo would otherwise trace into its forward and backward."""
@@ -186,7 +175,6 @@ def test_set_fp8_makes_the_matmul_one_opaque_node_for_compile(monkeypatch):
     assert len(calls) == 1 and "autograd_function_apply" not in calls[0], calls
 
 
-@needs_fp8_matmul
 def test_the_step_benchmark_measures_fp8_and_the_host_reads():
     """scripts.bench.train's variant (gpu_checks' fp8, fp8_d24 and host_reads stages), in process on a tiny model."""
     from scripts.bench import train as bench
@@ -228,7 +216,8 @@ def test_the_step_benchmark_measures_fp8_and_the_host_reads():
 # ---------------------------------------------------------------------------
 # CUDA's rules for _scaled_mm, checked on the CPU (whose kernel takes any shape and layout)
 
-SCALED_MM = torch._scaled_mm  # the real one, for references
+SCALED_MM = torch._scaled_mm  # CUDA's, run on fake CUDA tensors: its meta kernel checks shapes and layouts
+CPU_SCALED_MM = fp8.scaled_mm  # the CPU twin, for references
 
 
 def check_cuda_rules(a, b, scale_a, scale_b, out_dtype=None, **kw):
@@ -251,15 +240,15 @@ def check_cuda_rules(a, b, scale_a, scale_b, out_dtype=None, **kw):
 
 @pytest.fixture
 def cuda_rules(monkeypatch):
-    """Every torch._scaled_mm call (nanochat/fp8.py's three) checked against CUDA's rules; the calls' operand shapes."""
+    """Every scaled_mm call (nanochat/fp8.py's three) checked against CUDA's rules; the calls' operand shapes."""
     calls = []
 
     def checked(a, b, **kw):
         check_cuda_rules(a, b, **kw)
         calls.append((tuple(a.shape), tuple(b.shape)))
-        return SCALED_MM(a, b, **kw)
+        return CPU_SCALED_MM(a, b, **kw)
 
-    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    monkeypatch.setattr(fp8, "scaled_mm", checked)
     return calls
 
 
@@ -311,13 +300,13 @@ def check_padded_matmuls(n, calls):
     wq, w_inv = fp8.quantise(w.detach(), fp8.E4M3)
     dyq, dy_inv = fp8.quantise(dy, fp8.E5M2)
     # y and dx take the N real rows (M is free): the same products of the unpadded quantised operands
-    y_ref = SCALED_MM(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=torch.bfloat16, use_fast_accum=True)
-    dx_ref = SCALED_MM(dyq, fp8.column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
+    y_ref = CPU_SCALED_MM(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=torch.bfloat16, use_fast_accum=True)
+    dx_ref = CPU_SCALED_MM(dyq, fp8.column_major(wq), scale_a=dy_inv, scale_b=w_inv, out_dtype=torch.bfloat16)
     assert torch.equal(y, y_ref) and torch.equal(x.grad, dx_ref)
     # dW: the unpadded quantised operands with zero rows below them, the same product on the same shapes (a kernel
     # sums K = 500 and K = 512 in other orders: the unpadded product differs in its last bits on some CPUs)
     xq_pad, dyq_pad = zero_rows_below(xq, padded), zero_rows_below(dyq, padded)
-    dw_ref = SCALED_MM(
+    dw_ref = CPU_SCALED_MM(
         dyq_pad.t().contiguous(), fp8.column_major(xq_pad), scale_a=dy_inv, scale_b=x_inv, out_dtype=torch.bfloat16
     )
     assert torch.equal(w.grad, dw_ref.float())
@@ -330,7 +319,7 @@ def check_padded_matmuls(n, calls):
     assert ((w.grad.double() - exact).abs() <= 2**-8 * (exact.abs() + fp32_sums) + fp32_sums).all()
 
 
-@needs_fp8_matmul
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("n", [500, 37, 512])
 def test_padded_tokens_meet_cuda_rules_and_change_no_value(n, cuda_rules):
     """MoD packs any token count N; dW = dyᵀ·x has N as its inner dim. fp8.py pads x and dy to a multiple of 16 rows
@@ -341,7 +330,7 @@ def test_padded_tokens_meet_cuda_rules_and_change_no_value(n, cuda_rules):
     fp8.FP8Matmul.apply(x, torch.randn(256, 128)).mul_(2)  # y is no view of the padded product: in-place ops allowed
 
 
-@needs_fp8_matmul
+@pytest.mark.cpu_kind
 @pytest.mark.parametrize("where", ["ones", "above"])
 def test_the_padding_check_catches_padding_bugs(where, cuda_rules, monkeypatch):
     """check_padded_matmuls fails on a padding that changes values: pad rows of ones (dW takes their products), or
@@ -357,7 +346,6 @@ def test_the_padding_check_catches_padding_bugs(where, cuda_rules, monkeypatch):
         check_padded_matmuls(500, cuda_rules)
 
 
-@needs_fp8_matmul
 @pytest.mark.parametrize("mod", [["--arch", "nag"], ["--arch", "gpt-router"]], ids=["nag-mod", "router-mod"])
 def test_a_tiny_fp8_mod_run_meets_cuda_rules(mod, run_base, cuda_rules, monkeypatch):
     """MoD's gathered sub-layers run on N - round(rate·N) tokens, and attention's on as many as pass the threshold:

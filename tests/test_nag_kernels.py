@@ -22,6 +22,7 @@ from nag.kernels import fused_nag_branch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny shapes, and the interpreter runs one program at a time
 
 
 def version(module):

@@ -11,6 +11,7 @@ from nanochat import checkpoint_manager as ckpt
 from nag.model import NAGGPT, NAGConfig
 from nag import archs
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # models of width 32, trained in this process
 CFG = dict(sequence_len=32, vocab_size=128, n_layer=3, n_head=2, n_kv_head=2, n_embd=32)
 
 
