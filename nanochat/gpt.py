@@ -50,6 +50,14 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding without an init of its own: init_weights sets it. Its normal_ on the meta device, where every
+    model is built, would import torch._dynamo: ~1.5 s of CPU in each process that builds a model."""
+
+    def reset_parameters(self):
+        pass
+
+
 class Linear(nn.Linear):
     """Bias-free linear layer whose fp32 master weight is cast to the input's dtype; in training, fp8 matmuls instead
     where GPT.set_fp8 turned them on (nanochat/fp8.py)."""
@@ -161,7 +169,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.windows = layer_windows(config)
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd, device=device)
+        self.wte = Embedding(config.vocab_size, config.n_embd, device=device)
         self.blocks = nn.ModuleList([Block(config, device=device) for _ in range(config.n_layer)])
         for block, w in zip(self.blocks, self.windows):
             block.attn.window = w

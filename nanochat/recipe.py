@@ -23,7 +23,7 @@ from dataclasses import dataclass, asdict, fields
 import torch
 import torch.nn as nn
 
-from nanochat.gpt import GPT, Linear, VE_GATE_CHANNELS, layer_windows, norm
+from nanochat.gpt import GPT, Embedding, Linear, VE_GATE_CHANNELS, layer_windows, norm
 from nanochat.common import positive_float
 
 
@@ -126,7 +126,7 @@ class RecipeParts:
             kv_dim = cfg.n_kv_head * (cfg.n_embd // cfg.n_head)
             layers = [i for i in range(L) if has_value_embed(i, L)]
             self.value_embeds = nn.ModuleDict(
-                {str(i): nn.Embedding(cfg.vocab_size, kv_dim, device=device) for i in layers}
+                {str(i): Embedding(cfg.vocab_size, kv_dim, device=device) for i in layers}
             )
             for i in layers:
                 self.blocks[i].attn.ve_gate = Linear(VE_GATE_CHANNELS, cfg.n_kv_head, device=device)

@@ -314,9 +314,10 @@ def compare_expected(figures, expected, python_version):
         d = fig["partial_core"] - want[run]["partial_core"]
         tol = expected["core_examples"] * fig["core_step"]
         beyond |= abs(d) > tol * (1 + 1e-9)  # a flip of exactly that many examples is within
+        examples = "one example" if expected["core_examples"] == 1 else f"{expected['core_examples']} examples"
         lines.append(
             f"{run} partial CORE {d:+.5f} from the expected {want[run]['partial_core']!r} (tolerance ±{tol:.5f}: "
-            f"{expected['core_examples']} example(s) of the {len(fig['core_tasks'])} tasks)"
+            f"{examples} of the coarsest of its {len(fig['core_tasks'])} tasks)"
         )
     if not beyond:
         return "as expected", lines

@@ -35,6 +35,7 @@ NOT_RUN_HERE = {
     "runs on random weights without --run",
     "bash speedrun.sh --preset tiny --base-dir /tmp/nag-chat-tiny": "tests/test_speedrun.py runs this pipeline "
     "three times",
+    "bash speedrun.sh --dry-run": "tests/test_speedrun.py::test_dry_run_published_plan runs it and checks the plan",
     **{
         c: "needs three evaluated seeds per arm; tests/test_compare.py compares groups of hand-made runs"
         for c in (
@@ -62,12 +63,13 @@ TESTED_ELSEWHERE = {
     "scripts.bench.attention": "tests/test_attention.py::test_bench_runs_on_the_cpu_with_sdpa_alone",
     "scripts.bench.optim": "tests/test_optim_sharded.py::test_bench_counts_a_share_of_muon_per_rank",
     "scripts.bench.kernel_report": "tests/test_nag_kernels.py::test_kernels_build_for_hopper (the same report)",
+    "scripts.bench.train": "tests/test_gpu_checks.py::test_per_block_compile_matches_eager (the README's command, "
+    "--compile off,blocks added)",
 }
 LIMIT_S = 300  # per shell recipe, generous for a contended 2-core machine
 # what must run before what: data, tokenizer, training, evaluation, comparison, the rest
 # the benchmarks print figures and nothing else reads them: check they still print what they promise
 PRINTS = {
-    "scripts.bench.train": "nag / gpt (eager): step time",
     "scripts.bench.nag": ("% of copy", "kernel launches per NAG sub-layer"),
     "scripts.bench.kernel_report": "_nag_backward_kernel",
 }

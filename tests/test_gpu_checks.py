@@ -876,35 +876,13 @@ def test_every_quick_stage_runs_under_the_slot_python(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_per_block_compile_matches_eager(tmp_path):
     # the CPU twin of --compile blocks: the same first loss as eager (same weights, same batch), the model
-    # really compiled, and identical blocks sharing one graph (NAG: one per sub-layer kind)
+    # really compiled, and identical blocks sharing one graph (NAG: one per sub-layer kind). Its eager half is the
+    # README's bench.train command (tests/test_examples.py runs it here, not again): those flags, then these two
     path = tmp_path / "bench.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "scripts.bench.train",
-        "--depth",
-        "3",
-        "--model-dim",
-        "64",
-        "--head-dim",
-        "32",
-        "--max-seq-len",
-        "64",
-        "--vocab-size",
-        "512",
-        "--device-batch-size",
-        "4",
-        "--steps",
-        "1",
-        "--warmup",
-        "1",
-        "--arch",
-        "gpt,nag",
-        "--compile",
-        "off,blocks",
-        "--json",
-        str(path),
-    ]
+    readme = "--depth 2 --model-dim 64 --head-dim 32 --max-seq-len 64 --vocab-size 512 --device-batch-size 4 --steps 2"
+    readme += " --warmup 1 --arch gpt,nag"
+    assert f"python -m scripts.bench.train {readme}" in open(os.path.join(REPO, "README.md")).read()
+    cmd = [sys.executable, "-m", "scripts.bench.train", *readme.split(), "--compile", "off,blocks", "--json", str(path)]
     r = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
@@ -919,8 +897,8 @@ def test_per_block_compile_matches_eager(tmp_path):
         assert blocks["later_graphs"] == 0 and not blocks["fresh_cache"]
         assert blocks["first_loss"] == pytest.approx(eager["first_loss"], rel=1e-5)
         assert blocks["last_loss"] == pytest.approx(eager["last_loss"], rel=1e-4)
-    assert "nag / gpt (compiled per block)" in r.stdout
-    assert gpu_checks.step_figures(d).startswith("depth 3 × 64: gpt ")
+    assert "nag / gpt (compiled per block)" in r.stdout and "nag / gpt (eager): step time" in r.stdout
+    assert gpu_checks.step_figures(d).startswith("depth 2 × 64: gpt ")
     # the split of a timed step: its two parts are most of it (the rest: zero_grad's return, .item())
     for x in d["results"]:
         assert (

@@ -3,9 +3,11 @@
 Two torchrun agents standing in for two nodes, srun's variables, a shared
 run directory checked, restarts after a killed worker, resumes on another process count, SIGTERM and a stopped rank."""
 
+import io
 import os
 import sys
 import json
+import contextlib
 import time
 import shutil
 import signal
@@ -20,7 +22,9 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.common import UserError, dist_init, get_dist_info
 from nanochat.distributed import EXIT_HUNG, EXIT_PREEMPTED
 
-pytestmark = PROCESSES  # every test here starts a process group (tests/conftest.py)
+# every test here starts a process group (tests/conftest.py); the single-process runs train here, on one thread as
+# each rank does
+pytestmark = [PROCESSES, pytest.mark.usefixtures("one_torch_thread")]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = TINY_TRAIN + ["--total-batch-size", "512", "--eval-every", "100"]  # 2 micro-steps of 4 × 64 on one process
 LAUNCH_VARS = (
@@ -56,12 +60,17 @@ def train_cmd(*args):
 
 
 def run_one(base, *args):
-    """base_train in one process; its stdout."""
-    out = subprocess.run(
-        [sys.executable, *train_cmd(*args)], cwd=REPO, env=clean_env(base), capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    """base_train in one process, this one (a reference costs its training, not another start of torch); its
+    stdout."""
+    from scripts import base_train
+
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setenv("NANOCHAT_BASE_DIR", base)
+        for k in LAUNCH_VARS:
+            mp.delenv(k, raising=False)
+        base_train.main([*TINY, *args])
+    return out.getvalue()
 
 
 def start_ranks(base, world, *args, slurm=False):
@@ -221,7 +230,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(base):
     assert same_weights(weights(base, "killed", 30), weights(base, "whole", 30))
 
 
-def test_sigterm_saves_on_every_rank_and_resume_on_other_process_counts(base):
+def test_sigterm_saves_on_every_rank_and_resume_on_other_process_counts(base, script_error, capsys):
     """srun-style ranks; SIGTERM to rank 1 only: both stop after the same step with a complete checkpoint there and
     exit EXIT_PREEMPTED; the run then continues on one process, and a one-process checkpoint on two, each ending
     where an uninterrupted one-process run does."""
@@ -254,8 +263,10 @@ def test_sigterm_saves_on_every_rank_and_resume_on_other_process_counts(base):
     assert same_weights(weights(base, "up", 12), weights(base, "whole", 12))
 
     # another micro-batch size: no remap exists
-    with pytest.raises(AssertionError, match="its data was cut into 2 shards"):
-        run_one(base, "--run", "up", *common, "--resume", "6", "--device-batch-size", "2", "--change-settings")
+    capsys.readouterr()
+    refuse = lambda argv: run_one(base, *argv)
+    err = script_error(refuse, "--run", "up", *common, "--resume", "6", "--device-batch-size", "2", "--change-settings")
+    assert "its data was cut into 2 shards" in err, err
 
 
 def test_stopped_rank_is_named_within_the_timeout(base):

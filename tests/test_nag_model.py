@@ -38,6 +38,18 @@ def test_gate_params_are_counted_as_matmuls():
     assert nag.num_scaling_params() - gpt.num_scaling_params() == matmuls + 2 * 3 * (32 + 32 + 1 + 1)
 
 
+@pytest.mark.parametrize("arch", ["gpt", "nag", "gpt-recipe"])
+def test_a_model_built_on_the_meta_device_draws_no_init(arch, monkeypatch):
+    # every model is built on the meta device, then initialised where it lives (init_weights): a draw on meta is
+    # wasted, and nn.Embedding's own normal_ there imported torch._dynamo, ~1.5 s of CPU in each process
+    def refuse(*args, **kwargs):
+        raise AssertionError("an init drawn on the meta device")
+
+    monkeypatch.setattr(torch.nn.init, "normal_", refuse)
+    with torch.device("meta"):
+        archs.arch_spec(arch).model_class(GPTConfig(**CFG))
+
+
 def test_init_values():
     model = tiny_nag(alpha_init_power=0.5)
     alphas = [br.alpha.item() for _, br in model.branches()]
