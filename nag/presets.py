@@ -69,7 +69,7 @@ PRESETS = {
                   "--save-every", "30"],
         "nag": ["--nag-alpha-warmup-tokens", "40960", "--nag-gate-log-every", "10", "--nag-gate-lr", "0.01",
                 "--nag-temp-gain-lr", "1.0"],
-        # 64 batches of 4 × 256: enough units for an interval
+        # 65,536 tokens of 4 × 256 batches (62 in one pass over the offline val split): enough units for an interval
         "eval": ["--split-tokens", "65536", "--device-batch-size", "4"],
         "analysis": ["--tokens", "65536"],
         "vocab": 4096,
