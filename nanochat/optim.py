@@ -151,6 +151,31 @@ def shard_of(sd):
     return sd.get("shard") or {"rank": 0, "world_size": 1, "rows": None}
 
 
+def param_groups(groups):
+    """The param groups MuonAdamW holds for `groups`: Muon groups split by parameter shape, every setting filled in.
+    A plan reads them without building an optimizer (torch imports torch._dynamo for the first one: ~1.5 s)."""
+    flat = []
+    for g in groups:
+        g = dict(g)
+        if g["kind"] == "muon":
+            by_shape = {}
+            for p in g.pop("params"):
+                by_shape.setdefault(tuple(p.shape), []).append(p)
+            for shape, ps in by_shape.items():
+                flat.append(dict(g, params=ps, name=f"{g.get('name', 'muon')}{list(shape)}"))
+        else:
+            flat.append(g)
+    for g in flat:
+        g.setdefault("weight_decay", 0.0)
+        g.setdefault("betas", (0.8, 0.95))
+        g.setdefault("eps", 1e-10)
+        g.setdefault("momentum", 0.95)  # Muon: base_train sets it every step (muon_momentum)
+        g.setdefault("beta2", NORMUON_BETA2)
+        g["initial_lr"] = g["lr"]
+        g["initial_weight_decay"] = g["weight_decay"]
+    return flat
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """
     groups: dicts with kind="adamw" (lr, betas, eps, weight_decay) or kind="muon"
@@ -167,26 +192,7 @@ class MuonAdamW(torch.optim.Optimizer):
             assert (dist.get_rank(process_group), dist.get_world_size(process_group)) == (rank, world_size), (
                 "rank and world_size must be this process's place in process_group"
             )
-        flat = []
-        for g in groups:
-            g = dict(g)
-            if g["kind"] == "muon":
-                by_shape = {}
-                for p in g.pop("params"):
-                    by_shape.setdefault(tuple(p.shape), []).append(p)
-                for shape, ps in by_shape.items():
-                    flat.append(dict(g, params=ps, name=f"{g.get('name', 'muon')}{list(shape)}"))
-            else:
-                flat.append(g)
-        for g in flat:
-            g.setdefault("weight_decay", 0.0)
-            g.setdefault("betas", (0.8, 0.95))
-            g.setdefault("eps", 1e-10)
-            g.setdefault("momentum", 0.95)  # Muon: base_train sets it every step (muon_momentum)
-            g.setdefault("beta2", NORMUON_BETA2)
-            g["initial_lr"] = g["lr"]
-            g["initial_weight_decay"] = g["weight_decay"]
-        super().__init__(flat, defaults={})
+        super().__init__(param_groups(groups), defaults={})
         self.rank, self.world_size, self.process_group, self.compile = rank, world_size, process_group, compile
 
     def compiles(self, tensor):

@@ -16,7 +16,7 @@ import torch
 
 from nanochat.common import UserError, peak_flops_of, print0, check_run_name
 from nanochat.gpt import GPTConfig
-from nanochat.optim import MuonAdamW, POLAR_NORM_FACTOR, NORMUON_BETA2
+from nanochat.optim import param_groups, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import tracking
 
 REFERENCE_BATCH = 2**19  # tokens; the d12 reference of the muP-style batch rules
@@ -126,7 +126,7 @@ class Plan:
         """Every optimizer group's settings at step 0 and the schedules applied to them."""
         lrm0 = lr_multiplier(0, self)
         groups = []
-        for g in MuonAdamW(self.optimizer_groups(args)).param_groups:
+        for g in param_groups(self.optimizer_groups(args)):
             row = {
                 "name": g["name"],
                 "kind": g["kind"],

@@ -97,6 +97,19 @@ def test_too_few_shards_are_flagged(tmp_path):
     assert re.search(r"expected epochs 3\.\d\d .*MORE THAN ONE", plan), plan
 
 
+def test_the_plan_builds_no_optimizer(tmp_path, monkeypatch):
+    # the plan (a process of its own on every speedrun.sh) reads the optimizer's groups without building one: torch
+    # imports torch._dynamo for the first optimizer, ~1.5 s of CPU
+    import torch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plan built an optimizer")
+
+    monkeypatch.setattr(torch.optim.Optimizer, "__init__", refuse)
+    plan, _ = plan_in_process(tmp_path / "none", "--dry-run", "--base-dir", str(tmp_path / "none"))
+    assert re.search(r"^data: \d+ ClimbMix train shards", plan, re.M), plan
+
+
 def test_bad_input_in_the_shell_is_one_line_error(tmp_path):
     assert "unknown preset 'gpt5'" in one_line_error(speedrun(tmp_path, "--dry-run", "--preset", "gpt5"))
 
