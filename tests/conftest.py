@@ -9,7 +9,7 @@ import torch
 
 import nag  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 
-torch.set_num_threads(1)  # one thread per xdist worker (runs/test.sh runs two): more only add contention for tiny models
+torch.set_num_threads(1)  # one per xdist worker (runs/test.sh runs two): more only add contention for tiny models
 
 # runs/test.sh runs two pytest-xdist workers; a test that starts a process group of its own (torchrun, gloo ranks)
 # carries this mark, and the marked tests run one after another on one worker: never two groups competing for the
