@@ -101,7 +101,7 @@ fi
 # false mismatch
 stage "the four figures, against runs/runcpu_expected.json"
 python -c 'import sys; from nanochat.common import exit_on_user_error as one_line
-from nanochat.run_dir import check_expected
+from nanochat.demo_check import check_expected
 with one_line(): print("\n".join(check_expected(sys.argv[2:], sys.argv[1])))' \
     runs/runcpu_expected.json "${SUFFIXES[@]/#/cpu-gpt}" "${SUFFIXES[@]/#/cpu-nag}" || FAILED+=("figures")
 if [ "${#FAILED[@]}" -gt 0 ]; then echo "error: failed: ${FAILED[*]} (rerun to retry them; finished runs are reused)" >&2; exit 1; fi

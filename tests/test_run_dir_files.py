@@ -8,7 +8,7 @@ import json
 import pytest
 
 from nanochat.common import UserError
-from nanochat import run_dir
+from nanochat import demo_check, run_dir
 
 TORN = '{"step": 3, "train_lo'  # what a kill in the middle of a write leaves
 
@@ -149,7 +149,7 @@ def test_the_demo_figures_against_the_expected_ones():
 
     def check(**runs):
         both = {run: figures(run) for run in ("cpu-gpt", "cpu-nag")}
-        return run_dir.compare_expected({**both, **runs}, EXPECTED, "3.11.7")
+        return demo_check.compare_expected({**both, **runs}, EXPECTED, "3.11.7")
 
     verdict, lines = check(**{"cpu-gpt": figures("cpu-gpt", val_bpb=1.73 + 2e-6, partial_core=-0.0103 + 0.01)})
     assert verdict == "as expected" and len(lines) == 4  # bpb within 1e-5, CORE by exactly one example
@@ -165,7 +165,7 @@ def test_the_demo_figures_against_the_expected_ones():
     assert verdict == "as expected" and "cpu-gpt partial CORE not compared: max_per_task 10" in lines[1]
     # not applicable: nothing is compared
     seeds = {f"cpu-{a}-s1": figures(f"cpu-{a}") for a in ("gpt", "nag")}
-    verdict, lines = run_dir.compare_expected(seeds, EXPECTED, "3.11.7")
+    verdict, lines = demo_check.compare_expected(seeds, EXPECTED, "3.11.7")
     assert verdict == "not applicable" and "cpu-gpt-s1, cpu-nag-s1 are other runs" in lines[0]
     verdict, lines = check(**{"cpu-gpt": figures("cpu-gpt", target_flops=2e13, val_bpb=2.0)})  # TARGET_FLOPS=2e13
     assert verdict == "not applicable" and lines == [
@@ -184,8 +184,8 @@ def test_core_step_is_one_example_of_the_coarsest_task(tmp_path):
     records = [{"task": t, "idx": 0, "correct": True, "margin": 1.0, "item": "x"} for t in tasks]
     save_records(str(tmp_path / run_dir.RECORDS), records, {"tasks": tasks}, lambda p, b: open(p, "wb").write(b))
     ev = {"tasks": {t: {"num_examples": v["num_examples"]} for t, v in tasks.items()}, "core_records": run_dir.RECORDS}
-    assert run_dir.core_step(str(tmp_path), ev) == pytest.approx(0.05)
-    assert run_dir.core_step(str(tmp_path), {}) is None
+    assert demo_check.core_step(str(tmp_path), ev) == pytest.approx(0.05)
+    assert demo_check.core_step(str(tmp_path), {}) is None
 
 
 def test_the_shipped_expected_figures_are_of_runcpu_defaults():
