@@ -276,12 +276,11 @@ def _attach_nag(model, acc, handles):
     # NAGGPT.sublayer(kind, layer, block, br, ...), nag-recipe's recipe_sublayer(kind, block, br, ...)
     name, at = ("recipe_sublayer", 2) if hasattr(model, "recipe_sublayer") else ("sublayer", 3)
     original = getattr(model, name)
-    index = {id(br): l for l, br in model.branches()}
     root_d = math.sqrt(model.config.n_embd)
 
     def sublayer(*args, **kwargs):
         br, res_dir, log_norm = args[at : at + 3]
-        l = index[id(br)]
+        l = br.l
         if l == 1:
             acc.state(0, res_dir, root_d * log_norm.double().exp())
         m = modulator(br.m_down(res_dir), br.coef, br.beta_raw, model.nag.mod_floor)

@@ -11,6 +11,7 @@ carried norm acts as an inverse temperature.
 """
 
 import math
+import re
 from dataclasses import dataclass, asdict
 
 import torch
@@ -18,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat import step_timer
-from nanochat.gpt import GPT, Linear
+from nanochat.gpt import GPT
+from nanochat.optim import ROW_CONSTRAINTS
 from nanochat.common import positive_int, positive_float, non_negative
 from nag.functional import nag_branch, modulator
 from nag.mod import (
@@ -41,6 +43,9 @@ DEAD_MODULATOR = 0.1
 
 # AdamW LRs of the gates (α, β, coef, m_down) and of log G_encode, before the batch LR scale: the published pair's
 GATE_LR, TEMP_GAIN_LR = 1e-3, 0.005
+# the rows of the embedding and of lm_head keep a constraint of nanochat.optim.ROW_CONSTRAINTS (keyed by the name of
+# the module and of its optimizer group alike): imposed at init, then by the optimizer as part of every update
+ROW_CONSTRAINED = {"wte": "centred", "lm_head": "centred_unit_rms"}
 
 
 @dataclass
@@ -127,22 +132,60 @@ def default_impl(device_type):
     return "fused" if device_type == "cuda" else "reference"
 
 
-class NAGBranch(nn.Module):
-    """The gate of one sub-layer: m_down (d → C, with bias), coef (C), beta_raw, alpha."""
+class BranchGates:
+    """The gate of one sub-layer (update l): views of row l − 1 of each of NAGGates' stacks, m_down's weight (C, d) and
+    bias (C), coef (C), beta_raw (1) and alpha (1)."""
 
-    def __init__(self, dim, directions, device=None):
+    def __init__(self, l, m_down_weight, m_down_bias, coef, beta_raw, alpha):
+        self.l = l
+        self.m_down_weight, self.m_down_bias = m_down_weight, m_down_bias
+        self.coef, self.beta_raw, self.alpha = coef, beta_raw, alpha
+
+    def m_down(self, x):
+        """The modulator logits (..., C): as nanochat's Linear, the fp32 masters cast to the input's dtype."""
+        return F.linear(x, self.m_down_weight.to(x.dtype), self.m_down_bias.to(x.dtype))
+
+
+# a checkpoint of before the stacks: one module per sub-layer, gates.{block}.{attn,mlp}_branch.{parameter}
+PER_BRANCH_KEY = re.compile(r"(\d+)\.(attn|mlp)_branch\.(m_down\.weight|m_down\.bias|coef|beta_raw|alpha)")
+
+
+def stack_per_branch_gates(module, state_dict, prefix, *_):
+    """load_state_dict pre-hook of NAGGates: a checkpoint's per-branch gate tensors, stacked in update order."""
+    rows = {}
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if found := PER_BRANCH_KEY.fullmatch(key[len(prefix) :]):
+            block, kind, name = found.groups()
+            rows.setdefault(name.replace(".", "_"), {})[(int(block), kind == "mlp")] = state_dict.pop(key)
+    for name, by_branch in rows.items():  # a missing branch leaves a stack of the wrong size: load names it
+        state_dict[prefix + name] = torch.stack([by_branch[k] for k in sorted(by_branch)])
+
+
+class NAGGates(nn.Module):
+    """The gates of all 2L sub-layers, one tensor per kind, row l − 1 for update l (attn of block 0, its MLP, attn of
+    block 1, ...): m_down's weight (2L, C, d) and bias (2L, C), coef (2L, C), beta_raw (2L, 1), alpha (2L, 1). Five
+    tensors for the optimizer at any depth, not five per sub-layer."""
+
+    names = ("m_down_weight", "m_down_bias", "coef", "beta_raw", "alpha")
+
+    def __init__(self, branches, dim, directions, device=None):
         super().__init__()
-        self.m_down = Linear(dim, directions, bias=True, device=device)
-        self.coef = nn.Parameter(torch.empty(directions, device=device))
-        self.beta_raw = nn.Parameter(torch.empty(1, device=device))
-        self.alpha = nn.Parameter(torch.empty(1, device=device))
+        self.m_down_weight = nn.Parameter(torch.empty(branches, directions, dim, device=device))
+        self.m_down_bias = nn.Parameter(torch.empty(branches, directions, device=device))
+        self.coef = nn.Parameter(torch.empty(branches, directions, device=device))
+        self.beta_raw = nn.Parameter(torch.empty(branches, 1, device=device))
+        self.alpha = nn.Parameter(torch.empty(branches, 1, device=device))
+        self.register_load_state_dict_pre_hook(stack_per_branch_gates)
 
+    def branch(self, l):
+        """Update l's gate as views that take in-place edits (telemetry, analysis, tests)."""
+        return BranchGates(l, *(getattr(self, n)[l - 1] for n in self.names))
 
-class NAGBlockGates(nn.Module):
-    def __init__(self, dim, directions, device=None):
-        super().__init__()
-        self.attn_branch = NAGBranch(dim, directions, device)
-        self.mlp_branch = NAGBranch(dim, directions, device)
+    def unbound(self):
+        """Every update's gate, for the forward: one unbind per stack, whose backward stacks the 2L gradients in one
+        op (a view per row would add 2L zero-padded copies of the whole stack)."""
+        views = zip(*(getattr(self, n).unbind(0) for n in self.names))
+        return [BranchGates(l, *v) for l, v in enumerate(views, start=1)]
 
 
 class NAGGPT(GPT):
@@ -151,9 +194,7 @@ class NAGGPT(GPT):
     def __init__(self, config, nag=None, impl=None, mod=None, device=None):
         super().__init__(config, device=device)
         self.nag = nag or NAGConfig()
-        self.gates = nn.ModuleList(
-            [NAGBlockGates(config.n_embd, self.nag.directions, device) for _ in range(config.n_layer)]
-        )
+        self.gates = NAGGates(2 * config.n_layer, config.n_embd, self.nag.directions, device)
         self.log_gain_encode = nn.Parameter(torch.empty(1, device=device))  # log G_encode
         self.register_buffer("alpha_warmup", torch.ones(1, device=device), persistent=False)
         self.impl = impl
@@ -205,7 +246,17 @@ class NAGGPT(GPT):
     def gate_vector_params(self):
         """The gate parameters that are not matrices (m_down's bias, coef, β_raw, α): in S, but no matmul (no
         FLOPs)."""
-        return sum(p.numel() for p in self.gates.parameters() if p.ndim != 2)
+        return sum(p.numel() for n, p in self.gates.named_parameters() if n != "m_down_weight")
+
+    def matmul_params(self):
+        """The baseline's 2-D weights, but of the gates only the m_down matrices: their (2L, C, d) stack is 3-D, and
+        the other stacks are 2-D but do no matmul."""
+        return self.with_gate_matrices(super().matmul_params())
+
+    def with_gate_matrices(self, params):
+        """params less the gate stacks, plus the m_down stack (nag/recipe.py applies it to its own rule)."""
+        stacks = {id(p) for p in self.gates.parameters()}
+        return [p for p in params if id(p) not in stacks] + [self.gates.m_down_weight]
 
     def estimate_flops(self, skip=None):
         """Training FLOPs per token; with MoD, less what the skips save (at the target rate unless skip gives the
@@ -213,22 +264,21 @@ class NAGGPT(GPT):
         return flops_with_skips(self, super().estimate_flops(), self.mod, skip)
 
     def branches(self):
-        """(update index l, branch module) in residual-update order: attn of block 0 is l = 1, its MLP l = 2, ..."""
-        out = []
-        for i, g in enumerate(self.gates):
-            out += [(2 * i + 1, g.attn_branch), (2 * i + 2, g.mlp_branch)]
-        return out
+        """(update index l, its BranchGates) in residual-update order: attn of block 0 is l = 1, its MLP l = 2, ..."""
+        return [(l, self.gates.branch(l)) for l in range(1, 2 * self.config.n_layer + 1)]
 
     @torch.no_grad()
     def init_weights(self):
         super().init_weights()
         d = self.config.n_embd
         bound = math.sqrt(3) * d**-0.5
+        g = self.gates
+        # one draw over the stack takes the generator's numbers in the order a draw per branch did (tests check it)
+        nn.init.uniform_(g.m_down_weight, -bound, bound)
+        nn.init.zeros_(g.m_down_bias)
+        nn.init.zeros_(g.coef)
+        g.beta_raw.fill_(BETA_RAW_INIT)
         for l, br in self.branches():
-            nn.init.uniform_(br.m_down.weight, -bound, bound)
-            nn.init.zeros_(br.m_down.bias)
-            nn.init.zeros_(br.coef)
-            br.beta_raw.fill_(BETA_RAW_INIT)
             br.alpha.fill_(l**-self.nag.alpha_init_power)
         self.log_gain_encode.zero_()
         self.alpha_warmup.fill_(1.0)
@@ -236,16 +286,12 @@ class NAGGPT(GPT):
             for x in self.mod_base.values():
                 x.zero_()
             self.thresholds.reset()
-        self.after_optimizer_step()
+        for name, rule in ROW_CONSTRAINED.items():
+            ROW_CONSTRAINTS[rule](self.get_submodule(name).weight)
         self.branch_fn = branch_function(self.impl or default_impl(self.wte.weight.device.type))
 
-    @torch.no_grad()
     def after_optimizer_step(self):
-        # embedding rows centred; lm_head rows centred and RMS-normalised
-        self.wte.weight.sub_(self.wte.weight.mean(dim=1, keepdim=True))
-        w = self.lm_head.weight
-        w.sub_(w.mean(dim=1, keepdim=True))
-        w.mul_(torch.rsqrt(w.square().mean(dim=1, keepdim=True).clamp_min(1e-30)))
+        """Nothing left to do: the optimizer imposes ROW_CONSTRAINED inside its update (optimizer_groups)."""
 
     def set_tokens_seen(self, tokens):
         warm = self.nag.alpha_warmup_tokens
@@ -262,6 +308,9 @@ class NAGGPT(GPT):
         temp_gain_lr=TEMP_GAIN_LR,
     ):
         groups = super().optimizer_groups(embedding_lr, unembedding_lr, matrix_lr, weight_decay, lr_scale)
+        for g in groups:
+            if g["name"] in ROW_CONSTRAINED:
+                g["constrain"] = ROW_CONSTRAINED[g["name"]]
         # X_l trains with the gates
         gates = list(self.gates.parameters()) + (list(self.mod_base.parameters()) if self.mod_base is not None else [])
         groups.append(dict(kind="adamw", name="nag_gates", params=gates, lr=gate_lr * lr_scale, betas=(0.8, 0.95)))
@@ -287,9 +336,10 @@ class NAGGPT(GPT):
         rho = e.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-12)  # ρ₀ = ‖e‖/√d
         res_dir = (e / rho).to(self.compute_dtype)
         log_norm = torch.log(rho) + self.log_gain_encode  # (B, T, 1) fp32
-        for i, (block, gates, mask, kv) in enumerate(zip(self.blocks, self.gates, masks, kvs)):
+        gates = self.gates.unbound()
+        for i, (block, mask, kv) in enumerate(zip(self.blocks, masks, kvs)):
             extra = {} if kv is None else {"kv": kv}  # analysis/capture.py wraps sublayer without kv (it never decodes)
-            for kind, br in (("attn", gates.attn_branch), ("mlp", gates.mlp_branch)):
+            for kind, br in (("attn", gates[2 * i]), ("mlp", gates[2 * i + 1])):
                 res_dir, log_norm = self.sublayer(kind, i, block, br, res_dir, log_norm, cos_sin, mask, **extra)
         if self.thresholds is not None:
             self.thresholds.finish()
@@ -342,11 +392,9 @@ class NAGGPT(GPT):
         runs from the loss, so a NaN born in a branch spreads to every earlier one."""
         t = self.gate_telemetry(idx)
         branches = t["branches"]
-        bad_grad = [
-            i
-            for i, (_, br) in enumerate(self.branches())
-            if any(p.grad is not None and not torch.isfinite(p.grad).all() for p in br.parameters())
-        ]
+        grads = [p.grad.flatten(1) for p in self.gates.parameters() if p.grad is not None]
+        finite_rows = torch.stack([g.isfinite().all(dim=1) for g in grads]).all(dim=0).tolist() if grads else []
+        bad_grad = [i for i, finite in enumerate(finite_rows) if not finite]
         overflow = [i for i, b in enumerate(branches) if not math.isfinite(pow_backward(b["u_min"], b["beta"]))]
         if overflow:
             i, why = overflow[0], "β·u^(β−1) overflows"

@@ -54,6 +54,10 @@ class NAGRecipeGPT(RecipeParts, NAGGPT):
         nanochat."""
         return super().num_scaling_params() - (self.smear_gate.weight.numel() if self.recipe.smear else 0)
 
+    def matmul_params(self):
+        """RecipeParts' (no value embeddings), the gate stacks counted as NAGGPT counts them."""
+        return self.with_gate_matrices(RecipeParts.matmul_params(self))
+
     def optimizer_groups(
         self,
         embedding_lr,
@@ -83,11 +87,12 @@ class NAGRecipeGPT(RecipeParts, NAGGPT):
         if r.smear:
             res_dir, log_norm = renormalised(self.smear(res_dir, positions, allowed, cache), log_norm)
         dir0, mid = res_dir, None
-        for i, (block, gates, mask, kv) in enumerate(zip(self.blocks, self.gates, masks, kvs)):
+        gates = self.gates.unbound()
+        for i, (block, mask, kv) in enumerate(zip(self.blocks, masks, kvs)):
             if r.x0_lambdas:
                 res_dir, log_norm = renormalised(res_dir + self.x0_lambdas[i].to(res_dir.dtype) * dir0, log_norm)
             ve = self.value_embed(i, idx, res_dir.dtype)
-            for kind, br in (("attn", gates.attn_branch), ("mlp", gates.mlp_branch)):
+            for kind, br in (("attn", gates[2 * i]), ("mlp", gates[2 * i + 1])):
                 res_dir, log_norm = self.recipe_sublayer(kind, block, br, res_dir, log_norm, cos_sin, mask, kv, ve)
             if i == self.backout_layer:
                 mid = res_dir

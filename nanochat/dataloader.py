@@ -18,7 +18,11 @@ buffered documents by their position in the stream, so a loader resumed from it
 re-reads them and yields exactly the batches the uninterrupted one would have.
 """
 
+import itertools
+import queue
 import random
+import threading
+import weakref
 from bisect import bisect_left, insort
 from collections import defaultdict
 from functools import lru_cache
@@ -184,11 +188,7 @@ def _packed_batches(
                     row.extend(doc[:remaining])
                     dropped += len(doc) - remaining
             rows.append(row)
-        batch = torch.tensor(rows, dtype=torch.long)
-        if device.type == "cuda":
-            batch = batch.pin_memory().to(device, non_blocking=True)
-        else:
-            batch = batch.to(device)
+        batch = to_device(torch.tensor(rows, dtype=torch.long), device)
         state = {
             "version": STATE_VERSION,
             "split": split,
@@ -202,6 +202,14 @@ def _packed_batches(
             "dropped_tokens": dropped,
         }
         yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous(), state
+
+
+def to_device(tensor, device):
+    """A host tensor on `device`; to a GPU through pinned memory, so the copy is queued without waiting for the
+    device."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def packing_kept_fraction(tokenizer, B, T, split="train", num_batches=50):
@@ -245,18 +253,55 @@ def _check_state(state, split, rank, world_size, num_row_groups, data_seed):
 
 
 class MicroBatches:
-    """This process's micro-batches: micro-step m reads shard m's loader. fetch_ahead reads the next one on the host
-    while the device works; the loader states kept for a checkpoint are those of the micro-batches consumed, never
-    of one fetched ahead."""
+    """This process's micro-batches, in order: micro-step m of every step reads shard m's loader. A background thread
+    reads and packs the next ones while the device works (tiktoken and pyarrow release the GIL) and keeps up to AHEAD
+    of them ready, so a step waits for data only when the host packs slower than the device trains. The loader
+    states kept for a checkpoint are those of the micro-batches taken, never of one read ahead; an error in the thread
+    is raised by take. The thread ends on close or when the MicroBatches is dropped, and never keeps a process alive."""
 
-    def __init__(self, loaders):
-        self.loaders, self.ahead = loaders, None
-        self.states = [None] * len(loaders)
+    AHEAD = 2
 
-    def take(self, micro):
-        batch, self.ahead = self.ahead or next(self.loaders[micro]), None
-        x, y, self.states[micro] = batch
-        return x, y
+    def __init__(self, loaders, device):
+        self.device, self.states, self.error = torch.device(device), [None] * len(loaders), None
+        self.ready, self.stopped = queue.Queue(maxsize=self.AHEAD), threading.Event()
+        # the thread holds the loaders, the queue and the event but not self, so a dropped self stops it (finalize)
+        threading.Thread(
+            target=_read_ahead, args=(loaders, self.ready, self.stopped), name="micro-batches", daemon=True
+        ).start()
+        weakref.finalize(self, self.stopped.set)
 
-    def fetch_ahead(self, micro):
-        self.ahead = next(self.loaders[micro])
+    def take(self):
+        """The next micro-batch (inputs, targets) on the device; waits while the thread is still packing it."""
+        if self.error is None:
+            item = self.ready.get()
+            if isinstance(item, BaseException):
+                self.error = item
+        if self.error is not None:
+            raise self.error  # again at every later take: the thread has ended
+        micro, x, y, self.states[micro] = item
+        # copied here, not in the thread: all CUDA work stays on the training thread, in order with the work before it
+        return to_device(x, self.device), to_device(y, self.device)
+
+    def close(self):
+        self.stopped.set()
+
+
+def _read_ahead(loaders, ready, stopped):
+    """MicroBatches' thread: the loaders' batches in turn, into `ready`, until stopped; an error is passed on."""
+    try:
+        for micro in itertools.cycle(range(len(loaders))):
+            if not _put(ready, stopped, (micro, *next(loaders[micro]))):
+                return
+    except BaseException as e:  # StopIteration too: a training loader never runs out
+        _put(ready, stopped, e)
+
+
+def _put(ready, stopped, item):
+    """Puts item once the queue has room; False if stopped first (polled: a queue cannot wait for an event too)."""
+    while not stopped.is_set():
+        try:
+            ready.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            pass
+    return False

@@ -330,7 +330,8 @@ class GPT(nn.Module):
         """Called before every training step with the number of tokens trained on so far."""
 
     def after_optimizer_step(self):
-        """Constraints re-imposed after every optimizer step."""
+        """Work after every optimizer step. A row constraint on a weight belongs instead in its AdamW group
+        ("constrain", nanochat/optim.py): imposed inside the update, it fuses where the update compiles."""
 
     # ----- forward -----
 

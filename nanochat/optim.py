@@ -38,7 +38,8 @@ POLAR_NORM_FACTOR = 1.01
 NORMUON_BETA2 = 0.9  # decay of NorMuon's running second moment
 # compiled AdamW: a tensor this large gets its own fused update; smaller ones (a model may have hundreds of
 # small gate tensors) stay in eager foreach kernels, since one graph over hundreds of tensors takes minutes
-# to compile and a call per tensor would cost more launches than the fusion saves
+# to compile and a call per tensor would cost more launches than the fusion saves. commit draws the same line
+# (a select each for the large tensors, one over many small ones)
 FUSE_MIN_NUMEL = 1 << 16
 
 
@@ -61,8 +62,39 @@ def commit(gate, targets, values):
     It lets the training loop veto a non-finite step on the device, without waiting to read the flag
     (docs/optimizer.md)."""
     if gate is not None:
-        values = [torch.where(gate, v, t) for t, v in zip(targets, values)]
+        # more than three small tensors share one select over them flattened together: two cats and the select, three
+        # launches, not one per tensor (a model may have hundreds); the others get a select each, the large ones
+        # always (copying them into a flat tensor would add their traffic)
+        small = [i for i, t in enumerate(targets) if t.numel() < FUSE_MIN_NUMEL]
+        shared = set(small) if len(small) > 3 else set()
+        values = [v if i in shared else torch.where(gate, v, t) for i, (t, v) in enumerate(zip(targets, values))]
+        if shared:
+            chosen = torch.where(gate, flattened([values[i] for i in small]), flattened([targets[i] for i in small]))
+            for i, v in zip(small, chosen.split([targets[i].numel() for i in small])):
+                values[i] = v.view_as(targets[i])
     torch._foreach_copy_(targets, values)
+
+
+def flattened(tensors):
+    """The tensors' elements in one 1-D tensor (a single cat: contiguous tensors reshape as views)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def centre_rows(w):
+    """Each row of the matrix w minus its mean, in place."""
+    w.sub_(w.mean(dim=1, keepdim=True))
+
+
+def centre_rows_unit_rms(w):
+    """Each row of the matrix w centred, then scaled to unit RMS, in place."""
+    centre_rows(w)
+    w.mul_(torch.rsqrt(w.square().mean(dim=1, keepdim=True).clamp_min(1e-30)))
+
+
+# the row constraints an AdamW group may ask for by name (its "constrain"): imposed on the group's updated weights
+# inside the update itself, so that a compiled update fuses them. A name, not a function, so that a group's settings
+# stay plain data in a checkpoint.
+ROW_CONSTRAINTS = {"centred": centre_rows, "centred_unit_rms": centre_rows_unit_rms}
 
 
 @torch.no_grad()
@@ -104,10 +136,13 @@ def muon_update(
 
 
 @torch.no_grad()
-def adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, weight_decay, bias1, bias2, beta1, beta2, eps, gate=None):
+def adamw_update(
+    params, grads, exp_avgs, exp_avg_sqs, lr, weight_decay, bias1, bias2, beta1, beta2, eps, gate=None, constrain=None
+):
     """One AdamW step on lists of fp32 tensors that share a step count (bias1 = 1 - beta1^step, bias2 the same with
     beta2), in place, with foreach kernels (a model may have hundreds of small gate tensors: one launch each would add
-    up). lr, weight_decay, bias1, bias2: numbers, or 0-d tensors when compiled. gate: as muon_update's."""
+    up). lr, weight_decay, bias1, bias2: numbers, or 0-d tensors when compiled. gate: as muon_update's. constrain: None,
+    or a name in ROW_CONSTRAINTS, imposed on each updated weight before the commit (a vetoed step changes nothing)."""
     new_params = torch._foreach_mul(params, 1 - lr * weight_decay)  # at 0 a product with exactly 1
     new_avgs = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
     new_sqs = torch._foreach_mul(exp_avg_sqs, beta2)
@@ -119,6 +154,9 @@ def adamw_update(params, grads, exp_avgs, exp_avg_sqs, lr, weight_decay, bias1, 
         torch._foreach_sub_(new_params, torch._foreach_mul(torch._foreach_div(new_avgs, denom), lr / bias1))
     else:
         torch._foreach_addcdiv_(new_params, new_avgs, denom, value=-lr / bias1)
+    if constrain is not None:
+        for w in new_params:  # a constrained group holds one matrix or a few (wte, lm_head)
+            ROW_CONSTRAINTS[constrain](w)
     commit(gate, [*params, *exp_avgs, *exp_avg_sqs], [*new_params, *new_avgs, *new_sqs])
 
 
@@ -166,6 +204,11 @@ def param_groups(groups):
         else:
             flat.append(g)
     for g in flat:
+        if g.get("constrain") is not None and (g["kind"] != "adamw" or g["constrain"] not in ROW_CONSTRAINTS):
+            raise ValueError(
+                f"group {g.get('name', g['kind'])!r}: constrain={g['constrain']!r}, but only an AdamW group takes one, "
+                f"one of {list(ROW_CONSTRAINTS)}"
+            )
         g.setdefault("weight_decay", 0.0)
         g.setdefault("betas", (0.8, 0.95))
         g.setdefault("eps", 1e-10)
@@ -178,7 +221,7 @@ def param_groups(groups):
 
 class MuonAdamW(torch.optim.Optimizer):
     """
-    groups: dicts with kind="adamw" (lr, betas, eps, weight_decay) or kind="muon"
+    groups: dicts with kind="adamw" (lr, betas, eps, weight_decay; constrain: a ROW_CONSTRAINTS name) or kind="muon"
     (lr, momentum, weight_decay, beta2 of NorMuon). Muon groups are split by parameter shape so each
     sub-group's matrices are updated as one stack. Each group keeps its
     "initial_lr" / "initial_weight_decay" so schedules can scale them.
@@ -236,24 +279,24 @@ class MuonAdamW(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
             by_step.setdefault(state["step"], []).append(p)
+        constrain = group.get("constrain")
         for step, ps in by_step.items():
             bias1, bias2 = 1 - beta1**step, 1 - beta2**step
             fuse = [self.compiles(p) and p.numel() >= FUSE_MIN_NUMEL for p in ps]
+            if any(fuse):  # the hyperparameters as 0-d tensors, filled once for every large tensor of the group
+                hyper = scalars(ps[0].device, group["lr"], group["weight_decay"], bias1, bias2)
             for p in (p for p, f in zip(ps, fuse) if f):  # one compiled kernel per large tensor (wte, lm_head)
-                lr, wd, b1, b2 = scalars(p.device, group["lr"], group["weight_decay"], bias1, bias2)
                 compiled(adamw_update)(
                     [p],
-                    [p.grad.float()],
+                    [p.grad.float()],  # .float() of an fp32 gradient is the gradient itself: no copy, no launch
                     [self.state[p]["exp_avg"]],
                     [self.state[p]["exp_avg_sq"]],
-                    lr,
-                    wd,
-                    b1,
-                    b2,
+                    *hyper,
                     beta1,
                     beta2,
                     group["eps"],
                     gate,
+                    constrain,
                 )
             ps = [p for p, f in zip(ps, fuse) if not f]
             if ps:
@@ -270,6 +313,7 @@ class MuonAdamW(torch.optim.Optimizer):
                     beta2,
                     group["eps"],
                     gate,
+                    constrain,
                 )
 
     def step_muon(self, group, gate=None):

@@ -364,6 +364,20 @@ def start_step(run_dir, args, record, tokenizer, defaults, not_settings, planned
     return step
 
 
+def load_resumed_weights(model, run_dir, step, device):
+    """The weights saved at `step` into model, refusing a checkpoint that stores them under other names than the
+    model's: one of an older layout, which the model converts as it loads (so it still evaluates and exports), but
+    whose optimizer state is keyed to the old parameters."""
+    saved = ckpt.load_model_file(run_dir, step, device)
+    ckpt.load_weights(model, saved)
+    old = sorted(saved["model"].keys() - model.state_dict().keys())
+    if old:
+        raise UserError(
+            f"cannot resume {run_dir} from step {step}: its weights are in an older layout ({old[0]}, ...), whose "
+            "optimizer state this code cannot read; evaluate or export it, or train a new run"
+        )
+
+
 def load_resume_state(run_dir, step, rank, world_size, grad_accum, optimizer):
     """Load this rank's share of the train state saved at `step` into `optimizer` (each saved rank holds its rows of
     the sharded Muon state, rank 0 the AdamW state: ranks_to_load names the files this rank needs), and return the

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The measurements only a GPU can make (scripts/bench/gpu_checks.py has the stages, their time limits, expected times
-# and the figures each writes). No network and no data: the benchmarks use random tokens (fp8_mod: an offline corpus).
+# and the figures each writes). No network and no data: the benchmarks use random tokens (base_train: offline text).
 #
-#   bash runs/gpu_checks.sh --quick             # at most 7 minutes on one H100/H200, compiles included
-#   bash runs/gpu_checks.sh                     # also cold compiles, per-block compile, full depth, fp8 with MoD;
+#   bash runs/gpu_checks.sh --quick             # at most 7 minutes on one H100/H200, compiles included: GPT, NAG fused
+#                                               # and NAG compiled, base_train against the bench, branch op, attention
+#   bash runs/gpu_checks.sh                     # also MFU, cold compiles, per-block compile, full depth, fp8 with MoD;
 #                                               # CORE batching with EVAL_BUNDLE=DIR
 #   bash runs/gpu_checks.sh --quick --dry-run   # the plan and the files it writes; needs no GPU
 #

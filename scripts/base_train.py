@@ -265,6 +265,7 @@ def train(args, stated=None):
                 dist.destroy_process_group()
             return run_dir
         run = set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
+        stack.callback(run.batches.close)  # the loader thread stops however training ends
         train_loop(run)
         finish(run)
         return run_dir
@@ -330,7 +331,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
 
     loader_states, elapsed = None, 0.0
     if start > 0:
-        ckpt.load_weights(model, ckpt.load_model_file(run_dir, start, device))
+        resume.load_resumed_weights(model, run_dir, start, device)
         state = resume.load_resume_state(run_dir, start, rank, world_size, plan.grad_accum, optimizer)
         loader_states, elapsed = state["dataloader"], state["elapsed"]
         torch.set_rng_state(state["rng"]["cpu"])
@@ -340,6 +341,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     # The train data is cut into world_size × grad_accum shards and micro-step m of rank r reads shard
     # r·grad_accum + m: every split of the same total batch over processes sees the same data per step.
     num_shards = world_size * plan.grad_accum
+    # read and packed on the host by a thread of their own while the device trains; MicroBatches copies them over
     batches = MicroBatches(
         [
             data_loader(
@@ -347,14 +349,14 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
                 args.device_batch_size,
                 args.max_seq_len,
                 "train",
-                device=device,
                 rank=rank * plan.grad_accum + m,
                 world_size=num_shards,
                 resume_state=loader_states[m] if loader_states else None,
                 data_seed=args.data_seed,
             )
             for m in range(plan.grad_accum)
-        ]
+        ],
+        device,
     )
 
     # every check has passed: only now does the run directory change
@@ -493,26 +495,19 @@ def save(run, step):
     print0(f"saved checkpoint at step {step} in {run.run_dir}")
 
 
-def forward_backward(run, step, timer):
+def forward_backward(run, timer):
     """The loss of one step's micro-batches, summed (on the device), and their gradients; (loss sum, last inputs)."""
     plan, batches = run.plan, run.batches
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(plan.grad_accum):
-        fetched_ahead = batches.ahead is not None
-        x, y = batches.take(micro)
-        if not fetched_ahead:  # the first micro-batch of this process, or one not fetched ahead: read now
-            timer.mark("data")
+        x, y = batches.take()  # packed ahead by MicroBatches' thread: "data" is the wait for one not ready yet
+        timer.mark("data")
         sync = micro == plan.grad_accum - 1 or not run.is_ddp
         with contextlib.nullcontext() if sync else run.ddp.no_sync():
             loss = run.forward(x, y)
             loss_sum += loss.detach()
             (loss / plan.grad_accum).backward()
         timer.mark("fwd_bwd")
-        if micro + 1 < plan.grad_accum or step + 1 < plan.num_iterations:
-            # the next micro-batch (of this step or the next) is read and packed on the host while the device runs
-            # this backward: nothing before this line waits for the device
-            batches.fetch_ahead((micro + 1) % plan.grad_accum)
-            timer.mark("data")
     return loss_sum, x
 
 
@@ -549,7 +544,7 @@ def train_step(run, step, unlogged, stop_flag, timer):
     forward and backward are queued."""
     args, plan, model = run.args, run.plan, run.model
     model.set_tokens_seen(step * plan.total_batch)
-    loss_sum, x = forward_backward(run, step, timer)
+    loss_sum, x = forward_backward(run, timer)
     stopping = False
     if (pending := unlogged.take()) is not None:  # the previous step's checks (it logged no row)
         values, (prev_step, names) = pending

@@ -24,8 +24,8 @@ def force_u_zero(monkeypatch, *branches):
         original_init(self)
         with torch.no_grad():
             for block, kind, beta_raw in branches:
-                br = getattr(self.gates[block], f"{kind}_branch")
-                br.m_down.bias.fill_(-200.0)
+                br = self.gates.branch(2 * block + (1 if kind == "attn" else 2))
+                br.m_down_bias.fill_(-200.0)
                 br.beta_raw.fill_(beta_raw)
 
     monkeypatch.setattr(NAGGPT, "init_weights", init_shut)
@@ -37,7 +37,7 @@ def test_guard_names_the_origin_of_a_nan(run_base, script_error, monkeypatch):
     common = ["--arch", "nag", "--num-iterations", "3", "--eval-every", "100", "--nag-gate-log-every", "0"]
     err = script_error(tiny_main, *common, "--run", "f0", "--nag-mod-floor", "0")
     # the NaN spreads backwards to the embedding and every earlier branch, so the parameter list alone misleads
-    assert "step 1" in err and "wte.weight" in err and "gates.0.attn_branch.coef" in err
+    assert "step 1" in err and "wte.weight" in err and "gates.coef" in err
     assert "origin: branch 0.mlp (update 2): β·u^(β−1) overflows, min u 0, β 0.99998" in err, err
     # the fixed twin: the same shut branch with the floor stays finite
     run_dir = tiny_main(common + ["--run", "f1", "--nag-mod-floor", "1e-6"])

@@ -3,8 +3,10 @@
 The one-line stop without a GPU, the python a borrowed
 slot has (no .venv, no rustbpe), the stage runner with fake stages (ok, failing, timed out, skipped for the budget,
 their compiler caches), the plan against the quick budget, the kernel-test verdict when no CUDA test can run, the
-headline arithmetic, the branch-op sweep, and bench_train's per-block compile against eager on a tiny model."""
+headline arithmetic, every quick stage's figures from a GPU-shaped JSON (base_train against the step stage, the faster
+NAG implementation), the branch-op sweep, and bench_train's per-block compile against eager on a tiny model."""
 
+import dataclasses
 import json
 import os
 import resource
@@ -325,12 +327,22 @@ def test_headline_carries_two_depths_to_64(tmp_path):
 
 def test_quick_plan_answers_the_first_questions_within_its_budget():
     quick = gpu_checks.stages(quick=True)
-    assert [s.name for s in quick] == ["kernel_tests", "step", "mfu", "attention", "branch_op"]
+    assert [s.name for s in quick] == ["kernel_tests", "step", "base_train", "branch_op", "attention"]
     assert gpu_checks.QUICK_BUDGET <= 7 * 60  # a borrowed slot gives a command 10 minutes, its start-up included
-    assert sum(s.expect for s in quick) <= gpu_checks.PLANNED * gpu_checks.QUICK_BUDGET and gpu_checks.PLANNED <= 0.75
+    # the expected times are the first H200's (a third step variant: half of two more), within the planned share
+    expect = {s.name: s.expect for s in quick}
+    assert expect == {"kernel_tests": 55, "step": 78 * 1.5, "base_train": 79, "branch_op": 34, "attention": 48}
+    assert sum(expect.values()) <= gpu_checks.PLANNED * gpu_checks.QUICK_BUDGET and gpu_checks.PLANNED <= 0.8
+    doc = open(os.path.join(REPO, "docs", "gpu_checks.md")).read()  # its budget section quotes both
+    assert f"at most {100 * gpu_checks.PLANNED:.0f} % of it" in doc and f"{sum(expect.values()):.0f} s, with" in doc
     assert all(s.expect < s.timeout <= 180 for s in quick)  # each stage its own limit, with room over its expected time
+    # the step stage: GPT beside both NAG implementations, compiled whole
+    step = next(s for s in quick if s.name == "step")
+    assert step.cmd[step.cmd.index("--arch") + 1] == "gpt,nag:fused,nag:compiled"
+    assert step.cmd[step.cmd.index("--compile") + 1] == "on"
     full = gpu_checks.stages(quick=False, eval_bundle="/bundle")
     assert [s.name for s in full[len(quick) :]] == [
+        "mfu",  # did not fit --quick on the first H200
         "depth",
         "blocks",
         "host_reads",
@@ -390,6 +402,230 @@ def test_fp8_with_mod_is_a_base_train_stage_at_the_published_width(tmp_path):
         "- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8: 3 steps ran, "
         "175 ms per step after the first (41 s), 41 layers in fp8"
     ]
+
+
+def test_the_base_train_stage_is_the_step_stages_nag_fused_in_base_trains_loop():
+    # issue 47: base_train --arch nag at the step stage's shape, compiled (no MoD, no fp8), with the bench's attention
+    # kernel and NAG implementation, so that its step after the first can be held against the bench's nag:fused step
+    from scripts.base_train import parse_args
+
+    plan = {s.name: s for s in gpu_checks.stages(quick=True)}
+    st, step = plan["base_train"], plan["step"]
+    assert st.cmd[:6] == [sys.executable, "-m", "scripts.bench.gpu_checks", "--base-train", "{json}", "--vocab-size"]
+    assert st.against == "step" and st.figures == gpu_checks.nag_train_figures and not st.cold
+    args = parse_args(st.cmd[7:])
+    bench = lambda flag: int(step.cmd[step.cmd.index(flag) + 1])
+    assert int(st.cmd[6]) == bench("--vocab-size")
+    assert (args.depth, args.model_dim, args.head_dim, args.max_seq_len, args.device_batch_size) == tuple(
+        bench(f) for f in ("--depth", "--model-dim", "--head-dim", "--max-seq-len", "--device-batch-size")
+    )
+    assert args.arch == "nag" and args.nag_impl == "fused" and args.attn == "sdpa"  # the bench's
+    assert args.mod_rate is None and not args.fp8  # compiled as base_train compiles on CUDA: MoD would run eager
+    assert args.total_batch_size == args.device_batch_size * args.max_seq_len and args.eval_every == -1
+    assert args.num_iterations == 5  # 4 steps after the one that compiles
+
+
+def bench_result(arch, step_ms, fwd_bwd_ms, optim_ms, mem):
+    """A result of scripts/bench/train.py on the GPU: every key run_variant writes."""
+    return result(
+        arch,
+        8,
+        step_ms,
+        mem,
+        precision="bf16",
+        fp8_layers=0,
+        host_reads=1,
+        tok_per_sec=32768 / step_ms * 1e3,
+        fwd_bwd_ms=fwd_bwd_ms,
+        optim_ms=optim_ms,
+        first_step_s=40.0,
+        first_loss=10.4,
+        last_loss=9.9,
+        params=10**8,
+        device="cuda",
+        mfu=0.3,
+    )
+
+
+def base_train_steps(*ms):
+    """base_train stage steps: step 1 compiles, then steps of `ms` each, a third of them waiting on data."""
+    parts = lambda t: {"data": t / 3, "fwd_bwd": t / 2, "optim": t / 12, "sync_log": t / 12}
+    return [
+        {"step": i + 1, "ms": t, "train_loss": 10.0, "skip_attn": None, "skip_mlp": None, "mfu": None}
+        | {"parts_ms": parts(t)}
+        for i, t in enumerate((40000.0, *ms))
+    ]
+
+
+def gpu_like_jsons():
+    """Each quick stage's JSON, shaped as on the first H200 (its figures there: docs/LOG.md, issue 47)."""
+    from scripts.bench import train
+
+    step = [
+        bench_result("gpt", 37.5, 34.0, 3.2, 8.7),
+        bench_result("nag:fused", 47.6, 39.8, 7.4, 10.0),
+        bench_result("nag:compiled", 44.0, 36.2, 7.4, 11.2),
+    ]
+    # fmt: off
+    impl = lambda f, b: dict(
+        forward_ms=f, forward_gbps=3912 * 32768 / f / 1e6, forward_of_copy=0.2, backward_ms=b,
+        backward_gbps=6532 * 32768 / b / 1e6, backward_of_copy=0.05,
+    )
+    return {
+        "kernel_tests": {
+            "pytest_exit": 0, "passed": 30, "failure": 0, "error": 0, "skipped": 0, "cuda_passed": 30,
+            "cuda_skipped": 0, "ok": True, "tests": [{"name": "test_fused_cuda", "result": "passed", "reason": ""}],
+        },
+        "step": {"argv": [], "results": step, "ratios": train.ratios(step)},
+        "base_train": {
+            "base_train_exit": 0, "seconds": 79.0, "argv": gpu_checks.NAG_TRAIN, "vocab_size": 32768,
+            "fp8_layers": 0, "attention": "sdpa", "peak_mem_gib": 10.1, "steps": base_train_steps(84, 84, 84, 47),
+        },
+        "branch_op": {
+            "op": {
+                "rows": 32768, "dim": 640, "dtype": "bfloat16", "copy_gbps": 4238.0, "forward_bytes_per_row": 3912,
+                "backward_bytes_per_row": 6532, "impls": {"compiled": impl(0.201, 0.889), "fused": impl(0.182, 1.578)},
+                "fused_vs_compiled": {"forward": 1.10, "backward": 0.56},
+                "rows_per_program": {"default": 16, "best": 4, "gain_over_default": 1.3,
+                                     "backward_gbps": {"4": 176.0, "16": 136.0}},
+            }
+        },
+        "attention": {
+            "attention": {"requested": "auto", "kernel": "cudnn", "reason": "Hopper GPU, cudnn the fastest"},
+            "kernels": {"sdpa": "timed", "cudnn": "timed"},
+            "results": [{"kernel": "sdpa", "window": "L", "fwd_bwd_ms": 4.0}],
+            "vs_sdpa": [], "fa3_vs_sdpa": [], "window_vs_full": {"sdpa": 0.8},
+        },
+    }
+    # fmt: on
+
+
+FIGURED_NAG = (
+    "nag:compiled / nag:fused (compiled): 0.924× time, 1.120× memory: nag:compiled is 1.082× as fast as nag:fused "
+    "(44.0 vs 47.6 ms a step: fwd+bwd 36.2 vs 39.8, optimizer 7.4 vs 7.4), peak memory 11.2 vs 10.0 GiB "
+    "(nag:fused 1.2 GiB less)"
+)
+
+
+def test_every_quick_stage_figures_its_gpu_json_and_base_train_against_step():
+    # each quick stage's figures function reads a JSON shaped like the GPU's (a new quick stage needs one here)
+    jsons = gpu_like_jsons()
+    plan = gpu_checks.stages(quick=True)
+    assert sorted(jsons) == sorted(s.name for s in plan)
+    text = {
+        s.name: s.figures(jsons[s.name], jsons[s.against]) if s.against else s.figures(jsons[s.name]) for s in plan
+    }
+    assert all(isinstance(t, str) and t for t in text.values()), text
+    # step: each variant's step split into forward + backward and the optimizer, and which NAG is faster
+    assert "nag:fused 47.6 ms (fwd+bwd 39.8, optimizer 7.4), 10.0 GiB" in text["step"]
+    assert text["step"].endswith(FIGURED_NAG)
+    # base_train: the median of steps 2-5 (84, 84, 84, 47) against the bench's nag:fused step, and where it went
+    assert text["base_train"] == (
+        "5 steps, attention sdpa: step 1 40.0 s (compiles), then 84, 84, 84, 47 ms; peak 10.1 GiB; a step after the "
+        "first 84.0 ms (median; on average data 24.9, fwd+bwd 37.4, optim 6.2, sync+log 6.2 ms) = 1.765× the step "
+        "stage's nag:fused 47.6 ms: FAIL, outside 10%"
+    )
+    near = dict(jsons["base_train"], steps=base_train_steps(52, 50, 51, 49))
+    assert gpu_checks.nag_train_figures(near, jsons["step"]).endswith(
+        "= 1.061× the step stage's nag:fused 47.6 ms: PASS, within 10%"  # the median, 50.5 ms
+    )
+    # the step stage failed or was skipped: said, not a traceback
+    assert gpu_checks.nag_train_figures(jsons["base_train"], None).endswith(
+        "; no nag:fused step from the step stage to compare with (it failed or was skipped)"
+    )
+
+
+def writes(d):
+    return f"import sys; open(sys.argv[1], 'w').write({json.dumps(d)!r})"
+
+
+def test_the_summary_headlines_the_faster_nag_implementation(tmp_path):
+    # the quick plan's stages through the runner, each writing its GPU-shaped JSON: the headline's first line names the
+    # NAG implementation the step figures favour, with both memories; base_train's line holds it against the bench
+    jsons = gpu_like_jsons()
+    plan = [
+        dataclasses.replace(s, cmd=[sys.executable, "-c", writes(jsons[s.name]), "{json}"])
+        for s in gpu_checks.stages(quick=True)
+    ]
+    assert gpu_checks.run_stages(plan, str(tmp_path), budget=120) == []
+    notes = {r[0]: r[3] for r in rows(str(tmp_path))}
+    assert notes["step"].endswith(FIGURED_NAG) and notes["base_train"].endswith("47.6 ms: FAIL, outside 10%")
+    lines = gpu_checks.headline(str(tmp_path))
+    assert lines[0] == (
+        "- NAG implementation the figures favour for training, by step time: compiled (step: depth 8 × 640, "
+        "32,768 tokens, compiled whole); nag:compiled is 1.082× as fast as nag:fused (44.0 vs 47.6 ms a step: fwd+bwd "
+        "36.2 vs 39.8, optimizer 7.4 vs 7.4), peak memory 11.2 vs 10.0 GiB (nag:fused 1.2 GiB less); nag/model.py's "
+        "default on CUDA: fused"
+    )
+    assert (
+        "- base_train --arch nag (fused, SDPA) at the step stage's shape, compiled: a step after the first 84.0 ms "
+        "(median; on average data 24.9, fwd+bwd 37.4, optim 6.2, sync+log 6.2 ms) = 1.765× the step stage's "
+        "nag:fused 47.6 ms: FAIL, outside 10%" in lines
+    )
+
+
+def test_a_failed_step_stage_leaves_base_train_nothing_to_compare(tmp_path):
+    # the step stage fails (or is skipped): base_train's line and the headline say so; no implementation is favoured
+    jsons = gpu_like_jsons()
+    cmd = lambda s: "raise SystemExit(1)" if s.name == "step" else writes(jsons[s.name])
+    plan = [dataclasses.replace(s, cmd=[sys.executable, "-c", cmd(s), "{json}"]) for s in gpu_checks.stages(quick=True)]
+    assert gpu_checks.run_stages(plan, str(tmp_path), budget=120) == ["step"]
+    notes = {r[0]: r[1:] for r in rows(str(tmp_path))}
+    assert notes["base_train"][0] == "ok" and notes["base_train"][2].endswith(
+        "no nag:fused step from the step stage to compare with (it failed or was skipped)"
+    )
+    lines = gpu_checks.headline(str(tmp_path))
+    assert not any("favour" in l for l in lines) and any(l.startswith("- base_train --arch nag") for l in lines)
+    # and no JSON at all (every benchmark stage failed): one line that says so
+    assert gpu_checks.headline(str(tmp_path / "none")) == ["- no figures: every benchmark stage failed"]
+
+
+def test_bench_train_says_which_nag_implementation_is_faster():
+    # --arch gpt,nag:fused,nag:compiled: each variant's line splits its step; the ratios are to the first variant, and
+    # the two NAG implementations' line names the faster one, by how much, and each one's memory
+    from scripts.bench import train
+
+    gpt, fused, compiled = (
+        bench_result("gpt", 37.5, 34.0, 3.2, 8.7),
+        bench_result("nag:fused", 47.6, 39.8, 7.4, 10.0),
+        bench_result("nag:compiled", 50.0, 42.2, 7.4, 11.2),
+    )
+    line = train.variant_line(fused)
+    assert "47.6 ms/step (fwd+bwd 39.8, optimizer 7.4)" in line and "peak 10.00 GiB" in line
+    got = train.ratios([gpt, fused, compiled])
+    assert [q["what"] for q in got] == [
+        "nag:fused / gpt (compiled)",
+        "nag:compiled / gpt (compiled)",
+        "nag:compiled / nag:fused (compiled)",
+    ]
+    assert [("faster" in q) for q in got] == [False, False, True]
+    assert got[2]["faster"] == (
+        "nag:fused is 1.050× as fast as nag:compiled (47.6 vs 50.0 ms a step: fwd+bwd 39.8 vs 42.2, optimizer 7.4 vs "
+        "7.4), peak memory 10.0 vs 11.2 GiB (nag:fused 1.2 GiB less)"
+    )
+    # without GPT the first variant is the reference all the same
+    alone = train.ratios([fused, compiled])
+    assert [q["what"] for q in alone] == ["nag:compiled / nag:fused (compiled)"] and "faster" in alone[0]
+
+
+def test_nag_compiled_in_a_model_compiled_whole_is_inductor_over_the_reference_math():
+    # bench_train's nag:compiled is --nag-impl compiled (nag/model.py branch_function: the reference under
+    # torch.compile); in a model compiled whole, dynamo takes that inner compile into the model's one graph, with no
+    # break: the same graph as nag:reference's, which Inductor then compiles (nag:fused's graph calls the fused op)
+    import torch._dynamo
+    from scripts.bench import models
+
+    config = models.train_config(["--depth", "1", "--model-dim", "64", "--head-dim", "32", "--max-seq-len", "16"], 128)
+    x, y = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    ops = {}
+    for name in ("nag:reference", "nag:compiled"):
+        torch._dynamo.reset()
+        model = models.variant(name, config, torch.device("cpu"))
+        explained = torch._dynamo.explain(model)(x, y)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, (name, explained.break_reasons)
+        ops[name] = [str(n.target) for n in explained.graphs[0].graph.nodes if n.op == "call_function"]
+    torch._dynamo.reset()
+    assert ops["nag:compiled"] == ops["nag:reference"] and not any("nag." in op for op in ops["nag:compiled"])
 
 
 def test_the_base_train_stage_tokenizer_needs_no_rustbpe():
@@ -796,7 +1032,8 @@ def test_the_slot_python_is_picked_without_venv_or_rustbpe(tmp_path):
 # Each stage's own command line, as gpu_checks builds it, with its sizes made tiny for a CPU: the smallest shape, one
 # timed step after one warm-up, the branch op on 8 rows, its sweep over rows per program the default alone.
 # bench_train's --compile on becomes off: the CPU's inductor takes 20+ s a variant and builds C++, not the GPU's
-# Triton; inductor's imports are the attention stage's, which compiles as it would on the GPU.
+# Triton; inductor's imports are the attention stage's, which compiles as it would on the GPU. For the same reason
+# nag:compiled becomes nag:reference (the same math, eager): two NAG implementations all the same.
 TINY = {
     "--depth": "1",
     "--aspect-ratio": "128",
@@ -820,10 +1057,9 @@ def tiny(stage):
     for i, arg in enumerate(cmd[:-1]):
         if arg in TINY and not cmd[i + 1].startswith("--"):  # a flag with a value (attention's --compile has none)
             cmd[i + 1] = TINY[arg]
+    cmd = [arg.replace("nag:compiled", "nag:reference") for arg in cmd]
     assert all(float(a) <= 512 for a in cmd if a.replace(".", "").isdigit()), cmd  # no size of the GPU's left
-    return gpu_checks.Stage(
-        stage.name, stage.what, cmd, 240, stage.expect, stage.figures, stage.writes_json, stage.cold
-    )
+    return dataclasses.replace(stage, cmd=cmd, timeout=240)
 
 
 @pytest.mark.slow
@@ -871,6 +1107,10 @@ def test_every_quick_stage_runs_under_the_slot_python(tmp_path, monkeypatch):
     assert fp8_mod["base_train_exit"] == 0 and fp8_mod["fp8_layers"] > 0 and fp8_mod["attention"] == "sdpa"
     assert [s["step"] for s in fp8_mod["steps"]] == [1, 2, 3] and all(0 < s["skip_mlp"] < 1 for s in fp8_mod["steps"])
     assert got["fp8_mod"][2].startswith(f"3 steps, fp8 on {fp8_mod['fp8_layers']} layers, attention sdpa: step 1 ")
+    # step: both NAG implementations, the faster named; base_train: 5 steps held against the step stage's nag:fused
+    assert "nag:reference / nag:fused (eager): " in got["step"][2] and " as fast as nag:" in got["step"][2]
+    assert got["base_train"][2].startswith("5 steps, attention sdpa: step 1 ")
+    assert "× the step stage's nag:fused " in got["base_train"][2]
 
 
 @pytest.mark.slow

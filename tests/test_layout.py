@@ -26,6 +26,8 @@ ALLOWED = [
     (BENCHMARKS, "scripts.check_cuda", {"nvidia_smi"}),
     # its step timing
     (("scripts/bench/nag.py",), "scripts.bench.train", {"benchmark", "parse", "ratios", "print_ratios"}),
+    # its counting rule of kernel launches, for the optimizer's step
+    (("scripts/bench/optim.py",), "scripts.bench.nag", {"LaunchCounter"}),
 ]
 LAYERS = ("nanochat", "nag", "analysis")  # below the commands: they import none of scripts/
 

@@ -1,6 +1,8 @@
 """The NAG model: init, constraints, optimizer groups, FLOP-matched horizon, telemetry, checkpoints."""
 
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ from nanochat.common import UserError
 from nanochat import checkpoint_manager as ckpt
 from nag.model import NAGGPT, NAGConfig
 from nag import archs
+from scripts import base_train
+from conftest import TINY_TRAIN
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # models of width 32, trained in this process
 CFG = dict(sequence_len=32, vocab_size=128, n_layer=3, n_head=2, n_kv_head=2, n_embd=32)
@@ -57,8 +61,8 @@ def test_init_values():
     for _, br in model.branches():
         assert br.beta_raw.item() == pytest.approx(0.5413)
         assert torch.nn.functional.softplus(br.beta_raw).item() == pytest.approx(1.0, abs=1e-4)
-        assert br.coef.abs().sum() == 0 and br.m_down.bias.abs().sum() == 0
-        assert br.m_down.weight.abs().max() <= math.sqrt(3) * 32**-0.5
+        assert br.coef.abs().sum() == 0 and br.m_down_bias.abs().sum() == 0
+        assert br.m_down_weight.abs().max() <= math.sqrt(3) * 32**-0.5
     assert model.log_gain_encode.item() == 0
     assert model.wte.weight.mean(dim=1).abs().max() < 1e-6
     w = model.lm_head.weight
@@ -124,11 +128,11 @@ def test_telemetry_fields():
     assert t["dead_branches"] == 0 and t["dead_relative"] == 0 and t["dead_walkthrough"] == 0
     # with m_down = 0 and bias b, u = σ(b) exactly, and the floor catches u below it
     with torch.no_grad():
-        br = model.gates[1].attn_branch
-        br.m_down.weight.zero_()
-        br.m_down.bias.fill_(-1.0)
-        model.gates[0].mlp_branch.m_down.weight.zero_()
-        model.gates[0].mlp_branch.m_down.bias.fill_(-30.0)  # u ≈ 9e-14, below the 1e-6 floor
+        br = model.gates.branch(3)  # block 1's attention
+        br.m_down_weight.zero_()
+        br.m_down_bias.fill_(-1.0)
+        model.gates.branch(2).m_down_weight.zero_()
+        model.gates.branch(2).m_down_bias.fill_(-30.0)  # u ≈ 9e-14, below the 1e-6 floor
     t = model.gate_telemetry(torch.randint(0, 128, (2, 32)))
     assert t["branches"][2]["u_mean"] == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item(), rel=1e-5)
     # β = 1 at init
@@ -139,7 +143,7 @@ def test_telemetry_fields():
     assert t["branches"][1]["floor_frac"] == 1.0 and t["branches"][2]["floor_frac"] == 0.0
     # a branch with α = 0 counts as dead
     with torch.no_grad():
-        model.gates[2].mlp_branch.alpha.zero_()
+        model.gates.branch(6).alpha.zero_()
     t = model.gate_telemetry(torch.randint(0, 128, (2, 32)))
     assert t["dead_branches"] == 2  # α = 0, and u at the floor
     # the walkthrough's count sees both; the relative one (mean m < 0.1) only the shut modulator, not α = 0
@@ -175,6 +179,83 @@ def test_checkpoint_round_trip(tmp_path, arch):
     wrong.to_empty(device="cpu")
     with pytest.raises(UserError, match="holds a"):
         ckpt.load_weights(wrong, ckpt.load_model_file(str(tmp_path), 5))
+
+
+def per_branch_state(state):
+    """A NAG state dict as a checkpoint of before the stacks held it: one tensor per branch and kind, under
+    gates.{block}.{attn,mlp}_branch.{m_down.weight, m_down.bias, coef, beta_raw, alpha}."""
+    old = {k: v for k, v in state.items() if not k.startswith("gates.")}
+    for key, stack in state.items():
+        if key.startswith("gates."):
+            name = key[len("gates.") :].replace("m_down_", "m_down.")
+            for k, row in enumerate(stack):
+                old[f"gates.{k // 2}.{('attn', 'mlp')[k % 2]}_branch.{name}"] = row.clone()
+    return old
+
+
+def test_gates_are_one_tensor_per_kind():
+    model = tiny_nag()
+    gates = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("gates.")}
+    assert gates == {
+        "gates.m_down_weight": (6, 32, 32),
+        "gates.m_down_bias": (6, 32),
+        "gates.coef": (6, 32),
+        "gates.beta_raw": (6, 1),
+        "gates.alpha": (6, 1),
+    }
+    # one draw over the stack takes the numbers that a draw per branch took: a seed gives the weights it gave before
+    torch.manual_seed(3)
+    stacked = torch.empty(6, 32, 32).uniform_(-1, 1)
+    torch.manual_seed(3)
+    assert torch.equal(stacked, torch.stack([torch.empty(32, 32).uniform_(-1, 1) for _ in range(6)]))
+    # update l reads row l − 1 of every stack, in the forward as in branches()
+    for (l, br), fwd in zip(model.branches(), model.gates.unbound()):
+        assert br.l == fwd.l == l and torch.equal(br.alpha, fwd.alpha)
+        assert torch.equal(br.coef, model.gates.coef[l - 1])
+    # the gradient of each stack is one tensor, its row k that of update k + 1
+    x = torch.randint(0, 128, (2, 32))
+    model(x, torch.roll(x, -1, 1)).backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.gates.parameters())
+
+
+def test_a_checkpoint_of_per_branch_gates_loads():
+    model = tiny_nag(seed=1)
+    old = per_branch_state(model.state_dict())
+    assert "gates.2.mlp_branch.m_down.weight" in old and "gates.coef" not in old
+    fresh = tiny_nag(seed=2)
+    fresh.load_state_dict(old)  # strict: every old key taken, every stack filled
+    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in model.state_dict().items())
+    x = torch.randint(0, 128, (2, 16))
+    assert torch.equal(model(x), fresh(x))
+
+
+def test_a_run_of_per_branch_gates_evaluates_but_does_not_resume(run_base, script_error):
+    run = TINY_TRAIN + ["--arch", "nag", "--run", "old", "--num-iterations", "4", "--save-every", "2"]
+    run_dir = base_train.main(run + ["--eval-every", "100", "--nag-gate-log-every", "0"])
+    # step 2 as the code of before the stacks saved it (its meta records the new file size)
+    path, saved = ckpt.model_path(run_dir, 2), ckpt.load_model_file(run_dir, 2)
+    stacked = dict(saved["model"])
+    torch.save({**saved, "model": per_branch_state(stacked)}, path)
+    with open(ckpt.meta_path(run_dir, 2)) as f:
+        meta = json.load(f)
+    meta["file_sizes"][os.path.basename(path)] = os.path.getsize(path)
+    with open(ckpt.meta_path(run_dir, 2), "w") as f:
+        json.dump(meta, f)
+    model, _ = archs.load_model(run_dir, 2)  # evaluation, sampling, export
+    assert all(torch.equal(v, stacked[k]) for k, v in model.state_dict().items())
+    # its optimizer state is keyed to the 5 tensors per sub-layer: a resume is one line
+    err = script_error(base_train.main, *run, "--eval-every", "100", "--nag-gate-log-every", "0", "--resume", "2")
+    assert "cannot resume" in err and "older layout (gates.0.attn_branch.alpha, ...)" in err, err
+
+
+def test_nonfinite_origin_reads_the_row_of_a_stacked_gradient():
+    model = tiny_nag()
+    x = torch.randint(0, 128, (2, 32))
+    model(x, torch.roll(x, -1, 1)).backward()
+    assert model.nonfinite_origin(x) is None
+    model.gates.coef.grad[3, 5] = float("nan")  # block 1's MLP, update 4
+    model.gates.alpha.grad[1, 0] = float("inf")  # an earlier branch: the deepest is named
+    assert model.nonfinite_origin(x).startswith("branch 1.mlp (update 4): deepest non-finite gate gradient")
 
 
 def test_fused_and_reference_train_alike():

@@ -4,6 +4,7 @@ Parameters without a gradient (a MoD sub-layer that ran no token) miss the step 
 update equals the eager one; a checkpoint from before sharding loads. Sharding over ranks:
 tests/test_optim_sharded.py."""
 
+import contextlib
 import copy
 
 import pytest
@@ -123,8 +124,9 @@ def test_adamw_gate_that_misses_a_step_keeps_its_own_step_count():
 
 
 def test_compiled_update_equals_eager(monkeypatch):
-    # compile=True on the CPU (inductor, one graph each for the Muon stack and the large AdamW tensor; the small
-    # gate stays eager): to float noise the eager update, and a new LR, momentum, decay or step count is no new graph.
+    # compile=True on the CPU (inductor, one graph each for the Muon stack and the large AdamW tensor, its row
+    # constraint inside; the small gate stays eager): to float noise the eager update, and a new LR, momentum, decay
+    # or step count is no new graph.
     # One Polar Express iteration instead of five: the same graph structure, compiled in ~20 s instead of ~35 s (cold)
     from torch._dynamo.utils import counters
 
@@ -137,7 +139,8 @@ def test_compiled_update_equals_eager(monkeypatch):
             torch.randn(256, 256, generator=g).requires_grad_(),
             torch.randn(5, generator=g).requires_grad_(),
         )
-        opt = MuonAdamW([dict(MUON, params=ms), dict(ADAMW, params=[big, gate])], compile=compile)
+        big_group = dict(ADAMW, params=[big], constrain="centred_unit_rms")
+        opt = MuonAdamW([dict(MUON, params=ms), big_group, dict(ADAMW, params=[gate])], compile=compile)
         return ms + [big, gate], opt
 
     (eager, opt_e), (comp, opt_c) = make(False), make(True)
@@ -176,3 +179,94 @@ def test_checkpoint_from_before_sharding_loads_and_steps_on_identically():
         opt.step()
         opt2.step()
     assert all(torch.equal(p.detach(), t.detach()) for p, t in zip(ps, twins))
+
+
+def test_a_gated_adamw_update_dispatches_as_many_launches_for_30_tensors_as_for_3():
+    # one foreach op per list, and the gate's select over every tensor at once: a launch per tensor would add up over
+    # hundreds of small tensors
+    from scripts.bench.optim import StepLaunches
+
+    def launches(n):
+        ps = matrices(n, (5,))
+        opt = MuonAdamW([dict(ADAMW, params=ps)])
+        for counted in (False, True):
+            for p in ps:
+                p.grad = torch.ones_like(p)
+            with StepLaunches() if counted else contextlib.nullcontext() as count:
+                opt.step(torch.tensor(True))
+        return count.total
+
+    assert launches(3) == launches(30)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "nag"])
+def test_an_optimizer_step_launches_as_many_kernels_at_depth_64_as_at_8(arch):
+    # base_train's step (gated, then after_optimizer_step), eager on the CPU: an op per layer would show as more
+    # launches at depth 64. The lists of the foreach ops grow with the Muon stacks, GPT's too; NAG's gates and its
+    # other AdamW tensors add the same number at any depth (its gates stacked: five tensors, not five per sub-layer)
+    from scripts.bench.optim import LAUNCH_DEPTHS, step_launches
+
+    shallow, deep = (step_launches(arch, d) for d in LAUNCH_DEPTHS)
+    assert shallow["launches"] == deep["launches"]
+    if arch == "nag":
+        gpt = [step_launches("gpt", d)["listed"] for d in LAUNCH_DEPTHS]
+        assert shallow["listed"] - gpt[0] == deep["listed"] - gpt[1]
+
+
+def centred(w):  # a model's constraint as it was applied after the optimizer's step
+    w.sub_(w.mean(dim=1, keepdim=True))
+
+
+def centred_unit_rms(w):
+    centred(w)
+    w.mul_(torch.rsqrt(w.square().mean(dim=1, keepdim=True).clamp_min(1e-30)))
+
+
+@pytest.mark.parametrize("rule", [centred, centred_unit_rms], ids=lambda f: f.__name__)
+def test_a_group_row_constraint_is_the_step_then_the_constraint_bit_for_bit(rule):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 5, generator=g)
+    inside, after = w.clone().requires_grad_(), w.clone().requires_grad_()
+    opt_inside = MuonAdamW([dict(ADAMW, params=[inside], constrain=rule.__name__)])
+    opt_after = MuonAdamW([dict(ADAMW, params=[after])])
+    for step in range(3):
+        grad = torch.randn(6, 5, generator=g)
+        inside.grad, after.grad = grad, grad.clone()
+        opt_inside.step(torch.tensor(True))
+        opt_after.step(torch.tensor(True))
+        with torch.no_grad():
+            rule(after)
+        assert torch.equal(inside, after), step
+    # a vetoed step moves nothing, the constraint included
+    before = inside.detach().clone()
+    inside.grad = torch.full_like(inside, float("nan"))
+    opt_inside.step(torch.tensor(False))
+    assert torch.equal(inside, before)
+
+
+def test_only_an_adamw_group_takes_a_row_constraint_and_a_known_one():
+    with pytest.raises(ValueError, match="only an AdamW group"):
+        MuonAdamW([dict(MUON, params=matrices(2), constrain="centred")])
+    with pytest.raises(ValueError, match="'sideways'"):
+        MuonAdamW([dict(ADAMW, params=matrices(2), constrain="sideways")])
+
+
+def test_nag_keeps_its_row_constraints_through_the_optimizer_alone():
+    # the optimizer imposes them in its update: after_optimizer_step has nothing left to do
+    from nag.model import NAGGPT
+    from nanochat.gpt import GPTConfig
+
+    torch.manual_seed(0)
+    model = NAGGPT.initialised(GPTConfig(sequence_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, n_embd=8))
+    opt = model.setup_optimizer()
+    assert {g["name"]: g.get("constrain") for g in opt.param_groups if g["kind"] == "adamw"} == {
+        "wte": "centred",
+        "lm_head": "centred_unit_rms",
+        "nag_gates": None,
+        "nag_temp_gain": None,
+    }
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert model.wte.weight.mean(dim=1).abs().max() < 1e-6
+    assert torch.allclose(model.lm_head.weight.square().mean(dim=1), torch.ones(32), atol=1e-5)

@@ -57,7 +57,9 @@ def meta_run(flags):
     model.init_weights()
     model.set_compute_dtype(torch.float32)
     optimizer = MetaGather(plan.optimizer_groups(args), rank=0, world_size=2, compile=False)
-    batches = MicroBatches([meta_loader(args.device_batch_size, args.max_seq_len, 512) for _ in range(plan.grad_accum)])
+    batches = MicroBatches(
+        [meta_loader(args.device_batch_size, args.max_seq_len, 512) for _ in range(plan.grad_accum)], META
+    )
     return base_train.Run(
         args=args,
         plan=plan,

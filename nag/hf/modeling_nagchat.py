@@ -8,8 +8,7 @@ layerrope.base, as natively).
 
 Copied into the export folder by scripts/export_hf.py and loaded with `trust_remote_code=True`, so it imports torch
 and transformers only: the math below restates the repo's (docs/design.md §2, §4, §9), and the tests check that it
-gives the native model's logits. The weights keep the native names (blocks.0.attn.c_q.weight, gates.0.attn_branch.alpha,
-...).
+gives the native model's logits. The weights keep the native names (blocks.0.attn.c_q.weight, gates.alpha, ...).
 
 What differs from the native forward, and why the result is the same:
 - positions come from attention_mask (left padding, as generate and lm-eval batch prompts), else 0..T-1;
@@ -199,20 +198,16 @@ class LayerRoPE(nn.Module):
         self.register_buffer("base", torch.ones(()))
 
 
-class NAGBranch(nn.Module):
-    def __init__(self, dim, directions):
-        super().__init__()
-        self.m_down = nn.Linear(dim, directions, bias=True)
-        self.coef = nn.Parameter(torch.zeros(directions))
-        self.beta_raw = nn.Parameter(torch.zeros(1))
-        self.alpha = nn.Parameter(torch.zeros(1))
+class NAGGates(nn.Module):
+    """Every sub-layer's gate, one tensor per kind, row k for update k + 1 (attn of block 0, its MLP, ...)."""
 
-
-class NAGBlockGates(nn.Module):
-    def __init__(self, dim, directions):
+    def __init__(self, branches, dim, directions):
         super().__init__()
-        self.attn_branch = NAGBranch(dim, directions)
-        self.mlp_branch = NAGBranch(dim, directions)
+        self.m_down_weight = nn.Parameter(torch.zeros(branches, directions, dim))
+        self.m_down_bias = nn.Parameter(torch.zeros(branches, directions))
+        self.coef = nn.Parameter(torch.zeros(branches, directions))
+        self.beta_raw = nn.Parameter(torch.zeros(branches, 1))
+        self.alpha = nn.Parameter(torch.zeros(branches, 1))
 
 
 class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
@@ -240,7 +235,7 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
         self.covers = {k: config.mod is not None and mod["blocks"] in (k, "both") for k in ("attn", "mlp")}
         self.skips = {k: self.covers[k] and mod["rate"] > 0 for k in ("attn", "mlp")}
         if self.is_nag:
-            self.gates = nn.ModuleList([NAGBlockGates(d, config.nag["directions"]) for _ in range(L)])
+            self.gates = NAGGates(2 * L, d, config.nag["directions"])
             self.log_gain_encode = nn.Parameter(torch.zeros(1))
             if config.mod is not None:  # X_l, the learned output of a skipped sub-layer
                 self.mod_base = nn.ParameterDict(
@@ -358,11 +353,11 @@ class NagChatForCausalLM(PreTrainedModel, GenerationMixin):
 
     def nag_layer(self, layer, res_dir, log_norm, cos_sin, mask, cache, ve=None):
         nag = self.config.nag
-        for kind in ("attn", "mlp"):
-            br = getattr(self.gates[layer], f"{kind}_branch")
-            mod_logits = br.m_down(res_dir)
-            alpha = br.alpha * self.config.alpha_warmup
-            m = modulator(mod_logits, br.coef, br.beta_raw, nag["mod_floor"])
+        g = self.gates
+        for k, kind in ((2 * layer, "attn"), (2 * layer + 1, "mlp")):
+            mod_logits = F.linear(res_dir, g.m_down_weight[k], g.m_down_bias[k])
+            alpha = g.alpha[k] * self.config.alpha_warmup
+            m = modulator(mod_logits, g.coef[k], g.beta_raw[k], nag["mod_floor"])
             out = self.run(kind, layer, res_dir, cos_sin, mask, cache, ve)
             if self.skips[kind]:  # NAG-MoD: tokens whose rotation score is at or below the threshold skip f
                 out = self.executed(out, rotation_score(alpha, m) > self.threshold(kind, layer))

@@ -16,10 +16,16 @@ the gathered stack and reads this rank's chunk. Polar Express runs in bf16, as o
 on CUDA, fuses the elementwise ops (fewer bytes and launches, the same FLOPs); the meta device cannot run it, so the
 eager step is what is counted. The roofline time takes each op at max(bytes / bandwidth, FLOPs / peak) of one H100
 (the all-gather's memory traffic included, its time on the network not).
+
+Then the launches of one optimizer step as base_train runs it (gated, with after_optimizer_step) at depth 8 and 64,
+eager on the CPU at a tiny width (launches do not depend on the width while no tensor crosses FUSE_MIN_NUMEL): the
+ops LaunchCounter (scripts/bench/nag.py) counts, and the tensors those ops take in lists. A step free of depth has
+the same launches at both depths; its lists grow only where they hold one tensor per layer.
 """
 
 import json
 import argparse
+import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from nanochat.common import peak_flops_of
 from nanochat.optim import MuonAdamW
+from scripts.bench.nag import LaunchCounter
 
 H100_BYTES_PER_S = 3.35e12  # SXM HBM3 bandwidth
 H100_BF16_FLOPS = peak_flops_of("NVIDIA H100 80GB HBM3")  # the dense bf16 peak, from nanochat/common.py's table
@@ -140,6 +147,55 @@ def count_step(groups, rank, world_size):
     return count.totals, state
 
 
+class StepLaunches(LaunchCounter):
+    """LaunchCounter's launches, with the in-place ops that return nothing (_foreach_add_ and kin launch too), and
+    `listed`: the tensors the ops take as a list (foreach ops, cat, stack). On CUDA such an op launches a kernel per
+    chunk of its list (tens of tensors each), so the launches are counted once per op, and listed says how long the
+    lists grow."""
+
+    def __init__(self):
+        super().__init__()
+        self.listed = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not self.in_launch:
+            writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+            if writes and not func._schema.returns:
+                self.aten.append(func.overloadpacket.__name__)
+            if args and isinstance(args[0], (list, tuple)):
+                self.listed += len(args[0])
+        return out
+
+
+LAUNCH_DEPTHS = (8, 64)
+# launches do not depend on the width, but for a tensor that counts as large at one depth and small at the other
+# (nanochat.optim.FUSE_MIN_NUMEL: it gets a select of its own): at this width none is large at either depth
+LAUNCH_WIDTH = 8
+
+
+def step_launches(arch, depth):
+    """{"launches", "listed"} of one optimizer step of `arch` at `depth` as base_train takes it (gated, then
+    after_optimizer_step), after a first step that made the optimizer's state: eager, on the CPU, LAUNCH_WIDTH wide."""
+    from nag.archs import plan_for
+    from nag.train_flags import parse_args
+
+    shape = ["--depth", str(depth), "--model-dim", str(LAUNCH_WIDTH), "--head-dim", str(LAUNCH_WIDTH)]
+    shape += ["--max-seq-len", "16", "--num-iterations", "1"]
+    args = parse_args(["--arch", arch, "--device-type", "cpu", *shape])
+    plan = plan_for(args, 64, 1)
+    model = plan.model.to_empty(device="cpu")
+    model.init_weights()
+    opt = MuonAdamW(plan.optimizer_groups(args))
+    for counted in (False, True):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        with StepLaunches() if counted else contextlib.nullcontext() as count:
+            opt.step(torch.tensor(True))
+            model.after_optimizer_step()
+    return {"launches": count.total, "listed": count.listed}
+
+
 def plan_groups(preset, arch):
     from nag.archs import plan_for
     from nag.presets import get_preset
@@ -199,9 +255,23 @@ def main(argv=None):
             f"FLOPs 1/{rep['flops'] / sh['flops']:.1f}, roofline 1/{rep['roofline_s'] / sh['roofline_s']:.1f}, "
             f"state 1/{rep['state_bytes'] / sh['state_bytes']:.1f}"
         )
+    launches = {arch: {d: step_launches(arch, d) for d in LAUNCH_DEPTHS} for arch in args.arch.split(",")}
+    print()
+    print(
+        "Launches of one optimizer step, base_train's (gated, after_optimizer_step), eager on the CPU, "
+        f"{LAUNCH_WIDTH} wide:"
+    )
+    print("| arch | " + " | ".join(f"depth {d}: launches (tensors in lists)" for d in LAUNCH_DEPTHS) + " |")
+    print("|---|" + "---:|" * len(LAUNCH_DEPTHS))
+    for arch, by_depth in launches.items():
+        print(f"| {arch} | " + " | ".join(f"{n['launches']:,} ({n['listed']:,})" for n in by_depth.values()) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"preset": args.preset, "world_size": args.world_size, "results": results}, f, indent=1)
+            json.dump(
+                {"preset": args.preset, "world_size": args.world_size, "results": results, "launches": launches},
+                f,
+                indent=1,
+            )
     return results
 
 

@@ -8,6 +8,12 @@ Each variant runs in its own process so peak memory is its own (CUDA: max alloca
 CPU: peak resident set size). Ratios to the first variant are measured in the same
 invocation, which is what to compare on a noisy machine.
 
+A variant's line splits its step into forward + backward and the optimizer. nag:IMPL picks NAG's update as
+--nag-impl does (nag/model.py branch_function): nag:fused the Triton kernels, nag:compiled the reference math under
+Inductor, which in a model compiled whole is part of the model's one graph. With two NAG implementations (--arch
+gpt,nag:fused,nag:compiled) the later one's ratio line also says which is faster, by how much, and each one's peak
+memory.
+
 --compile takes a comma list: off (eager), on (torch.compile of the whole model), blocks (each
 transformer block compiled on its own, so identical blocks share one graph and compile once; NAG's
 forward never calls a block whole, so there each sub-layer update is the unit: gate, attention or
@@ -303,14 +309,7 @@ def benchmark(args, archs, argv):
             continue
         r = json.loads(line[len("RESULT ") :])
         results.append(r)
-        print(
-            f"{arch:13s} {LABELS[mode]} {precision} {reads} read(s) | {r['step_ms']:9.1f} ms/step | "
-            f"{r['tok_per_sec']:12,.0f} tok/s | peak {r['peak_mem_gib']:.2f} GiB | compile: model "
-            f"{r['model_compile_s']:.1f} s ({r['model_graphs']} graph(s)), "
-            f"optimizer {r['optim_compile_s']:.1f} s ({r['optim_graphs']})"
-            + (f" | mfu {100 * r['mfu']:.1f}%" if 'mfu' in r else ""),
-            flush=True,
-        )
+        print(variant_line(r), flush=True)
     if results:
         print(
             f"config: depth {args.depth}, dim {results[0]['dim']}, batch "
@@ -323,15 +322,46 @@ LABELS = {"off": "eager   ", "on": "compiled", "blocks": "blocks  "}
 NAMES = {"off": "eager", "on": "compiled", "blocks": "compiled per block"}
 
 
+def variant_line(r):
+    """A variant's line: its step time split into forward + backward and the optimizer, throughput, peak memory,
+    compile seconds."""
+    return (
+        f"{r['arch']:13s} {LABELS[r['compile']]} {r['precision']} {r['host_reads']} read(s) | "
+        f"{r['step_ms']:9.1f} ms/step (fwd+bwd {r['fwd_bwd_ms']:.1f}, optimizer {r['optim_ms']:.1f}) | "
+        f"{r['tok_per_sec']:12,.0f} tok/s | peak {r['peak_mem_gib']:.2f} GiB | compile: model "
+        f"{r['model_compile_s']:.1f} s ({r['model_graphs']} graph(s)), "
+        f"optimizer {r['optim_compile_s']:.1f} s ({r['optim_graphs']})"
+        + (f" | mfu {100 * r['mfu']:.1f}%" if "mfu" in r else "")
+    )
+
+
+def faster(a, b):
+    """Which of two variants (two NAG implementations) is faster and by how much, each one's step split and peak
+    memory beside it: the line a choice of implementation is made from."""
+    fast, slow = sorted((a, b), key=lambda r: r["step_ms"])
+    light = min((a, b), key=lambda r: r["peak_mem_gib"])
+    pair = lambda key, fmt: f"{fast[key]:{fmt}} vs {slow[key]:{fmt}}"
+    return (
+        f"{fast['arch']} is {slow['step_ms'] / fast['step_ms']:.3f}× as fast as {slow['arch']} "
+        f"({pair('step_ms', '.1f')} ms a step: fwd+bwd {pair('fwd_bwd_ms', '.1f')}, optimizer "
+        f"{pair('optim_ms', '.1f')}), peak memory {pair('peak_mem_gib', '.1f')} GiB "
+        f"({light['arch']} {abs(a['peak_mem_gib'] - b['peak_mem_gib']):.1f} GiB less)"
+    )
+
+
 def ratios(results):
-    """Every variant against the GPT baseline compiled the same way, and every compiled-per-block variant
-    against the same arch compiled whole: (what, of, to, step time ratio, peak memory ratio)."""
+    """Every variant against the first one compiled the same way (GPT when listed first), every NAG implementation
+    against the first one listed (with which is faster: `faster`), and every compiled-per-block variant against the
+    same arch compiled whole: what, the step time and peak memory ratios."""
     out = []
     base = [r for r in results if r.get("precision", "bf16") == "bf16" and r.get("host_reads", 1) == 1]
     for r in base:
-        gpt = next((g for g in base if g["arch"] == "gpt" and g["compile"] == r["compile"]), None)
-        if gpt and r is not gpt:
-            out.append((f"{r['arch']} / gpt ({NAMES[r['compile']]})", r, gpt))
+        first = next(f for f in base if f["compile"] == r["compile"])
+        nag = next((n for n in base if n["compile"] == r["compile"] and n["arch"].startswith("nag")), None)
+        if r is not first:
+            out.append((f"{r['arch']} / {first['arch']} ({NAMES[r['compile']]})", r, first))
+        if r["arch"].startswith("nag") and nag is not first and r is not nag:
+            out.append((f"{r['arch']} / {nag['arch']} ({NAMES[r['compile']]})", r, nag))
     for r in base:
         whole = next((w for w in base if w["arch"] == r["arch"] and w["compile"] == "on"), None)
         if whole and r["compile"] == "blocks":
@@ -342,12 +372,14 @@ def ratios(results):
         if same and r is not same:
             what = f"{r['precision']}, {r['host_reads']} host read(s) / bf16, 1"
             out.append((f"{r['arch']} {what} ({NAMES[r['compile']]})", r, same))
+    two_impls = lambda a, b: a["arch"] != b["arch"] and a["arch"].startswith("nag") and b["arch"].startswith("nag")
     return [
         {
             "what": what,
             "step_time": r["step_ms"] / base["step_ms"],
             "peak_mem": r["peak_mem_gib"] / base["peak_mem_gib"],
             "model_compile_s": [r["model_compile_s"], base["model_compile_s"]],
+            **({"faster": faster(r, base)} if two_impls(r, base) else {}),
         }
         for what, r, base in out
     ]
@@ -362,6 +394,7 @@ def print_ratios(results):
                 if q["what"].endswith("whole")
                 else ""
             )
+            + (f": {q['faster']}" if "faster" in q else "")
         )
 
 
