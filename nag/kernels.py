@@ -9,17 +9,21 @@ intermediates, so the update costs no activation memory beyond its inputs.
 
 One update is three kernel launches and nothing else: the forward kernel, the
 backward kernel, and a one-program kernel that sums the backward's per-program
-partials of the gate parameter gradients. Every program computes the gate's
-parameter transforms (softmax of coef, softplus of beta_raw, α times its
-warm-up factor) in registers from the raw parameters, so no small eager op
-runs around the kernels (scripts/bench/nag.py --sections launches counts them).
+partials of the gate parameter gradients. Both row kernels work on tiles of
+BLOCK_R rows × BLOCK_D columns: each program computes the gate's parameter
+transforms (softmax of coef, softplus of beta_raw, α times its warm-up factor)
+once, in registers, from the raw parameters, so no small eager op runs around
+the kernels (scripts/bench/nag.py --sections launches counts them), and each
+row's sums are grouped into a few multi-operand reductions (3 rounds forward,
+4 backward), each shared by the tile's rows.
 
 Both passes are torch.library custom ops (nag::fused_branch and
 nag::fused_branch_backward) tied together with register_autograd, so a
 torch.compile'd model treats the update as one opaque node without a graph
-break. We use custom_op rather than triton_op: triton_op traces its body with
-fake tensors, which cannot work for kernels running in Triton's interpreter,
-and Inductor could not fuse this kernel with its neighbours anyway.
+break. We keep custom_op rather than triton_op + wrap_triton: in torch 2.13
+under TRITON_INTERPRET=1, dynamo runs a triton_op's body on fake tensors and the
+interpreter then fails ("Cannot access data pointer of Tensor (e.g.
+FakeTensor, FunctionalTensor)"), so no CPU test could compile the model.
 
 Computation is in fp32 inside the kernels whatever the input dtype; outputs
 and gradients come back in the dtype of the matching input.
@@ -61,8 +65,24 @@ def _log1p(x):
 
 
 @triton.jit
+def _row_sums2(a, b):
+    """(Σa, Σb) along the rows of two [BLOCK_R, BLOCK_D] tiles as one reduction: a single exchange between warps
+    for both. (Joined, not a multi-operand tl.reduce, which the interpreter runs element by element.)"""
+    return tl.split(tl.sum(tl.join(a, b), axis=1))
+
+
+@triton.jit
+def _row_sums4(a, b, c, d):
+    """(Σa, Σb, Σc, Σd) along the rows of four tiles as one reduction, like _row_sums2."""
+    ab, cd = tl.split(tl.sum(tl.join(tl.join(a, b), tl.join(c, d)), axis=1))
+    sum_a, sum_b = tl.split(ab)
+    sum_c, sum_d = tl.split(cd)
+    return sum_a, sum_b, sum_c, sum_d
+
+
+@triton.jit
 def _gate_params(coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr, C, BLOCK_C: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """The gate's parameter transforms, recomputed by every program (C is small): returns
+    """The gate's parameter transforms, computed once per program (C is small): returns
     (softmax(coef), softplus(beta_raw), α × alpha_scale)."""
     cols = tl.arange(0, BLOCK_C)
     coef = tl.load(coef_ptr + cols, mask=cols < C, other=-float("inf")).to(tl.float32)
@@ -78,30 +98,29 @@ def _gate_params(coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr, C, BLOCK_C: tl.co
 
 
 @triton.jit
-def _gate(logits_ptr, weights, beta, alpha, row, floor, C, BLOCK_C: tl.constexpr):
-    """Modulator and gain of one row: returns (sigmoids, u, clamped u, m, g)."""
-    cols = tl.arange(0, BLOCK_C)
-    z = tl.load(logits_ptr + row * C + cols, mask=cols < C, other=0.0).to(tl.float32)
+def _gate(z, weights, beta, alpha, floor):
+    """Modulator and gain of a tile's rows from their logits z [BLOCK_R, BLOCK_C] in fp32:
+    returns (sigmoids, u, clamped u, m, g), the last four one value a row."""
     sig = tl.sigmoid(z)
-    u = tl.sum(weights * sig, axis=0)
+    u = tl.sum(weights[None, :] * sig, axis=1)
     u_clamped = tl.maximum(u, floor)
     m = tl.exp2(beta * tl.log2(u_clamped))  # u_clamped ** beta, and 0 ** beta = 0
     return sig, u, u_clamped, m, alpha * m
 
 
 @triton.jit
-def _n_out(res, x, mask, D, sqrt_d, ORTHO_EPS: tl.constexpr):
-    """N_out of one row: returns (x_c, along, ⟨R̄,R̄⟩, x_⊥, 1/‖x_⊥‖, o)."""
-    x_c = tl.where(mask, x - tl.sum(x, axis=0) / D, 0.0)
-    res_sq = tl.sum(res * res, axis=0)
-    along = tl.sum(x_c * res, axis=0) / res_sq
-    x_perp = x_c - along * res
-    inv_norm = tl.rsqrt(tl.sum(x_perp * x_perp, axis=0) + ORTHO_EPS)
-    return x_c, along, res_sq, x_perp, inv_norm, x_perp * (sqrt_d * inv_norm)
+def _project(res, x, col_mask, D):
+    """The centred branch output without its component along R̄, for a tile [BLOCK_R, BLOCK_D] (zeros past D):
+    returns (x_⊥, along, ⟨R̄,R̄⟩, ΣR̄). One reduction round: ⟨x_c,R̄⟩ = ⟨x,R̄⟩ − mean(x)·ΣR̄."""
+    sum_x, sum_res, res_sq, x_res = _row_sums4(x, res, res * res, x * res)
+    mean = sum_x / D
+    along = (x_res - mean * sum_res) / res_sq
+    x_perp = tl.where(col_mask, x - mean[:, None] - along[:, None] * res, 0.0)
+    return x_perp, along, res_sq, sum_res
 
 
 # -----------------------------------------------------------------------------
-# Kernels: forward one program per row, backward one per run of rows, then one for the gate
+# Kernels: forward one tile per program, backward a run of tiles per program, then one program for the gate
 
 
 @triton.jit
@@ -117,9 +136,11 @@ def _nag_forward_kernel(
     new_res_ptr,
     new_log_norm_ptr,
     floor,
+    n_rows,
     D,
     C,
     sqrt_d,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
     PREDICTED: tl.constexpr,
@@ -127,23 +148,58 @@ def _nag_forward_kernel(
     ORTHO_EPS: tl.constexpr,
     RMS_EPS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(0).to(tl.int64) * BLOCK_R
+    rows_in = first + tl.arange(0, BLOCK_R)
+    valid = rows_in < n_rows
+    # past the last row, redo the last row (valid memory, finite values) and store nothing of it
+    rows = tl.minimum(rows_in, n_rows - 1)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
+    col_mask = cols[None, :] < D
+    c_cols = tl.arange(0, BLOCK_C)
+    offsets = rows[:, None] * D + cols[None, :]
+    # every load first, so that they are all in flight together
+    res = tl.load(res_ptr + offsets, mask=col_mask, other=0.0).to(tl.float32)
+    x = tl.load(branch_ptr + offsets, mask=col_mask, other=0.0).to(tl.float32)
+    z = tl.load(logits_ptr + rows[:, None] * C + c_cols[None, :], mask=c_cols[None, :] < C, other=0.0)
+    log_norm = tl.load(log_norm_ptr + rows).to(tl.float32)
     weights, beta, alpha = _gate_params(coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr, C, BLOCK_C, HAS_SCALE)
-    _, _, _, _, g = _gate(logits_ptr, weights, beta, alpha, row, floor, C, BLOCK_C)
-    res = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(branch_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    _, _, _, _, _, o = _n_out(res, x, mask, D, sqrt_d, ORTHO_EPS)
-    y = res + g * o
+    _, _, _, _, g = _gate(z.to(tl.float32), weights, beta, alpha, floor)
+    x_perp, _, _, _ = _project(res, x, col_mask, D)
+    inv_norm = tl.rsqrt(tl.sum(x_perp * x_perp, axis=1) + ORTHO_EPS)
+    y = res + (g * sqrt_d * inv_norm)[:, None] * x_perp
     if PREDICTED:
-        new_res = y * tl.rsqrt(1.0 + g * g)
+        new_res = y * tl.rsqrt(1.0 + g * g)[:, None]
     else:
-        new_res = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + RMS_EPS)
-    tl.store(new_res_ptr + row * D + cols, new_res.to(new_res_ptr.dtype.element_ty), mask=mask)
-    log_norm = tl.load(log_norm_ptr + row).to(tl.float32)
+        new_res = y * tl.rsqrt(tl.sum(y * y, axis=1) / D + RMS_EPS)[:, None]
+    tl.store(new_res_ptr + offsets, new_res.to(new_res_ptr.dtype.element_ty), mask=col_mask & valid[:, None])
     new_log_norm = log_norm + 0.5 * _log1p(g * g)
-    tl.store(new_log_norm_ptr + row, new_log_norm.to(new_log_norm_ptr.dtype.element_ty))
+    tl.store(new_log_norm_ptr + rows, new_log_norm.to(new_log_norm_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _load_tile(
+    res_ptr,
+    branch_ptr,
+    logits_ptr,
+    grad_new_res_ptr,
+    grad_new_log_norm_ptr,
+    rows,
+    D,
+    C,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """The backward's inputs of a tile of rows, in fp32."""
+    cols = tl.arange(0, BLOCK_D)
+    c_cols = tl.arange(0, BLOCK_C)
+    offsets = rows[:, None] * D + cols[None, :]
+    mask = cols[None, :] < D
+    res = tl.load(res_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(branch_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    grad_new_res = tl.load(grad_new_res_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(logits_ptr + rows[:, None] * C + c_cols[None, :], mask=c_cols[None, :] < C, other=0.0)
+    grad_new_log_norm = tl.load(grad_new_log_norm_ptr + rows).to(tl.float32)
+    return res, x, grad_new_res, z.to(tl.float32), grad_new_log_norm
 
 
 @triton.jit
@@ -167,7 +223,9 @@ def _nag_backward_kernel(
     D,
     C,
     sqrt_d,
-    ROWS_PER_PROGRAM: tl.constexpr,
+    TILES: tl.constexpr,
+    STAGES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
     PREDICTED: tl.constexpr,
@@ -177,51 +235,63 @@ def _nag_backward_kernel(
 ):
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
+    col_mask = cols[None, :] < D
     c_cols = tl.arange(0, BLOCK_C)
     c_mask = c_cols < C
     weights, beta, alpha = _gate_params(coef_ptr, beta_raw_ptr, alpha_ptr, scale_ptr, C, BLOCK_C, HAS_SCALE)
-    # this program's sums of the gate parameter gradients over its rows, in a fixed order: deterministic
-    acc_weights = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc_scalars = tl.zeros([2], dtype=tl.float32)  # (β, α)
-    for i in range(ROWS_PER_PROGRAM):
+    # this program's terms of the gate parameter gradients, a row each, summed in a fixed order: deterministic
+    acc_weights = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc_beta = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc_alpha = tl.zeros([BLOCK_R], dtype=tl.float32)
+    first = program.to(tl.int64) * (TILES * BLOCK_R)
+    # num_stages: Triton's pipeliner copies the next tiles' rows into shared memory (cp.async) while this one is
+    # computed, so a program keeps loads in flight without registers to hold them
+    for t in tl.range(TILES, num_stages=STAGES):
+        rows_in = first + t * BLOCK_R + tl.arange(0, BLOCK_R)
         # past the last row, redo the last row (valid memory, finite values) and keep nothing of it
-        valid = program * ROWS_PER_PROGRAM + i < n_rows
-        row = tl.minimum(program * ROWS_PER_PROGRAM + i, n_rows - 1).to(tl.int64)
-        stored = cols < tl.where(valid, D, 0)  # the row's columns, none on a redone row
-        # recompute the forward row
-        sig, u, u_clamped, m, g = _gate(logits_ptr, weights, beta, alpha, row, floor, C, BLOCK_C)
-        res = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(branch_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        x_c, along, res_sq, x_perp, inv_norm, o = _n_out(res, x, mask, D, sqrt_d, ORTHO_EPS)
-        y = res + g * o
+        valid = rows_in < n_rows
+        rows = tl.minimum(rows_in, n_rows - 1)
+        stored = col_mask & valid[:, None]
+        res, x, grad_new_res, z, grad_new_log_norm = _load_tile(
+            res_ptr, branch_ptr, logits_ptr, grad_new_res_ptr, grad_new_log_norm_ptr, rows, D, C, BLOCK_D, BLOCK_C
+        )
 
-        grad_new_res = tl.load(grad_new_res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        grad_new_log_norm = tl.load(grad_new_log_norm_ptr + row).to(tl.float32)
+        # recompute the forward rows (round 1: _project; round 2: x_⊥'s sums)
+        sig, u, u_clamped, m, g = _gate(z, weights, beta, alpha, floor)
+        x_perp, along, res_sq, sum_res = _project(res, x, col_mask, D)
+        perp_sq, perp_sum, perp_res, _ = _row_sums4(x_perp * x_perp, x_perp, x_perp * res, tl.zeros_like(res))
+        inv_norm = tl.rsqrt(perp_sq + ORTHO_EPS)
+        k = sqrt_d * inv_norm  # o = k·x_⊥
+        y = res + (g * k)[:, None] * x_perp
+
         grad_g = grad_new_log_norm * g / (1.0 + g * g)
-        # renorm
+        # renorm (round 3). Both modes reduce the same pair: a lone tl.sum here built with 170 registers on sm_90
+        # instead of 110, which halves the programs an SM holds
+        y_sq, y_grad = _row_sums2(y * y, y * grad_new_res)
         if PREDICTED:
             scale = tl.rsqrt(1.0 + g * g)
-            grad_y = scale * grad_new_res
-            grad_g -= g * scale * scale * scale * tl.sum(grad_new_res * y, axis=0)
+            grad_y = scale[:, None] * grad_new_res
+            grad_g -= g * scale * scale * scale * y_grad
         else:
-            scale = tl.rsqrt(tl.sum(y * y, axis=0) / D + RMS_EPS)
-            new_res = y * scale
-            grad_y = scale * (grad_new_res - new_res * (tl.sum(new_res * grad_new_res, axis=0) / D))
-        # y = R̄ + g·o
-        grad_res = grad_y
-        grad_g += tl.sum(grad_y * o, axis=0)
-        grad_o = g * grad_y
-        # o = √D · x_⊥ / ‖x_⊥‖
-        grad_perp = (sqrt_d * inv_norm) * (grad_o - x_perp * (inv_norm * inv_norm * tl.sum(x_perp * grad_o, axis=0)))
+            scale = tl.rsqrt(y_sq / D + RMS_EPS)
+            # new_res = scale·y, so ⟨new_res, grad⟩ = scale·⟨y, grad⟩
+            grad_y = scale[:, None] * (grad_new_res - (scale * scale * y_grad / D)[:, None] * y)
+        # y = R̄ + g·o, o = k·x_⊥ (round 4: every later sum is linear in these three)
+        gy_perp, gy_res, gy_sum, _ = _row_sums4(grad_y * x_perp, grad_y * res, grad_y, tl.zeros_like(res))
+        grad_g += k * gy_perp
+        # o = √D · x_⊥ / ‖x_⊥‖ with grad_o = g·grad_y: grad_⊥ = k·(g·grad_y − x_⊥·⟨x_⊥,grad_o⟩/‖x_⊥‖²)
+        c = inv_norm * inv_norm * g * gy_perp
+        grad_perp = k[:, None] * (g[:, None] * grad_y - c[:, None] * x_perp)
         # x_⊥ = x_c − along·R̄, along = ⟨x_c,R̄⟩/⟨R̄,R̄⟩
-        grad_along = -tl.sum(grad_perp * res, axis=0)
-        grad_centred = grad_perp + (grad_along / res_sq) * res
-        grad_res += -along * grad_perp + (grad_along / res_sq) * (x_c - 2.0 * along * res)
-        # x_c = x − mean(x)
-        grad_x = grad_centred - tl.sum(tl.where(mask, grad_centred, 0.0), axis=0) / D
-        tl.store(grad_res_ptr + row * D + cols, grad_res.to(grad_res_ptr.dtype.element_ty), mask=stored)
-        tl.store(grad_branch_ptr + row * D + cols, grad_x.to(grad_branch_ptr.dtype.element_ty), mask=stored)
+        grad_along = -k * (g * gy_res - c * perp_res)  # −⟨grad_⊥, R̄⟩
+        a = grad_along / res_sq
+        grad_res = grad_y - along[:, None] * grad_perp + a[:, None] * (x_perp - along[:, None] * res)
+        # x_c = x − mean(x): less the mean of grad_⊥ + a·R̄
+        mean_grad = (k * (g * gy_sum - c * perp_sum) + a * sum_res) / D
+        grad_x = grad_perp + a[:, None] * res - mean_grad[:, None]
+        offsets = rows[:, None] * D + cols[None, :]
+        tl.store(grad_res_ptr + offsets, grad_res.to(grad_res_ptr.dtype.element_ty), mask=stored)
+        tl.store(grad_branch_ptr + offsets, grad_x.to(grad_branch_ptr.dtype.element_ty), mask=stored)
 
         # gate: g = α·m, m = max(u, floor)^β, u = Σ w_i σ(z_i)
         grad_alpha = grad_g * m
@@ -233,17 +303,20 @@ def _nag_backward_kernel(
         power = tl.where(beta == 1.0, 1.0, tl.exp2((beta - 1.0) * tl.log2(u_clamped)))
         # clamp passes the gradient where u ≥ floor, like torch.clamp
         grad_u = tl.where(u >= floor, grad_m * beta * power, 0.0)
-        grad_z = grad_u * weights * sig * (1.0 - sig)
+        grad_z = grad_u[:, None] * weights[None, :] * sig * (1.0 - sig)
         tl.store(
-            grad_logits_ptr + row * C + c_cols,
+            grad_logits_ptr + rows[:, None] * C + c_cols[None, :],
             grad_z.to(grad_logits_ptr.dtype.element_ty),
-            mask=c_cols < tl.where(valid, C, 0),
+            mask=c_mask[None, :] & valid[:, None],
         )
         # tl.where, not a product: a non-finite gradient (failure 1) must reach the sums, and a redone row must not
-        acc_weights += tl.where(valid, grad_u * sig, 0.0)
-        acc_scalars += tl.where(valid, tl.where(tl.arange(0, 2) == 0, grad_beta, grad_alpha), 0.0)
-    tl.store(part_weights_ptr + program * C + c_cols, acc_weights, mask=c_mask)
-    tl.store(part_scalars_ptr + program * 2 + tl.arange(0, 2), acc_scalars)
+        acc_weights += tl.where(valid[:, None], grad_u[:, None] * sig, 0.0)
+        acc_beta += tl.where(valid, grad_beta, 0.0)
+        acc_alpha += tl.where(valid, grad_alpha, 0.0)
+    tl.store(part_weights_ptr + program * C + c_cols, tl.sum(acc_weights, axis=0), mask=c_mask)
+    s_cols = tl.arange(0, 2)
+    scalars = tl.where(s_cols == 0, tl.sum(acc_beta, axis=0), tl.sum(acc_alpha, axis=0))  # (β, α)
+    tl.store(part_scalars_ptr + program * 2 + s_cols, scalars)
 
 
 @triton.jit
@@ -300,22 +373,56 @@ def _rows(t, width):
     return t.reshape(-1, width).contiguous()
 
 
-def _launch_config(dim, channels):
+# Elements of one D-sized row vector each thread holds, in fp32 registers. The backward keeps about a dozen such
+# vectors live (8 build with 108-128 registers on sm_90, no spills: 2 programs an SM), the forward about four (16
+# build with 64-80: 3-4 programs an SM); `python -m scripts.bench.kernel_report` shows the builds
+FORWARD_PER_THREAD, BACKWARD_PER_THREAD = 16, 8
+# 8 warps: a row of up to 1,024 columns spans 4 of them in bf16 (128-bit accesses: 8 columns a lane), 8 in fp32, so
+# a tile holds 2 rows or more, and each reduction round's exchange between warps serves them all
+NUM_WARPS = 8
+
+
+def _launch_config(dim, channels, per_thread):
+    """(BLOCK_R, BLOCK_D, BLOCK_C, num_warps) of a row kernel: D padded to a power of two, and as many rows a tile as
+    give each thread per_thread elements of a row vector (more warps instead past 2,048 columns)."""
+    # The padding (at D = 640: BLOCK_D 1,024, 37.5 % of the lanes idle) moves no byte: the masked columns are
+    # neither read nor written, and the sm_90 builds move the least bytes a row can (3,912 forward, 6,532 backward
+    # in bf16). What it costs is registers and issue slots; the builds still hold 41 KB (forward) and 46 KB
+    # (backward) of loads in flight per SM, above the ~36 KB an H200 needs to cover its memory latency. No
+    # padding at 640 = 512 + 128 would need two tiles a row, and 8 warps over a 128-wide tile read 16-bit
+    # elements unless it held 16 rows: 32 elements a thread of the 512-wide one, past the backward's registers.
     block_d = triton.next_power_of_2(dim)
     block_c = triton.next_power_of_2(channels)
-    num_warps = min(max(block_d // 256, 1), 16)
-    return block_d, block_c, num_warps
+    num_warps = min(16, max(NUM_WARPS, block_d // (32 * per_thread)))
+    block_r = max(1, per_thread * 32 * num_warps // block_d)
+    return block_r, block_d, block_c, num_warps
 
 
 # the backward's programs each take a run of up to this many rows, so that its partial sums stay a few thousand
 # rows of C + 2 floats for the one-program gate kernel; a guess, not yet tuned on a GPU (the branch-op bench,
 # scripts/bench/nag.py --sections op --op-rows-per-program 1,2,4,8,16,32, measures each value)
 BACKWARD_ROWS_PER_PROGRAM = 16
+# the backward's pipeline depth: its program has the next STAGES − 1 tiles' loads in flight (in shared memory) while it
+# computes one, so that 2 programs an SM (the registers allow no more) keep 46 KB in flight at D = 640 in bf16
+BACKWARD_STAGES = 4
 
 
 def _rows_per_program(rows):
     # below 2,048 × the default rows, fewer per program: some 2,048 programs still fill the SMs
     return max(1, min(BACKWARD_ROWS_PER_PROGRAM, rows // 2048))
+
+
+def _gate_grad_config(channels):
+    """(BLOCK_P, BLOCK_C, num_warps) of the one-program gate kernel: partials read some 2,048 floats at a time."""
+    block_c = triton.next_power_of_2(channels)
+    return max(16, 2048 // block_c), block_c, 4
+
+
+def _backward_tiles(rows_per_program, block_r):
+    """(BLOCK_R, TILES) of a backward program taking rows_per_program rows: tiles of at most block_r rows, a power
+    of two, and as many as cover the rows (a program covers TILES × BLOCK_R rows)."""
+    block_r = min(block_r, 1 << (rows_per_program.bit_length() - 1))
+    return block_r, triton.cdiv(rows_per_program, block_r)
 
 
 # -----------------------------------------------------------------------------
@@ -344,9 +451,9 @@ def _fused_branch(
     logits = _rows(mod_logits, channels)
     new_res = torch.empty_like(res)
     new_log_norm = torch.empty_like(log_norm_rows)
-    block_d, block_c, num_warps = _launch_config(dim, channels)
+    block_r, block_d, block_c, num_warps = _launch_config(dim, channels, FORWARD_PER_THREAD)
     if rows > 0:
-        _nag_forward_kernel[(rows,)](
+        _nag_forward_kernel[(triton.cdiv(rows, block_r),)](
             res,
             log_norm_rows,
             branch,
@@ -358,9 +465,11 @@ def _fused_branch(
             new_res,
             new_log_norm,
             float(floor),
+            rows,
             dim,
             channels,
             math.sqrt(dim),
+            BLOCK_R=block_r,
             BLOCK_D=block_d,
             BLOCK_C=block_c,
             PREDICTED=renorm == "predicted",
@@ -399,8 +508,9 @@ def _fused_branch_backward(
     rows_per_program: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the gradients of (res_dir, branch_out, mod_logits, coef, beta_raw, alpha). rows_per_program: the
-    rows each backward program takes (a compile each), 0 for _rows_per_program's choice; the gradients do not depend
-    on it, but for the parameter gradients' rounding (their partial sums are grouped by program)."""
+    rows each backward program takes (a compile each; rounded up to whole tiles by _backward_tiles), 0 for
+    _rows_per_program's choice; the gradients do not depend on it, but for the parameter gradients' rounding (their
+    partial sums are grouped by program and tile)."""
     check_renorm(renorm)
     dim, channels = res_dir.size(-1), mod_logits.size(-1)
     res = _rows(res_dir, dim)
@@ -416,11 +526,11 @@ def _fused_branch_backward(
     grad_logits = torch.empty_like(logits)
     grad_coef, grad_beta_raw, grad_alpha = _fresh(coef), _fresh(beta_raw), _fresh(alpha)
     # per-program partials of the parameter gradients, summed by the gate kernel: deterministic, no atomics
-    per_program = rows_per_program or _rows_per_program(rows)
-    programs = triton.cdiv(rows, per_program)
+    block_r, block_d, block_c, num_warps = _launch_config(dim, channels, BACKWARD_PER_THREAD)
+    block_r, tiles = _backward_tiles(rows_per_program or _rows_per_program(rows), block_r)
+    programs = triton.cdiv(rows, block_r * tiles)
     part_weights = torch.empty(programs, channels, dtype=torch.float32, device=res.device)
     part_scalars = torch.empty(programs, 2, dtype=torch.float32, device=res.device)
-    block_d, block_c, num_warps = _launch_config(dim, channels)
     if rows > 0:
         _nag_backward_kernel[(programs,)](
             res,
@@ -442,7 +552,9 @@ def _fused_branch_backward(
             dim,
             channels,
             math.sqrt(dim),
-            ROWS_PER_PROGRAM=per_program,
+            TILES=tiles,
+            STAGES=BACKWARD_STAGES,
+            BLOCK_R=block_r,
             BLOCK_D=block_d,
             BLOCK_C=block_c,
             PREDICTED=renorm == "predicted",
@@ -452,6 +564,7 @@ def _fused_branch_backward(
             num_warps=num_warps,
         )
     # with no rows it still runs: the parameter gradients are then 0
+    block_p, block_c, gate_warps = _gate_grad_config(channels)
     _nag_gate_grad_kernel[(1,)](
         part_weights,
         part_scalars,
@@ -464,10 +577,10 @@ def _fused_branch_backward(
         grad_alpha,
         programs,
         channels,
-        BLOCK_P=max(16, 2048 // block_c),
+        BLOCK_P=block_p,
         BLOCK_C=block_c,
         HAS_SCALE=alpha_scale is not None,
-        num_warps=4,
+        num_warps=gate_warps,
     )
     return (
         grad_res.view(res_dir.shape),

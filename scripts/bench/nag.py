@@ -403,7 +403,7 @@ def count_launches(impl, device="cpu", rows=6, dim=96, channels=8):
         device=device,
     )
     model.init_weights()
-    br = model.gates[0].mlp_branch
+    br = model.gates.branch(2)  # the MLP's
     gen = torch.Generator().manual_seed(0)
     res_dir = torch.randn(rows, dim, generator=gen).to(device, torch.bfloat16).requires_grad_()
     log_norm = torch.zeros(rows, 1, device=device).requires_grad_()
