@@ -194,8 +194,9 @@ def test_rows_split_over_programs(device, rows, per_program, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_per_program_leaves_the_gradients(device):
     # the values the branch-op bench sweeps (scripts/bench/nag.py --op-rows-per-program): each row's gradients are
-    # the same to the bit in the interpreter (to fp32 rounding on a GPU), the parameter ones to fp32 rounding (their partial sums are grouped by program); 11 rows, so
-    # most values leave the last program short and 16, 32 give one program that redoes rows
+    # the same to the bit in the interpreter (to fp32 rounding on a GPU), the parameter ones to fp32 rounding (their
+    # partial sums are grouped by program); 11 rows, so most values leave the last program short and 16, 32 give one
+    # program that redoes rows
     res_dir, _, branch_out, mod_logits, coef, beta_raw, alpha = [
         t.detach() for t in make_inputs((11,), 96, 8, device=device)
     ]
