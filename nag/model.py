@@ -23,15 +23,8 @@ from nanochat.gpt import GPT
 from nanochat.optim import ROW_CONSTRAINTS
 from nanochat.common import positive_int, positive_float, non_negative
 from nag.functional import nag_branch, modulator
-from nag.mod import (
-    ModConfig,
-    Thresholds,
-    mod_config_from_args,
-    rotation_score,
-    run_executed,
-    flops_with_skips,
-    skip_summary,
-)
+from nag import mod as mod_lib
+from nag.mod import ModConfig, Thresholds, mod_config_from_args, rotation_score, run_executed, flops_with_skips
 
 BETA_RAW_INIT = 0.5413  # softplus⁻¹(1): the modulator starts linear in u
 DEAD_GAIN = 1e-3  # a branch whose mean |g| falls below this counts as dead in telemetry
@@ -216,10 +209,7 @@ class NAGGPT(GPT):
         return {"nag_config": asdict(self.nag), **({"mod_config": asdict(self.mod)} if self.mod else {})}
 
     def step_metrics(self):
-        if self.thresholds is None:
-            return {}
-        rates = self.thresholds.pop_rates("train")
-        return {"mod": {**skip_summary(rates), "flops_per_token": self.estimate_flops(rates)}} if rates else {}
+        return {} if self.thresholds is None else mod_lib.step_metrics(self)
 
     # ----- Mixture-of-Depths (nag/mod.py, docs/mod.md) -----
 
@@ -337,8 +327,10 @@ class NAGGPT(GPT):
         res_dir = (e / rho).to(self.compute_dtype)
         log_norm = torch.log(rho) + self.log_gain_encode  # (B, T, 1) fp32
         gates = self.gates.unbound()
+        capacity = mod_lib.forward_capacity(self.mod, T, self.training)
         for i, (block, mask, kv) in enumerate(zip(self.blocks, masks, kvs)):
-            extra = {} if kv is None else {"kv": kv}  # analysis/capture.py wraps sublayer without kv (it never decodes)
+            # analysis/capture.py wraps sublayer without kv (it never decodes)
+            extra = {"capacity": capacity} if kv is None else {"kv": kv, "capacity": capacity}
             for kind, br in (("attn", gates[2 * i]), ("mlp", gates[2 * i + 1])):
                 res_dir, log_norm = self.sublayer(kind, i, block, br, res_dir, log_norm, cos_sin, mask, **extra)
         if self.thresholds is not None:
@@ -351,18 +343,20 @@ class NAGGPT(GPT):
         res_dir, log_norm = hidden if at is None else (hidden[0][at], hidden[1][at])
         return self.lm_head(res_dir).float() / self.config.n_embd * log_norm.exp()
 
-    def sublayer(self, kind, layer, block, br, res_dir, log_norm, cos_sin, mask, kv=None):
+    def sublayer(self, kind, layer, block, br, res_dir, log_norm, cos_sin, mask, kv=None, capacity=None):
         """One NAG update. With MoD the sub-layer output is f̂ = f(R̄) + X_l for the tokens whose rotation
-        score r = atan(α·m)/atan(α) is above the threshold and X_l alone for the others (which f never sees)."""
+        score r = atan(α·m)/atan(α) is above the threshold (the first `capacity` of each row) and X_l alone for the
+        others (which f never sees)."""
         mod_logits = br.m_down(res_dir)
         if self.record_telemetry:
             self.record_branch(mod_logits, br, br.alpha * self.alpha_warmup)
-        execute = bound = None
+        execute = None
+        capacity = capacity or res_dir.size(1)
         if self.mod is not None and self.mod.skips(kind):
             m = modulator(mod_logits.detach(), br.coef.detach(), br.beta_raw.detach(), self.nag.mod_floor)
-            execute = self.thresholds.decide(kind, layer, rotation_score(br.alpha * self.alpha_warmup, m))
-            bound = self.thresholds.bound(kind, execute)  # training MLP: a static length, no host sync
-        out = run_executed(kind, block, res_dir, cos_sin, mask, execute, bound, kv)
+            score = rotation_score(br.alpha * self.alpha_warmup, m)
+            execute, capacity = self.thresholds.decide(kind, layer, score, capacity)
+        out = run_executed(kind, block, res_dir, cos_sin, mask, execute, capacity, kv)
         if self.mod is not None and self.mod.covers(kind):
             out = out + self.mod_base[f"{kind}_{layer}"].to(out.dtype)
         return self.branch_update(br, res_dir, log_norm, out, mod_logits)

@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from nanochat.common import UserError
 from nanochat.gpt import GPT, Linear, norm
-from nag.mod import ModConfig, Thresholds, mod_config_from_args, run_executed, flops_with_skips, skip_summary, KINDS
+from nag import mod as mod_lib
+from nag.mod import ModConfig, Thresholds, mod_config_from_args, run_executed, flops_with_skips, KINDS
 
 
 class RouterMoDGPT(GPT):
@@ -47,8 +48,7 @@ class RouterMoDGPT(GPT):
         return {"mod_config": asdict(self.mod)}
 
     def step_metrics(self):
-        rates = self.thresholds.pop_rates("train")
-        return {"mod": {**skip_summary(rates), "flops_per_token": self.estimate_flops(rates)}} if rates else {}
+        return mod_lib.step_metrics(self)
 
     def configure_mod(self, mod, device=None):
         """Another rate (base_eval's trade-off curve): only over the sub-layers whose routers were trained."""
@@ -99,16 +99,18 @@ class RouterMoDGPT(GPT):
         T = idx.size(1)
         cos_sin, masks, kvs = self.attention_inputs(T, idx.device, positions, allowed, cache)
         x = norm(self.wte(idx).to(self.compute_dtype))
+        capacity = mod_lib.forward_capacity(self.mod, T, self.training)
         for i, (block, mask, kv) in enumerate(zip(self.blocks, masks, kvs)):
             for kind in KINDS:
-                x = x + self.routed(kind, i, block, norm(x), cos_sin, mask, kv)
+                x = x + self.routed(kind, i, block, norm(x), cos_sin, mask, kv, capacity)
         self.thresholds.finish()
         return self.end_forward(x, T, targets, loss_reduction, logits_at, cache)
 
-    def routed(self, kind, layer, block, h, cos_sin, mask, kv=None):
+    def routed(self, kind, layer, block, h, cos_sin, mask, kv=None, capacity=None):
         if not self.mod.skips(kind):
             return run_executed(kind, block, h, cos_sin, mask, None, kv=kv)
+        capacity = capacity or h.size(1)
         gate = torch.sigmoid(self.routers[f"{kind}_{layer}"](h).float())  # (B, T, 1)
-        execute = self.thresholds.decide(kind, layer, gate.squeeze(-1))
-        out = run_executed(kind, block, h, cos_sin, mask, execute, self.thresholds.bound(kind, execute), kv)
+        execute, capacity = self.thresholds.decide(kind, layer, gate.squeeze(-1), capacity)
+        out = run_executed(kind, block, h, cos_sin, mask, execute, capacity, kv)
         return out * gate.to(h.dtype)

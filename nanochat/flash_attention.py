@@ -23,7 +23,9 @@ as -1, FA4 as None (FA4 would take -1 as a bound). On CUDA the other kernels run
 flex_attention with a block mask (no (T, T) mask; compiled); on the CPU, the reference, SDPA gets the dense mask.
 A block mask is built once per (row length, window, device) and kept (sliding_block_mask); GPT.set_attention builds
 the model's own before torch.compile, so the compiled graph reads it instead of building one each forward.
-Packed rows with several documents (CORE), MoD's gathered queries and the KV cache keep explicit masks and SDPA.
+Queries gathered from a row at scattered positions (routed_attention) run flex_attention on CUDA with a block
+mask built from their positions in the graph, SDPA with a mask from them on the CPU. Packed rows with several
+documents (CORE) and the KV cache keep explicit masks and SDPA.
 """
 
 import os
@@ -514,6 +516,56 @@ def sliding_window_attention(q, k, v, window, block=128):
     """q (B, H, T, D); k, v (B, KV, T, D): causal attention within `window` positions, without a (T, T) mask."""
     mask = sliding_block_mask(q.size(2), window, q.device, block)
     return flex()(q, k, v, block_mask=mask, enable_gqa=k.size(1) != q.size(1))
+
+
+def routed_mask(q_positions, Tk, window):
+    """(B, 1, Tq, Tk) bool: the query at position p (q_positions (B, Tq)) sees key j when p - window < j <= p."""
+    delta = q_positions[:, None, :, None] - torch.arange(Tk, device=q_positions.device)
+    return (delta >= 0) & (delta < window)
+
+
+def routed_block_mask(q_positions, Tk, window, block=128):
+    """flex_attention's BlockMask of queries at q_positions (B, Tq) over keys 0..Tk-1 (routed_mask's rule): built on
+    the device from the positions, no host read. The positions change every call, so nothing is kept. A Tq that is no
+    multiple of `block` leaves its last query block part empty; flex_attention bounds the indices of that tail."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, i, j):
+        delta = q_positions[b, i] - j
+        return (delta >= 0) & (delta < window)
+
+    B, Tq = q_positions.shape
+    return create_block_mask(visible, B, None, Tq, Tk, device=q_positions.device, BLOCK_SIZE=block)
+
+
+_routed_block_mask_compiled = None
+
+
+def routed_block_mask_builder(q_positions):
+    """What builds a routed block mask: compiled once per process, so that the (B, Tq, Tk) pairs are reduced to blocks
+    as they are made and never stored (eager, create_block_mask writes the whole mask first); inside a graph being
+    traced, or on fake tensors (no values to compile with), routed_block_mask itself."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    global _routed_block_mask_compiled
+    if torch.compiler.is_compiling() or is_fake(q_positions):
+        return routed_block_mask
+    if _routed_block_mask_compiled is None:
+        _routed_block_mask_compiled = torch.compile(routed_block_mask, dynamic=False)
+    return _routed_block_mask_compiled
+
+
+def routed_attention(q, k, v, q_positions, window):
+    """Attention of queries gathered from a row at given positions: q (B, H, Tq, D), the queries at q_positions
+    (B, Tq) long, ascending and distinct in each row; k, v (B, KV, Tk, D), keys at positions 0..Tk-1, KV dividing H.
+    The query at position p sees key j when p - window < j <= p (window >= Tk: plain causal). Returns (B, H, Tq, D)
+    in q's dtype. Static shapes and no host read: the mask comes from the positions, on the device. On CUDA,
+    flex_attention with a block mask (query blocks skip the key blocks none of their queries sees); on the CPU, where
+    flex_attention has no backward and its forward is slower than SDPA's, eager or compiled, SDPA with routed_mask."""
+    if flex_windows(q.device):
+        mask = routed_block_mask_builder(q_positions)(q_positions, k.size(2), window)
+        return flex()(q, k, v, block_mask=mask, enable_gqa=k.size(1) != q.size(1))
+    return masked_attention(q, k, v, routed_mask(q_positions, k.size(2), window))
 
 
 def masked_attention(q, k, v, mask):

@@ -3,9 +3,11 @@
 # and the figures each writes). No network and no data: the benchmarks use random tokens (base_train: offline text).
 #
 #   bash runs/gpu_checks.sh --quick             # at most 7 minutes on one H100/H200, compiles included: GPT, NAG fused
-#                                               # and NAG compiled, base_train against the bench, branch op, attention
-#   bash runs/gpu_checks.sh                     # also MFU, cold compiles, per-block compile, full depth, fp8 with MoD;
-#                                               # CORE batching with EVAL_BUNDLE=DIR
+#                                               # and NAG compiled, branch op, base_train against the bench, MoD
+#                                               # compiled against full depth (bf16, fp8)
+#   bash runs/gpu_checks.sh                     # also attention, MFU, cold compiles,
+#                                               # per-block compile, full depth, MoD per block, base_train with fp8 and
+#                                               # MoD; CORE batching with EVAL_BUNDLE=DIR
 #   bash runs/gpu_checks.sh --quick --dry-run   # the plan and the files it writes; needs no GPU
 #
 # Output: $OUT when set (a device runner's folder that comes back), else --out DIR, else gpu_checks/:

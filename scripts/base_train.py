@@ -64,6 +64,7 @@ from nanochat import resume
 from nanochat import run_dir as run_files
 from nanochat import checkpoint_manager as ckpt
 from nanochat import tracking
+from nag.mod import overflow_warning
 from nag.archs import NOT_SETTINGS, arch_spec, check_args, ignored_flags, unread_flags, plan_for
 from nag.presets import PRESETS
 from nag.train_flags import DRY_RUN_VOCAB, build_parser, parse_args, start_timeout, stated_flags
@@ -141,6 +142,7 @@ class Run:
     peak_flops: float = None  # the GPU's peak, for MFU (None: unknown, or no GPU)
     eval_steps: int = 0  # val batches per evaluation (0: no evaluation)
     val_batches: list = field(default_factory=list)  # read and tokenized once, the same at every evaluation
+    overflow_warned: bool = False  # MoD's overflow warning is printed once per run
 
     @property
     def device_type(self):
@@ -323,9 +325,9 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
     # what trains in fp8 (0 where --fp8's size rule admits no layer): compare's precision
     record["fp8_layers"] = len(fp8_layers)
     model.set_attention(record["attention"]["kernel"])  # before DDP and compile: the compiled graph sees a constant
-    # compiled on CUDA, but not with Mixture-of-Depths, whose gathers have data-dependent shapes (docs/mod.md);
-    # torch's own TORCH_COMPILE_DISABLE=1 runs any run eagerly
-    use_compile = device_type == "cuda" and getattr(model, "mod", None) is None
+    # compiled on CUDA, Mixture-of-Depths too (its shapes are static: docs/mod.md); torch's own
+    # TORCH_COMPILE_DISABLE=1 runs any run eagerly
+    use_compile = device_type == "cuda"
     # under DDP each rank updates its chunk of every Muon stack, then all-gathers them (docs/optimizer.md)
     optimizer = MuonAdamW(plan.optimizer_groups(args), rank=rank, world_size=world_size, compile=use_compile)
 
@@ -622,6 +624,10 @@ def log_row(run, row, steps, timer, intervals, stats_line):
     )
     if stats_line:
         print0(stats_line)
+    warning = overflow_warning(row.get("mod", {}))
+    if warning and not run.overflow_warned:
+        print0(warning)
+        run.overflow_warned = True
     if "val_bpb" in row:
         print0(f"step {step:05d} | val bpb {row['val_bpb']:.4f}")
     write_row(run, row)

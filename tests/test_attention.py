@@ -458,6 +458,14 @@ def test_bench_runs_on_the_cpu_with_sdpa_alone(tmp_path, monkeypatch):
     )
     # why each was not run
     assert d["kernels"] == {"sdpa": "timed", "cudnn": "no CUDA", "fa3": "no CUDA", "fa4": "no CUDA"}
+    # routed attention: each row's capacity at a 20 % skip rate (56 of 64), SDPA with the mask on the CPU
+    routed = d["routed"]
+    assert [(r["kernel"], r["window"], r["queries"]) for r in routed["rows"]] == [
+        ("routed", "L", 56),
+        ("routed", "S", 56),
+    ]
+    assert all(r["agree"] and r["err_out"] < 1e-5 and r["fwd_bwd_ms"] > 0 for r in routed["rows"])
+    assert routed["compile"] == [] and routed["ok"]
     figures = gpu_checks.attention_figures(d)
     assert figures.startswith("fwd+bwd sdpa L ") and f"; S / L sdpa {ms['S'] / ms['L']:.2f}×; " in figures
     assert figures.endswith(
@@ -466,6 +474,14 @@ def test_bench_runs_on_the_cpu_with_sdpa_alone(tmp_path, monkeypatch):
     for named in ("fa3", "fa4", "cudnn"):  # a named kernel where it cannot run: the one line, exit status 1
         with pytest.raises(SystemExit):
             bench_attention.main(["--attn", named])
+
+
+def test_bench_compiles_routed_attention_once_for_two_batches_of_positions(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    d = bench_attention.main(["--steps", "1", "--warmup", "0", "--windows", "S", "--compile"])
+    (compiled,) = d["routed"]["compile"]
+    assert compiled["window"] == "S" and compiled["graphs"] == 1 and compiled["max_diff_vs_eager"] < 1e-5
+    assert compiled["ok"] and d["ok"]
 
 
 @pytest.mark.parametrize("wrong", [False, True])

@@ -89,11 +89,11 @@ decide, finish = mod.Thresholds.decide, mod.Thresholds.finish
 forwards = [0]
 
 
-def forced(self, kind, layer, score):
+def forced(self, kind, layer, score, capacity):
     shard = int(os.environ["RANK"]) if "RANK" in os.environ else forwards[0] % 2
     if self.training and kind == "attn" and layer == 0 and shard == 1:
         score = torch.full_like(score, -float("inf"))
-    return decide(self, kind, layer, score)
+    return decide(self, kind, layer, score, capacity)
 
 
 def forget(self):
@@ -110,7 +110,7 @@ runpy.run_module("scripts.base_train", run_name="__main__")
 @pytest.mark.parametrize("arch", [["nag"], ["gpt-router"]], ids=["nag-mod", "gpt-router"])
 def test_sublayer_skipped_on_one_rank_equals_grad_accumulation(base, tmp_path, arch):
     # DDP (find_unused_parameters=False) needs every parameter to get a gradient on every rank: a skipped
-    # sub-layer still runs on one padded row whose result is dropped (nag/mod.py)
+    # sub-layer still runs on its capacity of padded rows whose result is dropped (nag/mod.py)
     (tmp_path / "skip_one_sublayer.py").write_text(SKIP_ONE_SUBLAYER)
     common = ["--arch", *arch, "--mod-rate", "0.2", "--mod-blocks", "both", "--num-iterations", "4"]
     single = launch(base, 1, *common, "--run", "single", module="skip_one_sublayer", path=tmp_path)

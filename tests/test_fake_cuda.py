@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nag  # noqa: F401  (before triton: the fused NAG kernels' interpreter flag)
+from nag import mod as mod_lib
 from nag.archs import ARCHS, arch_for_args, plan_for
 from nag.kernels import fused_nag_branch
 from nanochat import flash_attention as fa
@@ -77,7 +78,7 @@ MOD_FLAGS = {  # every Mixture-of-Depths variant worth a trace; each arch takes 
     "attn+mlp": ["--mod-blocks", "both", "--mod-rate", "0.2"],
 }
 ATTENTION = ("sdpa", "cudnn", "fa4", "fa3")
-PACKED_QUERIES = T - T // 5  # what the stand-in host read answers for attention MoD's longest row: no multiple of 16
+PACKED = mod_lib.capacity(T, 0.2)  # the tokens of a row that a MoD sub-layer computes: 208 of 256
 
 
 # ---------------------------------------------------------------------------
@@ -474,7 +475,7 @@ def twin_step(arch, mod, attention, use_fp8, monkeypatch):
 
     def counted_read(tensor):  # every host read of a step goes through read_values: counted, answered with numbers
         trace.reads.append(sys._getframe(1).f_code.co_name)
-        return PACKED_QUERIES if tensor.dim() == 0 else [PACKED_QUERIES] * tensor.numel()
+        return 1 if tensor.dim() == 0 else [1] * tensor.numel()
 
     monkeypatch.setattr(step_timer, "read_values", counted_read)
     monkeypatch.setattr(torch, "_scaled_mm", mms)
@@ -532,8 +533,8 @@ def test_a_training_step_on_fake_cuda(arch, mod, attention, use_fp8, monkeypatch
     assert trace.loss.device == CUDA and trace.loss.dim() == 0
     assert trace.gate.device == CUDA and trace.gate.dtype == torch.bool and trace.gate.dim() == 0
     assert trace.work.cpu == [] and trace.work.ops > 1000  # not even a CPU scalar or index in the step
-    # host reads: none, but attention MoD's packing (a data-dependent length per layer, docs/mod.md)
-    assert trace.reads == ["attention_executed"] * (model.config.n_layer if attention_skipped(model) else 0)
+    # host reads: none, MoD's packing included (a fixed capacity per row, docs/mod.md)
+    assert trace.reads == []
     # fp8: each admitted Linear's forward in e4m3, its two backward matmuls with dy in e5m2
     layers = len(fp8_layers(model))
     assert layers == (2 * 6 + 1 if use_fp8 else 0)  # every block matrix and lm_head at this width
@@ -545,10 +546,8 @@ def test_a_training_step_on_fake_cuda(arch, mod, attention, use_fp8, monkeypatch
         if not use_fp8
         else {B * T}
         if mod == "none"
-        else {B * T, B * PACKED_QUERIES}
-        if "attn" in mod
-        else {B * T, B * T - round(0.2 * B * T)}
-    )  # MoD's packed counts, 410: no multiple of 16
+        else {B * T, B * PACKED}
+    )  # MoD's packed counts: B·capacity, attention's queries and the MLP's tokens
     # the kernel's calls: one per layer that attends over plain rows, with its window in the kernel's convention
     if trace.kernel is not None:
         plain = [] if attention_skipped(model) else model.windows
@@ -616,9 +615,11 @@ def test_a_host_read_in_the_optimizer_step_is_caught(read, monkeypatch):
 
 
 def test_unpadded_tokens_in_the_fp8_backward_are_caught(monkeypatch):
-    """MLP MoD packs N = B·T − round(0.2·B·T) = 410 tokens; without fp8.py's zero rows dW = dyᵀ·x has 410 as its
-    inner dim, which CUDA's _scaled_mm refuses (the bug of docs/design.md §2, "fp8 training")."""
+    """MLP MoD packs N = B·capacity tokens, here B·205 = 410 (a capacity below 256 rounds to 8s, so B·capacity can miss
+    16); without fp8.py's zero rows dW = dyᵀ·x has 410 as its inner dim, which CUDA's _scaled_mm refuses (the bug of
+    docs/design.md §2, "fp8 training")."""
     monkeypatch.setattr(fp8, "pad_rows", lambda t: t)
+    monkeypatch.setattr(mod_lib, "capacity", lambda T, rate: 205)
     with pytest.raises(RuntimeError, match="divisible by 16"):
         twin_step("nag", "mlp", "sdpa", True, monkeypatch)
 

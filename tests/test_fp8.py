@@ -2,9 +2,11 @@
 
 A CPU's fp8 matmul is fp8.scaled_mm's fp32 product of the fp8 operands (never oneDNN's kernel, which some CPUs lack):
 the three matmuls against exact ones within what fp8 rounding allows, the size rule, evaluation in the compute dtype,
-a tiny --fp8 run that trains and resumes exactly, and CUDA's rules for every _scaled_mm call (which the CPU twin does
-not check): the token padding that meets them changes no value, and MoD's packed token counts meet them. runs/test.sh
-reruns the tests of the matmuls' values with torch, oneDNN and MKL capped at AVX2 (the cpu_kind mark)."""
+a tiny --fp8 run that trains and resumes exactly, the weights quantised once a step (the same losses as at every
+call), the ops an fp8 linear launches, one compiled graph with eager's values, and CUDA's rules for every _scaled_mm
+call (which the CPU twin does not check): the token padding that meets them changes no value, and MoD's token counts
+meet them. runs/test.sh reruns the tests of the matmuls' values with torch, oneDNN and MKL capped at AVX2 (the
+cpu_kind mark)."""
 
 import json
 import math
@@ -125,28 +127,118 @@ def test_a_tiny_fp8_run_trains_records_and_resumes_exactly(run_base, capsys, scr
     assert "already finished its 8 steps; nothing to do" in capsys.readouterr().out
 
 
+def weight_quantisations(monkeypatch):
+    """The shapes of the weights fp8.quantise scales (its e4m3 calls on Parameters), in order."""
+    calls, quantise = [], fp8.quantise
+
+    def recording(t, dtype):
+        if isinstance(t, torch.nn.Parameter):
+            calls.append(tuple(t.shape))
+        return quantise(t, dtype)
+
+    monkeypatch.setattr(fp8, "quantise", recording)
+    return calls
+
+
+def test_a_weight_is_quantised_once_until_it_changes(monkeypatch):
+    """Micro-batches 2..N and every backward reuse the weight's first quantisation, until the weight changes (an
+    in-place update, a new tensor under .data): the same fp8 values a fresh quantisation gives, bit for bit."""
+    quantised = weight_quantisations(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    w = torch.nn.Parameter(torch.randn(256, 128, generator=g) * 0.05)
+    x, dy = torch.randn(48, 128, generator=g).bfloat16(), torch.randn(48, 256, generator=g).bfloat16()
+
+    def fresh():  # a plain tensor: no cache
+        xs, ws = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = fp8_linear(xs, ws)
+        y.backward(dy)
+        return y, xs.grad, ws.grad
+
+    for change in [None, None, None, lambda: w.mul_(0.5), None, lambda: setattr(w, "data", w.detach() * 2)]:
+        if change:
+            with torch.no_grad():
+                change()
+        xs, w.grad = x.clone().requires_grad_(), None
+        y = fp8_linear(xs, w)
+        y.backward(dy)
+        for got, want in zip((y, xs.grad, w.grad), fresh()):
+            assert torch.equal(got, want)
+    assert quantised == [(256, 128)] * 3  # once, once after the update, once for the new tensor
+    with torch.no_grad():
+        w.mul_(0.5)
+    with torch.inference_mode():  # tensors made here cannot be saved for a backward: it keeps none
+        fp8_linear(x, w)
+    fp8_linear(x.clone().requires_grad_(), w).backward(dy)
+    assert quantised == [(256, 128)] * 5
+
+
+def test_one_fp8_linear_launches_few_ops():
+    """An fp8 linear's forward and backward on a GPU's path (the meta device, where fp8.scaled_mm calls
+    torch._scaled_mm): one pass for each operand's amax, and the weight quantised by the first micro-batch only."""
+    from scripts.bench.nag import LaunchCounter
+
+    x = torch.randn(512, 256, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(384, 256, device="meta"))
+    launches = []
+    for _ in range(2):
+        with LaunchCounter() as forward:
+            y = fp8_linear(x, w)
+        dy = torch.ones_like(y)
+        with LaunchCounter() as backward:
+            y.backward(dy)
+        launches.append((forward.total, backward.total))
+        x.grad = w.grad = None
+    # per operand: amax (1), its scale and inverse (6 scalar ops), the cast (x and dy: float, mul, clamp, to; W: mul,
+    # clamp, to); 3 transposed copies in the backward, dW's cast to fp32 and the matmuls (was 25 + 19: float, abs and
+    # max for each amax, the weight at each call)
+    x_or_dy, weight = 1 + 6 + 4, 1 + 6 + 3
+    assert launches == [(x_or_dy + weight + 1, x_or_dy + 3 + 1 + 2), (x_or_dy + 1, x_or_dy + 3 + 1 + 2)], launches
+    assert forward.aten.count("linalg_vector_norm") == 1 and backward.aten.count("linalg_vector_norm") == 1
+
+
 @pytest.mark.cpu_kind
 def test_compiled_fp8_is_one_graph_equal_to_eager():
-    """torch.compile (inductor on the CPU, as on CUDA) takes the fp8 matmul as one opaque node: no graph break, the
-    same values forward and backward."""
+    """torch.compile (inductor on the CPU, as on CUDA) takes a stack of fp8 gpt.Linear layers as one graph, forward
+    and backward, with eager's values; the graph quantises the weights itself (Inductor fuses amax, scale and cast),
+    beside the caches an eager micro-batch filled, which it neither reads nor writes."""
     fp8.opaque_to_compile()  # what GPT.set_fp8(True) does
+    torch.manual_seed(3)
+    stack = torch.nn.Sequential(gpt.Linear(128, 256), torch.nn.ReLU(), gpt.Linear(256, 128))
+    for m in stack[0], stack[2]:
+        m.fp8 = True
+    x = torch.randn(32, 128)
+
+    def step(fn):
+        stack.zero_grad(set_to_none=True)
+        loss = fn(x).float().square().mean()
+        loss.backward()
+        return [loss.detach()] + [m.weight.grad for m in (stack[0], stack[2])]
+
+    eager = step(stack)
+    keys = [m.weight.fp8_cache[0] for m in (stack[0], stack[2])]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(64, 128, generator=g), torch.randn(256, 128, generator=g)
-
-    def loss(x, w):
-        return torch.relu(fp8_linear(x, w)).square().mean()
-
-    grads = []
-    for fn in (loss, torch.compile(loss, fullgraph=True)):
-        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        value = fn(xs, ws)
-        value.backward()
-        grads.append((value.detach(), xs.grad, ws.grad))
+    compiled = step(torch.compile(stack, fullgraph=True))
     assert not torch._dynamo.utils.counters["graph_break"]
-    for eager, compiled in zip(*grads):
-        assert torch.allclose(eager, compiled, rtol=1e-5, atol=1e-7)
+    for a, b in zip(eager, compiled):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert [m.weight.fp8_cache[0] for m in (stack[0], stack[2])] == keys  # the graph neither read nor wrote them
+
+
+def test_micro_batches_reuse_the_weights_and_train_as_without(run_base, monkeypatch):
+    """base_train --fp8 with 2 micro-batches a step: each weight quantised once a step (the optimizer's update bumps
+    its version), and the same losses as quantising it at every call."""
+    quantised = weight_quantisations(monkeypatch)
+    args = FP8_TINY + ["--total-batch-size", "512", "--num-iterations", "3", "--eval-every", "-1"]
+
+    def losses(run):
+        run_dir = base_train.main(args + ["--run", run])
+        return [json.loads(line)["train_loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+    cached = losses("cached")
+    assert len(quantised) == 13 * 3
+    monkeypatch.setattr(fp8, "quantised_weight", lambda w: fp8.quantise(w, fp8.E4M3))
+    assert losses("every-call") == cached and len(quantised) == 13 * 3 + 13 * 3 * 2
 
 
 def test_set_fp8_makes_the_matmul_one_opaque_node_for_compile(monkeypatch):
@@ -348,8 +440,8 @@ def test_the_padding_check_catches_padding_bugs(where, cuda_rules, monkeypatch):
 
 @pytest.mark.parametrize("mod", [["--arch", "nag"], ["--arch", "gpt-router"]], ids=["nag-mod", "router-mod"])
 def test_a_tiny_fp8_mod_run_meets_cuda_rules(mod, run_base, cuda_rules, monkeypatch):
-    """MoD's gathered sub-layers run on N - round(rate·N) tokens, and attention's on as many as pass the threshold:
-    token counts that are no multiple of 16, each padded to one."""
+    """MoD's gathered sub-layers run on B·capacity tokens, a multiple of 8 at T = 64 (nag/mod.py capacity): with one
+    row a micro-batch (4 a step) 56, no multiple of 16, padded to one."""
     tokens = []
 
     def recording(x, weight):
@@ -357,8 +449,7 @@ def test_a_tiny_fp8_mod_run_meets_cuda_rules(mod, run_base, cuda_rules, monkeypa
         return fp8_linear(x, weight)
 
     monkeypatch.setattr(gpt, "fp8_linear", recording)
-    base_train.main(
-        FP8_TINY + mod + ["--mod-rate", "0.2", "--max-seq-len", "32", "--num-iterations", "2", "--eval-every", "-1"]
-    )
+    one_row = ["--device-batch-size", "1", "--num-iterations", "2", "--eval-every", "-1"]
+    base_train.main(FP8_TINY + mod + ["--mod-rate", "0.2"] + one_row)
     assert cuda_rules and len(cuda_rules) == 3 * len(tokens)
     assert any(n % 16 for n in tokens), sorted(set(tokens))

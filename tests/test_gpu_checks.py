@@ -327,21 +327,24 @@ def test_headline_carries_two_depths_to_64(tmp_path):
 
 def test_quick_plan_answers_the_first_questions_within_its_budget():
     quick = gpu_checks.stages(quick=True)
-    assert [s.name for s in quick] == ["kernel_tests", "step", "base_train", "branch_op", "attention"]
+    assert [s.name for s in quick] == ["kernel_tests", "step", "branch_op", "base_train", "mod"]
     assert gpu_checks.QUICK_BUDGET <= 7 * 60  # a borrowed slot gives a command 10 minutes, its start-up included
-    # the expected times are the first H200's (a third step variant: half of two more), within the planned share
+    # the expected times are the first H200's (a third step variant: half of two more; base_train without its cold
+    # compile) but mod's, a guess, within the planned share; attention (48 s) made room (the full run has it)
     expect = {s.name: s.expect for s in quick}
-    assert expect == {"kernel_tests": 55, "step": 78 * 1.5, "base_train": 79, "branch_op": 34, "attention": 48}
-    assert sum(expect.values()) <= gpu_checks.PLANNED * gpu_checks.QUICK_BUDGET and gpu_checks.PLANNED <= 0.8
+    assert expect == {"kernel_tests": 55, "step": 78 * 1.5, "branch_op": 34, "base_train": 40, "mod": 120}
+    assert sum(expect.values()) <= gpu_checks.PLANNED * gpu_checks.QUICK_BUDGET and gpu_checks.PLANNED <= 0.9
     doc = open(os.path.join(REPO, "docs", "gpu_checks.md")).read()  # its budget section quotes both
     assert f"at most {100 * gpu_checks.PLANNED:.0f} % of it" in doc and f"{sum(expect.values()):.0f} s, with" in doc
-    assert all(s.expect < s.timeout <= 180 for s in quick)  # each stage its own limit, with room over its expected time
+    # each stage its own limit, with room over its expected time: twice as much for mod's guess, which runs last
+    assert all(s.expect < s.timeout <= 180 for s in quick[:-1]) and quick[-1].timeout == 2 * quick[-1].expect
     # the step stage: GPT beside both NAG implementations, compiled whole
     step = next(s for s in quick if s.name == "step")
     assert step.cmd[step.cmd.index("--arch") + 1] == "gpt,nag:fused,nag:compiled"
     assert step.cmd[step.cmd.index("--compile") + 1] == "on"
     full = gpu_checks.stages(quick=False, eval_bundle="/bundle")
     assert [s.name for s in full[len(quick) :]] == [
+        "attention",
         "mfu",  # did not fit --quick on the first H200
         "depth",
         "blocks",
@@ -351,7 +354,7 @@ def test_quick_plan_answers_the_first_questions_within_its_budget():
         "published_gpt",
         "published_nag",
         "published_blocks",
-        "mod",
+        "mod_blocks",
         "fp8_mod",
         "core_batching",
     ]
@@ -360,9 +363,58 @@ def test_quick_plan_answers_the_first_questions_within_its_budget():
     assert branch_op.cmd[branch_op.cmd.index("--op-rows-per-program") + 1] == "1,2,4,8,16,32"
 
 
+def test_the_mod_stage_times_mod_compiled_on_the_gpu_at_the_step_stages_shape():
+    # issue 48: scripts.bench.mod on CUDA (the second slot's mod stage timed its CPU), compiled as base_train compiles
+    # there, at the step stage's shape: both blocks at 20 and 40 % against full depth, each rate with its target,
+    # in bf16 and fp8 (fp8 with MoD in the quick run, no base_train stage of its own); each block alone in the full run
+    from scripts.bench import mod as bench_mod
+
+    plan = {s.name: s for s in gpu_checks.stages(quick=False)}
+    st, step, blocks = plan["mod"], plan["step"], plan["mod_blocks"]
+    assert st.cmd[:3] == [sys.executable, "-m", "scripts.bench.mod"] and st.figures == gpu_checks.mod_figures
+    args = bench_mod.parse(st.cmd[3:])
+    shape = ("--depth", "--model-dim", "--head-dim", "--max-seq-len", "--device-batch-size", "--vocab-size")
+    bench = [int(step.cmd[step.cmd.index(f) + 1]) for f in shape]
+    assert [getattr(args, f[2:].replace("-", "_")) for f in shape] == bench
+    assert args.device_type == "cuda" and args.compile == "on" and args.json == "{json}" and args.layer_repeats == 0
+    assert args.blocks == "both" and args.precision == "bf16,fp8" and args.steps > 0 and args.warmup >= 1
+    assert bench_mod.rates_of(args.rates) == sorted(bench_mod.STEP_TARGETS)
+    more = bench_mod.parse(blocks.cmd[3:])
+    assert more.blocks == "attn,mlp" and more.layer_repeats > 0 and more.device_type == "cuda" and more.compile == "on"
+    assert blocks.figures == gpu_checks.mod_figures and "mod_blocks" not in [s.name for s in gpu_checks.stages(True)]
+
+
+def test_the_mod_figures_and_headline_hold_the_ratios_against_the_targets(tmp_path):
+    d = mod_json()
+    text = gpu_checks.mod_figures(d)
+    assert text.startswith(
+        "depth 8 × 640, compiled: full depth 47.6 ms, 10.7 GiB, compile 27 s (1 graph(s)); both 20% 41.0 ms, 9.8 GiB, "
+        "compile 33 s (1 graph(s)), skipped attn 20% mlp 20%, overflow attn 0.4% mlp 0.1%; "
+    )
+    # a recompile after the first steps (a shape from the data) is named
+    d["results"][2] = dict(d["results"][2], graphs=3, later_graphs=2)
+    assert "both 40% 36.5 ms, 9.1 GiB, compile 31 s (3 graph(s), 2 more later)" in gpu_checks.mod_figures(d)
+    d = mod_json()
+    assert "both 20% fp8 38.2 ms, 8.9 GiB" in text
+    assert text.endswith(
+        "both 20% / full depth, step time 0.861× (PASS, target at most 0.90×); both 20% / full depth, peak memory "
+        "0.916× (PASS, target at most 1.00×); both 40% / full depth, step time 0.767× (FAIL, target at most 0.75×); "
+        "both 40% / full depth, peak memory 0.850× (PASS, target at most 1.00×); both 20% fp8 / bf16, step time "
+        "0.932× (PASS, target at most 1.00×); both 40% fp8 / bf16, step time 0.932× (PASS, target at most 1.00×)"
+    )
+    (tmp_path / "mod.json").write_text(json.dumps(d))
+    (line,) = gpu_checks.headline(str(tmp_path))
+    assert line.startswith(
+        "- MoD against issue 48's targets (NAG, both blocks, depth 8 × 640, 32,768 tokens, compiled whole; full depth "
+        "47.6 ms, 10.7 GiB): both 20% / full depth, step time 0.861× (PASS, target at most 0.90×); "
+    )
+    assert "both 40% / full depth, step time 0.767× (FAIL, target at most 0.75×)" in line
+
+
 def test_fp8_with_mod_is_a_base_train_stage_at_the_published_width(tmp_path):
     # issue 38: base_train itself, --fp8 --mod-rate 0.2, a few steps at the published width (nag/presets.py), in the
-    # full run (the quick plan has no room: its 75 %); the same flags base_train parses, its vocab the published one
+    # full run (the quick run's mod stage times fp8 with MoD in the bench); the same flags base_train parses, its vocab
+    # the published one
     from nag.presets import PRESETS
     from scripts.base_train import parse_args
 
@@ -395,13 +447,20 @@ def test_fp8_with_mod_is_a_base_train_stage_at_the_published_width(tmp_path):
     }
     assert st.figures(d) == (
         "3 steps, fp8 on 41 layers, attention cudnn: step 1 41.0 s (compiles), then 180, 175 ms; "
-        "skipped % attn 21, 19, 20, mlp 20, 20, 20; MFU 31.0%; peak 30.5 GiB"
+        "skipped % attn 21, 19, 20, mlp 20, 20, 20; MFU 31.0%; peak 30.5 GiB; a step after the first 178 ms (median): "
+        "FAIL, target at most 100 ms (1,183 and 1,012 eager on the first H200)"
     )
     (tmp_path / "fp8_mod.json").write_text(json.dumps(d))
     assert gpu_checks.headline(str(tmp_path)) == [
-        "- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8: 3 steps ran, "
-        "175 ms per step after the first (41 s), 41 layers in fp8"
+        "- base_train --fp8 --mod-rate 0.2 (NAG-MoD) at width 640, depth 8, compiled: 3 steps ran, the first 41 s, "
+        "41 layers in fp8; a step after the first 178 ms (median): FAIL, target at most 100 ms (1,183 and 1,012 eager "
+        "on the first H200)"
     ]
+    # compiled as it should be: within the target
+    d["steps"][1:] = [dict(x, ms=ms) for x, ms in zip(d["steps"][1:], (52.0, 49.0))]
+    assert st.figures(d).endswith(
+        "a step after the first 50 ms (median): PASS, target at most 100 ms (1,183 and 1,012 eager on the first H200)"
+    )
 
 
 def test_the_base_train_stage_is_the_step_stages_nag_fused_in_base_trains_loop():
@@ -409,7 +468,7 @@ def test_the_base_train_stage_is_the_step_stages_nag_fused_in_base_trains_loop()
     # kernel and NAG implementation, so that its step after the first can be held against the bench's nag:fused step
     from scripts.base_train import parse_args
 
-    plan = {s.name: s for s in gpu_checks.stages(quick=True)}
+    plan = {s.name: s for s in gpu_checks.stages(quick=False)}
     st, step = plan["base_train"], plan["step"]
     assert st.cmd[:6] == [sys.executable, "-m", "scripts.bench.gpu_checks", "--base-train", "{json}", "--vocab-size"]
     assert st.against == "step" and st.figures == gpu_checks.nag_train_figures and not st.cold
@@ -457,8 +516,36 @@ def base_train_steps(*ms):
     ]
 
 
+def mod_result(blocks, rate, precision, step_ms, mem, compile_s):
+    """A result of scripts/bench/mod.py on the GPU: every key Variant.result writes."""
+    mod = {"overflow_attn": 0.004, "overflow_mlp": 0.001, "overflow_rows": 0.2, "capacity": 1664} if rate else {}
+    return dict(
+        blocks=blocks, rate=rate, precision=precision, fp8_layers=41 if precision == "fp8" else 0, step_ms=step_ms,
+        compile_s=compile_s, graphs=1, later_graphs=0, peak_mem_gib=mem, flops=int(1e9 * (1 - rate / 2)),
+        skip_attn=rate, skip_mlp=rate, **mod
+    )
+
+
+def mod_json():
+    """scripts/bench/mod.py's JSON for the quick run's mod stage, as a GPU would write it."""
+    from scripts.bench import mod as bench_mod
+
+    results = [
+        mod_result("none", 0.0, "bf16", 47.6, 10.7, 27.0),
+        mod_result("both", 0.2, "bf16", 41.0, 9.8, 33.0),
+        mod_result("both", 0.4, "bf16", 36.5, 9.1, 31.0),
+        mod_result("both", 0.2, "fp8", 38.2, 8.9, 35.0),
+        mod_result("both", 0.4, "fp8", 34.0, 8.4, 34.0),
+    ]
+    return {
+        "argv": [], "arch": "nag", "device": "cuda", "gpu": "NVIDIA H200", "compiled": True, "depth": 8, "dim": 640,
+        "tokens_per_step": 32768, "results": results, "claims": bench_mod.claims(results), "layers": None,
+    }
+
+
 def gpu_like_jsons():
-    """Each quick stage's JSON, shaped as on the first H200 (its figures there: docs/LOG.md, issue 47)."""
+    """Each quick stage's JSON, and those of base_train (held against step) and attention, which the quick run had
+    before mod's, shaped as on the first H200 (its figures there: docs/LOG.md, issue 47; mod's are made up)."""
     from scripts.bench import train
 
     step = [
@@ -496,8 +583,16 @@ def gpu_like_jsons():
             "results": [{"kernel": "sdpa", "window": "L", "fwd_bwd_ms": 4.0}],
             "vs_sdpa": [], "fa3_vs_sdpa": [], "window_vs_full": {"sdpa": 0.8},
         },
+        "mod": mod_json(),
     }
     # fmt: on
+
+
+def planned(jsons):
+    """The stages of the full plan that have a JSON in jsons, in its order (every quick stage among them)."""
+    plan = [s for s in gpu_checks.stages(quick=False) if s.name in jsons]
+    assert {s.name for s in gpu_checks.stages(quick=True)} <= {s.name for s in plan} == set(jsons)
+    return plan
 
 
 FIGURED_NAG = (
@@ -510,8 +605,7 @@ FIGURED_NAG = (
 def test_every_quick_stage_figures_its_gpu_json_and_base_train_against_step():
     # each quick stage's figures function reads a JSON shaped like the GPU's (a new quick stage needs one here)
     jsons = gpu_like_jsons()
-    plan = gpu_checks.stages(quick=True)
-    assert sorted(jsons) == sorted(s.name for s in plan)
+    plan = planned(jsons)
     text = {
         s.name: s.figures(jsons[s.name], jsons[s.against]) if s.against else s.figures(jsons[s.name]) for s in plan
     }
@@ -543,10 +637,7 @@ def test_the_summary_headlines_the_faster_nag_implementation(tmp_path):
     # the quick plan's stages through the runner, each writing its GPU-shaped JSON: the headline's first line names the
     # NAG implementation the step figures favour, with both memories; base_train's line holds it against the bench
     jsons = gpu_like_jsons()
-    plan = [
-        dataclasses.replace(s, cmd=[sys.executable, "-c", writes(jsons[s.name]), "{json}"])
-        for s in gpu_checks.stages(quick=True)
-    ]
+    plan = [dataclasses.replace(s, cmd=[sys.executable, "-c", writes(jsons[s.name]), "{json}"]) for s in planned(jsons)]
     assert gpu_checks.run_stages(plan, str(tmp_path), budget=120) == []
     notes = {r[0]: r[3] for r in rows(str(tmp_path))}
     assert notes["step"].endswith(FIGURED_NAG) and notes["base_train"].endswith("47.6 ms: FAIL, outside 10%")
@@ -568,7 +659,7 @@ def test_a_failed_step_stage_leaves_base_train_nothing_to_compare(tmp_path):
     # the step stage fails (or is skipped): base_train's line and the headline say so; no implementation is favoured
     jsons = gpu_like_jsons()
     cmd = lambda s: "raise SystemExit(1)" if s.name == "step" else writes(jsons[s.name])
-    plan = [dataclasses.replace(s, cmd=[sys.executable, "-c", cmd(s), "{json}"]) for s in gpu_checks.stages(quick=True)]
+    plan = [dataclasses.replace(s, cmd=[sys.executable, "-c", cmd(s), "{json}"]) for s in planned(jsons)]
     assert gpu_checks.run_stages(plan, str(tmp_path), budget=120) == ["step"]
     notes = {r[0]: r[1:] for r in rows(str(tmp_path))}
     assert notes["base_train"][0] == "ok" and notes["base_train"][2].endswith(
@@ -1039,9 +1130,9 @@ TINY = {
     "--aspect-ratio": "128",
     "--model-dim": "128",
     "--head-dim": "32",
-    "--max-seq-len": "16",
+    "--max-seq-len": "64",  # base_train refuses a MoD rate whose capacity is the whole row: 0.2 of 16 or 32 is
     "--device-batch-size": "1",
-    "--total-batch-size": "16",
+    "--total-batch-size": "64",
     "--vocab-size": "512",
     "--steps": "1",
     "--warmup": "1",
@@ -1049,6 +1140,7 @@ TINY = {
     "--op-rows": "8",
     "--op-dim": "32",
     "--op-rows-per-program": "1",
+    "--device-type": "cpu",  # scripts.bench.mod's cuda
 }
 
 
@@ -1064,8 +1156,8 @@ def tiny(stage):
 
 @pytest.mark.slow
 def test_every_quick_stage_runs_under_the_slot_python(tmp_path, monkeypatch):
-    # the real commands of --quick (and of fp8_mod: base_train itself) under the fake slot, through the runner as on
-    # the GPU: an import the slot cannot make, or a package it lacks, fails its stage here
+    # the real commands of --quick (base_train among them) and of fp8_mod (base_train itself) under the fake slot,
+    # through the runner as on the GPU: an import the slot cannot make, or a package it lacks, fails its stage here
     for k, v in slot_env(tmp_path).items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("VIRTUAL_ENV", raising=False)
@@ -1111,6 +1203,12 @@ def test_every_quick_stage_runs_under_the_slot_python(tmp_path, monkeypatch):
     assert "nag:reference / nag:fused (eager): " in got["step"][2] and " as fast as nag:" in got["step"][2]
     assert got["base_train"][2].startswith("5 steps, attention sdpa: step 1 ")
     assert "× the step stage's nag:fused " in got["base_train"][2]
+    # mod: the bench's variants, bf16 and fp8, with their targets
+    mod = json.loads((work / "mod.json").read_text())
+    assert [(r["blocks"], r["rate"], r["precision"]) for r in mod["results"]] == [
+        ("none", 0.0, "bf16"), ("both", 0.2, "bf16"), ("both", 0.4, "bf16"), ("both", 0.2, "fp8"), ("both", 0.4, "fp8")
+    ]
+    assert got["mod"][2].startswith("depth 1 × 128, eager: full depth ") and "fp8 / bf16, step time" in got["mod"][2]
 
 
 @pytest.mark.slow

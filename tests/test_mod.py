@@ -14,10 +14,12 @@ from nag.mod import (
     Thresholds,
     attention_executed,
     mlp_executed,
-    run_executed,
     batch_threshold,
     calibrate,
+    capacity,
+    overflow_warning,
     savable_flops,
+    skip_summary,
 )
 from nag.router_mod import RouterMoDGPT
 from nag import archs
@@ -56,6 +58,11 @@ def tokens(b=4, t=32, seed=0):
     return torch.randint(0, 128, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
+def ran(execute, cap):
+    """The tokens that run: the first `cap` executed ones of each row of execute, as a mask of its shape."""
+    return execute & (execute.cumsum(dim=1) <= cap)
+
+
 # ---------------------------------------------------------------------------
 # model-level
 
@@ -72,10 +79,11 @@ def test_rate_zero_equals_plain_nag():
 @pytest.mark.parametrize("blocks", ["attn", "mlp", "both"])
 def test_realised_skip_rate_is_near_target_on_a_training_batch(blocks):
     # 2,048 tokens per layer: a fixed (running) threshold still meets the sampling noise of a batch,
-    # about √(0.3·0.7/N) (1 point here; 2 points at 512 tokens)
+    # about √(0.3·0.7/N) (1 point here; 2 points at 512 tokens). Attention layer 0 of this model passes almost every
+    # token, and the capacity (24 of 32) skips a quarter of them: the shortfall control offsets it in the other layers
     model = wake(nag(ModConfig(blocks, 0.3)))
     with torch.no_grad():
-        for s in range(6):  # the running attention threshold settles
+        for s in range(20):  # the running attention threshold settles
             model(tokens(64, 32, seed=s))
         model.thresholds.pop_rates("train")
         model(tokens(64, 32, seed=99))
@@ -104,16 +112,21 @@ def test_gathered_computation_equals_masked_full_computation(window):
     execute[2] = False  # a row with nothing to run
     execute[1, :] = True  # a row with everything
     cos_sin = model.rotary(32)
+    first16 = ran(execute, 16)
+    assert first16[1].sum() == 16 and first16[0].sum() < execute[0].sum()  # rows that overflow a capacity of 16
     for block, mask in zip(model.blocks, model.attention_masks(32, "cpu")):
-        want = block.attn(x, cos_sin, mask) * execute[..., None]
+        full, mlp = block.attn(x, cos_sin, mask), block.mlp(x)
+        want = full * execute[..., None]
         assert torch.allclose(attention_executed(block.attn, x, cos_sin, mask, execute), want, atol=1e-5)
-        assert torch.allclose(mlp_executed(block.mlp, x, execute), block.mlp(x) * execute[..., None], atol=1e-6)
-        # padded to a static bound (training's MLP): the same, the padding dropped
-        assert torch.equal(mlp_executed(block.mlp, x, execute, bound=80) != 0, mlp_executed(block.mlp, x, execute) != 0)
-        assert torch.allclose(
-            mlp_executed(block.mlp, x, execute, bound=80), block.mlp(x) * execute[..., None], atol=1e-6
-        )
-        assert torch.allclose(attention_executed(block.attn, x, cos_sin, mask, execute, bound=32), want, atol=1e-5)
+        assert torch.allclose(mlp_executed(block.mlp, x, execute), mlp * execute[..., None], atol=1e-6)
+        # a capacity of 16 per row: the first 16 executed tokens of each row run, the rest overflow (0)
+        got = attention_executed(block.attn, x, cos_sin, mask, execute, 16)
+        assert torch.allclose(got, full * first16[..., None], atol=1e-5)
+        assert torch.allclose(mlp_executed(block.mlp, x, execute, 16), mlp * first16[..., None], atol=1e-6)
+        # the batch packed as one row (training's MLP) with room for every executed token: padding dropped
+        flat = mlp_executed(block.mlp, x, execute.reshape(1, -1), 80)
+        assert torch.equal(flat != 0, mlp_executed(block.mlp, x, execute) != 0)
+        assert torch.allclose(flat, mlp * execute[..., None], atol=1e-6)
     # packed evaluation rows: positions and an allowed mask
     positions = torch.arange(32).repeat(3, 1)
     allowed = positions[:, :, None] >= positions[:, None, :]
@@ -124,15 +137,15 @@ def test_gathered_computation_equals_masked_full_computation(window):
     assert torch.allclose(attention_executed(block.attn, x, cos_sin, mask, execute), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("bound", [None, 7])
-def test_a_sublayer_that_runs_no_token_still_gives_every_parameter_a_gradient(bound):
+@pytest.mark.parametrize("cap", [None, 8])
+def test_a_sublayer_that_runs_no_token_still_gives_every_parameter_a_gradient(cap):
     # DDP (find_unused_parameters=False) needs a gradient for every parameter on every rank: a sub-layer whose
     # tokens all skip runs on one padded row whose result is dropped, so its gradient is there and zero
     model = wake(build(GPT))
     block, cos_sin = model.blocks[0], model.rotary(32)
     x = torch.randn(2, 32, 32, requires_grad=True)
     nothing = torch.zeros(2, 32, dtype=torch.bool)
-    out = attention_executed(block.attn, x, cos_sin, None, nothing, bound) + mlp_executed(block.mlp, x, nothing, bound)
+    out = attention_executed(block.attn, x, cos_sin, None, nothing, cap) + mlp_executed(block.mlp, x, nothing, cap)
     assert not out.any()
     out.square().sum().backward()
     for name, p in block.named_parameters():
@@ -140,28 +153,75 @@ def test_a_sublayer_that_runs_no_token_still_gives_every_parameter_a_gradient(bo
     assert not x.grad.any()
 
 
-def test_training_decisions_and_the_mlp_need_no_host_sync():
-    # a meta tensor has no values: whatever reads one on the host (int(), .item(), nonzero) raises
-    cfg = GPTConfig(**CFG)
-    with torch.device("meta"):
-        block = GPT(cfg).blocks[0]
-        th = Thresholds(cfg.n_layer, ModConfig("both", 0.3))
-        th.train()
-        x = torch.randn(4, 32, 32)
-        for layer in range(cfg.n_layer):
-            execute = th.decide("mlp", layer, torch.rand(4, 32))
-            assert run_executed("mlp", block, x, None, None, execute, th.bound("mlp", execute)).shape == x.shape
-            th.decide("attn", layer, torch.rand(4, 32))
-        th.finish()
-    # the bound holds, ties included (they only make fewer tokens run)
-    th = Thresholds(1, ModConfig("mlp", 0.3))
+def test_capacity_is_the_rows_share_rounded_up_to_a_tile():
+    # min(T, ceil(T·(1 − rate)) rounded up to a multiple of min(128, max(8, T // 16)))
+    assert capacity(2048, 0.2) == 1664 and capacity(2048, 0.4) == 1280  # 1638.4 → 13 tiles of 128; 1228.8 → 10
+    assert capacity(256, 0.2) == 208 and capacity(32, 0.3) == 24  # the CPU demo's 16-token multiple; the tests' 8
+    assert capacity(80, 0.7) == 24  # 80 · (1 − 0.7) is 24.000000000000004 in floats: 24, not 25 → 32
+    assert capacity(64, 0.1) == 64 and capacity(2048, 0.05) == 2048 and capacity(32, 0.0) == 32  # nothing to save
+    assert capacity(1, 0.5) == 1  # decoding one token
+
+
+@pytest.mark.parametrize("cls", ["nag", "router"])
+def test_mod_forwards_read_nothing_on_the_host_and_compile_to_one_graph(cls, monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+    from nanochat import step_timer
+
+    mod = ModConfig("both", 0.3)
+    model = wake(nag(mod) if cls == "nag" else build(RouterMoDGPT, mod=mod))
+    reads = []
+    for owner, name in [(step_timer, "read_values"), (torch.Tensor, "item"), (torch.Tensor, "tolist")]:
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, real=real, name=name, **k: (reads.append(name), real(*a, **k))[1])
+    batches = [tokens(4, 32, seed=s) for s in range(3)]
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        with torch.no_grad():
+            for x in batches:
+                model(x)
+        assert reads == [], (mode, reads)  # was: one read per attention layer (and per MLP layer in evaluation)
+        # two other batches trace one graph with no break (fullgraph) and no recompile: the same shapes
+        counter = CompileCounter()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            for x in batches[1:]:
+                compiled(x)
+        assert counter.frame_count == 1, mode
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    assert model.thresholds.pop_rates("eval")  # the forwards above were counted
+
+
+def test_overflow_is_counted_and_training_mlp_never_overflows():
+    th = Thresholds(1, ModConfig("both", 0.3))
+    th.eval()
+    th.values.fill_(0.5)
+    score = torch.zeros(2, 32)
+    score[0, :30] = torch.linspace(1, 0.6, 30)  # 30 tokens over the threshold, 6 more than a capacity of 24
+    score[1, ::4] = 1  # 8 tokens
+    execute, cap = th.decide("attn", 0, score, 24)
+    want = score > 0.5
+    want[0, 24:] = False  # the 6 lowest-scoring of row 0 overflow
+    assert cap == 24 and torch.equal(execute, want)
+    rates, overflow = th.pop_stats("eval")
+    assert rates == {("attn", 0): 1 - (24 + 8) / 64} and overflow == {("attn", 0): (6 / 64, 0.5)}
+    summary = skip_summary(rates, overflow)
+    assert summary["overflow_attn"] == 6 / 64 and summary["overflow_rows"] == 0.5 and "overflow_mlp" not in summary
+    # training's MLP packs its batch as one row of B·capacity, which its batch quantile never overflows (ties run fewer)
     th.train()
     for s in range(5):
         score = torch.randint(0, 3 + 100 * s, (4, 32), generator=torch.Generator().manual_seed(s)).float()
-        execute = th.decide("mlp", 0, score)
-        assert execute.sum() <= th.bound("mlp", execute) == 128 - round(0.3 * 128)
-    th.eval()
-    assert th.bound("mlp", execute) is None and th.bound("attn", execute) is None
+        execute, cap = th.decide("mlp", 0, score, capacity(32, 0.3))
+        assert execute.shape == (1, 128) and cap == 4 * 24 and execute.sum() <= 128 - round(0.3 * 128)
+    assert th.pop_stats("train")[1] == {("mlp", 0): (0.0, 0.0)}
+
+
+def test_overflow_warning_names_the_rate_and_capacity():
+    assert overflow_warning({"overflow_rows": 0.5, "rate": 0.2, "capacity": 208}) is None
+    assert overflow_warning({}) is None
+    line = overflow_warning({"overflow_rows": 0.75, "rate": 0.2, "capacity": 208})
+    assert "75% of the rows" in line and "capacity of 208" in line and "--mod-rate 0.2" in line and "\n" not in line
 
 
 def test_attention_quantile_at_a_tensor_rate_is_the_host_one():
@@ -189,9 +249,10 @@ def test_skipped_tokens_take_exactly_the_x_path(monkeypatch):
         model(tokens())
     cos_sin = model.rotary(32)
     assert len(seen) == 6 and len(decisions) == 6
-    for l, ((res_dir, out), execute) in enumerate(zip(seen, decisions)):
+    for l, ((res_dir, out), (execute, cap)) in enumerate(zip(seen, decisions)):
         block, kind = model.blocks[l // 2], ("attn", "mlp")[l % 2]
         x_l = model.mod_base[f"{kind}_{l // 2}"]
+        execute = ran(execute, cap).reshape(4, 32)  # within the capacity (24 per row; the MLP's batch: 96)
         assert 0 < (~execute).sum() < execute.numel()
         assert torch.equal(out[~execute], x_l.expand(int((~execute).sum()), -1))  # exactly X_l
         full = block.attn(res_dir, cos_sin, None) if kind == "attn" else block.mlp(res_dir)
@@ -277,7 +338,7 @@ def test_iso_flop_plan_buys_more_steps(capsys):
 
 
 @pytest.mark.parametrize("variant", ["nag", "router"])
-def test_training_records_skip_rates_and_checkpoint_round_trips_thresholds(run_base, variant):
+def test_training_records_skip_rates_and_checkpoint_round_trips_thresholds(run_base, variant, capsys):
     flags = ["--arch", "nag"] if variant == "nag" else ["--arch", "gpt-router"]
     run_dir = base_train.main(
         TINY_TRAIN
@@ -299,11 +360,16 @@ def test_training_records_skip_rates_and_checkpoint_round_trips_thresholds(run_b
     for r in rows[1:]:
         assert set(r["mod"]["skip"]) == {"0.attn", "0.mlp", "1.attn", "1.mlp"}
         assert abs(r["mod"]["skip_mlp"] - 0.25) < 0.02 and 0 < r["mod"]["skip_attn"] < 1
+        # 48 of a row's 64 tokens run at most; training's MLP never overflows (its batch quantile bounds the batch)
+        assert r["mod"]["capacity"] == 48 and r["mod"]["overflow_mlp"] == 0 and 0 <= r["mod"]["overflow_attn"] < 1
         assert (
             0
             < r["mod"]["flops_per_token"]
             < json.load(open(os.path.join(run_dir, "config.json")))["flops_per_token"] * 1.5
         )
+    # the untrained attention threshold passes more than 48 tokens in most rows of a sub-layer: one warning, not four
+    overflowed = [r for r in rows[1:] if r["mod"]["overflow_rows"] > 0.5]
+    assert len(overflowed) > 1 and capsys.readouterr().out.count("warning: MoD overflow") == 1
     model, meta = archs.load_model(run_dir)
     assert meta["mod_config"]["rate"] == 0.25 and meta["arch"] == ("nag" if variant == "nag" else "gpt-router")
     saved = torch.load(os.path.join(run_dir, "model_000004.pt"), weights_only=False)["model"]
@@ -322,6 +388,9 @@ def test_training_records_skip_rates_and_checkpoint_round_trips_thresholds(run_b
         (["--arch", "nag", "--mod-rate", "0.95"], "--mod-rate must be in [0, 0.95) (got 0.95)"),
         (["--arch", "nag", "--mod-rate", "-0.1"], "--mod-rate must be in [0, 0.95) (got -0.1)"),
         (["--arch", "nag", "--mod-blocks", "attn"], "--mod-blocks needs --mod-rate"),
+        # a capacity of the whole row (T·0.9 = 57.6 → 64): nothing saved
+        (["--arch", "nag", "--mod-rate", "0.1"], "--mod-rate 0.1 at --max-seq-len 64: each row would compute 64 of"),
+        (["--arch", "gpt-router", "--mod-rate", "0.05"], "--mod-rate 0.05 at --max-seq-len 64: each row would"),
         (["--arch", "gpt-router"], "the router-MoD baseline needs --mod-rate"),
         (["--arch", "gpt", "--mod-rate", "0.2"], "--arch gpt has no Mixture-of-Depths"),
         (["--arch", "gpt-recipe", "--mod-rate", "0.2"], "--arch gpt-recipe has no Mixture-of-Depths"),
@@ -502,7 +571,33 @@ def test_attention_threshold_keeps_the_average_rate_when_scores_drift():
     g = torch.Generator().manual_seed(0)
     for step in range(60):
         for layer in range(2):
-            th.decide("attn", layer, torch.rand(8, 64, generator=g) + 0.02 * step)
+            th.decide("attn", layer, torch.rand(8, 64, generator=g) + 0.02 * step, 64)
         th.finish()
     rates = th.pop_rates("train")
     assert abs(sum(rates.values()) / len(rates) - 0.3) < 0.01
+
+
+def test_a_compiled_mod_training_step_matches_the_eager_one():
+    # base_train compiles MoD runs: the thresholds, their shortfall and the tallies are buffers updated in the graph
+    model = wake(nag(ModConfig("both", 0.3)))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    runs = []
+    for compiled in (False, True):
+        model.load_state_dict(start)
+        model.thresholds.reset()
+        torch._dynamo.reset()
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False) if compiled else model
+        losses, grads = [], []
+        for s in range(2):
+            x = tokens(4, 32, seed=s)
+            loss = forward(x, x)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        runs.append((losses, grads, model.thresholds.values.clone(), model.thresholds.pop_stats("train")))
+    torch._dynamo.reset()
+    (eager, eager_grads, eager_values, eager_stats), (comp, comp_grads, comp_values, comp_stats) = runs
+    assert torch.equal(torch.stack(eager), torch.stack(comp)) and torch.equal(eager_values, comp_values)
+    assert all(torch.allclose(a, b, atol=1e-6) for g, h in zip(eager_grads, comp_grads) for a, b in zip(g, h))
+    assert eager_stats == comp_stats

@@ -53,10 +53,12 @@ def test_cached_greedy_equals_uncached_up_to_a_full_context(name):
     cached = list(generate(model, PROMPT, 100, temperature=0))
     assert len(cached) == context_room(model, len(PROMPT)) == 64 - 10 + 1  # stopped at the context, past every window
     assert cached == list(generate(model, PROMPT, 100, temperature=0, use_cache=False))
-    # the tokens did skip, in every sub-layer, near the target on average
+    # the tokens did skip, near the target on average; the global attention threshold may pass a whole layer (here
+    # nag-mod's attention 0: calibrated in training, where each row's capacity made that layer skip; docs/mod.md)
     if getattr(model, "thresholds", None) is not None:
         rates = model.thresholds.pop_rates("eval")
-        assert len(rates) == 4 and all(r > 0 for r in rates.values()) and 0.15 < sum(rates.values()) / 4 < 0.45, rates
+        skipped = [r > 0 for r in rates.values()]
+        assert len(rates) == 4 and sum(skipped) >= 3 and 0.15 < sum(rates.values()) / 4 < 0.45, rates
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -22,6 +22,11 @@ sdpa-mask for S on CUDA, else sdpa; a wrong window costs O(0.1), rounding does n
 differs from eager. --compile compiles the S-window call of the kernel --attn resolves to (what training would
 run) with fullgraph=True (a graph break is reported, then it compiles without fullgraph): what base_train's
 torch.compile of the model meets.
+
+"routed": attention of queries gathered at given positions (routed_attention: Mixture-of-Depths' attention, each
+row's capacity at a 20 % skip rate, positions drawn per row), per window: flex_attention with a block mask built from
+the positions on CUDA against SDPA with the gathered dense mask (routed-mask, MoD's path before), SDPA with that
+mask on the CPU; with --compile also compiled with fullgraph=True over two batches of positions (graphs: 1 wanted).
 """
 
 import sys
@@ -34,9 +39,11 @@ import torch
 from nanochat import flash_attention as fa
 from nanochat.common import UserError, exit_on_user_error
 from nanochat.step_timer import call_ms
+from nag.mod import capacity
 
 SLACK = 4.0  # a kernel may be this many times further from the reference than the baseline (plus 1e-3) before it fails
 FAST = ("cudnn", "fa3", "fa4")  # timed after sdpa, each where it loads
+ROUTED_SKIP = 0.2  # the routed section's rows keep MoD's capacity at this skip rate
 
 
 def parse(argv=None):
@@ -136,6 +143,102 @@ def compile_check(kernel, inputs, dy, window, eager, args, device):
         except Exception as e:  # a graph break under fullgraph: say so, then compile as base_train does
             out["graph_break" if fullgraph else "error"] = first_line(e)
     return out
+
+
+def routed_inputs(q, k, v, dy, seed):
+    """The routed section's call from a plain row's inputs (B, T, H, D): each row's capacity of queries at positions
+    drawn apart per row (ascending), as (B, H, Tq, D), keys and values (B, KV, T, D), the output grad, positions."""
+    B, T = q.shape[:2]
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    Tq = capacity(T, ROUTED_SKIP)
+    positions = torch.stack(
+        [torch.randperm(T, generator=g, device=q.device)[:Tq].sort().values for _ in range(B)]
+    )
+    rows = positions[:, :, None, None].expand(B, Tq, *q.shape[2:])
+    routed_q, routed_dy = (torch.gather(t, 1, rows).transpose(1, 2) for t in (q, dy))
+    return routed_q, k.transpose(1, 2), v.transpose(1, 2), routed_dy, positions
+
+
+def routed_mask_attention(q, k, v, positions, window):
+    """SDPA with the dense (B, 1, Tq, Tk) mask: the rows of the plain row's window mask at the positions."""
+    return fa.masked_attention(q, k, v, fa.window_mask(k.size(2), window, q.device)[positions][:, None])
+
+
+def routed_section(args, q, k, v, dy, windows, ref_dtype, device):
+    """routed_attention (and on CUDA routed-mask) per window: time, error against the reference in ref_dtype, and
+    with --compile the compiled call over two batches of positions. Returns {rows, compile, ok}."""
+    import torch._dynamo.testing
+
+    rq, rk, rv, rdy, positions = routed_inputs(q, k, v, dy, seed=1)
+    kernels = {"routed": fa.routed_attention}
+    if device.type == "cuda":  # on the CPU routed_attention is this path
+        kernels["routed-mask"] = routed_mask_attention
+    rows, compiled, ok = [], [], True
+    for name, window in windows.items():
+        wide = [t.to(ref_dtype) for t in (rq, rk, rv, rdy)]
+        ref = forward_backward(lambda *x: routed_mask_attention(*x, positions, window), wide[:3], wide[3])
+        by_kernel, outs = {}, {}
+        for kern, call in kernels.items():
+            fn = lambda *x, call=call: call(*x, positions, window)
+            outs[kern] = forward_backward(fn, (rq, rk, rv), rdy)
+            row = {
+                "kernel": kern,
+                "window": name,
+                "window_tokens": window,
+                "queries": rq.size(2),
+                "fwd_ms": timed(lambda: fn(rq, rk, rv), args, device),
+                "fwd_bwd_ms": timed(lambda: forward_backward(fn, (rq, rk, rv), rdy), args, device),
+                "err_out": max_diff(outs[kern][:1], ref[:1]),
+                "err_grad": max_diff(outs[kern][1:], ref[1:]),
+            }
+            rows.append(row)
+            by_kernel[kern] = row
+        base = by_kernel.get("routed-mask", by_kernel["routed"])
+        routed = by_kernel["routed"]
+        routed["agree"] = all(routed[e] <= SLACK * base[e] + 1e-3 for e in ("err_out", "err_grad"))
+        ok &= routed["agree"]
+        times = [f"{r['kernel']} fwd {r['fwd_ms']:.3f} ms fwd+bwd {r['fwd_bwd_ms']:.3f} ms" for r in by_kernel.values()]
+        print(
+            f"routed {name} (window {window}), {rq.size(2)} of {k.size(1)} queries per row: "
+            + ", ".join(times)
+            + f" | vs reference: out {routed['err_out']:.2e}, grads {routed['err_grad']:.2e} | "
+            + ("agree" if routed["agree"] else "DISAGREE"),
+            flush=True,
+        )
+        if args.compile:
+            counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+            fn = torch.compile(fa.routed_attention, backend=counter, fullgraph=True, dynamic=False)
+            out = {"window": name}
+            try:
+                t0 = time.perf_counter()
+                got = forward_backward(lambda *x: fn(*x, positions, window), (rq, rk, rv), rdy)
+                sync(device)
+                out["compile_s"] = time.perf_counter() - t0
+                out["max_diff_vs_eager"] = max_diff(got, outs["routed"])
+                out["fwd_bwd_ms"] = timed(
+                    lambda: forward_backward(lambda *x: fn(*x, positions, window), (rq, rk, rv), rdy), args, device
+                )
+                other = routed_inputs(q, k, v, dy, seed=2)  # new positions: the same shapes, no other graph
+                forward_backward(lambda *x: fn(*x, other[4], window), other[:3], other[3])
+                out["graphs"] = counter.frame_count
+                out["ok"] = out["graphs"] == 1 and out["max_diff_vs_eager"] <= SLACK * max(
+                    routed["err_out"], routed["err_grad"]
+                ) + 1e-3
+            except Exception as e:  # a graph break under fullgraph, a kernel that does not compile
+                out.update(error=first_line(e), ok=False)
+            ok &= out["ok"]
+            compiled.append(out)
+            print(
+                f"routed {name} compiled: "
+                + (
+                    f"compile {out['compile_s']:.1f} s, fwd+bwd {out['fwd_bwd_ms']:.3f} ms, {out['graphs']} graph(s) "
+                    f"for two batches of positions, max diff vs eager {out['max_diff_vs_eager']:.2e}"
+                    if "error" not in out
+                    else f"failed: {out['error']}"
+                ),
+                flush=True,
+            )
+    return {"rows": rows, "compile": compiled, "ok": ok}
 
 
 def run(args):
@@ -252,7 +355,8 @@ def run(args):
             + f" ({'each at most 1' if max(window_vs_full.values()) <= 1 else 'MORE THAN 1: a window costs more'})",
             flush=True,
         )
-    ok = all(d["agree"] for d in diffs) and (compiled is None or compiled["ok"])
+    routed = routed_section(args, q, k, v, dy, tokens, ref_dtype, device)
+    ok = all(d["agree"] for d in diffs) and (compiled is None or compiled["ok"]) and routed["ok"]
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype).replace("torch.", ""),
@@ -264,6 +368,7 @@ def run(args):
         "vs_sdpa": diffs,
         "fa3_vs_sdpa": [d for d in diffs if d["kernel"] == "fa3"],
         "compile": compiled,
+        "routed": routed,
         "ok": ok,
     }
     if args.json:
@@ -277,7 +382,8 @@ def main(argv=None):
         result = run(parse(argv))
     if not result["ok"]:
         print(
-            "error: a kernel disagrees with SDPA beyond rounding, or compiled with eager (figures above)",
+            "error: a kernel disagrees with SDPA beyond rounding, or compiled with eager, or routed attention "
+            "with its reference or across batches of positions (figures above)",
             file=sys.stderr,
         )
         raise SystemExit(1)
