@@ -470,11 +470,14 @@ _flex_compiled = None
 
 
 def flex():
-    """flex_attention compiled once per process: uncompiled it would build the whole score matrix."""
+    """flex_attention compiled once per process: uncompiled it would build the whole score matrix. Inside a graph
+    being compiled, the op itself: the graph compiles it, and torch.compile cannot be called while tracing."""
     global _flex_compiled
-    if _flex_compiled is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if _flex_compiled is None:
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     return _flex_compiled
 
