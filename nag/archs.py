@@ -16,6 +16,7 @@ from nanochat import plan as run_plan
 from nanochat.resume import NOT_SETTINGS as BASELINE_NOT_SETTINGS
 from nag.model import GATE_LR, NAGGPT, add_nag_args, nag_config_from_args
 from nag.mod import add_mod_args, mod_config_from_args
+from nag.presets import PRESETS
 from nag.router_mod import RouterMoDGPT
 from nanochat.recipe import PARTS as RECIPE_PARTS, RecipeGPT, RecipeParts, add_recipe_args, recipe_config_from_args
 from nag.recipe import NAGRecipeGPT
@@ -252,11 +253,14 @@ def check_args(args):
     return arch_for_args(args)
 
 
-def plan_for(args, vocab_size, nproc):
-    """The Plan (nanochat/plan.py) of a run's flags: its arch's model built on the meta device, batch, horizon, LRs."""
+def plan_for(args, vocab_size, nproc, device_type=None):
+    """The Plan (nanochat/plan.py) of a run's flags: its arch's model built on the meta device, batch, horizon, LRs,
+    memory. device_type: where it trains (None: a plan only; see nanochat.plan.plan_target)."""
     arch, spec = check_args(args)
+    preset = PRESETS.get(args.preset, {})
+    target = run_plan.plan_target(args, device_type, bool(preset.get("gpu")), preset.get("planned_gpu"))
     return run_plan.make_plan(
-        args, vocab_size, nproc, arch, spec.model_class, spec.init_kwargs(args), spec.optimizer_kwargs(args)
+        args, vocab_size, nproc, arch, spec.model_class, spec.init_kwargs(args), spec.optimizer_kwargs(args), target
     )
 
 

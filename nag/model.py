@@ -183,6 +183,15 @@ class NAGGates(nn.Module):
 
 class NAGGPT(GPT):
     arch = "nag"
+    # the logits' bf16 gradient lives beside the saved logits: the carried norm's gradient, a sum over the vocab of
+    # logits × their gradient, reads them too, so they are not overwritten in place as GPT's are. 2 bytes a logit:
+    # one H200 measured NAG's peak 2.04 GiB above GPT's at 16 × 2048 tokens and a 32,768 vocab (2.0 GiB of
+    # logits), where their saved activations differ by 0.03 GiB (docs/memory.md)
+    compiled_readout_grad_bytes = 2
+
+    @classmethod
+    def kwargs_on(cls, device_type, init_kwargs):
+        return {**init_kwargs, "impl": init_kwargs.get("impl") or default_impl(device_type)}
 
     def __init__(self, config, nag=None, impl=None, mod=None, device=None):
         super().__init__(config, device=device)

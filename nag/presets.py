@@ -30,6 +30,25 @@ PRESETS = {
         "vocab": 32768,
         "gpu": True,
     },
+    # the walkthrough's pilot pairs before the published run: depth 26 at 1e18 and 3e18 FLOPs, each a GPT / NAG pair
+    # (NAG - GPT val bpb 0.038, then 0.016), on two RTX 5090s. Width 640 (5 × 128) and every other value as the
+    # published preset's where the fork's code and figures imply it (docs/reproduce.md has each value's source);
+    # batch 2^19 (the size rule at depth 26), so no √2 on the LRs. The device batch is left to the memory plan.
+    "pilot": {
+        "train": ["--depth", "26", "--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048",
+                  "--window-pattern", "L", "--total-batch-size", "524288",
+                  "--warmup-steps", "40", "--warmdown-ratio", "0.65", "--final-lr-frac", "0.05",
+                  "--matrix-lr", "0.012", "--embedding-lr", "0.18", "--unembedding-lr", "0.006",
+                  "--eval-every", "250", "--eval-tokens", str(80 * 2 ** 19)],
+        "nag": [],
+        "eval": ["--split-tokens", str(80 * 2 ** 19)],
+        "analysis": ["--tokens", str(2 ** 20)],
+        "vocab": 32768,
+        "gpu": True,
+        "budgets": [1e18, 3e18],  # speedrun trains the first; --flops 3e18 the second (runs/pilot_pairs.sh: both)
+        "gpus": 2,  # planned without GPUs here: 2 × RTX 5090, as the walkthrough's
+        "planned_gpu": "rtx5090",
+    },
     # nanochat's record, dev/LEADERBOARD.md "Run 6" (karpathy/nanochat a825e63; runs/speedrun.sh,
     # base_train.py defaults): d24 (dim 1536, 12 heads × 128), SSSL windows, tokens = 8 × S, fp8,
     # batch 2^20 (what nanochat's batch rule gives at d24), its LRs and schedule, on the recipe baseline;

@@ -9,6 +9,8 @@ import argparse
 
 from nanochat.common import (
     START_TIMEOUT,
+    auto_or,
+    positive,
     fraction,
     non_negative,
     non_negative_or_unset,
@@ -19,6 +21,7 @@ from nanochat.common import (
     script_argv,
 )
 from nanochat.flash_attention import CHOICES as ATTN_CHOICES
+from nanochat.gpus import BY_NAME as GPU_NAMES
 from nanochat.gpt import OPTIMIZER_DEFAULTS
 from nanochat.plan import ASPECT_RATIO, SAVES_PER_RUN
 from nag.archs import ARCHS, add_arch_args
@@ -98,7 +101,13 @@ def add_horizon_args(p):
         default=10.5,
         help="training tokens per scaling parameter (-1: unset)",
     )
-    g.add_argument("--device-batch-size", type=positive_int, default=32)
+    g.add_argument(
+        "--device-batch-size",
+        type=auto_or(positive_int),
+        default="auto",
+        help="rows per micro-batch; auto: the largest power of two that fits the GPU's memory (nanochat/memory.py), "
+        "with gradient accumulation keeping the total batch",
+    )
     g.add_argument(
         "--total-batch-size",
         type=positive_or_unset(int, "set from the model size"),
@@ -156,6 +165,19 @@ def add_operations_args(p):
         type=str,
         default="",
         help="cuda|cpu|mps (default: autodetect); compiled on cuda (TORCH_COMPILE_DISABLE=1 runs it eagerly)",
+    )
+    g.add_argument(
+        "--gpu",
+        choices=list(GPU_NAMES),
+        default=None,
+        help="plan for this GPU (memory, time, MFU) instead of the one torch sees (default: it; in a dry run "
+        "without one: h100)",
+    )
+    g.add_argument(
+        "--gpu-memory",
+        type=positive(float),
+        default=None,
+        help="plan for a GPU of this many GiB (default: --gpu's, else the GPU's own)",
     )
     g.add_argument(
         "--attn",

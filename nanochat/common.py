@@ -200,33 +200,6 @@ def dist_init(device_type, timeout=START_TIMEOUT):
     return is_ddp, rank, local_rank, world_size, device
 
 
-# Dense bf16 peak of one GPU, FLOP/s (the vendors' datasheets, as nanochat's get_peak_flops): the denominator of MFU.
-# Keyed by the words of torch.cuda.get_device_name() that tell the variants apart, most specific first: an SXM part
-# names no form factor ("NVIDIA H100 80GB HBM3"), a PCIe or NVL part says so.
-PEAK_FLOPS_BY_NAME = (
-    (("h100", "nvl"), 835e12),
-    (("h100", "pcie"), 756e12),
-    (("h100",), 989e12),
-    (("h200", "nvl"), 836e12),
-    (("h200",), 989e12),
-    (("h800", "pcie"), 756e12),
-    (("h800",), 989e12),
-    (("a100",), 312e12),
-    (("b200",), 2250e12),
-)
-
-
-def peak_flops_of(device_name):
-    """The peak of a GPU by its name, or None for one the table lacks: its MFU is unknown, never a guess."""
-    name = device_name.lower()
-    return next((flops for words, flops in PEAK_FLOPS_BY_NAME if all(w in name for w in words)), None)
-
-
-def peak_flops(device_type):
-    """This process's GPU's peak (peak_flops_of), or None: not a GPU, or one the table lacks (no MFU is shown)."""
-    return peak_flops_of(torch.cuda.get_device_name()) if device_type == "cuda" else None
-
-
 def git_commit():
     """The repo's HEAD commit, with -dirty when tracked files differ from it; "unknown" outside a git checkout."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -350,6 +323,16 @@ def fraction(top_open=False, unset=None):
         (lambda v: inside(v) or v == -1) if unset else inside,
         f"must be in {span}" + (f", or -1 ({unset})" if unset else ""),
     )
+
+
+def auto_or(number):
+    """The word "auto" (a value the program works out), or a number of the given rule."""
+
+    def parse(text):
+        return "auto" if text == "auto" else number(text)
+
+    parse.__name__ = f"auto or {number.__name__}"
+    return parse
 
 
 positive_int, positive_float = positive(int), positive(float)

@@ -163,6 +163,9 @@ OPTIMIZER_DEFAULTS = dict(embedding_lr=0.3, unembedding_lr=0.004, matrix_lr=0.02
 
 class GPT(nn.Module):
     arch = "gpt"
+    # bytes per logit that the compiled backward of the readout holds beside the logits it saved (nanochat/memory.py):
+    # none here, since the loss's gradient is their only reader and Inductor writes it over them in place
+    compiled_readout_grad_bytes = 0
 
     def __init__(self, config, device=None):
         """Build on device="meta" for free, then `to_empty(device=...)` and `init_weights()`."""
@@ -193,6 +196,12 @@ class GPT(nn.Module):
         return model
 
     # ----- hooks of a model class: what training and checkpoints ask of it (a subclass overrides them) -----
+
+    @classmethod
+    def kwargs_on(cls, device_type, init_kwargs):
+        """The constructor arguments as a model built on device_type resolves them (a memory plan measures a GPU
+        run's model on the CPU)."""
+        return init_kwargs
 
     @classmethod
     def extra_init_kwargs(cls, meta):

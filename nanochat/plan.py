@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import UserError, peak_flops_of, print0, check_run_name
+from nanochat.common import UserError, print0, check_run_name
+from nanochat.gpus import GPU, PLANNED, gpu_named, gpu_of
+from nanochat import memory
 from nanochat.gpt import GPTConfig
 from nanochat.optim import param_groups, POLAR_NORM_FACTOR, NORMUON_BETA2
 from nanochat import tracking
@@ -32,11 +34,50 @@ MOMENTUM = {"start": 0.85, "peak": 0.97, "peak_step": 400, "end": 0.90}  # Muon 
 # wall-time estimates of a plan (speedrun, the depth sweep): 40% MFU of an H100's dense bf16 peak,
 # evaluation not included
 PLANNED_MFU = 0.40
-PLANNED_PEAK = peak_flops_of("NVIDIA H100 80GB HBM3")  # the SXM part of an 8 × H100 node
+PLANNED_PEAK = PLANNED.peak_flops  # the SXM part of an 8 × H100 node
 
 
-def planned_seconds(total_flops, nproc):
-    return total_flops / (nproc * PLANNED_PEAK * PLANNED_MFU)
+def planned_seconds(total_flops, nproc, peak_flops=None):
+    """Training seconds at PLANNED_MFU of peak_flops per GPU (default: the H100's)."""
+    return total_flops / (nproc * (peak_flops or PLANNED_PEAK) * PLANNED_MFU)
+
+
+@dataclass
+class Target:
+    """The GPU a plan is made for: its table entry (or None), the memory planned for, GiB (None: a CPU run, whose
+    memory is not planned), and whether the model is compiled there."""
+
+    gpu: GPU
+    memory_gib: float
+    compiled: bool
+
+    def record(self):
+        return {
+            "gpu": self.gpu.name if self.gpu else None,
+            "memory_gib": self.memory_gib,
+            "peak_flops": self.gpu.peak_flops if self.gpu else None,
+        }
+
+
+def plan_target(args, device_type=None, gpu_preset=False, default_gpu=None):
+    """What the plan of these flags is made for. device_type: where the run trains (None: a plan only, for a GPU if
+    --gpu / --gpu-memory or a GPU preset says so or one is here). --gpu NAME and --gpu-memory GIB override what the
+    GPU here says; a plan without a GPU here is for default_gpu (a preset's), else the H100."""
+    if device_type is None:
+        wants_gpu = args.gpu or args.gpu_memory or gpu_preset or torch.cuda.is_available()
+        device_type = args.device_type or ("cuda" if wants_gpu else "cpu")
+    if device_type != "cuda" and not (args.gpu or args.gpu_memory):
+        return Target(None, None, False)
+    gpu, gib = None, None
+    if args.gpu:
+        gpu = gpu_named(args.gpu)
+    elif device_type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        gpu, gib = gpu_of(props.name), props.total_memory / memory.GIB
+    else:
+        gpu = gpu_named(default_gpu) if default_gpu else PLANNED
+    gib = args.gpu_memory or gib or (gpu.memory_gib if gpu else None)
+    return Target(gpu, gib, memory.compiles("cuda"))
 
 
 def check_args(args):
@@ -111,6 +152,9 @@ class Plan:
     final_lr_frac: float
     save_every: int
     flops_per_token: int
+    device_batch: int
+    target: Target
+    memory: memory.Memory  # None where no GPU memory is planned
 
     def optimizer_groups(self, args):
         return self.model.optimizer_groups(
@@ -181,6 +225,9 @@ class Plan:
             "lr_scale": self.lr_scale,
             "weight_decay_effective": self.weight_decay,
             "save_every": self.save_every,
+            "device_batch_size": self.device_batch,
+            "gpu": self.target.record(),
+            "memory": self.memory.record() if self.memory else None,
             "seed": args.seed,
             "data_seed": args.data_seed,  # null: the train data in file order
             "optimizer": self.optimizer_record(args),
@@ -190,9 +237,12 @@ class Plan:
         }
 
 
-def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer_kwargs):
+def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer_kwargs, target=None):
     """The plan of checked flags (check_args) for a model class and its constructor / optimizer arguments
-    (the caller's arch registry picks them from --arch)."""
+    (the caller's arch registry picks them from --arch), made for `target` (plan_target's; default: no GPU).
+    --device-batch-size auto becomes a number here (args is updated): the largest power of two that fits the
+    target's memory, or DEFAULT_BATCH where none is planned; a given one that does not fit is refused."""
+    target = target or Target(None, None, False)
     config = model_config_from_args(args, vocab_size)
     with torch.device("meta"):
         model = model_class(config, **init_kwargs)
@@ -200,10 +250,41 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
         reference = model_class(model_config_from_args(args, vocab_size, depth=REFERENCE_DEPTH), **init_kwargs)
     size_ratio = model.num_scaling_params() / reference.num_scaling_params()  # S / S_ref
     flops_per_token = model.estimate_flops()
-    world_tokens = args.device_batch_size * args.max_seq_len * nproc
+    T = args.max_seq_len
     batch = args.total_batch_size
     if batch <= 0:
         batch = 2 ** round(math.log2(REFERENCE_BATCH * size_ratio**BATCH_EXPONENT))
+    rows = max(1, batch // (T * nproc))  # rows per process per optimizer step
+    groups = param_groups(model.optimizer_groups(1.0, 1.0, 1.0, 0.0, 1.0, **optimizer_kwargs))
+    footprint = None
+    if target.memory_gib:
+        footprint = memory.measure(
+            model_class, model_class.kwargs_on("cuda", init_kwargs), config, args.fp8, target.compiled
+        )
+
+    def memory_at(micro_batch):
+        if footprint is None:
+            return None
+        accum = max(1, rows // micro_batch)
+        return memory.plan_memory(model, groups, footprint, micro_batch, T, accum, nproc, target.memory_gib, target.compiled)
+
+    device_batch = args.device_batch_size
+    if device_batch == "auto":
+        powers = [b for b in (2**k for k in range(11)) if b <= min(rows, memory.MAX_AUTO_BATCH) and rows % b == 0]
+        powers = powers or [1]
+        if footprint is None:
+            device_batch = max(b for b in powers if b <= memory.DEFAULT_BATCH)
+        else:
+            device_batch = next((b for b in reversed(powers) if memory_at(b).fits), None)
+            if device_batch is None:
+                raise UserError(does_not_fit(memory_at(1), target, "even at device batch 1"))
+        args.device_batch_size = device_batch
+    elif footprint is not None and not memory_at(device_batch).fits:
+        best = memory.largest_fitting(memory_at, device_batch)
+        hint = f"the largest that fits is {best} (--device-batch-size {best}, or auto)" if best else "no batch fits"
+        raise UserError(does_not_fit(memory_at(device_batch), target, f"at --device-batch-size {device_batch}; {hint}"))
+    world_tokens = device_batch * T * nproc
+    if args.total_batch_size <= 0:
         batch = max(1, round(batch / world_tokens)) * world_tokens  # whole micro-batches on every process
     if batch % world_tokens:
         raise UserError(
@@ -253,6 +334,18 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
         final_lr_frac=args.final_lr_frac,
         save_every=save_every,
         flops_per_token=flops_per_token,
+        device_batch=device_batch,
+        target=target,
+        memory=memory_at(device_batch),
+    )
+
+
+def does_not_fit(mem, target, where):
+    gpu = f"the {target.gpu.name}'s" if target.gpu else "the GPU's"
+    return (
+        f"the run does not fit {gpu} {target.memory_gib:.1f} GiB {where}: it needs {mem.needed:.1f} GiB "
+        f"(peak {mem.peak:.1f}: activations {mem.activations:.1f}, readout {mem.readout:.1f}, weights, gradients "
+        f"and optimizer {mem.weights + mem.gradients + mem.optimizer:.1f}; docs/memory.md)"
     )
 
 

@@ -45,7 +45,6 @@ from nanochat.common import (
     ensure_writable_dir,
     git_commit,
     package_versions,
-    peak_flops,
     fmt_time,
 )
 from nanochat.distributed import EXIT_PREEMPTED, StopRequest, Watchdog, check_shared_dir, rank0_decides
@@ -88,7 +87,19 @@ def dry_run(args):
         f"{args.seed}, data seed {'none (file order)' if args.data_seed is None else args.data_seed}"
     )
     print(f"attention: {record['attention']['expects']}")
+    print(memory_line(plan))
     return record
+
+
+def memory_line(plan):
+    """What the plan says of GPU memory, in one line."""
+    if plan.memory is None:
+        return (
+            f"memory: not planned (a CPU run; --gpu NAME or --gpu-memory GIB plans one for a GPU); device batch "
+            f"{plan.device_batch}"
+        )
+    gpu = plan.target.gpu.name if plan.target.gpu else "GPU"
+    return f"{gpu}: {plan.memory.line()}"
 
 
 def eval_batches(tokenizer, args):
@@ -212,7 +223,8 @@ def train(args, stated=None):
             f"has {tokenizer.get_vocab_size():,}; use a fresh NANOCHAT_BASE_DIR, or retrain it with scripts.tok_train "
             f"--vocab-size {preset['vocab']}"
         )
-    plan = plan_for(args, tokenizer.get_vocab_size(), world_size)
+    plan = plan_for(args, tokenizer.get_vocab_size(), world_size, device_type)  # refuses a run that does not fit
+    print0(memory_line(plan))
     # rank 0's choice, probed at the model's shapes, on every rank
     attention = agree_attention(
         args.attn,
@@ -437,7 +449,7 @@ def set_up(args, plan, record, run_dir, tokenizer, start, stop, procs, defaults)
         trackers=trackers,
         stop=stop,
         watchdog=Watchdog(rank, world_size) if is_ddp else None,
-        peak_flops=peak_flops(device_type),
+        peak_flops=plan.target.gpu.peak_flops if plan.target.gpu else None,
         eval_steps=eval_batches(tokenizer, args) if args.eval_every > 0 else 0,
     )
 

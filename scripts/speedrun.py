@@ -47,7 +47,8 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat.run_dir import EVAL_JSON, folder_name, read_eval, run_path
 from nanochat.tokenizer import get_tokenizer_dir, has_tokenizer
 from nanochat.dataset import MAX_SHARD, PACKING_KEPT, SHARD_MB, TOKENS_PER_SHARD, expected_epochs, shards_for
-from nanochat.plan import PLANNED_MFU, PLANNED_PEAK, planned_seconds
+from nanochat.plan import PLANNED_MFU, planned_seconds
+from nanochat.gpus import BY_NAME as GPUS
 from nanochat.resume import HORIZON
 from nanochat.gpt import GPT
 from nag.archs import ARCHS, NOT_SETTINGS, is_nag_arch, plan_for
@@ -93,7 +94,12 @@ def build_parser():
         "trains first; run6's pair is gpt-recipe, nag-recipe); any other arch of nag/archs.py trains "
         "beside them",
     )
-    p.add_argument("--flops", type=positive(float), default=None, help="override the FLOP budget of every run")
+    p.add_argument(
+        "--flops",
+        type=positive(float),
+        default=None,
+        help="override the FLOP budget of every run (a preset with several budgets, like pilot: train this one)",
+    )
     p.add_argument(
         "--gpus",
         type=positive_int,
@@ -142,6 +148,16 @@ def build_parser():
     )
     p.add_argument(
         "--shards", type=positive_int, default=None, help="ClimbMix train shards to download (default: from the budget)"
+    )
+    p.add_argument(
+        "--gpu",
+        choices=list(GPUS),
+        default=None,
+        help="plan for this GPU (memory, hours) and give it to every run (default: the GPUs here; in a dry run "
+        "without one, the preset's: h100, or rtx5090 for pilot)",
+    )
+    p.add_argument(
+        "--gpu-memory", type=positive(float), default=None, help="plan every run for GPUs of this many GiB"
     )
     p.add_argument("--offline", action="store_true", help="build the offline corpus instead of downloading ClimbMix")
     p.add_argument("--eval-bundle", default="", help="a local CORE bundle (default: downloaded once into the base dir)")
@@ -234,7 +250,9 @@ def parse(argv):
     args.extra = extra
     args.derived_tag = "" if args.tag else derived_tag(extra)  # extras change the runs: they need names of their own
     args.tag = args.tag or args.derived_tag
-    get_preset(args.preset)
+    budgets = get_preset(args.preset).get("budgets")
+    args.every_budget = bool(budgets) and args.flops is None  # a dry run plans them all; a run trains the first
+    args.flops = args.flops or (budgets[0] if budgets else None)
     args.archs = parse_archs(args.arch, args.preset)
     if args.seeds is not None:
         args.seeds = parse_seeds(args.seeds)
@@ -259,11 +277,18 @@ def parse(argv):
 
 def run_name(args, arch, seed=None):
     """arch: a role of the pair (the name holds the preset's arch of that role, its "pair") or an arch of its own."""
+    budget = f"-{budget_word(args.flops)}" if get_preset(args.preset).get("budgets") else ""
     return (
-        f"{pair_arch(args.preset, arch)}-{args.preset}"
+        f"{pair_arch(args.preset, arch)}-{args.preset}{budget}"
         + (f"-{args.tag}" if args.tag else "")
         + (f"-s{seed}" if seed is not None else "")
     )
+
+
+def budget_word(flops):
+    """A FLOP budget in a run name: 1e18, 3e18, 2.5e18."""
+    mantissa, exponent = f"{flops:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
 
 
 def runs(args):
@@ -281,6 +306,10 @@ def flops_args(args):
     return ["--target-flops", f"{args.flops:g}"] if args.flops else []
 
 
+def gpu_args(args):
+    return (["--gpu", args.gpu] if args.gpu else []) + (["--gpu-memory", f"{args.gpu_memory:g}"] if args.gpu_memory else [])
+
+
 def bundle_args(args):
     return ["--eval-bundle", args.eval_bundle] if args.eval_bundle else []
 
@@ -294,6 +323,7 @@ def train_args(args, arch, seed=None):
         "--arch",
         pair_arch(args.preset, arch),
         *flops_args(args),
+        *gpu_args(args),
         *args.extra,
         *seed_flags(seed),
         "--run",
@@ -446,7 +476,7 @@ def gpus_and_vocab(args):
             raise UserError(
                 "no NVIDIA GPU found (nvidia-smi); see the plan with --dry-run, or smoke-test on CPU with --preset tiny"
             )
-        gpus = 8
+        gpus = get_preset(args.preset).get("gpus", 8)
     if not args.dry_run and args.preset != "tiny":  # nvidia-smi may list GPUs that this torch cannot use
         problem = cuda_problem(gpus)
         if problem:
@@ -466,15 +496,52 @@ def gpus_and_vocab(args):
     return gpus, vocab, have
 
 
+def gpu_words(record):
+    g = record["gpu"]
+    return g["gpu"] or (f"GPU of {g['memory_gib']:g} GiB" if g["memory_gib"] else "GPU")
+
+
+def print_runs(args, records, done, nproc):
+    """The table of runs: size, steps, FLOPs, checkpoints, memory per GPU and time; (disk GiB their checkpoints
+    still need, training seconds). done: the stages done (None: runs of another budget, not this command's)."""
+    say = lambda *a: print(*a, file=sys.stderr)
+    w = max(24, *(len(p["run"]) + 2 for p in records.values()))  # a derived tag makes long names
+    say(
+        f"{'run':<{w}}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  "
+        f"{'checkpoints':<22}{'memory per GPU':<32}est. time"
+    )
+    need_gib, total_s = 0.0, 0.0
+    for run, p in records.items():
+        saves = math.ceil(p["num_iterations"] / p["save_every"]) if p["save_every"] else 1
+        secs = planned_seconds(p["total_flops"], nproc, p["gpu"]["peak_flops"])
+        total_s += secs
+        if done is not None and not done[f"train {run}"]:
+            need_gib += saves * p["checkpoint_gib"]
+        when = "CPU: minutes" if args.preset == "tiny" else f"{hms(secs)} at {PLANNED_MFU:.0%} MFU"
+        saved = f"{saves} × {p['checkpoint_gib']:.3g} GiB"
+        m = p["memory"]
+        mem = (
+            f"batch {p['device_batch_size']}: {m['needed_gib']:.1f}/{m['gpu_gib']:.0f} GiB"
+            + (" fits" if m["fits"] else " NO FIT")
+            if m
+            else "not planned (CPU)"
+        )
+        say(
+            f"{p['run']:<{w}}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}"
+            f"{p['total_tokens']:>17,}{p['total_flops']:>13.4e}  {saved:<22}{mem:<32}{when}"
+        )
+    return need_gib, total_s
+
+
 def print_plan(args, records, done, gpus, have, nproc):
     """The plan on stderr: every run's size, steps, FLOPs and time, the data, checkpoints, disk and stage status.
     Returns the disk space still needed, GiB."""
     say = lambda *a: print(*a, file=sys.stderr)
     nodes = f" per node × {args.nnodes} nodes = {nproc}, this is node {args.node_rank}" if args.nnodes > 1 else ""
-    planned_for_8 = not have and not args.gpus and args.preset != "tiny"
+    planned_for = not have and not args.gpus and args.preset != "tiny"
     say(
         f"speedrun: preset {args.preset} | arch {','.join(args.archs)} | {gpus} process(es){nodes}"
-        + (" (no GPU visible here: planned for 8)" if planned_for_8 else "")
+        + (f" (no GPU visible here: planned for {gpus})" if planned_for else "")
         + f" | base dir {args.base_dir}"
         + (f" | eval bundle {args.eval_bundle}" if args.eval_bundle else "")
         + (f" | base_train extras: {' '.join(args.extra)}" if args.extra else "")
@@ -489,25 +556,12 @@ def print_plan(args, records, done, gpus, have, nproc):
             f"seeds: {','.join(map(str, args.seeds))} (each sets {' and '.join(SEED_FLAGS)} of its runs: every arch "
             "of a seed shares its init seed and data order)"
         )
-    w = max(24, *(len(p["run"]) + 2 for p in records.values()))  # a derived tag makes long names
-    say(
-        f"{'run':<{w}}{'params':>14}{'FLOPs/token':>16}{'steps':>9}{'tokens':>17}{'total FLOPs':>13}  "
-        f"{'checkpoints':<22}est. time"
-    )
-    need_gib, total_s = 0.0, 0.0
+    need_gib, total_s = print_runs(args, records, done, nproc)
+    for budget, other in getattr(args, "other_budgets", {}).items():
+        word = budget_word(budget)
+        say(f"--flops {word} (the preset's next pair; speedrun --preset {args.preset} --flops {word} trains it):")
+        print_runs(args, other, None, nproc)
     tokens = max(p["total_tokens"] for p in records.values())
-    for run, p in records.items():
-        saves = math.ceil(p["num_iterations"] / p["save_every"]) if p["save_every"] else 1
-        secs = planned_seconds(p["total_flops"], nproc)
-        total_s += secs
-        if not done[f"train {run}"]:
-            need_gib += saves * p["checkpoint_gib"]
-        when = "CPU: minutes" if args.preset == "tiny" else f"{hms(secs)} at {PLANNED_MFU:.0%} MFU"
-        saved = f"{saves} × {p['checkpoint_gib']:.3g} GiB"
-        say(
-            f"{p['run']:<{w}}{p['num_params']:>14,}{p['flops_per_token']:>16,}{p['num_iterations']:>9,}"
-            f"{p['total_tokens']:>17,}{p['total_flops']:>13.4e}  {saved:<22}{when}"
-        )
     if args.offline:
         say("data: offline corpus (python -m nanochat.dataset --offline), no download")
     else:
@@ -535,17 +589,20 @@ def print_plan(args, records, done, gpus, have, nproc):
         f"checkpoints: a save every {periods} steps and at the end (base_train --save-every; the optimizer state "
         "sharded over the ranks' files)"
     )
+    gpu = gpu_words(next(iter(records.values())))
     if args.seeds:
-        cost = (
-            "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {nproc} × H100"
-        )
+        cost = "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {nproc} × {gpu}"
         each = f"{len(args.seeds)} × {','.join(args.archs)}"
         say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({each}), {cost}")
     if args.preset != "tiny":
+        peak = next(iter(records.values()))["gpu"]["peak_flops"]
+        h100_s = sum(planned_seconds(p["total_flops"], 1) for p in records.values())
         say(
-            f"training time: ≈ {hms(total_s)} on {nproc} × H100 at "
-            f"{PLANNED_MFU:.0%} MFU of {PLANNED_PEAK / 1e12:.0f} "
-            "TFLOP/s (+ evaluation)" + (f", all {len(records)} runs" if args.seeds else "")
+            f"training time: ≈ {hms(total_s)} on {nproc} × {gpu} at {PLANNED_MFU:.0%} MFU"
+            + (f" of {peak / 1e12:.0f} TFLOP/s" if peak else " of an H100's peak (this GPU's is not in nanochat/gpus.py)")
+            + " (+ evaluation)"
+            + (f", all {len(records)} runs" if args.seeds else "")
+            + ("" if gpu == "h100" else f"; on 1 × h100: ≈ {hms(h100_s)}")
         )
     probe = args.base_dir
     while not os.path.isdir(probe):
@@ -568,6 +625,9 @@ def plan_and_check(args):
     gpus, vocab, have = gpus_and_vocab(args)
     nproc = gpus * args.nnodes
     records = plans(args, vocab, nproc)
+    if args.every_budget and args.dry_run:  # the preset's other pairs, planned beside the first
+        budgets = get_preset(args.preset)["budgets"][1:]
+        args.other_budgets = {b: plans(argparse.Namespace(**{**vars(args), "flops": b}), vocab, nproc) for b in budgets}
     tokens = max(p["total_tokens"] for p in records.values())
     args.shards_needed = 0 if args.offline else (args.shards or max(TOK_SHARDS, shards_for(tokens)))
     done = status(args, records)

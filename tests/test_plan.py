@@ -124,13 +124,13 @@ def test_dry_run_plan_carries_the_optimizer(capsys):
         ("NVIDIA H800 PCIe", 756),
         ("NVIDIA A100-SXM4-80GB", 312),
         ("NVIDIA B200", 2250),
-        ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA GeForce RTX 4090", 165.2),
         ("NVIDIA L4", None),
     ],
 )
 def test_peak_flops_of_each_variant_and_none_for_an_unknown_gpu(name, tflops):
     """One table, exact variants: a PCIe or NVL part is not taken for the SXM one, and an unknown GPU has no MFU."""
-    from nanochat.common import peak_flops_of
+    from nanochat.gpus import peak_flops_of
 
     peak = peak_flops_of(name)
     assert (peak is None and tflops is None) or peak == tflops * 1e12, (name, peak)

@@ -31,12 +31,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from nanochat.common import peak_flops_of
+from nanochat.gpus import peak_flops_of
 from nanochat.optim import MuonAdamW
 from scripts.bench.nag import LaunchCounter
 
 H100_BYTES_PER_S = 3.35e12  # SXM HBM3 bandwidth
-H100_BF16_FLOPS = peak_flops_of("NVIDIA H100 80GB HBM3")  # the dense bf16 peak, from nanochat/common.py's table
+H100_BF16_FLOPS = peak_flops_of("NVIDIA H100 80GB HBM3")  # the dense bf16 peak, from nanochat/gpus.py's table
 MATMULS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.bmm.default,

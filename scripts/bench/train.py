@@ -93,7 +93,7 @@ def compile_blocks(model):
 def run_variant(args, variant, mode, precision="bf16", reads=1):
     from torch._dynamo.utils import counters
     from nanochat.common import autodetect_device_type, compute_dtype_for
-    from nanochat.common import peak_flops
+    from nanochat.gpus import peak_flops
     from nanochat import optim
     from nanochat.nonfinite import finite_flags
 
