@@ -17,6 +17,7 @@ from nanochat.common import UserError
 @dataclass(frozen=True)
 class GPU:
     name: str  # --gpu's word
+    label: str  # what a plan calls it
     words: tuple  # the words of torch.cuda.get_device_name() that identify it (lower case)
     peak_flops: float
     memory_gib: float
@@ -33,20 +34,20 @@ class GPU:
 # B200 182,642; nvidia-smi's 32,607 MiB for the RTX 5090.
 # fmt: off
 GPUS = (
-    GPU("h100-nvl", ("h100", "nvl"), 835e12, 92.6),
-    GPU("h100-pcie", ("h100", "pcie"), 756e12, 79.1),
-    GPU("h100", ("h100",), 989e12, 79.2),
-    GPU("h200-nvl", ("h200", "nvl"), 836e12, 139.8),  # est.: the SXM part's memory
-    GPU("h200", ("h200",), 989e12, 139.8),
-    GPU("h800-pcie", ("h800", "pcie"), 756e12, 79.1),  # est.: the H100 PCIe's
-    GPU("h800", ("h800",), 989e12, 79.2),  # est.: the H100 SXM's
-    GPU("a100-40gb", ("a100", "40gb"), 312e12, 39.6),
-    GPU("a100", ("a100",), 312e12, 79.2),  # the 80 GB part; est.: the H100 SXM's
-    GPU("l40s", ("l40s",), 362e12, 44.5),
-    GPU("rtx5090", ("rtx 5090",), 209.5e12, 31.8),
-    GPU("rtx4090", ("rtx 4090",), 165.2e12, 24.0),
-    GPU("rtx3090", ("rtx 3090",), 71e12, 24.0),
-    GPU("b200", ("b200",), 2250e12, 178.4),
+    GPU("h100-nvl", "H100 NVL", ("h100", "nvl"), 835e12, 92.6),
+    GPU("h100-pcie", "H100 PCIe", ("h100", "pcie"), 756e12, 79.1),
+    GPU("h100", "H100", ("h100",), 989e12, 79.2),
+    GPU("h200-nvl", "H200 NVL", ("h200", "nvl"), 836e12, 139.8),  # est.: the SXM part's memory
+    GPU("h200", "H200", ("h200",), 989e12, 139.8),
+    GPU("h800-pcie", "H800 PCIe", ("h800", "pcie"), 756e12, 79.1),  # est.: the H100 PCIe's
+    GPU("h800", "H800", ("h800",), 989e12, 79.2),  # est.: the H100 SXM's
+    GPU("a100-40gb", "A100 40GB", ("a100", "40gb"), 312e12, 39.6),
+    GPU("a100", "A100 80GB", ("a100",), 312e12, 79.2),  # the 80 GB part; est.: the H100 SXM's
+    GPU("l40s", "L40S", ("l40s",), 362e12, 44.5),
+    GPU("rtx5090", "RTX 5090", ("rtx 5090",), 209.5e12, 31.8),
+    GPU("rtx4090", "RTX 4090", ("rtx 4090",), 165.2e12, 24.0),
+    GPU("rtx3090", "RTX 3090", ("rtx 3090",), 71e12, 24.0),
+    GPU("b200", "B200", ("b200",), 2250e12, 178.4),
 )
 # fmt: on
 BY_NAME = {g.name: g for g in GPUS}

@@ -98,7 +98,7 @@ def memory_line(plan):
             f"memory: not planned (a CPU run; --gpu NAME or --gpu-memory GIB plans one for a GPU); device batch "
             f"{plan.device_batch}"
         )
-    gpu = plan.target.gpu.name if plan.target.gpu else "GPU"
+    gpu = plan.target.gpu.label if plan.target.gpu else "GPU"
     return f"{gpu}: {plan.memory.line()}"
 
 

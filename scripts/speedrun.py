@@ -498,7 +498,7 @@ def gpus_and_vocab(args):
 
 def gpu_words(record):
     g = record["gpu"]
-    return g["gpu"] or (f"GPU of {g['memory_gib']:g} GiB" if g["memory_gib"] else "GPU")
+    return GPUS[g["gpu"]].label if g["gpu"] else (f"GPU of {g['memory_gib']:g} GiB" if g["memory_gib"] else "GPU")
 
 
 def print_runs(args, records, done, nproc):
@@ -602,7 +602,7 @@ def print_plan(args, records, done, gpus, have, nproc):
             + (f" of {peak / 1e12:.0f} TFLOP/s" if peak else " of an H100's peak (this GPU's is not in nanochat/gpus.py)")
             + " (+ evaluation)"
             + (f", all {len(records)} runs" if args.seeds else "")
-            + ("" if gpu == "h100" else f"; on 1 × h100: ≈ {hms(h100_s)}")
+            + ("" if gpu == "H100" else f"; on 1 × H100: ≈ {hms(h100_s)}")
         )
     probe = args.base_dir
     while not os.path.isdir(probe):
