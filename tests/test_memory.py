@@ -175,3 +175,15 @@ def test_eager_peak_holds_more_than_the_saved_tensors():
     compiled = memory.measure(model_class("gpt"), {}, config, fp8=False, compiled=True)
     assert eager.per_token_head > compiled.per_token_head > 2 * 4096
     assert eager.per_token_layer >= compiled.per_token_layer > 0
+
+
+def test_gpu_checks_sets_each_prediction_beside_its_measurement():
+    """The GPU run's judge: the step stage's models and base_train's runs, predicted against measured."""
+    step = {"results": [{"arch": "gpt", "depth": 8, "tokens_per_step": 32768, "peak_mem_gib": 8.70}]}
+    base = {"peak_mem_gib": 10.74, "predicted_peak_gib": 10.75}
+    mod = {"peak_mem_gib": 9.0, "predicted_peak_gib": 12.0}
+    text = gpu_checks.memory_plan_figures(step, base, mod)
+    gpt = planned([*MEASURED[0][1], "--gpu", "h200"])[1].memory.peak
+    assert text.startswith(f"gpt {gpt:.2f} predicted / 8.70 GiB measured (") and "within 10%" in text
+    assert "base_train nag 10.75 predicted / 10.74 GiB measured (+0.1%, within 10%)" in text
+    assert "base_train fp8 MoD 12.00 predicted / 9.00 GiB measured (+33.3%, OUTSIDE 10%)" in text

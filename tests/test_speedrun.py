@@ -720,3 +720,33 @@ def test_other_archs_train_beside_the_pair(tmp_path, capsys):
     _, alone = plan_of(capsys, *common, "--arch", "gpt-recipe")
     assert alone["RUNS"] == ["gpt-recipe-published-s1", "gpt-recipe-published-s2"] and alone["PAIR"] == "0"
     assert alone["COMPARE_RUNS"] == [] and alone["PREFLIGHT"] == "0" and sh["PREFLIGHT"] == "1"
+
+
+def test_pilot_plans_both_pairs_with_memory_steps_and_hours_for_two_rtx_5090s(tmp_path, capsys):
+    """The walkthrough's depth-26 pairs at 1e18 and 3e18 FLOPs (its fork's own arithmetic gives these steps), each
+    run's device batch and memory on a 32 GB card, and the hours there and on one H100."""
+    err, sh = plan_of(capsys, "--preset", "pilot", "--dry-run", "--gpus", "2", "--gpu", "rtx5090",
+                      "--base-dir", str(tmp_path / "base"))  # fmt: skip
+    rows = {line.split()[0]: line for line in err.splitlines() if line.startswith(("gpt-pilot", "nag-pilot"))}
+    assert list(rows) == ["gpt-pilot-1e18", "nag-pilot-1e18", "gpt-pilot-3e18", "nag-pilot-3e18"]
+    steps = {run: int(row.split()[3].replace(",", "")) for run, row in rows.items()}
+    assert steps == {"gpt-pilot-1e18": 1465, "nag-pilot-1e18": 1458, "gpt-pilot-3e18": 4396, "nag-pilot-3e18": 4375}
+    for row in rows.values():
+        assert re.search(r"batch (\d+): [\d.]+/32 GiB fits", row) and re.search(r"\d+h\d\dm at 40% MFU", row)
+    assert re.search(r"^training time: ≈ \d+h\d\dm on 2 × RTX 5090 at 40% MFU of 210 TFLOP/s .*; on 1 × H100: ≈ "
+                     r"\d+h\d\dm$", err, re.M)  # fmt: skip
+    assert "speedrun --preset pilot --flops 3e18 trains it" in err
+    assert sh["RUNS"] == ["gpt-pilot-1e18", "nag-pilot-1e18"]  # one pair trains per command
+    records = [json.loads(line[5:]) for line in err.splitlines() if line.startswith("PLAN ")]
+    assert {r["gpu"]["gpu"] for r in records} == {"rtx5090"} and all(r["memory"]["fits"] for r in records)
+
+
+def test_a_run_that_does_not_fit_stops_the_plan_in_one_line(tmp_path, capsys, script_error):
+    """The plan comes before any download or tokenizer: a run that fits no device batch ends speedrun there."""
+    from scripts import speedrun as sr
+
+    base = tmp_path / "base"
+    err = script_error(sr.main, "--preset", "published", "--gpu-memory", "3", "--base-dir", str(base), "--dry-run",
+                       "--", "--device-batch-size", "auto")  # fmt: skip
+    assert "does not fit the H100's 3.0 GiB even at device batch 1" in err
+    assert not base.exists()

@@ -679,6 +679,8 @@ def base_train_stage(json_path, argv):
         "fp8_layers": config.get("fp8_layers"),
         "attention": (config.get("attention") or {}).get("kernel"),
         "peak_mem_gib": peak,
+        # nanochat/memory.py's plan of the run, made before it started
+        "predicted_peak_gib": (config.get("memory") or {}).get("peak_gib"),
         "steps": steps,
     }
     with open(json_path, "w") as f:
@@ -884,6 +886,37 @@ def step_figures(d):
     return f"depth {rs[0]['depth']} × {rs[0]['dim']}: " + "; ".join(cells)
 
 
+MEMORY_WITHIN = 0.10  # the memory plan's claim: its peak within 10 % of torch.cuda.max_memory_allocated
+
+
+def predicted_peak(argv):
+    """The peak GiB that base_train's plan of argv predicts (nanochat/memory.py), for a GPU."""
+    from nag.archs import plan_for
+    from nag.train_flags import parse_args
+
+    args = parse_args([*argv, "--gpu-memory", "1000"])  # the peak does not depend on the GPU's size
+    return plan_for(args, 32768, 1, "cuda").memory.peak
+
+
+def memory_plan_figures(step, nt, fm):
+    """Predicted against measured peak for the step stage's models and the base_train stages' runs."""
+    cells = []
+    for r in (step or {}).get("results", []):
+        arch, _, impl = r["arch"].partition(":")
+        argv = ["--arch", arch, *(["--nag-impl", impl] if impl else []), "--depth", str(r["depth"])]
+        argv += [*PUBLISHED_SHAPE[:8], "--total-batch-size", str(r["tokens_per_step"]), "--num-iterations", "1"]
+        argv += ["--fp8"] if r.get("precision") == "fp8" else []
+        cells.append((r["arch"], predicted_peak(argv), r["peak_mem_gib"]))
+    for name, d in (("base_train nag", nt), ("base_train fp8 MoD", fm)):
+        if d and d.get("peak_mem_gib") and d.get("predicted_peak_gib"):
+            cells.append((name, d["predicted_peak_gib"], d["peak_mem_gib"]))
+    return "; ".join(
+        f"{what} {p:.2f} predicted / {m:.2f} GiB measured ({100 * (p / m - 1):+.1f}%, "
+        f"{'within' if abs(p / m - 1) <= MEMORY_WITHIN else 'OUTSIDE'} {MEMORY_WITHIN:.0%})"
+        for what, p, m in cells
+    )
+
+
 def load(out, name):
     try:
         with open(os.path.join(out, name + ".json")) as f:
@@ -1002,6 +1035,9 @@ def headline(out):
             f"ran, the first {fm['steps'][0]['ms'] / 1000:.0f} s, {fm['fp8_layers']} layers in fp8; "
             + fp8_mod_verdict(fm)
         )
+    planned = memory_plan_figures(step, nt, fm)
+    if planned:
+        lines.append(f"- memory plan (nanochat/memory.py) against the measured peaks: {planned}")
     cold = [r for r in (g4, n4, g8, n8, d20, g64, n64) if r and r["fresh_cache"]]
     if cold:
         lines.append(
