@@ -1,5 +1,5 @@
 """
-The training GPUs people own: dense bf16 peak and memory, for MFU, plans' hours and memory (--gpu NAME).
+The training GPUs people own: dense bf16 peak and memory, for MFU and plans (--gpu NAME).
 
 Peaks are dense (no 2:4 sparsity) bf16 tensor-core FLOP/s with fp32 accumulation, what a PyTorch bf16 matmul can
 approach: the data-center datasheets print twice these "with sparsity"; the GeForce whitepapers print the fp16

@@ -266,7 +266,9 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
         if footprint is None:
             return None
         accum = max(1, rows // micro_batch)
-        return memory.plan_memory(model, groups, footprint, micro_batch, T, accum, nproc, target.memory_gib, target.compiled)
+        return memory.plan_memory(
+            model, groups, footprint, micro_batch, T, accum, nproc, target.memory_gib, target.compiled
+        )
 
     device_batch = args.device_batch_size
     if device_batch == "auto":

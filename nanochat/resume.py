@@ -42,6 +42,8 @@ RESUME_TABLE = (
             "change_settings",
             "preset",
             "device_type",
+            "gpu",
+            "gpu_memory",
             "attn",
             "eval_every",
             "eval_tokens",

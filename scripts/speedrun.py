@@ -307,7 +307,8 @@ def flops_args(args):
 
 
 def gpu_args(args):
-    return (["--gpu", args.gpu] if args.gpu else []) + (["--gpu-memory", f"{args.gpu_memory:g}"] if args.gpu_memory else [])
+    memory = ["--gpu-memory", f"{args.gpu_memory:g}"] if args.gpu_memory else []
+    return (["--gpu", args.gpu] if args.gpu else []) + memory
 
 
 def bundle_args(args):
@@ -591,7 +592,9 @@ def print_plan(args, records, done, gpus, have, nproc):
     )
     gpu = gpu_words(next(iter(records.values())))
     if args.seeds:
-        cost = "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {nproc} × {gpu}"
+        cost = (
+            "on the CPU, minutes each" if args.preset == "tiny" else f"≈ {hms(total_s)} of training on {nproc} × {gpu}"
+        )
         each = f"{len(args.seeds)} × {','.join(args.archs)}"
         say(f"seeds {','.join(map(str, args.seeds))}: {len(records)} runs ({each}), {cost}")
     if args.preset != "tiny":
@@ -599,7 +602,7 @@ def print_plan(args, records, done, gpus, have, nproc):
         h100_s = sum(planned_seconds(p["total_flops"], 1) for p in records.values())
         say(
             f"training time: ≈ {hms(total_s)} on {nproc} × {gpu} at {PLANNED_MFU:.0%} MFU"
-            + (f" of {peak / 1e12:.0f} TFLOP/s" if peak else " of an H100's peak (this GPU's is not in nanochat/gpus.py)")
+            + (f" of {peak / 1e12:.0f} TFLOP/s" if peak else " of an H100's peak (nanochat/gpus.py lacks this GPU)")
             + " (+ evaluation)"
             + (f", all {len(records)} runs" if args.seeds else "")
             + ("" if gpu == "H100" else f"; on 1 × H100: ≈ {hms(h100_s)}")

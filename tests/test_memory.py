@@ -1,5 +1,6 @@
-"""The memory plan (nanochat/memory.py): its predictions against one H200's measured peaks, the activation counts it
-scales, the device batch it picks, and the runs it refuses."""
+"""The memory plan (nanochat/memory.py): predictions, the counts it scales, its batch, its refusals.
+
+Predictions are set against one H200's measured peaks."""
 
 import json
 
@@ -45,9 +46,10 @@ def test_nag_over_gpt_is_the_readouts_gradient_not_its_activations():
     assert nag.peak / gpt.peak == pytest.approx(10.74 / 8.70, rel=0.02)
 
 
-@pytest.mark.parametrize(
-    "variant,counted,distinct", [("gpt", 24_388, 23_108), ("nag:fused", 24_508, 23_228), ("nag:reference", 29_676, 28_392)]
-)
+LOGGED = [("gpt", 24_388, 23_108), ("nag:fused", 24_508, 23_228), ("nag:reference", 29_676, 28_392)]
+
+
+@pytest.mark.parametrize("variant,counted,distinct", LOGGED)
 def test_saved_activations_per_layer_as_logged_and_the_distinct_bytes_the_plan_scales(variant, counted, distinct):
     """docs/LOG.md's counts (compiled, D = 640): the tensors the min-cut partition hands the backward. They count the
     attention output twice (saved as itself and as an alias of its storage): the plan counts distinct storages,
