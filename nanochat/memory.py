@@ -136,7 +136,8 @@ def measure(model_class, init_kwargs, config, fp8, compiled):
     alive at once over a forward and backward. bf16 throughout, as on a GPU."""
     from dataclasses import replace
 
-    key = repr((model_class.__module__, model_class.__name__, sorted(init_kwargs.items()), config, fp8, compiled))
+    shape = replace(config, n_layer=0, sequence_len=0)  # a footprint is per layer and per token: any depth, any length
+    key = repr((model_class.__module__, model_class.__name__, sorted(init_kwargs.items()), shape, fp8, compiled))
     if key in MEASURED:
         return MEASURED[key]
     T = probe_tokens(config, routed=init_kwargs.get("mod") is not None)
