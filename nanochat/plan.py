@@ -343,7 +343,8 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
 
 
 def does_not_fit(mem, target, where):
-    gpu = f"the {target.gpu.label}'s" if target.gpu else "the GPU's"
+    own = target.gpu and target.memory_gib == target.gpu.memory_gib  # not --gpu-memory's figure
+    gpu = f"the {target.gpu.label}'s" if own else "the GPU's"
     return (
         f"the run does not fit {gpu} {target.memory_gib:.1f} GiB {where}: it needs {mem.needed:.1f} GiB "
         f"(peak {mem.peak:.1f}: activations {mem.activations:.1f}, readout {mem.readout:.1f}, weights, gradients "

@@ -115,7 +115,7 @@ def test_a_run_that_fits_at_no_batch_is_refused_in_one_line(script_error):
         base_train.main, "--preset", "published", "--arch", "nag", "--dry-run", "8", "--gpu-memory", "3",
         "--device-batch-size", "auto",
     )  # fmt: skip
-    assert "does not fit the H100's 3.0 GiB even at device batch 1" in err
+    assert "does not fit the GPU's 3.0 GiB even at device batch 1" in err
 
 
 def test_the_plan_line_carries_every_term_and_the_chosen_batch(capsys):
