@@ -15,11 +15,11 @@ from nanochat.common import UserError
 # fmt: off
 PRESETS = {
     # 64 blocks × dim 640, 5 heads × 128, seq 2048, 3e19 FLOPs, batch 2^20; the published run's LRs (before
-    # the √(B/2^19) batch scaling that base_train applies); Muon momentum follows base_train's schedule.
+    # the √(B/2^19) batch scaling that base_train applies); Muon momentum follows base_train's schedule. The device
+    # batch is the memory plan's: the published 16 on an 80 GB H100, less on a smaller GPU, more on a larger one.
     "published": {
         "train": ["--depth", "64", "--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048",
                   "--window-pattern", "L", "--target-flops", "3e19", "--total-batch-size", "1048576",
-                  "--device-batch-size", "16",
                   "--warmup-steps", "40", "--warmdown-ratio", "0.65", "--final-lr-frac", "0.05",
                   "--matrix-lr", "0.012", "--embedding-lr", "0.18", "--unembedding-lr", "0.006",
                   "--eval-tokens", str(80 * 2 ** 19)],

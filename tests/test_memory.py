@@ -68,8 +68,7 @@ def test_saved_activations_per_layer_as_logged_and_the_distinct_bytes_the_plan_s
 
 def test_a_24_gib_gpu_gets_a_smaller_device_batch_and_more_accumulation_for_the_same_batch():
     _, h100 = planned(["--preset", "published", "--arch", "nag", "--gpu", "h100"], nproc=8)
-    args, small = planned(["--preset", "published", "--arch", "nag", "--gpu-memory", "24",
-                           "--device-batch-size", "auto"], nproc=8)  # fmt: skip
+    args, small = planned(["--preset", "published", "--arch", "nag", "--gpu-memory", "24"], nproc=8)  # auto
     assert h100.memory.fits and h100.device_batch == 16  # the published run's, on 80 GB H100s
     assert small.device_batch < h100.device_batch and small.memory.fits
     assert small.total_batch == h100.total_batch == 2**20
@@ -105,22 +104,21 @@ def _footprint(plan, args):
 
 
 def test_a_given_device_batch_that_does_not_fit_is_refused_naming_the_largest_that_does(script_error):
-    err = script_error(base_train.main, "--preset", "published", "--arch", "gpt", "--dry-run", "1", "--gpu", "rtx4090")
+    err = script_error(
+        base_train.main, "--preset", "published", "--arch", "gpt", "--dry-run", "1", "--gpu", "rtx4090",
+        "--device-batch-size", "16",
+    )  # fmt: skip
     assert "does not fit the RTX 4090's 24.0 GiB at --device-batch-size 16" in err
     assert "the largest that fits is 4 (--device-batch-size 4, or auto)" in err
 
 
 def test_a_run_that_fits_at_no_batch_is_refused_in_one_line(script_error):
-    err = script_error(
-        base_train.main, "--preset", "published", "--arch", "nag", "--dry-run", "8", "--gpu-memory", "3",
-        "--device-batch-size", "auto",
-    )  # fmt: skip
+    err = script_error(base_train.main, "--preset", "published", "--arch", "nag", "--dry-run", "8", "--gpu-memory", "3")
     assert "does not fit the GPU's 3.0 GiB even at device batch 1" in err
 
 
 def test_the_plan_line_carries_every_term_and_the_chosen_batch(capsys):
-    base_train.main(["--preset", "published", "--arch", "gpt", "--dry-run", "8", "--gpu", "a100-40gb",
-                     "--device-batch-size", "auto"])  # fmt: skip
+    base_train.main(["--preset", "published", "--arch", "gpt", "--dry-run", "8", "--gpu", "a100-40gb"])
     out = capsys.readouterr().out
     record = json.loads(next(line for line in out.splitlines() if line.startswith("PLAN "))[5:])
     m = record["memory"]
