@@ -36,7 +36,7 @@ PRESETS = {
     # batch 2^19 (the size rule at depth 26), so no √2 on the LRs. The device batch is left to the memory plan.
     "pilot": {
         "train": ["--depth", "26", "--model-dim", "640", "--head-dim", "128", "--max-seq-len", "2048",
-                  "--window-pattern", "L", "--total-batch-size", "524288",
+                  "--window-pattern", "L", "--total-batch-size", "524288", "--target-flops", "1e18",
                   "--warmup-steps", "40", "--warmdown-ratio", "0.65", "--final-lr-frac", "0.05",
                   "--matrix-lr", "0.012", "--embedding-lr", "0.18", "--unembedding-lr", "0.006",
                   "--eval-every", "250", "--eval-tokens", str(80 * 2 ** 19)],

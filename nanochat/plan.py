@@ -255,12 +255,12 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
     if batch <= 0:
         batch = 2 ** round(math.log2(REFERENCE_BATCH * size_ratio**BATCH_EXPONENT))
     rows = max(1, batch // (T * nproc))  # rows per process per optimizer step
-    groups = param_groups(model.optimizer_groups(1.0, 1.0, 1.0, 0.0, 1.0, **optimizer_kwargs))
-    footprint = None
+    footprint, groups = None, None
     if target.memory_gib:
         footprint = memory.measure(
             model_class, model_class.kwargs_on("cuda", init_kwargs), config, args.fp8, target.compiled
         )
+        groups = param_groups(model.optimizer_groups(1.0, 1.0, 1.0, 0.0, 1.0, **optimizer_kwargs))  # the state's shapes
 
     def memory_at(micro_batch):
         if footprint is None:

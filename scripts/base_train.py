@@ -56,7 +56,7 @@ from nanochat.dataloader import data_loader, MicroBatches
 from nanochat.loss_eval import evaluate_bpb_shared, held_batches, shared_batches
 from nanochat.gpt import GPTConfig
 from nanochat.optim import MuonAdamW
-from nanochat.plan import Plan, lr_multiplier, momentum_at, muon_weight_decay
+from nanochat.plan import PLANNED_MFU, Plan, lr_multiplier, momentum_at, muon_weight_decay, planned_seconds
 from nanochat.nonfinite import NonFiniteError, finite_flags, graded_names, check_finite, check_finite_late
 from nanochat import fp8
 from nanochat import resume
@@ -88,6 +88,9 @@ def dry_run(args):
     )
     print(f"attention: {record['attention']['expects']}")
     print(memory_line(plan))
+    if plan.target.gpu:
+        secs = planned_seconds(record["total_flops"], plan.nproc, plan.target.gpu.peak_flops)
+        print(f"time: ≈ {fmt_time(secs)} of training on {plan.nproc} × {plan.target.gpu.label} at {PLANNED_MFU:.0%} MFU")
     return record
 
 
