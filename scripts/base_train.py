@@ -90,7 +90,8 @@ def dry_run(args):
     print(memory_line(plan))
     if plan.target.gpu:
         secs = planned_seconds(record["total_flops"], plan.nproc, plan.target.gpu.peak_flops)
-        print(f"time: ≈ {fmt_time(secs)} of training on {plan.nproc} × {plan.target.gpu.label} at {PLANNED_MFU:.0%} MFU")
+        gpus = f"{plan.nproc} × {plan.target.gpu.label}"
+        print(f"time: ≈ {fmt_time(secs)} of training on {gpus} at {PLANNED_MFU:.0%} MFU")
     return record
 
 

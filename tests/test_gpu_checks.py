@@ -425,9 +425,10 @@ def test_fp8_with_mod_is_a_base_train_stage_at_the_published_width(tmp_path):
     assert int(st.cmd[6]) == published["vocab"]
     args = parse_args(st.cmd[7:])
     shape = dict(zip(published["train"][::2], published["train"][1::2]))
-    assert (args.model_dim, args.head_dim, args.max_seq_len, args.device_batch_size) == tuple(
-        int(shape[f]) for f in ("--model-dim", "--head-dim", "--max-seq-len", "--device-batch-size")
+    assert (args.model_dim, args.head_dim, args.max_seq_len) == tuple(
+        int(shape[f]) for f in ("--model-dim", "--head-dim", "--max-seq-len")
     )
+    assert args.device_batch_size == 16  # the published run's, which the memory plan picks on an 80 GB H100
     assert (
         args.arch == "nag" and args.fp8 and args.mod_rate == 0.2 and 2 <= args.num_iterations <= 3 and args.depth == 8
     )
