@@ -67,6 +67,14 @@ def gpu_named(name):
     return BY_NAME[name]
 
 
+def gpu_here():
+    """(torch's name, memory GiB) of this process's current GPU, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.name, props.total_memory / 2**30
+
+
 def peak_flops_of(device_name):
     """The peak of a GPU by its name, or None for one the table lacks: its MFU is unknown, never a guess."""
     gpu = gpu_of(device_name)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.common import UserError, print0, check_run_name
-from nanochat.gpus import GPU, PLANNED, gpu_named, gpu_of
+from nanochat.gpus import GPU, PLANNED, gpu_here, gpu_named, gpu_of
 from nanochat import memory
 from nanochat.gpt import GPTConfig
 from nanochat.optim import param_groups, POLAR_NORM_FACTOR, NORMUON_BETA2
@@ -63,17 +63,17 @@ def plan_target(args, device_type=None, gpu_preset=False, default_gpu=None):
     """What the plan of these flags is made for. device_type: where the run trains (None: a plan only, for a GPU if
     --gpu / --gpu-memory or a GPU preset says so or one is here). --gpu NAME and --gpu-memory GIB override what the
     GPU here says; a plan without a GPU here is for default_gpu (a preset's), else the H100."""
+    here = gpu_here()
     if device_type is None:
-        wants_gpu = args.gpu or args.gpu_memory or gpu_preset or torch.cuda.is_available()
+        wants_gpu = args.gpu or args.gpu_memory or gpu_preset or here
         device_type = args.device_type or ("cuda" if wants_gpu else "cpu")
     if device_type != "cuda" and not (args.gpu or args.gpu_memory):
         return Target(None, None, False)
     gpu, gib = None, None
     if args.gpu:
         gpu = gpu_named(args.gpu)
-    elif device_type == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        gpu, gib = gpu_of(props.name), props.total_memory / memory.GIB
+    elif device_type == "cuda" and here:
+        gpu, gib = gpu_of(here[0]), here[1]
     else:
         gpu = gpu_named(default_gpu) if default_gpu else PLANNED
     gib = args.gpu_memory or gib or (gpu.memory_gib if gpu else None)

@@ -187,3 +187,21 @@ def test_gpu_checks_sets_each_prediction_beside_its_measurement():
     assert text.startswith(f"gpt {gpt:.2f} predicted / 8.70 GiB measured (") and "within 10%" in text
     assert "base_train nag 10.75 predicted / 10.74 GiB measured (+0.1%, within 10%)" in text
     assert "base_train fp8 MoD 12.00 predicted / 9.00 GiB measured (+33.3%, OUTSIDE 10%)" in text
+
+
+def test_a_real_run_plans_for_the_gpu_torch_sees(monkeypatch):
+    """The CPU twin of a CUDA run's plan (device_type "cuda"): the memory torch reports for the current device, the
+    table's entry for its name (MFU), compiled unless TORCH_COMPILE_DISABLE=1; --gpu-memory wins over the card."""
+    import nanochat.plan
+
+    monkeypatch.setattr(nanochat.plan, "gpu_here", lambda: ("NVIDIA GeForce RTX 4090", 24_563 / 1024))
+    argv = ["--preset", "published", "--arch", "gpt"]
+    args = base_train.parse_args(argv)
+    plan = plan_for(args, 32768, 8, "cuda")
+    assert plan.target.gpu.name == "rtx4090" and plan.memory.gpu_gib == pytest.approx(23.99, abs=0.01)
+    assert plan.device_batch == 4 and plan.memory.compiled and plan.memory.fits
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    args = base_train.parse_args([*argv, "--gpu-memory", "12"])
+    plan = plan_for(args, 32768, 8, "cuda")
+    assert not plan.memory.compiled and plan.memory.gpu_gib == 12 and plan.memory.fits
+    assert plan.device_batch < 4  # eager saves more than compiled
