@@ -51,9 +51,17 @@ class Target:
     memory_gib: float
     compiled: bool
 
+    @property
+    def label(self):
+        """What the plan calls the GPU: its name, with the memory planned for where that is not the card's."""
+        if self.gpu and self.memory_gib == self.gpu.memory_gib:
+            return self.gpu.label
+        return f"{self.gpu.label if self.gpu else 'GPU'} with {self.memory_gib:g} GiB"
+
     def record(self):
         return {
             "gpu": self.gpu.name if self.gpu else None,
+            "label": self.label if self.memory_gib else None,
             "memory_gib": self.memory_gib,
             "peak_flops": self.gpu.peak_flops if self.gpu else None,
         }
@@ -343,10 +351,10 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
 
 
 def does_not_fit(mem, target, where):
-    own = target.gpu and target.memory_gib == target.gpu.memory_gib  # not --gpu-memory's figure
-    gpu = f"the {target.gpu.label}'s" if own else "the GPU's"
+    own = target.gpu and target.label == target.gpu.label  # not --gpu-memory's figure
+    space = f"the {target.label}'s {target.memory_gib:.1f} GiB" if own else f"{target.memory_gib:g} GiB"
     return (
-        f"the run does not fit {gpu} {target.memory_gib:.1f} GiB {where}: it needs {mem.needed:.1f} GiB "
+        f"the run does not fit {space} {where}: it needs {mem.needed:.1f} GiB "
         f"(peak {mem.peak:.1f}: activations {mem.activations:.1f}, readout {mem.readout:.1f}, weights, gradients "
         f"and optimizer {mem.weights + mem.gradients + mem.optimizer:.1f}; docs/memory.md)"
     )

@@ -102,8 +102,7 @@ def memory_line(plan):
             f"memory: not planned (a CPU run; --gpu NAME or --gpu-memory GIB plans one for a GPU); device batch "
             f"{plan.device_batch}"
         )
-    gpu = plan.target.gpu.label if plan.target.gpu else "GPU"
-    return f"{gpu}: {plan.memory.line()}"
+    return f"{plan.target.label}: {plan.memory.line()}"
 
 
 def eval_batches(tokenizer, args):

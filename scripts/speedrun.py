@@ -499,7 +499,7 @@ def gpus_and_vocab(args):
 
 def gpu_words(record):
     g = record["gpu"]
-    return GPUS[g["gpu"]].label if g["gpu"] else (f"GPU of {g['memory_gib']:g} GiB" if g["memory_gib"] else "GPU")
+    return g["label"] or "H100"  # a CPU plan's hours are quoted on the H100
 
 
 def print_runs(args, records, done, nproc):

@@ -114,7 +114,7 @@ def test_a_given_device_batch_that_does_not_fit_is_refused_naming_the_largest_th
 
 def test_a_run_that_fits_at_no_batch_is_refused_in_one_line(script_error):
     err = script_error(base_train.main, "--preset", "published", "--arch", "nag", "--dry-run", "8", "--gpu-memory", "3")
-    assert "does not fit the GPU's 3.0 GiB even at device batch 1" in err
+    assert "does not fit 3 GiB even at device batch 1" in err
 
 
 def test_the_plan_line_carries_every_term_and_the_chosen_batch(capsys):
@@ -127,7 +127,7 @@ def test_the_plan_line_carries_every_term_and_the_chosen_batch(capsys):
     assert m["fits"] and m["needed_gib"] <= m["gpu_gib"] == BY_NAME["a100-40gb"].memory_gib
     assert record["device_batch_size"] == m["device_batch_size"] == 8
     assert record["grad_accum_steps"] * 8 * 2048 * 8 == record["total_batch_size"]
-    assert record["gpu"] == {"gpu": "a100-40gb", "memory_gib": 39.6, "peak_flops": 312e12}
+    assert record["gpu"] == {"gpu": "a100-40gb", "label": "A100 40GB", "memory_gib": 39.6, "peak_flops": 312e12}
     assert "A100 40GB: memory per GPU at device batch 8:" in out and "fits" in out
 
 

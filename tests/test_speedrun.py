@@ -747,5 +747,5 @@ def test_a_run_that_does_not_fit_stops_the_plan_in_one_line(tmp_path, capsys, sc
 
     base = tmp_path / "base"
     err = script_error(sr.main, "--preset", "published", "--gpu-memory", "3", "--base-dir", str(base), "--dry-run")
-    assert "does not fit the GPU's 3.0 GiB even at device batch 1" in err
+    assert "does not fit 3 GiB even at device batch 1" in err
     assert not base.exists()
