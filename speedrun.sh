@@ -69,7 +69,8 @@ fi
 if [ -n "$DL_PID" ]; then stage "waiting for the ClimbMix download"; wait "$DL_PID"; fi
 
 # 5. training: run RUNS[i] of arch RUN_ARCH[i]; for each seed GPT, then NAG (then any other arch), on the same FLOP
-#    budget (FLOPS: --flops) and data order. The user's base_train flags (EXTRA: those after --) come after the
+#    budget (FLOPS: --flops), GPU plan (MEMORY: --gpu, --gpu-memory, and one device batch for all runs where the
+#    memory plan would pick two) and data order. The user's base_train flags (EXTRA: those after --) come after the
 #    preset's, the seed's flags (RUN_SEED_ARGS: as the plan made them) and the run's name last. A finished run is a
 #    no-op; a failed one is named at the end, and the others go on.
 FAILED=()
@@ -77,8 +78,8 @@ for i in "${!RUNS[@]}"; do
     if [ "${TRAIN_DONE[$i]}" = 1 ]; then continue; fi
     stage "train ${RUNS[$i]}"
     read -r -a SEED <<< "${RUN_SEED_ARGS[$i]}"
-    if "${LAUNCH[@]}" scripts.base_train -- --preset "$PRESET" --arch "${RUN_ARCH[$i]}" "${FLOPS[@]}" "${EXTRA[@]}" "${SEED[@]}" \
-        --run "${RUNS[$i]}" --resume latest
+    if "${LAUNCH[@]}" scripts.base_train -- --preset "$PRESET" --arch "${RUN_ARCH[$i]}" "${FLOPS[@]}" "${MEMORY[@]}" \
+        "${EXTRA[@]}" "${SEED[@]}" --run "${RUNS[$i]}" --resume latest
     then TRAIN_DONE[$i]=1; else FAILED+=("${RUNS[$i]}"); fi
 done
 

@@ -306,9 +306,12 @@ def flops_args(args):
     return ["--target-flops", f"{args.flops:g}"] if args.flops else []
 
 
-def gpu_args(args):
+def memory_args(args):
+    """The memory plan's flags of every run: the GPU planned for, and the device batch the runs share when the plan
+    would give them different ones (pair_batch)."""
     memory = ["--gpu-memory", f"{args.gpu_memory:g}"] if args.gpu_memory else []
-    return (["--gpu", args.gpu] if args.gpu else []) + memory
+    batch = ["--device-batch-size", str(args.pair_batch)] if getattr(args, "pair_batch", None) else []
+    return (["--gpu", args.gpu] if args.gpu else []) + memory + batch
 
 
 def bundle_args(args):
@@ -324,7 +327,7 @@ def train_args(args, arch, seed=None):
         "--arch",
         pair_arch(args.preset, arch),
         *flops_args(args),
-        *gpu_args(args),
+        *memory_args(args),
         *args.extra,
         *seed_flags(seed),
         "--run",
@@ -628,6 +631,16 @@ def plan_and_check(args):
     gpus, vocab, have = gpus_and_vocab(args)
     nproc = gpus * args.nnodes
     records = plans(args, vocab, nproc)
+    batches = {p["device_batch_size"] for p in records.values()}
+    if len(batches) > 1:  # auto fits NAG's larger readout in a smaller micro-batch: a comparison keeps one shape
+        args.pair_batch = min(batches)
+        print(
+            f"device batch: {args.pair_batch} for every run (the memory plan alone gives "
+            + ", ".join(f"{r} {p['device_batch_size']}" for r, p in records.items())
+            + "; the total batch is the same)",
+            file=sys.stderr,
+        )
+        records = plans(args, vocab, nproc)
     if args.every_budget and args.dry_run:  # the preset's other pairs, planned beside the first
         budgets = get_preset(args.preset)["budgets"][1:]
         args.other_budgets = {b: plans(argparse.Namespace(**{**vars(args), "flops": b}), vocab, nproc) for b in budgets}
@@ -683,6 +696,7 @@ def plan_and_check(args):
         "EVAL_LAUNCH": launch_command(gpus, max_restarts=0),
         "ANALYSIS": preset["analysis"],
         "FLOPS": flops_args(args),
+        "MEMORY": memory_args(args),
         "EXTRA": args.extra,
         "EVAL_PRESET": preset["eval"],
         "BUNDLE": bundle_args(args),

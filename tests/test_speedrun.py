@@ -691,6 +691,23 @@ def test_speedrun_sh_runs_the_commands_the_plan_made(tmp_path, capsys):
         assert got["eval"] == sr.eval_args(args, arch, seed)
 
 
+def test_a_pair_shares_one_device_batch_and_the_gpu_it_was_planned_for(tmp_path, capsys):
+    """On an RTX 5090 the memory plan alone gives the published GPT 8 rows a micro-batch and NAG 4 (its readout
+    holds 2 bytes more per logit): the pair trains with 4, and speedrun.sh's commands carry the GPU and the batch."""
+    from scripts import speedrun as sr
+
+    argv = ["--dry-run", "--gpus", "8", "--gpu", "rtx5090", "--base-dir", str(tmp_path / "b")]
+    err, sh = plan_of(capsys, *argv)
+    assert "device batch: 4 for every run (the memory plan alone gives gpt-published 8, nag-published 4" in err
+    assert sh["MEMORY"] == ["--gpu", "rtx5090", "--device-batch-size", "4"]
+    records = [json.loads(line[5:]) for line in err.splitlines() if line.startswith("PLAN ")]
+    assert [(r["device_batch_size"], r["grad_accum_steps"]) for r in records] == [(4, 16), (4, 16)]
+    args = sr.parse(argv)
+    args.pair_batch = 4  # what the plan decided
+    for i, (arch, seed) in enumerate(sr.runs(args)):
+        assert sh_commands(sh, i)["train"] == sr.train_args(args, arch, seed)
+
+
 def test_seed_lists_follow_one_rule():
     """speedrun.sh's --seeds, runcpu.sh's SEEDS and the experiments' --seeds all go through parse_seeds: "1, 2" (which
     speedrun once took as 1,2 while runcpu refused it) and a repeated seed are refused alike."""
