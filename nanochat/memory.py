@@ -13,7 +13,6 @@ The peak of a step comes at the start of the backward, when every activation sav
 Nothing is allocated on a GPU: a plan for a GPU that is not here (--gpu, --gpu-memory) is made the same way.
 """
 
-import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -261,12 +260,3 @@ def plan_memory(model, groups, footprint, micro_batch, seq_len, grad_accum, worl
         compiled=compiled,
     )
 
-
-def largest_fitting(memory_at, most):
-    """The largest power of two up to `most` whose Memory (memory_at(batch)) fits, or None."""
-    batch = 2 ** int(math.log2(max(1, most)))
-    while batch >= 1:
-        if memory_at(batch).fits:
-            return batch
-        batch //= 2
-    return None

@@ -278,6 +278,9 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
             model, groups, footprint, micro_batch, T, accum, nproc, target.memory_gib, target.compiled
         )
 
+    def largest_fitting(batches):
+        return next((b for b in sorted(batches, reverse=True) if memory_at(b).fits), None)
+
     device_batch = args.device_batch_size
     if device_batch == "auto":
         powers = [b for b in (2**k for k in range(11)) if b <= min(rows, memory.MAX_AUTO_BATCH) and rows % b == 0]
@@ -285,12 +288,12 @@ def make_plan(args, vocab_size, nproc, arch, model_class, init_kwargs, optimizer
         if footprint is None:
             device_batch = max(b for b in powers if b <= memory.DEFAULT_BATCH)
         else:
-            device_batch = next((b for b in reversed(powers) if memory_at(b).fits), None)
+            device_batch = largest_fitting(powers)
             if device_batch is None:
                 raise UserError(does_not_fit(memory_at(1), target, "even at device batch 1"))
         args.device_batch_size = device_batch
     elif footprint is not None and not memory_at(device_batch).fits:
-        best = memory.largest_fitting(memory_at, device_batch)
+        best = largest_fitting(2**k for k in range(int(math.log2(device_batch)) + 1))
         hint = f"the largest that fits is {best} (--device-batch-size {best}, or auto)" if best else "no batch fits"
         raise UserError(does_not_fit(memory_at(device_batch), target, f"at --device-batch-size {device_batch}; {hint}"))
     world_tokens = device_batch * T * nproc

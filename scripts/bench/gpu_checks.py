@@ -904,6 +904,7 @@ def memory_plan_figures(step, nt, fm):
     for r in (step or {}).get("results", []):
         arch, _, impl = r["arch"].partition(":")
         argv = ["--arch", arch, *(["--nag-impl", impl] if impl else []), "--depth", str(r["depth"])]
+        # the bench's shape flags that base_train also takes (all but --vocab-size)
         argv += [*PUBLISHED_SHAPE[:8], "--total-batch-size", str(r["tokens_per_step"]), "--num-iterations", "1"]
         argv += ["--fp8"] if r.get("precision") == "fp8" else []
         cells.append((r["arch"], predicted_peak(argv), r["peak_mem_gib"]))
