@@ -205,3 +205,14 @@ def test_a_real_run_plans_for_the_gpu_torch_sees(monkeypatch):
     plan = plan_for(args, 32768, 8, "cuda")
     assert not plan.memory.compiled and plan.memory.gpu_gib == 12 and plan.memory.fits
     assert plan.device_batch < 4  # eager saves more than compiled
+
+
+def test_gradients_alive_at_the_peak():
+    """One micro-batch on one rank: the readout's gradient alone (written first). Accumulating: all of them, kept
+    between micro-batches; under DDP one more copy in its buckets. fp32, as the masters."""
+    one = planned([*MEASURED[0][1], "--gpu", "h200"])[1]
+    assert one.grad_accum == 1 and one.memory.gradients * 2**30 == 32768 * 640 * 4
+    _, node = planned(["--preset", "published", "--arch", "gpt", "--gpu", "h100"], nproc=8)
+    params = sum(p.numel() for p in node.model.parameters())
+    assert node.grad_accum > 1 and node.memory.gradients * 2**30 == 2 * 4 * params
+    assert node.memory.weights * 2**30 == 4 * params
